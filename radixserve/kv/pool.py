@@ -1,0 +1,313 @@
+"""The device KV pool: llama.cpp's cell/sequence memory model in PyTorch.
+
+A cell holds one token's K and V (for every layer) at one position, for the *set* of
+sequences that use it. `seq_cp` in unified mode shares cells instead of copying K/V, and a cell
+returns to the free list only when its last sequence drops it: this is what later lets several
+slots read one copy of a prefix. K is stored after RoPE, so `seq_add` re-rotates K by the shift.
+
+Layouts: unified (`--kv-unified`) draws every sequence's cells from one free list; partitioned
+gives sequence s the fixed range [s*n, (s+1)*n) and copies K/V when `seq_cp` crosses ranges.
+Only the engine thread touches a pool; there are no locks.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+# rotate(k [n, n_head_kv, head_dim], delta_pos [n]) -> k rotated by delta_pos
+Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class OutOfCells(RuntimeError):
+    """No free cells for a sequence; the scheduler may free idle slots or shrink the batch."""
+
+
+@dataclass(slots=True)
+class _Seq:
+    """One sequence's cells keyed by position, plus a position-ordered view kept incrementally."""
+
+    by_pos: dict[int, int] = field(default_factory=dict)
+    order_pos: list[int] = field(default_factory=list)
+    order_cell: list[int] = field(default_factory=list)
+    ordered: bool = True  # order_* are valid and sorted by position
+    contiguous: bool = True  # order_cell is one ascending run of cells
+    index: torch.Tensor | None = None  # cached tensor of order_cell
+
+
+@dataclass(slots=True)
+class SeqView:
+    """What attention needs to read one sequence: its cells (slice or index) and positions."""
+
+    cells: slice | torch.Tensor
+    positions: list[int]
+
+
+class KVPool:
+    def __init__(
+        self,
+        n_layer: int,
+        n_head_kv: int,
+        head_dim: int,
+        n_cells: int,
+        n_seq: int,
+        unified: bool,
+        dtype: torch.dtype,
+        rotate: Rotate,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if not unified and n_cells % n_seq:
+            n_cells -= n_cells % n_seq
+        if n_cells < n_seq:
+            raise ValueError(f"KV pool of {n_cells} cells cannot serve {n_seq} sequences")
+        self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
+        self.n_cells, self.n_seq, self.unified = n_cells, n_seq, unified
+        self.dtype, self.device, self.rotate = dtype, torch.device(device), rotate
+        shape = (n_layer, n_head_kv, n_cells, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.cell_pos = [-1] * n_cells
+        self.cell_seqs: list[set[int]] = [set() for _ in range(n_cells)]
+        self.seqs = [_Seq() for _ in range(n_seq)]
+        n_part = 1 if unified else n_seq
+        self.part_size = n_cells // n_part
+        self._free: list[list[int]] = [
+            list(range(p * self.part_size, (p + 1) * self.part_size)) for p in range(n_part)
+        ]
+        self._n_free = n_cells
+
+    # -- sizes ---------------------------------------------------------------------------
+    @property
+    def n_free(self) -> int:
+        return self._n_free
+
+    @property
+    def bytes_per_cell(self) -> int:
+        return 2 * self.n_layer * self.n_head_kv * self.head_dim * self.k.element_size()
+
+    def seq_capacity(self, seq: int) -> int:
+        """Cells sequence `seq` could hold if it had every cell it may draw from."""
+        return self.n_cells if self.unified else self.part_size
+
+    def n_free_for(self, seq: int) -> int:
+        return len(self._free[self._part(seq)])
+
+    def seq_len(self, seq: int) -> int:
+        return len(self.seqs[seq].by_pos)
+
+    def seq_pos_max(self, seq: int) -> int:
+        s = self.seqs[seq]
+        return max(s.by_pos) if s.by_pos else -1
+
+    def seq_positions(self, seq: int) -> list[int]:
+        return list(self._ordered(seq).order_pos)
+
+    def seq_cells(self, seq: int) -> list[int]:
+        return list(self._ordered(seq).order_cell)
+
+    # -- allocation ----------------------------------------------------------------------
+    def _part(self, seq: int) -> int:
+        self._check_seq(seq)
+        return 0 if self.unified else seq
+
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.n_seq:
+            raise IndexError(f"sequence {seq} out of range [0, {self.n_seq})")
+
+    def _take(self, seq: int, n: int) -> list[int]:
+        free = self._free[self._part(seq)]
+        if len(free) < n:
+            raise OutOfCells(f"sequence {seq} needs {n} cells, {len(free)} free")
+        self._n_free -= n
+        return [heapq.heappop(free) for _ in range(n)]
+
+    def _release(self, cell: int) -> None:
+        self.cell_pos[cell] = -1
+        heapq.heappush(self._free[0 if self.unified else cell // self.part_size], cell)
+        self._n_free += 1
+
+    def alloc(self, seq: int, positions: list[int]) -> list[int]:
+        """Give `seq` fresh cells at `positions` (all or nothing); returns the cells."""
+        s = self.seqs[seq]
+        for p in positions:
+            if p in s.by_pos:
+                raise ValueError(f"sequence {seq} already has a cell at position {p}")
+        cells = self._take(seq, len(positions))
+        self._attach(seq, positions, cells)
+        return cells
+
+    def alloc_batch(self, requests: list[tuple[int, list[int]]]) -> list[int]:
+        """`alloc` for several sequences at once, all or nothing; returns the cells in order."""
+        done: list[tuple[int, list[int]]] = []
+        cells: list[int] = []
+        try:
+            for seq, positions in requests:
+                cells += self.alloc(seq, positions)
+                done.append((seq, positions))
+        except Exception:
+            for seq, positions in done:
+                self._detach(seq, positions)
+            raise
+        return cells
+
+    def _attach(self, seq: int, positions: list[int], cells: list[int]) -> None:
+        if not positions:
+            return
+        s = self.seqs[seq]
+        for p, c in zip(positions, cells):
+            self.cell_pos[c] = p
+            self.cell_seqs[c].add(seq)
+            s.by_pos[p] = c
+        appendable = s.ordered and positions == sorted(positions)
+        appendable = appendable and (not s.order_pos or positions[0] > s.order_pos[-1])
+        if appendable:
+            prev = s.order_cell[-1] if s.order_cell else cells[0] - 1
+            run = all(b == a + 1 for a, b in zip([prev, *cells], cells))
+            s.contiguous = s.contiguous and run
+            s.order_pos.extend(positions)
+            s.order_cell.extend(cells)
+        else:
+            s.ordered = False
+        s.index = None
+
+    def _detach(self, seq: int, positions: list[int]) -> None:
+        s = self.seqs[seq]
+        for p in positions:
+            c = s.by_pos.pop(p)
+            self.cell_seqs[c].discard(seq)
+            if not self.cell_seqs[c]:
+                self._release(c)
+        if positions:
+            s.ordered, s.index = False, None
+
+    # -- llama.cpp's sequence operations --------------------------------------------------
+    def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
+        """Drop `seq`'s cells with position in [p0, p1) (p1 < 0: to the end)."""
+        self._check_seq(seq)
+        self._detach(seq, self._in_range(seq, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        """Give `dst` the cells of `src` in [p0, p1): shared in unified mode, copied otherwise."""
+        self._check_seq(dst)
+        if src == dst:
+            return
+        positions = self._in_range(src, p0, p1)
+        self._detach(dst, [p for p in positions if p in self.seqs[dst].by_pos])
+        src_cells = [self.seqs[src].by_pos[p] for p in positions]
+        if self.unified:
+            self._attach(dst, positions, src_cells)
+            return
+        cells = self._take(dst, len(positions))
+        self._copy_cells(src_cells, cells)
+        self._attach(dst, positions, cells)
+
+    def seq_keep(self, seq: int) -> None:
+        """Keep only `seq`: every other sequence loses all its cells."""
+        self._check_seq(seq)
+        for other in range(self.n_seq):
+            if other != seq:
+                self.seq_rm(other)
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """Shift `seq`'s positions in [p0, p1) by `delta`, re-rotating K (llama.cpp's K-shift).
+
+        A cell shared with another sequence is copied first (the other keeps its position).
+        Cells whose position would become negative are dropped, as in llama.cpp.
+        """
+        self._check_seq(seq)
+        if delta == 0:
+            return
+        s = self.seqs[seq]
+        moved = self._in_range(seq, p0, p1)
+        kept = [p for p in moved if p + delta >= 0]
+        clash = {p + delta for p in kept}.intersection(set(s.by_pos) - set(moved))
+        if clash:
+            raise ValueError(f"seq_add would put two cells of sequence {seq} at position {min(clash)}")
+        self._detach(seq, [p for p in moved if p + delta < 0])
+        moved = kept
+        if not moved:
+            return
+        shared = [p for p in moved if len(self.cell_seqs[s.by_pos[p]]) > 1]
+        if shared:
+            old = [s.by_pos[p] for p in shared]
+            self._detach(seq, shared)
+            new = self._take(seq, len(shared))
+            self._copy_cells(old, new)
+            self._attach(seq, shared, new)
+        cells = [s.by_pos.pop(p) for p in moved]
+        for p, c in zip(moved, cells):
+            s.by_pos[p + delta] = c
+            self.cell_pos[c] = p + delta
+        s.ordered, s.index = False, None
+        idx = torch.tensor(cells, dtype=torch.long, device=self.device)
+        d = torch.full((len(cells),), delta, dtype=torch.long, device=self.device)
+        for layer in range(self.n_layer):
+            k = self.k[layer, :, idx].transpose(0, 1)  # [n, n_head_kv, head_dim]
+            self.k[layer, :, idx] = self.rotate(k, d).transpose(0, 1).to(self.dtype)
+
+    def clear(self) -> None:
+        for seq in range(self.n_seq):
+            self.seq_rm(seq)
+
+    # -- reading and writing K/V -----------------------------------------------------------
+    def _in_range(self, seq: int, p0: int, p1: int) -> list[int]:
+        hi = float("inf") if p1 < 0 else p1
+        return [p for p in self.seqs[seq].by_pos if p0 <= p < hi]
+
+    def _copy_cells(self, src: list[int], dst: list[int]) -> None:
+        if not src:
+            return
+        si = torch.tensor(src, dtype=torch.long, device=self.device)
+        di = torch.tensor(dst, dtype=torch.long, device=self.device)
+        self.k[:, :, di] = self.k[:, :, si]
+        self.v[:, :, di] = self.v[:, :, si]
+
+    def _ordered(self, seq: int) -> _Seq:
+        s = self.seqs[seq]
+        if not s.ordered:
+            items = sorted(s.by_pos.items())
+            s.order_pos = [p for p, _ in items]
+            s.order_cell = [c for _, c in items]
+            s.contiguous = all(b == a + 1 for a, b in zip(s.order_cell, s.order_cell[1:]))
+            s.ordered, s.index = True, None
+        return s
+
+    def view(self, seq: int) -> SeqView:
+        """The sequence's cells in position order: a slice when they form one run (no gather)."""
+        s = self._ordered(seq)
+        if s.contiguous and s.order_cell:
+            return SeqView(slice(s.order_cell[0], s.order_cell[-1] + 1), s.order_pos)
+        if s.index is None:
+            s.index = torch.tensor(s.order_cell, dtype=torch.long, device=self.device)
+        return SeqView(s.index, s.order_pos)
+
+    def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V rows [n, n_head_kv, head_dim] of one layer into `cells`."""
+        self.k[layer].index_copy_(1, cells, k.transpose(0, 1).to(self.dtype))
+        self.v[layer].index_copy_(1, cells, v.transpose(0, 1).to(self.dtype))
+
+    # -- invariants ------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (tests call this often)."""
+        used = 0
+        for c in range(self.n_cells):
+            if self.cell_seqs[c]:
+                used += 1
+                assert self.cell_pos[c] >= 0, f"cell {c} used but has no position"
+                for s in self.cell_seqs[c]:
+                    assert self.seqs[s].by_pos.get(self.cell_pos[c]) == c, f"cell {c} / seq {s}"
+            else:
+                assert self.cell_pos[c] == -1, f"cell {c} unused but has position"
+        free = sorted(c for part in self._free for c in part)
+        assert len(free) == self._n_free == self.n_cells - used, "free count mismatch"
+        assert len(set(free)) == len(free), "a cell is free twice"
+        assert all(not self.cell_seqs[c] for c in free), "a used cell is on the free list"
+        for i, s in enumerate(self.seqs):
+            for p, c in s.by_pos.items():
+                assert i in self.cell_seqs[c] and self.cell_pos[c] == p, f"seq {i} pos {p}"
+                assert self.unified or c // self.part_size == i, f"seq {i} left its partition"
+            if s.ordered:
+                assert s.order_pos == sorted(s.by_pos), f"seq {i} order view stale"

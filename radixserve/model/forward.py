@@ -1,0 +1,131 @@
+"""One batched forward over several sequences (llama / qwen2 / qwen3 decoder).
+
+All tokens of the batch go through the dense layers together as one [T, n_embd] matrix;
+attention runs per sequence over that sequence's cells only. Prefill chunks and single decode
+tokens mix freely, which is what continuous batching needs. Logits are computed only for the
+rows the caller will sample (the output head is a third of a decode step on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.model.hparams import HParams
+from radixserve.model.rope import Rope
+from radixserve.model.weights import ModelWeights
+
+if TYPE_CHECKING:  # the pool lives above the model in the dependency chain
+    from radixserve.kv.pool import KVPool
+
+
+@dataclass(slots=True)
+class BatchSeq:
+    """New tokens of one sequence, at consecutive positions from `pos0`."""
+
+    seq: int
+    tokens: list[int]
+    pos0: int
+    n_logits: int = 1  # logits for the last n_logits tokens (0: none)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * w).to(x.dtype)
+
+
+class Transformer:
+    def __init__(self, hp: HParams, w: ModelWeights, dtype: torch.dtype) -> None:
+        self.hp, self.w, self.dtype = hp, w, dtype
+        self.rope = Rope(hp, w.rope_freqs)
+        self.q_dim = hp.n_head * hp.head_dim
+        self.kv_dim = hp.n_head_kv * hp.head_dim
+
+    @torch.inference_mode()
+    def forward(self, pool: "KVPool", batch: list[BatchSeq]) -> torch.Tensor:
+        """Run `batch`, storing its K/V in `pool`; returns f32 logits [sum n_logits, n_vocab].
+
+        Cells are allocated for every sequence before any compute (all or nothing): an
+        OutOfCells error leaves the pool unchanged.
+        """
+        hp = self.hp
+        cells = pool.alloc_batch(
+            [(b.seq, list(range(b.pos0, b.pos0 + len(b.tokens)))) for b in batch]
+        )
+        device = pool.device
+        tokens = torch.tensor([t for b in batch for t in b.tokens], dtype=torch.long, device=device)
+        pos = torch.tensor(
+            [p for b in batch for p in range(b.pos0, b.pos0 + len(b.tokens))], device=device
+        )
+        cell_idx = torch.tensor(cells, dtype=torch.long, device=device)
+        cos, sin = self.rope.cos_sin(pos)
+        plans = [self._attn_plan(pool, b, device) for b in batch]
+
+        x = F.embedding(tokens, self.w.tok_embd)
+        for li, lw in enumerate(self.w.layers):
+            h = rms_norm(x, lw.attn_norm, hp.rms_eps)
+            qkv = F.linear(h, lw.wqkv, lw.bqkv)
+            q = qkv[:, : self.q_dim].view(-1, hp.n_head, hp.head_dim)
+            k = qkv[:, self.q_dim : self.q_dim + self.kv_dim].view(-1, hp.n_head_kv, hp.head_dim)
+            v = qkv[:, self.q_dim + self.kv_dim :].view(-1, hp.n_head_kv, hp.head_dim)
+            if lw.q_norm is not None:
+                q = rms_norm(q, lw.q_norm, hp.rms_eps)
+                k = rms_norm(k, lw.k_norm, hp.rms_eps)
+            q = self.rope.apply(q, cos, sin)
+            k = self.rope.apply(k, cos, sin)
+            pool.write(li, cell_idx, k, v)
+            kl, vl = pool.k[li], pool.v[li]
+            outs = []
+            start = 0
+            for b, (sel, mask) in zip(batch, plans):
+                n = len(b.tokens)
+                outs.append(self._attend(q[start : start + n], kl[:, sel], vl[:, sel], mask))
+                start += n
+            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+            x = x + F.linear(attn, lw.wo)
+            h = rms_norm(x, lw.ffn_norm, hp.rms_eps)
+            gu = F.linear(h, lw.w_gate_up)
+            x = x + F.linear(F.silu(gu[:, : hp.n_ff]) * gu[:, hp.n_ff :], lw.w_down)
+
+        rows = []
+        start = 0
+        for b in batch:
+            n = len(b.tokens)
+            rows.extend(range(start + n - min(b.n_logits, n), start + n))
+            start += n
+        if not rows:
+            return torch.empty(0, hp.n_vocab)
+        xr = x[torch.tensor(rows, device=device)] if len(rows) < len(x) else x
+        return F.linear(rms_norm(xr, self.w.output_norm, hp.rms_eps), self.w.output).float()
+
+    def _attn_plan(
+        self, pool: "KVPool", b: BatchSeq, device: torch.device
+    ) -> tuple[slice | torch.Tensor, torch.Tensor | None]:
+        """Cells to read for this sequence, and a causal mask unless every key is visible."""
+        view = pool.view(b.seq)
+        n = len(b.tokens)
+        if n == 1 and view.positions[-1] == b.pos0:
+            return view.cells, None
+        kp = torch.tensor(view.positions, device=device)
+        qp = torch.arange(b.pos0, b.pos0 + n, device=device)
+        mask = kp[None, :] <= qp[:, None]
+        return view.cells, mask.repeat(self.hp.n_group, 1)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """GQA attention with the query group folded into the length axis (no K/V copies).
+
+        q [n, n_head, d]; k, v [n_head_kv, L, d] -> [n, n_head * d].
+        """
+        hp = self.hp
+        n = q.shape[0]
+        qf = q.view(n, hp.n_head_kv, hp.n_group, hp.head_dim).permute(1, 2, 0, 3)
+        qf = qf.reshape(hp.n_head_kv, hp.n_group * n, hp.head_dim)
+        o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask)
+        o = o.view(hp.n_head_kv, hp.n_group, n, hp.head_dim).permute(2, 0, 1, 3)
+        return o.reshape(n, hp.n_head * hp.head_dim)

@@ -1,0 +1,87 @@
+"""Load a GGUF file into a ready-to-run model: hyper-parameters, weights, tokenizer, template."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import gguf
+import torch
+
+from radixserve.model.chat_template import ChatTemplate
+from radixserve.model.default_model import resolve_model_path
+from radixserve.model.forward import Transformer
+from radixserve.model.hparams import HParams
+from radixserve.model.rope import Rope
+from radixserve.model.tokenizer import Tokenizer
+from radixserve.model.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def cpu_has_fast_bf16() -> bool:
+    """bf16 matmuls are only fast with AVX512-BF16 or AMX; elsewhere they are emulated."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name in _DTYPES:
+        return _DTYPES[name]
+    if name != "auto":
+        raise ValueError(f"unknown dtype {name!r} (auto, f32, bf16, f16)")
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+@dataclass(slots=True)
+class Model:
+    path: str
+    hp: HParams
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+    transformer: Transformer
+    dtype: torch.dtype
+    device: torch.device
+    load_s: float
+
+    @property
+    def rope(self) -> Rope:
+        return self.transformer.rope
+
+    @property
+    def fingerprint(self) -> tuple:
+        """What must match for saved KV to be valid in this model (see kv/state.py)."""
+        hp = self.hp
+        return (hp.arch, hp.n_layer, hp.n_head_kv, hp.head_dim, DTYPE_NAMES[self.dtype])
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+
+def load_model(path: str | None = "default", dtype: str = "auto", device: str = "cpu") -> Model:
+    t0 = time.perf_counter()
+    path = resolve_model_path(path)
+    dev = torch.device(device)
+    dt = resolve_dtype(dtype, dev)
+    reader = gguf.GGUFReader(path)
+    hp = HParams.from_gguf(reader)
+    weights = load_weights(reader, hp, dt)
+    if dev.type != "cpu":
+        raise NotImplementedError("only the CPU device is wired up so far")
+    tok = Tokenizer.from_gguf(reader)
+    template = ChatTemplate.from_gguf(reader, tok)
+    load_s = time.perf_counter() - t0
+    log.info("loaded %s (%s, %d layers, %s) in %.2f s", path, hp.arch, hp.n_layer, dt, load_s)
+    return Model(path, hp, tok, template, Transformer(hp, weights, dt), dt, dev, load_s)

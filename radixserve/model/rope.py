@@ -1,0 +1,39 @@
+"""Rotary position embedding, half-split (NeoX) convention for every architecture.
+
+GGUF `llama` Q/K weights are un-permuted at load (model/weights.py), so one rotation serves
+llama, qwen2 and qwen3. The same function re-rotates cached K when positions shift (seq_add):
+rotations compose, so rotating by `delta` moves a key from position p to p + delta.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.model.hparams import HParams
+
+
+class Rope:
+    def __init__(self, hp: HParams, freq_factors: torch.Tensor | None = None) -> None:
+        half = hp.head_dim // 2
+        inv = 1.0 / (hp.rope_base ** (torch.arange(0, half, dtype=torch.float64) * 2 / hp.head_dim))
+        if freq_factors is not None:
+            inv = inv / freq_factors.to(torch.float64)
+        self.inv_freq = inv.to(torch.float32)
+        self.scale = hp.rope_scale_linear
+        self.half = half
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables [n, half] for integer positions [n]."""
+        ang = positions.to(torch.float32)[:, None] / self.scale * self.inv_freq[None, :]
+        return ang.cos(), ang.sin()
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [n, heads, head_dim] with tables [n, half]; computed in f32, returned as x."""
+        xf = x.float()
+        x1, x2 = xf[..., : self.half], xf[..., self.half :]
+        c, s = cos[:, None, :], sin[:, None, :]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.cos_sin(positions.to(self.inv_freq.device))
+        return self.apply(x, cos, sin)

