@@ -1,0 +1,102 @@
+"""What crosses between the HTTP handlers and the engine thread: tasks in, results out.
+
+Handlers build a `CompletionTask` (tokens already computed, sampling parameters validated) and
+read `PartialResult`s and one `FinalResult` back; a failure arrives as `TaskError` carrying the
+HTTP status and OpenAI error type. Nothing here holds tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.model.sampling import SamplingParams
+
+
+class TaskError(Exception):
+    """A request-level failure: status + OpenAI error `type`; extra fields go inside `error`."""
+
+    def __init__(self, status: int, type_: str, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.type, self.message, self.extra = status, type_, message, extra
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": {"code": self.status, "message": self.message, "type": self.type, **self.extra}}
+
+
+def invalid_request(message: str) -> TaskError:
+    return TaskError(400, "invalid_request_error", message)
+
+
+@dataclass(slots=True)
+class CompletionTask:
+    prompt_tokens: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    n_predict: int = -1  # -1: until EOS or the slot's context is full
+    stop: list[str] = field(default_factory=list)
+    id_slot: int = -1
+    cache_prompt: bool = True
+    n_cache_reuse: int | None = None  # None: the server's --cache-reuse
+    ignore_eos: bool = False
+    n_probs: int = 0
+    id: int = -1  # assigned by the engine
+
+
+@dataclass(slots=True)
+class TokenProbs:
+    """One generated token and the top candidates after the sampling chain (n_probs > 0)."""
+
+    id: int
+    token: str
+    bytes: list[int]
+    prob: float
+    top: list[tuple[int, str, float]]
+
+
+@dataclass(slots=True)
+class Timings:
+    cache_n: int = 0
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """llama-server's timings; generation rates use n-1 steps (the first token is free)."""
+        steps = self.predicted_n - 1
+        return {
+            "cache_n": self.cache_n,
+            "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,
+            "prompt_per_second": 1e3 * self.prompt_n / self.prompt_ms if self.prompt_ms else 0.0,
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": self.predicted_ms / steps if steps > 0 else 0.0,
+            "predicted_per_second": 1e3 * steps / self.predicted_ms
+            if steps > 0 and self.predicted_ms > 0
+            else 0.0,
+        }
+
+
+@dataclass(slots=True)
+class PartialResult:
+    """Text released since the last partial (stop-string prefixes are held back)."""
+
+    text: str
+    tokens: list[int]
+    probs: list[TokenProbs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class FinalResult:
+    content: str  # the whole generated text (stop word removed)
+    tokens: list[int]  # all generated tokens
+    stop_type: str  # none | eos | word | limit
+    stopping_word: str
+    truncated: bool  # stopped because the slot's context was full
+    n_prompt_tokens: int
+    n_tokens_cached: int  # tokens the slot holds at the end (llama-server's tokens_cached)
+    id_slot: int
+    timings: Timings
+    probs: list[TokenProbs] = field(default_factory=list)
