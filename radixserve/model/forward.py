@@ -32,10 +32,10 @@ class BatchSeq:
     n_logits: int = 1  # logits for the last n_logits tokens (0: none)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * w).to(x.dtype)
+    return (xf * w).to(dtype or x.dtype)
 
 
 class Transformer:
@@ -65,9 +65,11 @@ class Transformer:
         cos, sin = self.rope.cos_sin(pos)
         plans = [self._attn_plan(pool, b, device) for b in batch]
 
-        x = F.embedding(tokens, self.w.tok_embd)
+        # the residual stream stays in f32: bf16 there flips near-tie greedy choices
+        x = F.embedding(tokens, self.w.tok_embd).float()
+        dt = self.dtype
         for li, lw in enumerate(self.w.layers):
-            h = rms_norm(x, lw.attn_norm, hp.rms_eps)
+            h = rms_norm(x, lw.attn_norm, hp.rms_eps, dt)
             qkv = F.linear(h, lw.wqkv, lw.bqkv)
             q = qkv[:, : self.q_dim].view(-1, hp.n_head, hp.head_dim)
             k = qkv[:, self.q_dim : self.q_dim + self.kv_dim].view(-1, hp.n_head_kv, hp.head_dim)
@@ -86,10 +88,10 @@ class Transformer:
                 outs.append(self._attend(q[start : start + n], kl[:, sel], vl[:, sel], mask))
                 start += n
             attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-            x = x + F.linear(attn, lw.wo)
-            h = rms_norm(x, lw.ffn_norm, hp.rms_eps)
+            x = x + F.linear(attn, lw.wo).float()
+            h = rms_norm(x, lw.ffn_norm, hp.rms_eps, dt)
             gu = F.linear(h, lw.w_gate_up)
-            x = x + F.linear(F.silu(gu[:, : hp.n_ff]) * gu[:, hp.n_ff :], lw.w_down)
+            x = x + F.linear(F.silu(gu[:, : hp.n_ff]) * gu[:, hp.n_ff :], lw.w_down).float()
 
         rows = []
         start = 0
@@ -100,7 +102,8 @@ class Transformer:
         if not rows:
             return torch.empty(0, hp.n_vocab)
         xr = x[torch.tensor(rows, device=device)] if len(rows) < len(x) else x
-        return F.linear(rms_norm(xr, self.w.output_norm, hp.rms_eps), self.w.output).float()
+        out_w = self.w.output
+        return F.linear(rms_norm(xr, self.w.output_norm, hp.rms_eps, out_w.dtype), out_w).float()
 
     def _attn_plan(
         self, pool: "KVPool", b: BatchSeq, device: torch.device

@@ -38,7 +38,7 @@ class LayerWeights:
 class ModelWeights:
     tok_embd: torch.Tensor  # [n_vocab, n_embd]
     output_norm: torch.Tensor
-    output: torch.Tensor  # [n_vocab, n_embd]; the embedding itself when tied
+    output: torch.Tensor  # [n_vocab, n_embd], f32: bf16 logits are too coarse for near ties
     layers: list[LayerWeights]
     rope_freqs: torch.Tensor | None  # llama3-style per-frequency divisors
 
@@ -106,7 +106,7 @@ def load_weights(reader: gguf.GGUFReader, hp: HParams, dtype: torch.dtype) -> Mo
     return ModelWeights(
         tok_embd=tok_embd,
         output_norm=tt(get("output_norm.weight"), keep_f32=True),
-        output=tok_embd if out is None else tt(out),
+        output=tt(get("token_embd.weight") if out is None else out, keep_f32=True),
         layers=layers,
         rope_freqs=tt(get("rope_freqs.weight", required=False), keep_f32=True),
     )

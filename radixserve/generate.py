@@ -1,0 +1,78 @@
+"""Single-prompt generation for `radixserve generate`: one sequence, no server, no slots."""
+
+from __future__ import annotations
+
+import codecs
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from radixserve.kv.pool import KVPool
+from radixserve.model.forward import BatchSeq
+from radixserve.model.loader import Model
+from radixserve.model.sampling import Sampler, SamplingParams
+
+
+@dataclass(slots=True)
+class GenStats:
+    n_prompt: int = 0
+    prompt_s: float = 0.0
+    n_gen: int = 0
+    gen_s: float = 0.0
+
+    def summary(self) -> str:
+        pps = self.n_prompt / self.prompt_s if self.prompt_s else 0.0
+        steps = self.n_gen - 1  # the first token comes from the prompt's logits
+        gps = steps / self.gen_s if steps > 0 and self.gen_s else 0.0
+        return (f"prompt: {self.n_prompt} tokens, {pps:.1f} tok/s | "
+                f"generation: {self.n_gen} tokens, {gps:.1f} tok/s")
+
+
+def generate(
+    model: Model, prompt: str, n_predict: int, params: SamplingParams, chat: bool, stats: GenStats
+) -> Iterator[str]:
+    """Yield text pieces as they are generated (UTF-8 safe), filling `stats`."""
+    if chat:
+        prompt = model.chat_template.render([{"role": "user", "content": prompt}])
+    ids = model.tokenizer.encode(prompt)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    hp = model.hp
+    n_ctx = min(hp.n_ctx_train, len(ids) + (n_predict if n_predict >= 0 else hp.n_ctx_train))
+    if len(ids) >= n_ctx:
+        raise ValueError(f"prompt ({len(ids)} tokens) exceeds the context ({n_ctx} tokens)")
+    pool = KVPool(hp.n_layer, hp.n_head_kv, hp.head_dim, n_ctx, 1, True, model.dtype,
+                  model.rope.rotate, model.device)
+    sampler = Sampler(params, model.tokenizer.n_vocab, ids)
+    utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+    t0 = time.perf_counter()
+    logits = model.transformer.forward(pool, [BatchSeq(0, ids, 0)])
+    t1 = time.perf_counter()
+    stats.n_prompt, stats.prompt_s = len(ids), t1 - t0
+    pos = len(ids)
+    while n_predict < 0 or stats.n_gen < n_predict:
+        tok = sampler.sample(logits[-1])
+        sampler.accept(tok)
+        stats.n_gen += 1
+        if model.tokenizer.is_eog(tok):
+            break
+        yield utf8.decode(model.tokenizer.token_to_piece(tok, special=False))
+        if pos + 1 >= n_ctx:
+            break
+        logits = model.transformer.forward(pool, [BatchSeq(0, [tok], pos)])
+        pos += 1
+        stats.gen_s = time.perf_counter() - t1
+    yield utf8.decode(b"", final=True)
+
+
+def run_generate(model: Model, prompt: str, n_predict: int, params: SamplingParams,
+                 chat: bool) -> GenStats:
+    stats = GenStats()
+    for piece in generate(model, prompt, n_predict, params, chat, stats):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(stats.summary(), file=sys.stderr)
+    return stats

@@ -1,0 +1,351 @@
+"""The update loop of llama-server in one class: slot choice, pre-decode, continuous batching.
+
+Runs on the engine thread only. Each `step()` builds one batch holding a decode token for every
+generating slot plus prompt chunks of prefilling slots (up to the batch budget), runs one forward,
+samples, and streams results out through each task's `emit` callback.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from radixserve.config import ServerConfig
+from radixserve.kv.pool import KVPool, OutOfCells
+from radixserve.model.forward import BatchSeq
+from radixserve.model.loader import Model
+from radixserve.model.sampling import Sampler, sample_batch
+from radixserve.server.metrics import ServerMetrics
+from radixserve.server.slot import Slot, SlotState
+from radixserve.server.task import CompletionTask, TaskError, TokenProbs
+
+log = logging.getLogger(__name__)
+Emit = Callable[[Any], None]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def slot_layout(cfg: ServerConfig, n_ctx_train: int) -> tuple[int, int, bool, int]:
+    """(n_slots, pool cells, unified, n_ctx per slot) as llama-server derives them."""
+    n_slots = cfg.n_parallel if cfg.n_parallel > 0 else 4
+    unified = cfg.kv_unified or cfg.n_parallel <= 0  # -np auto: 4 slots, unified KV
+    n_ctx = cfg.ctx_size or n_ctx_train
+    if unified:
+        n_slot = n_ctx
+        if cfg.kv_unified_per_slot > 0:
+            n_slot = min(n_slot, cfg.kv_unified_per_slot)
+    else:
+        n_slot = n_ctx // n_slots
+        n_ctx = n_slot * n_slots
+    if n_slot > n_ctx_train:
+        log.warning("the slot context (%d) exceeds the training context (%d) - capping",
+                    n_slot, n_ctx_train)
+        n_slot = n_ctx_train
+    return n_slots, n_ctx, unified, n_slot
+
+
+class Scheduler:
+    def __init__(self, model: Model, cfg: ServerConfig, metrics: ServerMetrics) -> None:
+        self.model, self.cfg, self.metrics = model, cfg, metrics
+        self.tok = model.tokenizer
+        hp = model.hp
+        n_slots, n_cells, unified, self.n_ctx_slot = slot_layout(cfg, hp.n_ctx_train)
+        self.pool = KVPool(hp.n_layer, hp.n_head_kv, hp.head_dim, n_cells, n_slots, unified,
+                           model.dtype, model.rope.rotate, model.device)
+        self.slots = [Slot(i, self.n_ctx_slot) for i in range(n_slots)]
+        self.deferred: deque[tuple[CompletionTask, Emit]] = deque()
+        self.n_budget = max(1, min(cfg.batch_size, cfg.ubatch_size))
+        self._next_id = 0
+        log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = %s",
+                 n_slots, self.n_ctx_slot, unified)
+
+    # -- tasks in ---------------------------------------------------------------------------
+    def submit(self, task: CompletionTask, emit: Emit) -> None:
+        task.id, self._next_id = self._next_id, self._next_id + 1
+        try:
+            self._validate(task)
+        except TaskError as e:
+            emit(e)
+            return
+        self.deferred.append((task, emit))
+        self.launch_deferred()
+
+    def _validate(self, task: CompletionTask) -> None:
+        n = len(task.prompt_tokens)
+        if n == 0:
+            raise TaskError(400, "invalid_request_error", '"prompt" must not be empty')
+        if n >= self.n_ctx_slot:
+            raise TaskError(
+                400, "exceed_context_size_error",
+                f"request ({n} tokens) exceeds the available context size "
+                f"({self.n_ctx_slot} tokens), try increasing it",
+                n_prompt_tokens=n, n_ctx=self.n_ctx_slot,
+            )
+        if any(not 0 <= t < self.tok.n_vocab for t in task.prompt_tokens):
+            raise TaskError(400, "invalid_request_error", "Prompt contains invalid tokens")
+        if task.id_slot != -1 and not 0 <= task.id_slot < len(self.slots):
+            raise TaskError(400, "invalid_request_error",
+                            f"id_slot {task.id_slot} is out of range [0, {len(self.slots)})")
+
+    def cancel(self, task_id: int) -> None:
+        for i, (task, _) in enumerate(self.deferred):
+            if task.id == task_id:
+                del self.deferred[i]
+                return
+        for slot in self.slots:
+            if slot.task is not None and slot.task.id == task_id:
+                log.info("slot %d: task %d cancelled", slot.id, task_id)
+                self._finish(slot, emit_final=False)
+                return
+
+    def launch_deferred(self) -> None:
+        waiting = len(self.deferred)
+        for _ in range(waiting):
+            task, emit = self.deferred.popleft()
+            slot = self.get_available_slot(task)
+            if slot is None or slot.is_processing:
+                self.deferred.append((task, emit))
+                continue
+            try:
+                self._launch(slot, task, emit)
+            except TaskError as e:
+                emit(e)
+        self.metrics.requests_deferred = len(self.deferred)
+        self.metrics.requests_processing = sum(s.is_processing for s in self.slots)
+
+    def get_available_slot(self, task: CompletionTask) -> Slot | None:
+        """id_slot if given; else best LCP similarity above the threshold; else LRU idle slot."""
+        if task.id_slot != -1:
+            return self.slots[task.id_slot]
+        best, f_best = None, 0.0
+        thold = self.cfg.slot_prompt_similarity
+        if thold > 0:
+            n = len(task.prompt_tokens)
+            for slot in self.slots:
+                if slot.is_processing or not slot.tokens:
+                    continue
+                f_sim = common_prefix(slot.tokens, task.prompt_tokens) / n
+                if f_sim > f_best and f_sim > thold:
+                    best, f_best = slot, f_sim
+        if best is not None:
+            log.debug("selected slot %d by LCP similarity, f_sim = %.3f", best.id, f_best)
+            return best
+        lru = None
+        for slot in self.slots:
+            if not slot.is_processing and (lru is None or slot.t_last_used <= lru.t_last_used):
+                lru = slot
+        return lru
+
+    def _launch(self, slot: Slot, task: CompletionTask, emit: Emit) -> None:
+        try:
+            sampler = Sampler(task.params, self.tok.n_vocab, task.prompt_tokens)
+        except ValueError as e:
+            raise TaskError(400, "invalid_request_error", f"Failed to initialize samplers: {e}")
+        slot.start(task, sampler, emit)
+        self._pre_decode(slot)
+        log.info("slot %d: task %d, prompt %d tokens, n_past %d", slot.id, task.id,
+                 len(task.prompt_tokens), slot.n_past)
+
+    def _pre_decode(self, slot: Slot) -> None:
+        """n_past = reusable prefix of the slot's KV (at least one prompt token is evaluated)."""
+        task, prompt = slot.task, slot.prompt
+        n_past = 0
+        if task.cache_prompt:
+            n_past = common_prefix(slot.tokens, prompt)
+            n_reuse = self.cfg.cache_reuse if task.n_cache_reuse is None else task.n_cache_reuse
+            if n_reuse > 0:
+                n_past = self._reuse_chunks(slot, n_past, n_reuse)
+        n_past = min(n_past, len(prompt) - 1)
+        self.pool.seq_rm(slot.id, n_past)
+        slot.tokens = slot.tokens[:n_past]
+        slot.n_past = slot.n_prompt_done = n_past
+
+    def _reuse_chunks(self, slot: Slot, n_past: int, n_reuse: int) -> int:
+        """--cache-reuse: shift matching chunks of the old KV left onto the new prompt."""
+        cache, prompt = slot.tokens, slot.prompt
+        head_c = head_p = n_past
+        while head_c < len(cache) and head_p < len(prompt):
+            n = 0
+            while (head_c + n < len(cache) and head_p + n < len(prompt)
+                   and cache[head_c + n] == prompt[head_p + n]):
+                n += 1
+            if n >= n_reuse:
+                self.pool.seq_rm(slot.id, head_p, head_c)
+                self.pool.seq_add(slot.id, head_c, head_c + n, head_p - head_c)
+                cache[head_p : head_p + n] = cache[head_c : head_c + n]
+                log.debug("slot %d: reusing chunk of %d, [%d, %d) -> [%d, %d)",
+                          slot.id, n, head_c, head_c + n, head_p, head_p + n)
+                n_past += n
+                head_c += n
+                head_p += n
+            else:
+                head_c += 1
+        return n_past
+
+    # -- the loop -------------------------------------------------------------------------
+    def has_active(self) -> bool:
+        return any(s.is_processing for s in self.slots)
+
+    def step(self) -> None:
+        """Build and run one batch; on out-of-cells free idle slots or shrink, then retry."""
+        budget = self.n_budget
+        while True:
+            batch, owners = self._build_batch(budget)
+            if not batch:
+                return
+            try:
+                logits = self.model.transformer.forward(self.pool, batch)
+                break
+            except OutOfCells:
+                if self.try_clear_idle_slots():
+                    continue
+                n_prompt = sum(len(b.tokens) for b, s in zip(batch, owners)
+                               if s.state is SlotState.PROCESSING_PROMPT)
+                if n_prompt > 0 and budget > 1:
+                    budget = max(1, budget // 2)
+                    log.warning("no free KV cells, retrying with batch budget %d", budget)
+                    continue
+                for s in owners:
+                    self._fail(s, TaskError(500, "server_error", "Context size has been exceeded."))
+                return
+            except Exception as e:  # a failure in one batch fails its requests, not the server
+                log.exception("forward failed")
+                for s in owners:
+                    self._fail(s, TaskError(500, "server_error", f"Compute error: {e}"))
+                return
+        self.metrics.on_decode(len(owners))
+        self._after_forward(batch, owners, logits)
+
+    def _build_batch(self, budget: int) -> tuple[list[BatchSeq], list[Slot]]:
+        batch: list[BatchSeq] = []
+        owners: list[Slot] = []
+        for s in self.slots:
+            if s.state is SlotState.GENERATING:
+                batch.append(BatchSeq(s.id, [s.pending], len(s.tokens)))
+                owners.append(s)
+        used = len(batch)
+        for s in self.slots:
+            if s.state is not SlotState.PROCESSING_PROMPT:
+                continue
+            take = min(len(s.prompt) - s.n_prompt_done, max(0, budget - used))
+            if take <= 0:
+                break
+            last = s.n_prompt_done + take == len(s.prompt)
+            chunk = s.prompt[s.n_prompt_done : s.n_prompt_done + take]
+            batch.append(BatchSeq(s.id, chunk, s.n_prompt_done, 1 if last else 0))
+            owners.append(s)
+            used += take
+        return batch, owners
+
+    def _after_forward(self, batch: list[BatchSeq], owners: list[Slot], logits: torch.Tensor) -> None:
+        now = time.perf_counter()
+        rows: list[int] = []
+        to_sample: list[Slot] = []
+        row = -1
+        for b, s in zip(batch, owners):
+            row += 1 if b.n_logits else 0
+            s.tokens.extend(b.tokens)
+            if s.state is SlotState.PROCESSING_PROMPT:
+                s.n_prompt_done += len(b.tokens)
+                s.n_prompt_processed += len(b.tokens)
+                if s.n_prompt_done < len(s.prompt):
+                    continue
+                s.state, s.t_first = SlotState.GENERATING, now
+                self.metrics.on_prompt_done(s.n_prompt_processed, s.n_past, now - s.t_start)
+                if s.task.n_predict == 0:  # prompt only: nothing to sample
+                    s.stop_type = "limit"
+                    self._finish(s)
+                    continue
+            rows.append(row)
+            to_sample.append(s)
+        if not to_sample:
+            return
+        if len(rows) < logits.shape[0]:
+            logits = logits[rows]
+        for i, s in enumerate(to_sample):
+            if s.task.ignore_eos:
+                logits[i, list(self.tok.eog_ids)] = -math.inf
+        tokens = sample_batch([s.sampler for s in to_sample], logits)
+        for i, (s, t) in enumerate(zip(to_sample, tokens)):
+            if s.task.n_probs > 0:
+                s.probs.append(self._probs(s, logits[i], t))
+            s.sampler.accept(t)
+            self._process_token(s, t)
+
+    def _probs(self, s: Slot, logits: torch.Tensor, t: int) -> TokenProbs:
+        top = s.sampler.top_probs(logits, s.task.n_probs)
+        p = dict(top).get(t, 0.0)
+        piece = self.tok.token_to_piece(t, special=False)
+        return TokenProbs(t, piece.decode("utf-8", "replace"), list(piece), p,
+                          [(i, self.tok.token_to_piece(i, special=False).decode("utf-8", "replace"), q)
+                           for i, q in top])
+
+    def _process_token(self, s: Slot, t: int) -> None:
+        task = s.task
+        s.generated.append(t)
+        stop = False
+        if self.tok.is_eog(t) and not task.ignore_eos:
+            s.stop_type, stop = "eos", True
+        else:
+            stop = s.add_text(self.tok.token_to_piece(t, special=False))
+        if not stop and 0 <= task.n_predict <= len(s.generated):
+            s.stop_type, stop = "limit", True
+        if not stop and len(s.tokens) + 1 >= s.n_ctx:
+            s.stop_type, s.truncated, stop = "limit", True, True
+        if stop:
+            self._finish(s)
+            return
+        s.pending = t
+        part = s.partial()
+        if part is not None:
+            s.emit(part)
+
+    def _finish(self, s: Slot, emit_final: bool = True) -> None:
+        now = time.perf_counter()
+        if emit_final:
+            part = s.partial(final=True)
+            if part is not None:
+                s.emit(part)
+            s.emit(s.final(now))
+        if s.generated:
+            self.metrics.on_prediction_done(len(s.generated), now - (s.t_first or now))
+        self.metrics.n_tokens_max = max(self.metrics.n_tokens_max, len(s.tokens))
+        log.info("slot %d: stop processing, n_tokens = %d, truncated = %s",
+                 s.id, len(s.tokens), s.truncated)
+        s.release()
+        self.launch_deferred()
+
+    def _fail(self, s: Slot, err: TaskError) -> None:
+        """Fail one request and drop its KV (it may be half-written); others carry on."""
+        if s.emit is not None:
+            s.emit(err)
+        self.pool.seq_rm(s.id)
+        s.tokens = []
+        s.release()
+
+    def try_clear_idle_slots(self) -> bool:
+        """Unified KV only: free the first idle slot holding cells (llama-server's rule)."""
+        if not self.pool.unified:
+            return False
+        for s in self.slots:
+            if not s.is_processing and s.tokens:
+                log.warning("purging slot %d with %d tokens", s.id, len(s.tokens))
+                self.pool.seq_rm(s.id)
+                s.tokens = []
+                return True
+        return False
+
+    def slots_json(self) -> list[dict[str, Any]]:
+        return [s.to_json() for s in self.slots]
