@@ -16,7 +16,10 @@ from typing import Any
 
 import torch
 
+from radixserve.cache.base import NullPromptCache, PromptCache
+from radixserve.cache.legacy import LegacyPromptCache
 from radixserve.config import ServerConfig
+from radixserve.kv.state import fingerprint_of
 from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.model.forward import BatchSeq
 from radixserve.model.loader import Model
@@ -68,8 +71,25 @@ class Scheduler:
         self.deferred: deque[tuple[CompletionTask, Emit]] = deque()
         self.n_budget = max(1, min(cfg.batch_size, cfg.ubatch_size))
         self._next_id = 0
+        self.cache = self._make_cache(n_cells)
+        self.cache_idle_slots = cfg.cache_idle_slots
+        if cfg.cache_idle_slots and cfg.cache_ram_mib == 0:
+            log.warning("--cache-idle-slots requires --cache-ram, disabling")
+            self.cache_idle_slots = False
+        self._t_cache_log = time.monotonic()
         log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = %s",
                  n_slots, self.n_ctx_slot, unified)
+
+    def _make_cache(self, n_ctx: int) -> PromptCache:
+        cfg = self.cfg
+        if cfg.cache_ram_mib == 0:
+            return NullPromptCache()
+        limit = cfg.cache_ram_mib * 1024 * 1024 if cfg.cache_ram_mib > 0 else 0
+        if cfg.cache_radix_prompt:
+            from radixserve.cache.radix import RadixPromptCache
+
+            return RadixPromptCache(limit, cfg.cache_radix_min_restore_tokens)
+        return LegacyPromptCache(limit, n_ctx, fingerprint_of(self.pool, self.model.hp.arch))
 
     # -- tasks in ---------------------------------------------------------------------------
     def submit(self, task: CompletionTask, emit: Emit) -> None:
@@ -114,21 +134,30 @@ class Scheduler:
         waiting = len(self.deferred)
         for _ in range(waiting):
             task, emit = self.deferred.popleft()
-            slot = self.get_available_slot(task)
+            slot, update_cache = self.get_available_slot(task)
             if slot is None or slot.is_processing:
                 self.deferred.append((task, emit))
                 continue
             try:
-                self._launch(slot, task, emit)
+                self._launch(slot, task, emit, update_cache)
             except TaskError as e:
                 emit(e)
+                continue
+            if self.cache_idle_slots:
+                self._cache_idle_slots()
         self.metrics.requests_deferred = len(self.deferred)
         self.metrics.requests_processing = sum(s.is_processing for s in self.slots)
 
-    def get_available_slot(self, task: CompletionTask) -> Slot | None:
-        """id_slot if given; else best LCP similarity above the threshold; else LRU idle slot."""
+    def get_available_slot(self, task: CompletionTask) -> tuple[Slot | None, bool]:
+        """id_slot if given; else best LCP similarity above the threshold; else LRU idle slot.
+
+        The flag says whether the slot's content should go to the host cache first (it would
+        keep less than half of its tokens, or it was picked by LRU).
+        """
         if task.id_slot != -1:
-            return self.slots[task.id_slot]
+            slot = self.slots[task.id_slot]
+            keep = common_prefix(slot.tokens, task.prompt_tokens) / max(1, len(slot.tokens))
+            return slot, not slot.tokens or keep < 0.5
         best, f_best = None, 0.0
         thold = self.cfg.slot_prompt_similarity
         if thold > 0:
@@ -140,23 +169,62 @@ class Scheduler:
                 if f_sim > f_best and f_sim > thold:
                     best, f_best = slot, f_sim
         if best is not None:
-            log.debug("selected slot %d by LCP similarity, f_sim = %.3f", best.id, f_best)
-            return best
+            f_keep = f_best * len(task.prompt_tokens) / len(best.tokens)
+            log.debug("selected slot %d by LCP similarity, f_sim = %.3f, f_keep = %.3f",
+                      best.id, f_best, f_keep)
+            return best, f_keep < 0.5
         lru = None
         for slot in self.slots:
             if not slot.is_processing and (lru is None or slot.t_last_used <= lru.t_last_used):
                 lru = slot
-        return lru
+        return lru, True
 
-    def _launch(self, slot: Slot, task: CompletionTask, emit: Emit) -> None:
+    def _launch(self, slot: Slot, task: CompletionTask, emit: Emit, update_cache: bool) -> None:
         try:
             sampler = Sampler(task.params, self.tok.n_vocab, task.prompt_tokens)
         except ValueError as e:
             raise TaskError(400, "invalid_request_error", f"Failed to initialize samplers: {e}")
+        self._cache_exchange(slot, task.prompt_tokens, update_cache)
         slot.start(task, sampler, emit)
         self._pre_decode(slot)
         log.info("slot %d: task %d, prompt %d tokens, n_past %d", slot.id, task.id,
                  len(task.prompt_tokens), slot.n_past)
+
+    def _cache_exchange(self, slot: Slot, prompt: list[int], update_cache: bool) -> None:
+        """Stash the slot's KV in the host cache if it is about to be lost, then restore the
+        best cached prefix of the new prompt (the backend decides whether it beats the slot)."""
+        cache = self.cache
+        if update_cache:
+            t0 = time.perf_counter()
+            if cache.save(self.pool, slot.id, slot.tokens):
+                log.debug("slot %d: saved %d tokens to the host cache", slot.id, len(slot.tokens))
+        if update_cache or getattr(cache, "load_always", False):
+            loaded = cache.load(self.pool, slot.id, slot.tokens, prompt)
+            if loaded is not None:
+                slot.tokens = list(loaded)
+                log.info("slot %d: restored %d tokens from the %s cache", slot.id, len(loaded),
+                         cache.name)
+        if update_cache:
+            cache.update()
+            log.debug("prompt cache update took %.2f ms", (time.perf_counter() - t0) * 1e3)
+
+    def _cache_idle_slots(self) -> None:
+        """--cache-idle-slots: publish every idle slot to the host cache; in unified mode also
+        clear it, since only then do its cells become usable by the active slots."""
+        saved = False
+        for s in self.slots:
+            if s.is_processing or not s.tokens:
+                continue
+            saved |= self.cache.save(self.pool, s.id, s.tokens)
+            if self.pool.unified:
+                self.pool.seq_rm(s.id)
+                s.tokens = []
+        if saved:
+            self.cache.update()
+        now = time.monotonic()
+        if now - self._t_cache_log > 30 and hasattr(self.cache, "log_stats"):
+            self._t_cache_log = now
+            self.cache.log_stats()
 
     def _pre_decode(self, slot: Slot) -> None:
         """n_past = reusable prefix of the slot's KV (at least one prompt token is evaluated)."""

@@ -1,0 +1,193 @@
+"""llama.cpp's `server_prompt_cache`, rule for rule: whole-sequence states, FIFO eviction.
+
+Each entry is one slot's whole sequence (tokens + state bytes, plus draft state and checkpoints,
+carried and counted though empty for now). Hits are consumed: a loaded entry moves into the slot
+and leaves the cache. This is what llama-server users know, and the baseline the radix backend
+is measured against. Rules and their reasons: shared/DESIGN.md and seeds/000_*.txt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from radixserve.kv.pool import KVPool, OutOfCells
+from radixserve.kv.state import Fingerprint, StateError, get_state, set_state, state_size
+
+log = logging.getLogger(__name__)
+MiB = 1024 * 1024
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass(slots=True)
+class CacheEntry:
+    tokens: list[int]
+    data: bytes = b""  # target (main model) sequence state
+    draft: bytes = b""  # draft model state: restored together with `data` or not at all
+    checkpoints: list[bytes] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.data) + len(self.draft) + sum(len(c) for c in self.checkpoints)
+
+
+class LegacyPromptCache:
+    name = "legacy"
+
+    def __init__(self, limit_bytes: int, limit_tokens: int, fingerprint: Fingerprint) -> None:
+        self.limit_size = max(0, limit_bytes)  # 0: no byte limit (--cache-ram -1)
+        self.limit_tokens = limit_tokens  # n_ctx: soft, raised to what the bytes allow
+        self.fp = fingerprint
+        self.states: deque[CacheEntry] = deque()  # oldest first: eviction is FIFO
+        self._bytes = 0
+        self._tokens = 0
+        self.counters = dict(saves=0, loads=0, hit_tokens=0, skipped=0, load_failures=0,
+                             evicted_fifo=0, evicted_obsolete=0, evicted_bytes=0,
+                             evicted_tokens=0, alloc_failures=0)
+
+    # -- sizes -----------------------------------------------------------------------------
+    def size(self) -> int:
+        return self._bytes
+
+    def n_tokens(self) -> int:
+        return self._tokens
+
+    def _push(self, e: CacheEntry) -> None:
+        self.states.append(e)
+        self._bytes += e.size
+        self._tokens += len(e.tokens)
+
+    def _remove(self, e: CacheEntry, reason: str | None) -> None:
+        self.states.remove(e)
+        self._forget(e, reason)
+
+    def _pop_front(self, reason: str) -> None:
+        self._forget(self.states.popleft(), reason)
+
+    def _forget(self, e: CacheEntry, reason: str | None) -> None:
+        self._bytes -= e.size
+        self._tokens -= len(e.tokens)
+        if reason is not None:
+            self.counters[f"evicted_{reason}"] += 1
+
+    # -- the three operations ------------------------------------------------------------------
+    def alloc(self, tokens: list[int], size: int) -> CacheEntry | None:
+        """A new entry for `tokens` (state of `size` bytes), or None if it should not be cached."""
+        for e in self.states:
+            if common_prefix(e.tokens, tokens) == len(tokens):
+                log.debug(" - prompt is already in the cache, skipping")
+                return None
+        if self.limit_size > 0 and size > self.limit_size:
+            log.warning(" - prompt state size %.3f MiB exceeds cache size limit %.3f MiB, skipping",
+                        size / MiB, self.limit_size / MiB)
+            self.counters["skipped"] += 1
+            return None
+        for e in [e for e in self.states if common_prefix(e.tokens, tokens) == len(e.tokens)]:
+            log.debug(" - removing obsolete cached prompt with length %d", len(e.tokens))
+            self._remove(e, "obsolete")
+        while self.limit_size > 0 and self.states and self._bytes + size > self.limit_size:
+            log.warning(" - making room for prompt cache entry, removing oldest entry "
+                        "(size = %.3f MiB)", self.states[0].size / MiB)
+            self._pop_front("fifo")
+        return CacheEntry(tokens=list(tokens))
+
+    def save(self, pool: KVPool, seq: int, tokens: list[int]) -> bool:
+        if not tokens:
+            return False
+        t0 = time.perf_counter()
+        size = state_size(pool, seq, self.fp)
+        log.debug(" - saving prompt with length %d, total state size = %.3f MiB",
+                  len(tokens), size / MiB)
+        entry = self.alloc(tokens, size)
+        if entry is None:
+            return False
+        try:
+            entry.data = self._read_state(pool, seq)
+        except MemoryError as e:
+            log.error("failed to allocate memory for prompt cache state: %s", e)
+            self.counters["alloc_failures"] += 1
+            self.limit_size = max(1, int(0.4 * self._bytes))
+            log.warning(" - cache size limit reduced to %.3f MiB", self.limit_size / MiB)
+            self.update()
+            return False
+        self._push(entry)
+        self.counters["saves"] += 1
+        log.info("prompt cache: saved %d tokens (%.3f MiB) in %.2f ms", len(tokens),
+                 entry.size / MiB, (time.perf_counter() - t0) * 1e3)
+        return True
+
+    def _read_state(self, pool: KVPool, seq: int) -> bytes:
+        """Separate so tests can make the allocation fail (MemoryError)."""
+        return get_state(pool, seq, self.fp)
+
+    def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> list[int] | None:
+        """Take the entry that beats the slot on both f_keep and f_sim; it leaves the cache."""
+        lcp = common_prefix(slot_tokens, prompt)
+        f_keep_best = lcp / len(slot_tokens) if slot_tokens else -1.0
+        f_sim_best = lcp / len(prompt)
+        log.debug(" - looking for better prompt, base f_keep = %.3f, f_sim = %.3f",
+                  f_keep_best, f_sim_best)
+        best = None
+        for e in self.states:
+            n = common_prefix(e.tokens, prompt)
+            f_keep, f_sim = n / len(e.tokens), n / len(prompt)
+            if f_keep < 0.25:  # don't trash large prompts
+                continue
+            if f_keep > f_keep_best and f_sim > f_sim_best:
+                best, f_keep_best, f_sim_best = e, f_keep, f_sim
+        if best is None:
+            return None
+        log.info(" - found better prompt with f_keep = %.3f, f_sim = %.3f", f_keep_best, f_sim_best)
+        try:
+            set_state(pool, seq, best.data, self.fp)  # validates everything before touching
+        except (StateError, OutOfCells) as e:
+            log.error("failed to restore state with size %d: %s", len(best.data), e)
+            self.counters["load_failures"] += 1
+            return None
+        self._remove(best, None)  # consumed: the entry now lives in the slot
+        self.counters["loads"] += 1
+        self.counters["hit_tokens"] += common_prefix(best.tokens, prompt)
+        return best.tokens
+
+    def update(self) -> None:
+        t0 = time.perf_counter()
+        while self.limit_size > 0 and self.states and self._bytes > self.limit_size:
+            log.warning(" - cache size limit reached, removing oldest entry (size = %.3f MiB)",
+                        self.states[0].size / MiB)
+            self._pop_front("bytes")
+        per_token = max(1.0, self._bytes / max(1, self._tokens))
+        limit_cur = self.limit_tokens
+        if self.limit_size > 0:
+            limit_cur = max(self.limit_tokens, int(self.limit_size / per_token))
+        while self.limit_tokens > 0 and self.states and self._tokens > limit_cur:
+            log.warning(" - cache token limit (%d, est: %d) reached, removing oldest entry "
+                        "(size = %.3f MiB)", self.limit_tokens, limit_cur,
+                        self.states[0].size / MiB)
+            self._pop_front("tokens")
+        log.debug(" - cache state: %d prompts, %.3f MiB (limits: %.3f MiB, %d tokens, %d est), "
+                  "update took %.2f ms", len(self.states), self._bytes / MiB,
+                  self.limit_size / MiB, self.limit_tokens, limit_cur,
+                  (time.perf_counter() - t0) * 1e3)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "cache_entries": len(self.states),
+            "cache_bytes": self._bytes,
+            "cache_tokens": self._tokens,
+            "cache_limit_bytes": self.limit_size,
+            "cache_limit_tokens": self.limit_tokens,
+            **{f"cache_{k}": v for k, v in self.counters.items()},
+        }
+
+    def check(self) -> None:
+        assert self._bytes == sum(e.size for e in self.states), "byte counter drifted"
+        assert self._tokens == sum(len(e.tokens) for e in self.states), "token counter drifted"

@@ -1,0 +1,156 @@
+"""One sequence's KV as bytes, and back (llama.cpp's llama_state_seq_get/set_data).
+
+Layout (little-endian): magic "RXKV", u32 version, fingerprint (u16-length-prefixed arch
+string, u32 n_layer, u32 n_head_kv, u32 head_dim, u16-length-prefixed dtype name), u32 n_tokens,
+i32 positions[n_tokens], then for each layer the K rows [n_head_kv, n_tokens, head_dim] and the
+V rows, in the pool's dtype. `set_state` validates everything (sizes, fingerprint, positions, free
+cells) before it touches the pool, so a bad or foreign state leaves the pool exactly as it was.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.kv.pool import KVPool, OutOfCells
+
+MAGIC = b"RXKV"
+VERSION = 1
+
+
+class StateError(ValueError):
+    """A state that cannot be loaded here: corrupt, truncated, or from another model/dtype."""
+
+
+@dataclass(slots=True, frozen=True)
+class Fingerprint:
+    arch: str
+    n_layer: int
+    n_head_kv: int
+    head_dim: int
+    dtype: str
+
+    def pack(self) -> bytes:
+        a, d = self.arch.encode(), self.dtype.encode()
+        return (struct.pack("<H", len(a)) + a
+                + struct.pack("<III", self.n_layer, self.n_head_kv, self.head_dim)
+                + struct.pack("<H", len(d)) + d)
+
+
+class _Reader:
+    def __init__(self, data: bytes | memoryview) -> None:
+        self.data, self.off = memoryview(data), 0
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.off + n > len(self.data):
+            raise StateError(f"state truncated: need {n} bytes at offset {self.off}, "
+                             f"{len(self.data) - self.off} left")
+        out = self.data[self.off : self.off + n]
+        self.off += n
+        return out
+
+    def unpack(self, fmt: str) -> tuple:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))
+
+    def string(self) -> str:
+        (n,) = self.unpack("<H")
+        return bytes(self.take(n)).decode("utf-8", "replace")
+
+
+DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def fingerprint_of(pool: KVPool, arch: str) -> Fingerprint:
+    return Fingerprint(arch, pool.n_layer, pool.n_head_kv, pool.head_dim, DTYPE_NAMES[pool.dtype])
+
+
+def state_size(pool: KVPool, seq: int, fp: Fingerprint) -> int:
+    n = pool.seq_len(seq)
+    return 4 + 4 + len(fp.pack()) + 4 + 4 * n + n * pool.bytes_per_cell
+
+
+def _rows_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def get_state(pool: KVPool, seq: int, fp: Fingerprint) -> bytes:
+    positions = pool.seq_positions(seq)
+    cells = torch.tensor(pool.seq_cells(seq), dtype=torch.long, device=pool.device)
+    parts = [MAGIC, struct.pack("<I", VERSION), fp.pack(), struct.pack("<I", len(positions)),
+             struct.pack(f"<{len(positions)}i", *positions)]
+    if positions:
+        k = pool.k[:, :, cells].cpu()  # [n_layer, n_head_kv, n, head_dim]
+        v = pool.v[:, :, cells].cpu()
+        for layer in range(pool.n_layer):
+            parts.append(_rows_bytes(k[layer]))
+            parts.append(_rows_bytes(v[layer]))
+    return b"".join(parts)
+
+
+@dataclass(slots=True)
+class ParsedState:
+    positions: list[int]
+    k: torch.Tensor  # [n_layer, n_head_kv, n, head_dim]
+    v: torch.Tensor
+
+
+def parse_state(data: bytes | memoryview, fp: Fingerprint, dtype: torch.dtype) -> ParsedState:
+    """Decode and check a state without touching any pool."""
+    r = _Reader(data)
+    if bytes(r.take(4)) != MAGIC:
+        raise StateError("not a radixserve sequence state (bad magic)")
+    (version,) = r.unpack("<I")
+    if version != VERSION:
+        raise StateError(f"unsupported sequence state version {version} (expected {VERSION})")
+    arch = r.string()
+    n_layer, n_head_kv, head_dim = r.unpack("<III")
+    dt = r.string()
+    got = Fingerprint(arch, n_layer, n_head_kv, head_dim, dt)
+    if got != fp:
+        diffs = [f"{f}: file {getattr(got, f)!r} != model {getattr(fp, f)!r}"
+                 for f in ("arch", "n_layer", "n_head_kv", "head_dim", "dtype")
+                 if getattr(got, f) != getattr(fp, f)]
+        raise StateError("sequence state is from another model or dtype (" + "; ".join(diffs) + ")")
+    (n,) = r.unpack("<I")
+    positions = list(r.unpack(f"<{n}i")) if n else []
+    if any(p < 0 for p in positions) or len(set(positions)) != n:
+        raise StateError("sequence state has negative or duplicate positions")
+    elem = torch.empty(0, dtype=dtype).element_size()
+    row = n_head_kv * n * head_dim * elem
+    if len(r.data) - r.off != 2 * n_layer * row:
+        raise StateError(f"sequence state size mismatch: {len(r.data) - r.off} bytes of K/V, "
+                         f"expected {2 * n_layer * row}")
+    shape = (n_head_kv, n, head_dim)
+    ks, vs = [], []
+    for _ in range(n_layer):
+        ks.append(torch.frombuffer(bytearray(r.take(row)), dtype=dtype).view(shape) if n else
+                  torch.empty(shape, dtype=dtype))
+        vs.append(torch.frombuffer(bytearray(r.take(row)), dtype=dtype).view(shape) if n else
+                  torch.empty(shape, dtype=dtype))
+    return ParsedState(positions, torch.stack(ks), torch.stack(vs))
+
+
+def set_state(pool: KVPool, seq: int, data: bytes | memoryview, fp: Fingerprint) -> int:
+    """Replace `seq`'s KV with the state; returns its token count. All checks come first."""
+    st = parse_state(data, fp, pool.dtype)
+    n = len(st.positions)
+    if n > pool.seq_capacity(seq):
+        raise OutOfCells(f"state of {n} tokens exceeds the sequence's capacity {pool.seq_capacity(seq)}")
+    own = sum(1 for c in pool.seq_cells(seq) if len(pool.cell_seqs[c]) == 1)
+    if n > pool.n_free_for(seq) + own:
+        raise OutOfCells(f"state of {n} tokens needs more free cells than available")
+    pool.seq_rm(seq)
+    write_rows(pool, seq, st.positions, st.k, st.v)
+    return n
+
+
+def write_rows(pool: KVPool, seq: int, positions: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    """Put K/V rows [n_layer, n_head_kv, n, head_dim] into fresh cells of `seq` at `positions`."""
+    if not positions:
+        return
+    cells = pool.alloc(seq, positions)
+    idx = torch.tensor(cells, dtype=torch.long, device=pool.device)
+    pool.k[:, :, idx] = k.to(pool.device, pool.dtype)
+    pool.v[:, :, idx] = v.to(pool.device, pool.dtype)
