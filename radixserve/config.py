@@ -21,8 +21,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: list[str] = field(default_factory=list)
-    ctx_size: int = 4096  # 0: the model's training context
-    n_parallel: int = 4
+    ctx_size: int = 0  # 0: the model's training context
+    n_parallel: int = -1  # -1: auto = 4 slots with unified KV (llama-server)
     kv_unified: bool = False
     kv_unified_per_slot: int = 0  # 0: no cap beyond the pool and the training context
     batch_size: int = 2048
@@ -47,8 +47,8 @@ class ServerConfig:
         """Reject settings that cannot work, with a message naming the flag."""
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.n_parallel < 1:
-            raise ValueError(f"--parallel must be >= 1, got {self.n_parallel}")
+        if self.n_parallel == 0 or self.n_parallel < -1:
+            raise ValueError(f"--parallel must be >= 1 (or -1 for auto), got {self.n_parallel}")
         if self.ctx_size < 0:
             raise ValueError(f"--ctx-size must be >= 0, got {self.ctx_size}")
         if self.batch_size < 1 or self.ubatch_size < 1:
