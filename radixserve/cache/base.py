@@ -18,6 +18,7 @@ from radixserve.kv.pool import KVPool
 
 class PromptCache(Protocol):
     name: str
+    load_always: bool  # try `load` for every new prompt, not only when the slot is overwritten
 
     def save(self, pool: KVPool, seq: int, tokens: list[int]) -> bool:
         """Copy `seq`'s KV (token i at position i) into the cache; False if it was skipped."""
@@ -43,6 +44,7 @@ class NullPromptCache:
     """`--cache-ram 0`: no host tier at all."""
 
     name = "none"
+    load_always = False
 
     def save(self, pool: KVPool, seq: int, tokens: list[int]) -> bool:
         return False

@@ -17,6 +17,7 @@ from radixserve.config import ServerConfig
 from radixserve.model.loader import Model
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.scheduler import Scheduler
+from radixserve.server.slot_actions import slot_action
 from radixserve.server.task import CompletionTask, FinalResult, TaskError
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,11 @@ class Engine:
         return any(not s.is_processing for s in self.scheduler.slots)
 
     def cache_stats(self) -> dict[str, float]:
-        return {}
+        return self.scheduler.cache.stats()
+
+    def slot_action(self, id_slot: int, action: str, filename: str | None) -> dict[str, Any]:
+        """POST /slots/{id}?action=save|restore|erase (disk tier), on the engine thread."""
+        return slot_action(self.scheduler, id_slot, action, filename)
 
 
 def _set_res(fut: asyncio.Future, res: Any) -> None:

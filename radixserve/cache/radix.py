@@ -1,0 +1,204 @@
+"""Host prompt cache, radix backend (the seeds' `--cache-radix-prompt`).
+
+Prompts are kept in a radix tree (`radix_tree.py`) whose edges own the K/V rows of their tokens,
+so a prefix shared by many prompts is stored once. `save` copies out only the rows past the
+longest stored prefix; `load` restores the longest stored prefix of a new prompt straight into
+the slot's cells ("direct KV"), without consuming it. A restore that fails part-way removes what
+it wrote and reports [] so the scheduler prefills from scratch (a "fallback"); the tree stays
+usable. `--cache-ram` bounds the bytes; LRU leaves go first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from radixserve.cache.radix_tree import RadixMatch, RadixTree, common_prefix_len
+from radixserve.kv.pool import KVPool
+from radixserve.kv.state import write_rows
+
+log = logging.getLogger(__name__)
+
+# Test-only hook (the seed's LLAMA_SERVER_RADIX_TEST_FAULT_INJECTION): a restore raises after
+# writing this many tokens' cells, to exercise the fallback path end to end.
+FAULT_ENV = "RADIXSERVE_RADIX_FAULT_AFTER"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the fault hook in the middle of a restore."""
+
+
+def _copy_out(pool: KVPool, cells: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather `cells`' rows of every layer into new host tensors; the pool is only read."""
+    idx = torch.tensor(cells, dtype=torch.long, device=pool.device)
+    k, v = pool.k[:, :, idx].contiguous(), pool.v[:, :, idx].contiguous()
+    if pool.device.type == "cpu":
+        return k, v  # advanced indexing already made fresh tensors
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (k, v)]
+    return host[0].copy_(k), host[1].copy_(v)
+
+
+class RadixPromptCache:
+    """The `PromptCache` protocol over a radix tree of K/V segments."""
+
+    name = "radix"
+    load_always = True  # hits are not consumed: try the tree for every new prompt
+
+    def __init__(
+        self, limit_bytes: int, min_restore_tokens: int = 0, fault_after_tokens: int | None = None
+    ) -> None:
+        self.tree = RadixTree()
+        self.limit_bytes = limit_bytes  # <= 0: no limit (--cache-ram -1)
+        self.min_restore_tokens = min_restore_tokens
+        if fault_after_tokens is None and (env := os.environ.get(FAULT_ENV)):
+            fault_after_tokens = int(env)
+        self.fault_after_tokens = fault_after_tokens  # every restore that gets this far faults
+        self.saves = self.loads = self.hit_tokens = 0
+        self.evictions = self.evicted_tokens = self.fallbacks = 0
+
+    # ##### PromptCache #####
+    def save(self, pool: KVPool, seq: int, tokens: list[int]) -> bool:
+        """Store `tokens` (token i at position i of `seq`); only rows past the stored prefix move.
+
+        Skipped (False) for an empty prompt, when the new rows alone exceed the limit, or when
+        host memory runs out: then the tree is exactly as before, since every allocation
+        (copy-out, split) happens before the tree changes.
+        """
+        n = len(tokens)
+        if n == 0:
+            return False
+        if pool.seq_positions(seq)[:n] != list(range(n)):
+            raise ValueError(f"sequence {seq} does not hold positions 0..{n - 1} for {n} tokens")
+        m = self.tree.match(tokens).length
+        if 0 < self.limit_bytes < (n - m) * pool.bytes_per_cell:
+            log.debug(
+                "radix save of %d new tokens skipped: over the %d-byte limit",
+                n - m,
+                self.limit_bytes,
+            )
+            return False
+        try:
+            k, v = _copy_out(pool, pool.seq_cells(seq)[m:n])
+            self.tree.insert(tokens, k, v)
+        except (MemoryError, torch.OutOfMemoryError) as e:
+            log.warning("radix save of %d tokens failed (%s); cache unchanged", n, e)
+            return False
+        self.saves += 1
+        self.update()
+        return True
+
+    def load(
+        self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]
+    ) -> list[int] | None:
+        """Restore the longest stored prefix of `prompt` into `seq` if it beats what `seq` keeps.
+
+        None: nothing better (or too few free cells), `seq` untouched. [] : the restore failed
+        and `seq` now holds nothing. Otherwise the tokens `seq` now holds, `prompt[:m]` (the
+        whole match: the scheduler keeps at least one token to evaluate itself).
+        """
+        match = self.tree.match(prompt)
+        m = match.length
+        if m == 0 or m < self.min_restore_tokens or m <= common_prefix_len(slot_tokens, prompt):
+            return None
+        if not self.can_restore(pool, seq, m):
+            log.debug("radix restore of %d tokens skipped: not enough free cells", m)
+            return None
+        end = match.path[-1]
+        self.tree.touch(end)
+        self.tree.lock(end)  # eviction must not drop the segments while we copy them
+        try:
+            pool.seq_rm(seq)
+            self._restore(pool, seq, match)
+        except Exception as e:  # noqa: BLE001 - any failure: no partial prefix in the slot
+            pool.seq_rm(seq)
+            self.fallbacks += 1
+            log.warning(
+                "radix restore of %d tokens into sequence %d failed (%s: %s); "
+                "falling back to a full prefill",
+                m,
+                seq,
+                type(e).__name__,
+                e,
+            )
+            return []
+        finally:
+            self.tree.unlock(end)
+        self.loads += 1
+        self.hit_tokens += m
+        return prompt[:m]
+
+    def update(self) -> None:
+        """Evict LRU leaves until the tree fits the byte limit (locked nodes stay)."""
+        if self.limit_bytes > 0:
+            nodes, tokens = self.tree.evict(self.limit_bytes)
+            self.evictions += nodes
+            self.evicted_tokens += tokens
+
+    def stats(self) -> dict[str, float]:
+        t = self.tree
+        figures = {
+            "nodes": t.n_nodes,
+            "terminal_nodes": t.n_terminal,
+            "bytes": t.bytes,
+            "limit_bytes": self.limit_bytes,
+            "unique_tokens": t.unique_tokens,
+            "logical_tokens": t.logical_tokens,
+            "saves": self.saves,
+            "loads": self.loads,
+            "hit_tokens": self.hit_tokens,
+            "evictions": self.evictions,
+            "evicted_tokens": self.evicted_tokens,
+            "fallbacks": self.fallbacks,
+        }
+        return {key: float(value) for key, value in figures.items()}
+
+    def log_stats(self) -> None:
+        s = self.stats()
+        limit = f"{s['limit_bytes'] / 2**20:.1f}" if self.limit_bytes > 0 else "unlimited"
+        log.info(
+            "radix cache: %d nodes (%d terminal), %.1f / %s MiB, unique tokens %d, logical tokens "
+            "%d, saves %d, loads %d, hit tokens %d, evictions %d, fallbacks %d",
+            s["nodes"],
+            s["terminal_nodes"],
+            s["bytes"] / 2**20,
+            limit,
+            s["unique_tokens"],
+            s["logical_tokens"],
+            s["saves"],
+            s["loads"],
+            s["hit_tokens"],
+            s["evictions"],
+            s["fallbacks"],
+        )
+
+    def check(self) -> None:
+        """Tree integrity, plus: at idle nothing is locked and the limit holds."""
+        self.tree.check()
+        assert self.tree.root.lock_ref == 1, "a restore left nodes locked"
+        assert self.limit_bytes <= 0 or self.tree.bytes <= self.limit_bytes, "over the byte limit"
+        assert min(self.saves, self.loads, self.hit_tokens, self.fallbacks, self.evictions) >= 0
+
+    # ##### Internal helpers #####
+    def can_restore(self, pool: KVPool, seq: int, n: int) -> bool:
+        """Whether `seq` can hold `n` cells once its current ones (only those it alone holds) go."""
+        own = sum(1 for c in pool.seq_cells(seq) if len(pool.cell_seqs[c]) == 1)
+        return n <= pool.n_free_for(seq) + own
+
+    def _restore(self, pool: KVPool, seq: int, match: RadixMatch) -> None:
+        """Write the matched segments into fresh cells of `seq` at positions 0..match.length-1."""
+        fault, written = self.fault_after_tokens, 0
+        want = (pool.n_layer, pool.n_head_kv, pool.head_dim, pool.dtype)
+        for pos0, k, v in match.segments():
+            got = (k.shape[0], k.shape[1], k.shape[3], k.dtype)
+            if got != want or v.shape != k.shape:
+                raise ValueError(
+                    f"segment at position {pos0} has rows {tuple(k.shape)} {k.dtype}; "
+                    f"the pool wants {want}"
+                )
+            n = k.shape[2] if fault is None else min(k.shape[2], fault - written)
+            write_rows(pool, seq, list(range(pos0, pos0 + n)), k[:, :, :n], v[:, :, :n])
+            written += n
+            if fault is not None and written >= fault:
+                raise InjectedFault(f"injected fault after {written} restored tokens ({FAULT_ENV})")

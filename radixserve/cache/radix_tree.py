@@ -1,0 +1,251 @@
+"""The radix fork's tree: token ids on compressed edges, each owning the K/V rows of its tokens.
+
+Pure data structure (no pool): `radix.py` copies rows in and out of the device pool.
+
+- A node's `k`/`v` are [n_layer, n_head_kv, len(tokens), head_dim] host tensors that own their
+  storage (a split copies both halves), so `bytes` is exactly the memory the tree holds.
+- `match` is read-only: the same prefix serves any number of requests (not consumed). Only
+  `touch` stamps the LRU clock, on the node and all its ancestors, so a parent is never older
+  than its children.
+- Eviction takes least-recently-used unlocked leaves from a lazy heap (stale entries are
+  skipped when popped), so it never scans the tree. A prefix shared by several branches is an
+  inner node and stays until its children go. A node left childless becomes terminal: its
+  tokens are a real prefix someone computed, and every leaf is then a stored prompt.
+- `insert` allocates (split copies) before it changes anything, so a failure leaves the tree
+  exactly as it was.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True, eq=False)
+class RadixNode:
+    """One compressed edge and the node it leads to; `depth` counts tokens from the root."""
+
+    tokens: list[int]
+    k: torch.Tensor  # [n_layer, n_head_kv, len(tokens), head_dim]
+    v: torch.Tensor
+    parent: RadixNode | None
+    depth: int
+    children: dict[int, RadixNode] = field(default_factory=dict)
+    terminal: bool = False  # a saved prompt ends here
+    lock_ref: int = 0  # restores in progress through this node (locks count up the path)
+    last_access: int = 0
+    evicted: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+@dataclass(slots=True)
+class RadixMatch:
+    """Longest prefix found: `length` tokens along `path` (the last node may match in part)."""
+
+    length: int
+    path: list[RadixNode]
+
+    def segments(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(pos0, k rows, v rows) of each matched piece, in position order."""
+        for node in self.path:
+            pos0 = node.depth - len(node.tokens)
+            take = min(len(node.tokens), self.length - pos0)
+            yield pos0, node.k[:, :, :take], node.v[:, :, :take]
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, at C speed
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
+def _own_rows(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy with its own storage (pinned if `t` is), so byte counts stay exact."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_pinned())
+    return out.copy_(t)
+
+
+class RadixTree:
+    def __init__(self) -> None:
+        empty = torch.empty(0)
+        self.root = RadixNode([], empty, empty, None, 0, lock_ref=1)  # never evicted
+        self.bytes = 0
+        self.n_nodes = 0  # not counting the root
+        self.n_terminal = 0
+        self.unique_tokens = 0  # tokens stored (shared prefixes once)
+        self.logical_tokens = 0  # sum of terminal depths (shared prefixes once per prompt)
+        self._clock = 0
+        self._heap: list[tuple[int, int, RadixNode]] = []  # (last_access, tiebreak, leaf)
+        self._tiebreak = 0
+
+    # ##### Public API #####
+    def match(self, tokens: list[int]) -> RadixMatch:
+        """Longest stored prefix of `tokens`; changes nothing (call `touch` to count a use)."""
+        node, i, path = self.root, 0, []
+        while i < len(tokens) and (child := node.children.get(tokens[i])) is not None:
+            n = len(child.tokens)
+            c = common_prefix_len(child.tokens, tokens[i : i + n])
+            path.append(child)
+            i += c
+            if c < n:
+                break
+            node = child
+        return RadixMatch(i, path)
+
+    def insert(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> RadixNode:
+        """Store `tokens` given the rows of the part past `match(tokens)`; returns the end node."""
+        m = self.match(tokens)
+        if k.shape[2] != len(tokens) - m.length or v.shape != k.shape:
+            need = len(tokens) - m.length
+            raise ValueError(f"insert needs rows for {need} tokens, got {tuple(k.shape)}")
+        node = m.path[-1] if m.path else self.root
+        if node.depth > m.length:
+            node = self._split(node, len(node.tokens) - (node.depth - m.length))
+        if m.length < len(tokens):
+            leaf = RadixNode(tokens[m.length :], k, v, node, len(tokens))
+            node.children[leaf.tokens[0]] = leaf
+            self.bytes += leaf.nbytes
+            self.n_nodes += 1
+            self.unique_tokens += len(leaf.tokens)
+            node = leaf
+        self._set_terminal(node)
+        self.touch(node)
+        return node
+
+    def touch(self, node: RadixNode) -> None:
+        """Mark `node` and its ancestors as used now (the LRU signal)."""
+        self._clock += 1
+        n: RadixNode | None = node
+        while n is not None and n is not self.root:
+            n.last_access = self._clock
+            n = n.parent
+        self._push_if_evictable(node)
+
+    def lock(self, node: RadixNode) -> None:
+        """Pin `node` and its ancestors: eviction skips them until `unlock`."""
+        n: RadixNode | None = node
+        while n is not None:
+            n.lock_ref += 1
+            n = n.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        n: RadixNode | None = node
+        while n is not None:
+            n.lock_ref -= 1
+            assert n.lock_ref >= 0, "radix node unlocked more often than locked"
+            n = n.parent
+        self._push_if_evictable(node)
+
+    def evict(self, limit_bytes: int) -> tuple[int, int]:
+        """Drop LRU unlocked leaves until bytes <= limit_bytes; returns (nodes, tokens) dropped."""
+        n_nodes = n_tokens = 0
+        while self.bytes > limit_bytes and self._heap:
+            entry = heapq.heappop(self._heap)
+            if not self._live(entry):
+                continue  # stale: touched, locked or given a child since it was pushed
+            leaf = entry[2]
+            n_nodes, n_tokens = n_nodes + 1, n_tokens + len(leaf.tokens)
+            self._remove_leaf(leaf)
+        return n_nodes, n_tokens
+
+    def nodes(self) -> Iterator[RadixNode]:
+        """Every node but the root, parents before children (for checks and stats)."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def check(self) -> None:
+        """Recompute every counter from scratch and check the structure (AssertionError if off)."""
+        n_bytes = n_nodes = n_terminal = unique = logical = 0
+        evictable: set[int] = set()
+        assert self.root.lock_ref >= 1 and not self.root.tokens, "root changed"
+        for node in self.nodes():
+            p = node.parent
+            assert p is not None and not node.evicted and node.tokens, "detached or empty node"
+            assert p.children.get(node.tokens[0]) is node, "child not keyed by its first token"
+            assert node.depth == p.depth + len(node.tokens), "depth off"
+            for t in (node.k, node.v):
+                assert t.shape[2] == len(node.tokens), "rows do not match the edge's tokens"
+                owned = t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes
+                assert owned, "rows share storage: byte counts would be wrong"
+            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()) >= 0
+            assert p is self.root or p.last_access >= node.last_access, "parent older than child"
+            assert node.terminal or node.children, "a leaf that is not a stored prompt"
+            n_bytes, n_nodes, unique = n_bytes + node.nbytes, n_nodes + 1, unique + len(node.tokens)
+            if node.terminal:
+                n_terminal, logical = n_terminal + 1, logical + node.depth
+            if self._evictable(node):
+                evictable.add(id(node))
+        assert (n_bytes, n_nodes, n_terminal) == (self.bytes, self.n_nodes, self.n_terminal)
+        assert (unique, logical) == (self.unique_tokens, self.logical_tokens), "token counters"
+        live = {id(e[2]) for e in self._heap if self._live(e)}
+        assert live == evictable, "LRU heap does not hold exactly the evictable leaves"
+
+    # ##### Internal helpers #####
+    def _split(self, child: RadixNode, at: int) -> RadixNode:
+        """Cut `child`'s edge after `at` tokens; the new upper node inherits locks and stamp."""
+        head_k, head_v = _own_rows(child.k[:, :, :at]), _own_rows(child.v[:, :, :at])
+        tail_k, tail_v = _own_rows(child.k[:, :, at:]), _own_rows(child.v[:, :, at:])
+        parent = child.parent
+        assert parent is not None
+        depth = child.depth - len(child.tokens) + at
+        mid = RadixNode(
+            child.tokens[:at],
+            head_k,
+            head_v,
+            parent,
+            depth,
+            lock_ref=child.lock_ref,
+            last_access=child.last_access,
+        )
+        parent.children[mid.tokens[0]] = mid
+        child.tokens, child.k, child.v, child.parent = child.tokens[at:], tail_k, tail_v, mid
+        mid.children[child.tokens[0]] = child
+        self.n_nodes += 1
+        return mid
+
+    def _set_terminal(self, node: RadixNode) -> None:
+        if not node.terminal and node is not self.root:
+            node.terminal = True
+            self.n_terminal += 1
+            self.logical_tokens += node.depth
+
+    def _remove_leaf(self, leaf: RadixNode) -> None:
+        parent = leaf.parent
+        assert parent is not None and not leaf.children and leaf.terminal
+        del parent.children[leaf.tokens[0]]
+        self.bytes -= leaf.nbytes
+        self.n_nodes -= 1
+        self.n_terminal -= 1
+        self.unique_tokens -= len(leaf.tokens)
+        self.logical_tokens -= leaf.depth
+        leaf.evicted, leaf.parent = True, None
+        leaf.k = leaf.v = self.root.k  # release the rows now
+        if not parent.children and parent is not self.root:
+            self._set_terminal(parent)
+            self._push_if_evictable(parent)
+
+    def _evictable(self, node: RadixNode) -> bool:
+        return not node.evicted and not node.children and node.lock_ref == 0
+
+    def _live(self, entry: tuple[int, int, RadixNode]) -> bool:
+        return self._evictable(entry[2]) and entry[2].last_access == entry[0]
+
+    def _push_if_evictable(self, node: RadixNode) -> None:
+        if node is self.root or not self._evictable(node):
+            return
+        self._tiebreak += 1
+        heapq.heappush(self._heap, (node.last_access, self._tiebreak, node))
+        if len(self._heap) > 2 * self.n_nodes + 64:  # drop stale and repeated entries
+            live = {id(e[2]): e for e in self._heap if self._live(e)}  # amortized O(1) a push
+            self._heap = list(live.values())
+            heapq.heapify(self._heap)
