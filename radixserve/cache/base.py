@@ -16,6 +16,14 @@ from typing import Protocol
 from radixserve.kv.pool import KVPool
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix (LCP) of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared at C speed
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
 class PromptCache(Protocol):
     name: str
     load_always: bool  # try `load` for every new prompt, not only when the slot is overwritten

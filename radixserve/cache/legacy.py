@@ -13,19 +13,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from radixserve.cache.base import common_prefix
 from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.kv.state import Fingerprint, StateError, get_state, set_state, state_size
 
 log = logging.getLogger(__name__)
 MiB = 1024 * 1024
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass(slots=True)

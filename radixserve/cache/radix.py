@@ -15,7 +15,8 @@ import os
 
 import torch
 
-from radixserve.cache.radix_tree import RadixMatch, RadixTree, common_prefix_len
+from radixserve.cache.base import common_prefix
+from radixserve.cache.radix_tree import RadixMatch, RadixTree
 from radixserve.kv.pool import KVPool
 from radixserve.kv.state import write_rows
 
@@ -100,7 +101,7 @@ class RadixPromptCache:
         """
         match = self.tree.match(prompt)
         m = match.length
-        if m == 0 or m < self.min_restore_tokens or m <= common_prefix_len(slot_tokens, prompt):
+        if m == 0 or m < self.min_restore_tokens or m <= common_prefix(slot_tokens, prompt):
             return None
         if not self.can_restore(pool, seq, m):
             log.debug("radix restore of %d tokens skipped: not enough free cells", m)

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from radixserve.cache.base import common_prefix
+
 
 @dataclass(slots=True, eq=False)
 class RadixNode:
@@ -59,13 +61,6 @@ class RadixMatch:
             yield pos0, node.k[:, :, :take], node.v[:, :, :take]
 
 
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case, at C speed
-        return n
-    return next(i for i in range(n) if a[i] != b[i])
-
-
 def _own_rows(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy with its own storage (pinned if `t` is), so byte counts stay exact."""
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_pinned())
@@ -91,7 +86,7 @@ class RadixTree:
         node, i, path = self.root, 0, []
         while i < len(tokens) and (child := node.children.get(tokens[i])) is not None:
             n = len(child.tokens)
-            c = common_prefix_len(child.tokens, tokens[i : i + n])
+            c = common_prefix(child.tokens, tokens[i : i + n])
             path.append(child)
             i += c
             if c < n:

@@ -16,28 +16,20 @@ from typing import Any
 
 import torch
 
-from radixserve.cache.base import NullPromptCache, PromptCache
-from radixserve.cache.legacy import LegacyPromptCache
+from radixserve.cache.base import PromptCache, common_prefix
 from radixserve.config import ServerConfig
-from radixserve.kv.state import fingerprint_of
 from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.model.forward import BatchSeq
 from radixserve.model.loader import Model
 from radixserve.model.sampling import Sampler, sample_batch
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.host_tier import HostTier
+from radixserve.server.predecode import pre_decode
 from radixserve.server.slot import Slot, SlotState
 from radixserve.server.task import CompletionTask, TaskError, TokenProbs
 
 log = logging.getLogger(__name__)
 Emit = Callable[[Any], None]
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def slot_layout(cfg: ServerConfig, n_ctx_train: int) -> tuple[int, int, bool, int]:
@@ -71,25 +63,9 @@ class Scheduler:
         self.deferred: deque[tuple[CompletionTask, Emit]] = deque()
         self.n_budget = max(1, min(cfg.batch_size, cfg.ubatch_size))
         self._next_id = 0
-        self.cache = self._make_cache(n_cells)
-        self.cache_idle_slots = cfg.cache_idle_slots
-        if cfg.cache_idle_slots and cfg.cache_ram_mib == 0:
-            log.warning("--cache-idle-slots requires --cache-ram, disabling")
-            self.cache_idle_slots = False
-        self._t_cache_log = time.monotonic()
+        self.host = HostTier(cfg, self.pool, hp.arch)
         log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = %s",
                  n_slots, self.n_ctx_slot, unified)
-
-    def _make_cache(self, n_ctx: int) -> PromptCache:
-        cfg = self.cfg
-        if cfg.cache_ram_mib == 0:
-            return NullPromptCache()
-        limit = cfg.cache_ram_mib * 1024 * 1024 if cfg.cache_ram_mib > 0 else 0
-        if cfg.cache_radix_prompt:
-            from radixserve.cache.radix import RadixPromptCache
-
-            return RadixPromptCache(limit, cfg.cache_radix_min_restore_tokens)
-        return LegacyPromptCache(limit, n_ctx, fingerprint_of(self.pool, self.model.hp.arch))
 
     # -- tasks in ---------------------------------------------------------------------------
     def submit(self, task: CompletionTask, emit: Emit) -> None:
@@ -143,8 +119,7 @@ class Scheduler:
             except TaskError as e:
                 emit(e)
                 continue
-            if self.cache_idle_slots:
-                self._cache_idle_slots()
+            self.host.publish_idle(self.slots)
         self.metrics.requests_deferred = len(self.deferred)
         self.metrics.requests_processing = sum(s.is_processing for s in self.slots)
 
@@ -184,83 +159,17 @@ class Scheduler:
             sampler = Sampler(task.params, self.tok.n_vocab, task.prompt_tokens)
         except ValueError as e:
             raise TaskError(400, "invalid_request_error", f"Failed to initialize samplers: {e}")
-        self._cache_exchange(slot, task.prompt_tokens, update_cache)
+        self.host.exchange(slot, task.prompt_tokens, update_cache)
         slot.start(task, sampler, emit)
         self._pre_decode(slot)
         log.info("slot %d: task %d, prompt %d tokens, n_past %d", slot.id, task.id,
                  len(task.prompt_tokens), slot.n_past)
 
-    def _cache_exchange(self, slot: Slot, prompt: list[int], update_cache: bool) -> None:
-        """Stash the slot's KV in the host cache if it is about to be lost, then restore the
-        best cached prefix of the new prompt (the backend decides whether it beats the slot)."""
-        cache = self.cache
-        if update_cache:
-            t0 = time.perf_counter()
-            if cache.save(self.pool, slot.id, slot.tokens):
-                log.debug("slot %d: saved %d tokens to the host cache", slot.id, len(slot.tokens))
-        if update_cache or getattr(cache, "load_always", False):
-            loaded = cache.load(self.pool, slot.id, slot.tokens, prompt)
-            if loaded is not None:
-                slot.tokens = list(loaded)
-                log.info("slot %d: restored %d tokens from the %s cache", slot.id, len(loaded),
-                         cache.name)
-        if update_cache:
-            cache.update()
-            log.debug("prompt cache update took %.2f ms", (time.perf_counter() - t0) * 1e3)
-
-    def _cache_idle_slots(self) -> None:
-        """--cache-idle-slots: publish every idle slot to the host cache; in unified mode also
-        clear it, since only then do its cells become usable by the active slots."""
-        saved = False
-        for s in self.slots:
-            if s.is_processing or not s.tokens:
-                continue
-            saved |= self.cache.save(self.pool, s.id, s.tokens)
-            if self.pool.unified:
-                self.pool.seq_rm(s.id)
-                s.tokens = []
-        if saved:
-            self.cache.update()
-        now = time.monotonic()
-        if now - self._t_cache_log > 30 and hasattr(self.cache, "log_stats"):
-            self._t_cache_log = now
-            self.cache.log_stats()
-
     def _pre_decode(self, slot: Slot) -> None:
-        """n_past = reusable prefix of the slot's KV (at least one prompt token is evaluated)."""
-        task, prompt = slot.task, slot.prompt
-        n_past = 0
-        if task.cache_prompt:
-            n_past = common_prefix(slot.tokens, prompt)
-            n_reuse = self.cfg.cache_reuse if task.n_cache_reuse is None else task.n_cache_reuse
-            if n_reuse > 0:
-                n_past = self._reuse_chunks(slot, n_past, n_reuse)
-        n_past = min(n_past, len(prompt) - 1)
-        self.pool.seq_rm(slot.id, n_past)
-        slot.tokens = slot.tokens[:n_past]
-        slot.n_past = slot.n_prompt_done = n_past
-
-    def _reuse_chunks(self, slot: Slot, n_past: int, n_reuse: int) -> int:
-        """--cache-reuse: shift matching chunks of the old KV left onto the new prompt."""
-        cache, prompt = slot.tokens, slot.prompt
-        head_c = head_p = n_past
-        while head_c < len(cache) and head_p < len(prompt):
-            n = 0
-            while (head_c + n < len(cache) and head_p + n < len(prompt)
-                   and cache[head_c + n] == prompt[head_p + n]):
-                n += 1
-            if n >= n_reuse:
-                self.pool.seq_rm(slot.id, head_p, head_c)
-                self.pool.seq_add(slot.id, head_c, head_c + n, head_p - head_c)
-                cache[head_p : head_p + n] = cache[head_c : head_c + n]
-                log.debug("slot %d: reusing chunk of %d, [%d, %d) -> [%d, %d)",
-                          slot.id, n, head_c, head_c + n, head_p, head_p + n)
-                n_past += n
-                head_c += n
-                head_p += n
-            else:
-                head_c += 1
-        return n_past
+        task = slot.task
+        n_reuse = self.cfg.cache_reuse if task.n_cache_reuse is None else task.n_cache_reuse
+        slot.n_past = slot.n_prompt_done = pre_decode(
+            self.pool, slot.id, slot.tokens, slot.prompt, task.cache_prompt, n_reuse)
 
     # -- the loop -------------------------------------------------------------------------
     def has_active(self) -> bool:
@@ -414,6 +323,10 @@ class Scheduler:
                 s.tokens = []
                 return True
         return False
+
+    @property
+    def cache(self) -> PromptCache:
+        return self.host.cache
 
     def slots_json(self) -> list[dict[str, Any]]:
         return [s.to_json() for s in self.slots]

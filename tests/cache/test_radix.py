@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from radixserve.cache import radix_tree
 from radixserve.cache.base import PromptCache
-from radixserve.cache.radix import FAULT_ENV, RadixPromptCache, common_prefix_len
+from radixserve.cache.base import common_prefix as common_prefix_len
+from radixserve.cache.radix import FAULT_ENV, RadixPromptCache
 from radixserve.cache.radix_tree import RadixNode, RadixTree
 from radixserve.kv.pool import KVPool
 from radixserve.kv.state import write_rows
