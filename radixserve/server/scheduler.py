@@ -168,15 +168,20 @@ class Scheduler:
     def _pre_decode(self, slot: Slot) -> None:
         task = slot.task
         n_reuse = self.cfg.cache_reuse if task.n_cache_reuse is None else task.n_cache_reuse
-        slot.n_past = slot.n_prompt_done = pre_decode(
-            self.pool, slot.id, slot.tokens, slot.prompt, task.cache_prompt, n_reuse)
+        plan = pre_decode(self.pool, slot.id, slot.tokens, slot.prompt, task.cache_prompt, n_reuse)
+        slot.n_past, slot.todo = plan.n_reused, plan.todo
 
     # -- the loop -------------------------------------------------------------------------
     def has_active(self) -> bool:
         return any(s.is_processing for s in self.slots)
 
+    @torch.inference_mode()
     def step(self) -> None:
-        """Build and run one batch; on out-of-cells free idle slots or shrink, then retry."""
+        """Build and run one batch; on out-of-cells free idle slots or shrink, then retry.
+
+        Any other failure fails the requests of this batch (their KV may be half-written, so it
+        is dropped) and nothing else: the server and the other slots carry on.
+        """
         budget = self.n_budget
         while True:
             batch, owners = self._build_batch(budget)
@@ -197,13 +202,19 @@ class Scheduler:
                 for s in owners:
                     self._fail(s, TaskError(500, "server_error", "Context size has been exceeded."))
                 return
-            except Exception as e:  # a failure in one batch fails its requests, not the server
-                log.exception("forward failed")
-                for s in owners:
-                    self._fail(s, TaskError(500, "server_error", f"Compute error: {e}"))
+            except Exception as e:
+                self._fail_batch(owners, e)
                 return
         self.metrics.on_decode(len(owners))
-        self._after_forward(batch, owners, logits)
+        try:
+            self._after_forward(batch, owners, logits)
+        except Exception as e:
+            self._fail_batch([s for s in owners if s.is_processing], e)
+
+    def _fail_batch(self, owners: list[Slot], e: Exception) -> None:
+        log.exception("batch failed")
+        for s in owners:
+            self._fail(s, TaskError(500, "server_error", f"Compute error: {e}"))
 
     def _build_batch(self, budget: int) -> tuple[list[BatchSeq], list[Slot]]:
         batch: list[BatchSeq] = []
@@ -216,12 +227,12 @@ class Scheduler:
         for s in self.slots:
             if s.state is not SlotState.PROCESSING_PROMPT:
                 continue
-            take = min(len(s.prompt) - s.n_prompt_done, max(0, budget - used))
+            p0, p1 = s.todo[0]
+            take = min(p1 - p0, max(0, budget - used))
             if take <= 0:
                 break
-            last = s.n_prompt_done + take == len(s.prompt)
-            chunk = s.prompt[s.n_prompt_done : s.n_prompt_done + take]
-            batch.append(BatchSeq(s.id, chunk, s.n_prompt_done, 1 if last else 0))
+            last = p0 + take == len(s.prompt)
+            batch.append(BatchSeq(s.id, s.prompt[p0 : p0 + take], p0, 1 if last else 0))
             owners.append(s)
             used += take
         return batch, owners
@@ -233,11 +244,17 @@ class Scheduler:
         row = -1
         for b, s in zip(batch, owners):
             row += 1 if b.n_logits else 0
-            s.tokens.extend(b.tokens)
-            if s.state is SlotState.PROCESSING_PROMPT:
-                s.n_prompt_done += len(b.tokens)
+            if s.state is SlotState.GENERATING:
+                s.tokens.extend(b.tokens)
+            else:
                 s.n_prompt_processed += len(b.tokens)
-                if s.n_prompt_done < len(s.prompt):
+                p0, p1 = s.todo[0]
+                s.todo[0] = (p0 + len(b.tokens), p1)
+                if s.todo[0][0] == p1:
+                    s.todo.pop(0)
+                # tokens = the contiguous prefix with KV; holes later on are still to compute
+                s.tokens = s.prompt[: s.todo[0][0]] if s.todo else list(s.prompt)
+                if s.todo:
                     continue
                 s.state, s.t_first = SlotState.GENERATING, now
                 self.metrics.on_prompt_done(s.n_prompt_processed, s.n_past, now - s.t_start)
@@ -291,6 +308,7 @@ class Scheduler:
 
     def _finish(self, s: Slot, emit_final: bool = True) -> None:
         now = time.perf_counter()
+        self.pool.seq_rm(s.id, len(s.tokens))  # cancelled mid-prompt: drop KV past the prefix
         if emit_final:
             part = s.partial(final=True)
             if part is not None:

@@ -38,12 +38,13 @@ class Slot:
     def _reset_task_state(self) -> None:
         self.sampler: Sampler | None = None
         self.prompt: list[int] = []
-        self.n_past = 0  # prompt tokens reused from the slot's KV
-        self.n_prompt_done = 0  # prompt tokens whose KV is in the pool
+        self.n_past = 0  # prompt tokens reused (slot KV, host cache, shifted chunks): cache_n
+        self.todo: list[tuple[int, int]] = []  # prompt position ranges still to compute
         self.generated: list[int] = []
         self.pending: int | None = None  # sampled, not yet fed back through the model
         self.text = ""
         self.n_sent = 0
+        self.n_tokens_sent = 0
         self.probs: list[TokenProbs] = []
         self.n_probs_sent = 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
@@ -103,7 +104,9 @@ class Slot:
         text = self.text[self.n_sent : max(end, self.n_sent)]
         self.n_sent = max(end, self.n_sent)
         self.n_probs_sent = len(self.probs)
-        return PartialResult(text, [], new_probs)
+        tokens = self.generated[self.n_tokens_sent :]
+        self.n_tokens_sent = len(self.generated)
+        return PartialResult(text, tokens, new_probs)
 
     def timings(self, now: float) -> Timings:
         t_first = self.t_first or now

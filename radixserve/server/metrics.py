@@ -1,0 +1,200 @@
+"""Server counters (bumped by the engine thread) and their Prometheus text for `GET /metrics`.
+
+Names, help strings and types follow llama-server's `/metrics` (llamacpp: prefix) so existing
+dashboards and llama.cpp's own tests work unchanged; host-cache figures are added as
+`radixserve:<name>` gauges. Only the engine thread mutates a `ServerMetrics`; the HTTP handler
+takes a copy with `scrape()` through `Engine.call`, so no lock is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(slots=True)
+class ServerMetrics:
+    """llama-server's `server_metrics`: lifetime totals plus a "bucket" reset on every scrape."""
+
+    prompt_tokens_total: int = 0  # prompt tokens computed (cached ones excluded)
+    prompt_tokens_cached_total: int = 0  # prompt tokens reused from a slot or the host cache
+    prompt_seconds_total: float = 0.0
+    tokens_predicted_total: int = 0
+    tokens_predicted_seconds_total: float = 0.0
+    n_decode_total: int = 0  # forward passes
+    n_busy_slots_total: int = 0  # sum over forwards of the slots busy in that forward
+    n_tokens_max: int = 0  # largest sequence (prompt + generation) seen in any slot
+    requests_processing: int = 0  # gauge, set by the engine
+    requests_deferred: int = 0  # gauge, set by the engine
+    # bucket since the last scrape: behind prompt_tokens_seconds / predicted_tokens_seconds
+    bucket_prompt_tokens: int = 0
+    bucket_prompt_seconds: float = 0.0
+    bucket_predicted_tokens: int = 0
+    bucket_predicted_seconds: float = 0.0
+
+    def on_prompt_done(self, n_prompt: int, n_cached: int, seconds: float) -> None:
+        """A slot finished its prompt: `n_prompt` tokens computed, `n_cached` reused."""
+        self.prompt_tokens_total += n_prompt
+        self.prompt_tokens_cached_total += n_cached
+        self.prompt_seconds_total += seconds
+        self.bucket_prompt_tokens += n_prompt
+        self.bucket_prompt_seconds += seconds
+        self.observe_n_tokens(n_prompt + n_cached)
+
+    def on_prediction_done(self, n_tokens: int, seconds: float) -> None:
+        """A slot finished generating (llama-server counts predictions at slot release)."""
+        self.tokens_predicted_total += n_tokens
+        self.tokens_predicted_seconds_total += seconds
+        self.bucket_predicted_tokens += n_tokens
+        self.bucket_predicted_seconds += seconds
+
+    def on_decode(self, n_busy_slots: int, n_tokens_max: int = 0) -> None:
+        """One forward ran with `n_busy_slots` slots in it; `n_tokens_max`: its longest slot."""
+        self.n_decode_total += 1
+        self.n_busy_slots_total += n_busy_slots
+        self.observe_n_tokens(n_tokens_max)
+
+    def observe_n_tokens(self, n_tokens: int) -> None:
+        self.n_tokens_max = max(self.n_tokens_max, n_tokens)
+
+    def scrape(self) -> ServerMetrics:
+        """A copy to render, and reset the throughput bucket (llama-server resets per scrape).
+
+        Call it on the engine thread (`await engine.call(engine.metrics.scrape)`).
+        """
+        snap = dataclasses.replace(self)
+        self.bucket_prompt_tokens = self.bucket_predicted_tokens = 0
+        self.bucket_prompt_seconds = self.bucket_predicted_seconds = 0.0
+        return snap
+
+
+def _rate(n: float, seconds: float) -> float:
+    return n / seconds if seconds > 0 else 0.0
+
+
+_N_DECODE_HELP = (
+    "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding"
+)
+# (name without prefix, type, help, value getter), in llama-server's order and wording.
+# llama-server types n_tokens_max as a counter; prometheus_client would then rename it to
+# n_tokens_max_total, so it is a gauge here (a maximum is a gauge anyway).
+_FAMILIES = (
+    (
+        "prompt_tokens_total",
+        "counter",
+        "Number of prompt tokens processed, excluding cached tokens",
+        lambda m: m.prompt_tokens_total,
+    ),
+    (
+        "prompt_tokens_cached_total",
+        "counter",
+        "Number of prompt tokens reused from the cache",
+        lambda m: m.prompt_tokens_cached_total,
+    ),
+    (
+        "prompt_seconds_total",
+        "counter",
+        "Total time spent processing prompts",
+        lambda m: m.prompt_seconds_total,
+    ),
+    (
+        "tokens_predicted_total",
+        "counter",
+        "Number of generation tokens processed",
+        lambda m: m.tokens_predicted_total,
+    ),
+    (
+        "tokens_predicted_seconds_total",
+        "counter",
+        "Total time spent generating tokens",
+        lambda m: m.tokens_predicted_seconds_total,
+    ),
+    ("n_decode_total", "counter", _N_DECODE_HELP, lambda m: m.n_decode_total),
+    (
+        "n_tokens_max",
+        "gauge",
+        "Largest observed sequence length (prompt + generation)",
+        lambda m: m.n_tokens_max,
+    ),
+    (
+        "spec_decode_num_draft_tokens_total",
+        "counter",
+        "Speculative: Total draft tokens generated",
+        lambda m: 0,
+    ),
+    (
+        "spec_decode_num_accepted_tokens_total",
+        "counter",
+        "Speculative: Total draft tokens accepted by the target model",
+        lambda m: 0,
+    ),
+    (
+        "spec_decode_num_drafts_total",
+        "counter",
+        "Speculative: Total speculative decoding verification steps",
+        lambda m: 0,
+    ),
+    (
+        "prompt_tokens_seconds",
+        "gauge",
+        "Average prompt throughput in tokens/s",
+        lambda m: _rate(m.bucket_prompt_tokens, m.bucket_prompt_seconds),
+    ),
+    (
+        "predicted_tokens_seconds",
+        "gauge",
+        "Average generation throughput in tokens/s",
+        lambda m: _rate(m.bucket_predicted_tokens, m.bucket_predicted_seconds),
+    ),
+    (
+        "requests_processing",
+        "gauge",
+        "Number of requests processing",
+        lambda m: m.requests_processing,
+    ),
+    ("requests_deferred", "gauge", "Number of requests deferred", lambda m: m.requests_deferred),
+    (
+        "n_busy_slots_per_decode",
+        "gauge",
+        "Average number of busy slots per llama_decode() call",
+        lambda m: m.n_busy_slots_total / max(m.n_decode_total, 1),
+    ),
+)
+
+_BAD_NAME_CHARS = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def metric_name(key: str) -> str:
+    """`radixserve:<key>` with characters Prometheus does not allow replaced by `_`."""
+    return "radixserve:" + _BAD_NAME_CHARS.sub("_", key)
+
+
+class _Snapshot(Collector):
+    def __init__(self, m: ServerMetrics, cache_stats: dict[str, float]) -> None:
+        self.m, self.cache_stats = m, cache_stats
+
+    def collect(self) -> Iterator[Metric]:
+        for name, kind, doc, get in _FAMILIES:
+            # CounterMetricFamily strips `_total` and the exposition adds it back.
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family("llamacpp:" + name, doc, value=float(get(self.m)))
+        for key, value in sorted(self.cache_stats.items()):
+            yield GaugeMetricFamily(metric_name(key), f"Host prompt cache: {key}", value=value)
+
+
+def render_metrics(m: ServerMetrics, cache_stats: dict[str, float]) -> bytes:
+    """Prometheus text exposition of `m` (a `scrape()` copy) and the host-cache figures."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(m, cache_stats))
+    return generate_latest(registry)
