@@ -53,9 +53,13 @@ class RadixPromptCache:
         self.tree = RadixTree()
         self.limit_bytes = limit_bytes  # <= 0: no limit (--cache-ram -1)
         self.min_restore_tokens = min_restore_tokens
+        self.fault_restores_left: int | None = None  # None: every restore faults
         if fault_after_tokens is None and (env := os.environ.get(FAULT_ENV)):
-            fault_after_tokens = int(env)
-        self.fault_after_tokens = fault_after_tokens  # every restore that gets this far faults
+            # "N": every restore faults after N tokens; "N:K": only the first K restores do
+            after, _, count = env.partition(":")
+            fault_after_tokens = int(after)
+            self.fault_restores_left = int(count) if count else None
+        self.fault_after_tokens = fault_after_tokens
         self.saves = self.loads = self.hit_tokens = 0
         self.evictions = self.evicted_tokens = self.fallbacks = 0
 
@@ -202,4 +206,8 @@ class RadixPromptCache:
             write_rows(pool, seq, list(range(pos0, pos0 + n)), k[:, :, :n], v[:, :, :n])
             written += n
             if fault is not None and written >= fault:
+                if self.fault_restores_left is not None:
+                    self.fault_restores_left -= 1
+                    if self.fault_restores_left <= 0:
+                        self.fault_after_tokens = None
                 raise InjectedFault(f"injected fault after {written} restored tokens ({FAULT_ENV})")

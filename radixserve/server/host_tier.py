@@ -5,7 +5,9 @@
   legacy backend only loads at that moment (llama.cpp); the radix backend, whose hits are not
   consumed, is asked for every prompt.
 - `--cache-idle-slots`: when a task starts, every idle slot is published to the cache and, with
-  unified KV, cleared: only then do its cells become usable by the active slots.
+  unified KV, cleared: only then do its cells become usable by the active slots. llama.cpp does
+  this after the new task took its slot; with the radix backend we do it just before (the new
+  task's own slot excepted), so the new prompt can already restore what the idle slots held.
 """
 
 from __future__ import annotations
@@ -60,12 +62,12 @@ class HostTier:
             cache.update()
             log.debug("prompt cache update took %.2f ms", (time.perf_counter() - t0) * 1e3)
 
-    def publish_idle(self, slots: list[Slot]) -> None:
+    def publish_idle(self, slots: list[Slot], exclude: Slot | None = None) -> None:
         if not self.cache_idle_slots:
             return
         saved = False
         for s in slots:
-            if s.is_processing or not s.tokens:
+            if s.is_processing or not s.tokens or s is exclude:
                 continue
             saved |= self.cache.save(self.pool, s.id, s.tokens)
             if self.pool.unified:

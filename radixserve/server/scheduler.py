@@ -114,12 +114,17 @@ class Scheduler:
             if slot is None or slot.is_processing:
                 self.deferred.append((task, emit))
                 continue
+            # radix: publish the other idle slots first, so this prompt can restore from them
+            early = self.host.cache.load_always
+            if early:
+                self.host.publish_idle(self.slots, exclude=slot)
             try:
                 self._launch(slot, task, emit, update_cache)
             except TaskError as e:
                 emit(e)
                 continue
-            self.host.publish_idle(self.slots)
+            if not early:
+                self.host.publish_idle(self.slots)
         self.metrics.requests_deferred = len(self.deferred)
         self.metrics.requests_processing = sum(s.is_processing for s in self.slots)
 

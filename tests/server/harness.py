@@ -21,13 +21,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: str | None = None) -> None:
+    def __init__(self, args: list[str], log_path: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(self.port), *args]
         self.log_path = log_path
         self.log = open(log_path, "w") if log_path else subprocess.DEVNULL
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
@@ -62,8 +63,9 @@ class ServerProcess:
 
 
 @contextmanager
-def running_server(args: list[str], log_path: str | None = None) -> Iterator[ServerProcess]:
-    srv = ServerProcess(args, log_path)
+def running_server(args: list[str], log_path: str | None = None,
+                   env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    srv = ServerProcess(args, log_path, env)
     try:
         srv.wait_ready()
         yield srv
