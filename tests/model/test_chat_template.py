@@ -34,7 +34,7 @@ def default_template(reader: gguf.GGUFReader) -> ChatTemplate:
 @pytest.fixture(scope="module")
 def hf_tokenizer() -> Any:
     """transformers' tokenizer for the default GGUF: the reference (test-only dependency)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     path = default_model_path()
     return transformers.AutoTokenizer.from_pretrained(
         os.path.dirname(path), gguf_file=DEFAULT_MODEL_FILE

@@ -19,7 +19,7 @@ PROMPTS = [
 
 
 def hf_model(path: str):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
     )

@@ -90,7 +90,7 @@ def tok() -> Tokenizer:
 @pytest.fixture(scope="module")
 def hf_gguf() -> Any:
     """transformers' own tokenizer for the default GGUF (the reference; test-only dependency)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     path = default_model_path()
     return transformers.AutoTokenizer.from_pretrained(
         os.path.dirname(path), gguf_file=DEFAULT_MODEL_FILE

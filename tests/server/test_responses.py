@@ -36,13 +36,12 @@ from radixserve.server.responses import (
 from radixserve.server.sse import SSE_DONE, ChatStream, NativeStream, TextStream, sse_event
 from radixserve.server.task import FinalResult, PartialResult, TaskError, Timings, TokenProbs
 
-SHAPES = Path(__file__).resolve().parents[3] / "shared/reference/llama-server-shapes"
+# captured from a real llama-server (copied from shared/reference/llama-server-shapes)
+SHAPES = Path(__file__).resolve().parent / "fixtures/llama-server-shapes"
 
 
 def reference(name: str) -> str:
     path = SHAPES / name
-    if not path.exists():
-        pytest.skip("shared/reference/llama-server-shapes not available")
     return path.read_text()
 
 
@@ -404,7 +403,10 @@ def test_props_shape(tiny_model: Any) -> None:
             assert shape(ours[k]) == shape(ref[k]), k
         elif k != "chat_template_caps":
             assert type(ours[k]) is type(ref[k]), k
-    assert ours["prompt_cache"] == {"nodes": 1.0}
+    assert ours["prompt_cache"] == {
+        "backend": "radix", "cache_ram_mib": 8192, "cache_idle_slots": True,
+        "cache_radix_min_restore_tokens": 0, "cache_reuse": 0, "nodes": 1.0,
+    }
     assert ours["default_generation_settings"]["n_ctx"] == 4096
 
 

@@ -1,0 +1,81 @@
+"""The client parses streamed chat completions: TTFT on text (not the role chunk), llama.cpp
+timings when present, OpenAI usage otherwise; turns of a session run in order with history."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from radixserve.bench import client as bench_client
+from radixserve.bench.client import RequestOptions, chat_body, run_sessions
+from radixserve.bench.scenarios import Session
+
+
+def _sse(*chunks: dict) -> bytes:
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + \
+        b"data: [DONE]\n\n"
+
+
+def _delta(text: str | None, role: bool = False) -> dict:
+    d = {"role": "assistant", "content": None} if role else {"content": text}
+    return {"choices": [{"index": 0, "delta": d, "finish_reason": None}]}
+
+
+def _run(handler, sessions: list[Session], concurrency: int = 1):
+    real = httpx.AsyncClient
+
+    def patched(**kw):  # the client under test, over an in-process transport
+        return real(transport=httpx.MockTransport(handler), **kw)
+
+    bench_client.httpx.AsyncClient = patched  # type: ignore[assignment]
+    try:
+        return asyncio.run(run_sessions("http://x", sessions, concurrency,
+                                        RequestOptions(n_predict=4)))
+    finally:
+        bench_client.httpx.AsyncClient = real  # type: ignore[assignment]
+
+
+def test_timings_and_history() -> None:
+    seen: list[list[dict]] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        body = json.loads(req.content)
+        seen.append(body["messages"])
+        turn = len(seen)
+        timings = {"cache_n": 10 * turn, "prompt_n": 5, "predicted_n": 4, "prompt_ms": 1.0}
+        last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+                "timings": timings}
+        return httpx.Response(200, content=_sse(_delta(None, role=True), _delta(f"r{turn}"),
+                                                _delta(" end"), last))
+
+    recs, wall = _run(handler, [Session("c", "chat", "sys", ("u1", "u2"))])
+    assert [r.turn for r in recs] == [0, 1] and wall > 0
+    assert recs[1].cache_n == 20 and recs[1].prompt_n == 5 and recs[1].predicted_n == 4
+    assert all(r.ttft_s is not None and 0 <= r.ttft_s <= r.latency_s for r in recs)
+    assert seen[1] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "u1"},
+                       {"role": "assistant", "content": "r1 end"},
+                       {"role": "user", "content": "u2"}]
+
+
+def test_usage_fallback_and_errors() -> None:
+    def handler(req: httpx.Request) -> httpx.Response:
+        if json.loads(req.content)["messages"][0]["content"] == "bad":
+            return httpx.Response(500, json={"error": {"message": "no"}})
+        usage = {"prompt_tokens": 30, "completion_tokens": 4,
+                 "prompt_tokens_details": {"cached_tokens": 24}}
+        return httpx.Response(200, content=_sse(_delta("hi"), {"choices": [], "usage": usage}))
+
+    recs, _ = _run(handler, [Session("a", "g", "ok", ("q",)), Session("b", "g", "bad", ("q",))],
+                   concurrency=2)
+    ok = next(r for r in recs if r.session == "a")
+    bad = next(r for r in recs if r.session == "b")
+    assert (ok.cache_n, ok.prompt_n, ok.predicted_n) == (24, 6, 4)
+    assert bad.error is not None and "500" in bad.error
+
+
+def test_chat_body_sets_strict_no_cache_and_fixed_length() -> None:
+    b = chat_body([{"role": "user", "content": "x"}], RequestOptions(7, cache_prompt=False))
+    assert b["cache_prompt"] is False and b["max_tokens"] == 7 and b["ignore_eos"] is True
+    assert b["stream"] is True and b["temperature"] == 0.0

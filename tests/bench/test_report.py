@@ -1,0 +1,67 @@
+"""Report rendering: the Markdown table has a row per mode and every column; PNGs exist."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from radixserve.bench.report import COLUMNS, markdown_report, summarize, write_report
+
+
+def _run(scenario: str, mode: str, repeat: int, hit: float, ttft: float) -> dict:
+    return {"scenario": scenario, "mode": mode, "repeat": repeat, "figures": {
+        "n_requests": 4, "n_errors": 0, "hit_rate": hit, "ttft_p50_ms": ttft,
+        "ttft_p95_ms": 2 * ttft, "e2e_p50_ms": 3 * ttft, "e2e_p95_ms": 4 * ttft,
+        "req_per_s": 1.5, "gen_tok_per_s": 24.0, "prompt_tokens_reused": 100 * hit,
+        "prompt_tokens_computed": 100 * (1 - hit),
+        "host_cache_mib": None if mode == "no-cache" else 12.5,
+        "unique_tokens": None if mode == "no-cache" else 300,
+        "logical_tokens": None if mode == "no-cache" else 900, "rss_peak_mib": 800.0,
+        "hit_rate_by_group": {"hot": hit, "cold": 0.0}}}
+
+
+RESULTS = [
+    *[_run("s1", m, k, h, t) for k in range(3)
+      for m, h, t in (("no-cache", 0.0, 100.0 + k), ("radix", 0.5 + 0.1 * k, 20.0 * (k + 1)))],
+    _run("s2", "radix", 0, 0.9, 10.0),
+    {"scenario": "s2", "mode": "no-cache", "repeat": 0, "error": "RuntimeError: boom"},
+]
+
+
+def test_summary_takes_medians_and_skips_failed_runs() -> None:
+    s = summarize(RESULTS)
+    assert s["s1"]["radix"]["repeats"] == 3
+    assert s["s1"]["radix"]["hit_rate"] == 0.6
+    assert s["s1"]["radix"]["ttft_p50_ms"] == 40.0
+    assert s["s1"]["no-cache"]["host_cache_mib"] is None
+    assert s["s1"]["radix"]["hit_rate_by_group"] == {"hot": 0.6, "cold": 0.0}
+    assert s["s2"]["no-cache"] == {"repeats": 0}
+
+
+def test_markdown_table_rows_and_columns() -> None:
+    md = markdown_report(summarize(RESULTS), RESULTS, {"s1": "first scenario"})
+    lines = md.splitlines()
+    header = next(line for line in lines if line.startswith("| mode |"))
+    cells = [c.strip() for c in header.strip("|").split("|")]
+    assert cells == ["mode", "runs", *(title for title, _ in COLUMNS)]
+    n_cols = header.count("|")
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| mode")]
+    rows = [r for r in rows if not r.startswith("| ---")]
+    assert all(r.count("|") == n_cols for r in rows)
+    assert "## s1" in md and "## s2" in md and "first scenario" in md
+    radix_s1 = next(r for r in rows if r.startswith("| radix | 3 |"))
+    assert "| 60.0% |" in radix_s1 and "| 40.0 |" in radix_s1 and "| 300 / 900 |" in radix_s1
+    no_cache = next(r for r in rows if r.startswith("| no-cache | 3 |"))
+    assert "| 0.0% |" in no_cache and "| - |" in no_cache  # no host cache: unknown, not 0
+    assert "hot 60.0%" in md
+    assert "## Failed runs" in md and "RuntimeError: boom" in md
+
+
+def test_write_report_creates_files(tmp_path: Path) -> None:
+    paths = write_report(RESULTS, tmp_path)
+    for name in ("summary.json", "summary.md", "ttft.png", "hit_rate.png", "host_mib.png"):
+        p = paths[name]
+        assert p.is_file() and p.stat().st_size > 0, name
+    for name in ("ttft.png", "hit_rate.png", "host_mib.png"):
+        assert paths[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(paths["summary.json"].read_text())["s1"]["radix"]["hit_rate"] == 0.6

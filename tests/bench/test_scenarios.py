@@ -1,0 +1,121 @@
+"""Scenario files load, and workloads are a pure function of the scenario (seed included)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+
+from radixserve.bench.scenarios import (
+    KIND_PARAMS,
+    Scenario,
+    build_workload,
+    cleanup_session,
+    load_scenario,
+    make_text,
+    scenario_names,
+    warmup_sessions,
+)
+
+REQUIRED = {"shared-prefix-main", "exact-reuse", "no-sharing", "prefix-512", "prefix-1024",
+            "prefix-2048", "prefix-4096", "concurrency-1", "concurrency-4", "capacity-lru-512",
+            "multi-turn-chat"}
+
+
+def _prompts(s: Scenario) -> list[tuple[str, tuple[str, ...]]]:
+    return [(x.system, x.user_turns) for x in build_workload(s)]
+
+
+def test_every_required_scenario_ships_and_loads() -> None:
+    assert REQUIRED <= set(scenario_names())
+    for name in scenario_names():
+        s = load_scenario(name)
+        assert s.name == name and s.kind in KIND_PARAMS
+        assert build_workload(s), name
+
+
+@pytest.mark.parametrize("name", sorted(REQUIRED))
+def test_same_seed_same_prompts(name: str) -> None:
+    assert _prompts(load_scenario(name)) == _prompts(load_scenario(name))
+
+
+@pytest.mark.parametrize("name", sorted(REQUIRED))
+def test_different_seed_different_prompts(name: str) -> None:
+    s = load_scenario(name)
+    other = dataclasses.replace(s, seed=s.seed + 1)
+    assert _prompts(s) != _prompts(other)
+
+
+def test_make_text_is_deterministic_and_sized() -> None:
+    a, b = make_text(random.Random(5), 130), make_text(random.Random(5), 130)
+    assert a == b and a != make_text(random.Random(6), 130)
+    # 120 words + 10 sentence-ending periods ~ 130 tokens for the default tokenizer
+    assert len(a.split()) == 120 and a.count(".") == 10
+
+
+def test_shared_prefix_shape() -> None:
+    s = load_scenario("shared-prefix-main")
+    w = build_workload(s)
+    p = s.params
+    assert len(w) == p["n_docs"] * p["n_questions"]
+    assert len({x.system for x in w}) == p["n_docs"]  # questions share their document
+    assert len({x.user_turns for x in w}) == len(w)  # every question differs
+    assert [x.id for x in w] != sorted(x.id for x in w)  # shuffled, not document-major
+
+
+def test_no_sharing_prompts_differ_from_the_first_word() -> None:
+    w = build_workload(load_scenario("no-sharing"))
+    firsts = [x.system.split()[0] for x in w]
+    assert len({x.system for x in w}) == len(w)
+    assert len(set(firsts)) > 1
+
+
+def test_exact_reuse_repeats_one_prompt() -> None:
+    w = build_workload(load_scenario("exact-reuse"))
+    assert len({(x.system, x.user_turns) for x in w}) == 1 and len(w) > 1
+
+
+def test_multi_turn_sessions() -> None:
+    s = load_scenario("multi-turn-chat")
+    w = build_workload(s)
+    assert len(w) == s.params["n_conversations"]
+    assert all(len(x.user_turns) == s.params["n_turns"] for x in w)
+    assert len({x.system for x in w}) == 1  # one shared system prompt
+
+
+def test_capacity_hot_set_is_refreshed_between_cold_rounds() -> None:
+    s = load_scenario("capacity-lru-512")
+    w = build_workload(s)
+    p = s.params
+    hot = [x for x in w if x.group == "hot"]
+    cold = [x for x in w if x.group == "cold"]
+    assert len(cold) == p["n_cold"] and len({x.system for x in cold}) == p["n_cold"]
+    assert len({x.system for x in hot}) == p["n_hot"]
+    assert w[-1].group == "hot" and w[0].group == "cold"
+    # the cold sweep alone must exceed the host cache (23 KiB of bf16 KV per SmolLM2 token)
+    cache_mib = int(s.server_args[s.server_args.index("--cache-ram") + 1])
+    assert p["n_cold"] * p["doc_tokens"] * 23 * 1024 > cache_mib * 2**20
+
+
+def test_warmup_and_cleanup_share_nothing_with_the_workload() -> None:
+    for name in REQUIRED:
+        s = load_scenario(name)
+        texts = {x.system for x in build_workload(s)}
+        extra = [*warmup_sessions(s), cleanup_session(s)]
+        assert all(x.system not in texts for x in extra)
+        assert all(x.system.split()[0] != "you" for x in extra)  # not the shared instruction
+
+
+def test_bad_scenarios_are_rejected(tmp_path) -> None:
+    with pytest.raises(ValueError, match="unknown scenario"):
+        load_scenario("no-such-scenario")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"name": "bad", "kind": "shared-prefix", "seed": 1,
+                               "concurrency": 1, "n_predict": 1}))
+    with pytest.raises(ValueError, match="lacks n_docs"):
+        load_scenario(str(bad))
+    bad.write_text(json.dumps({"name": "bad", "kind": "nope"}))
+    with pytest.raises(ValueError, match="kind"):
+        load_scenario(str(bad))

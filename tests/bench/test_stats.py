@@ -1,0 +1,114 @@
+"""Percentiles, hit rate, /metrics parsing and medians, against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from radixserve.bench.stats import (
+    MIB,
+    RequestRecord,
+    aggregate,
+    hit_rate,
+    host_cache_figures,
+    median_of,
+    parse_prometheus,
+    percentile,
+    summarize_run,
+)
+
+
+def test_percentile_hand_computed() -> None:
+    xs = [15, 20, 35, 40, 50]
+    assert percentile(xs, 0) == 15 and percentile(xs, 100) == 50
+    assert percentile(xs, 50) == 35
+    # rank (5-1)*0.4 = 1.6 -> 20 + 0.6*(35-20) = 29
+    assert percentile(xs, 40) == pytest.approx(29.0)
+    # rank 4*0.95 = 3.8 -> 40 + 0.8*10 = 48
+    assert percentile(xs, 95) == pytest.approx(48.0)
+    assert percentile([3, 1, 2], 50) == 2  # unsorted input
+    assert percentile([7.0], 95) == 7.0
+    assert math.isnan(percentile([], 50))
+    # even count: the median is the mean of the middle two
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    with pytest.raises(ValueError):
+        percentile(xs, 101)
+
+
+def test_hit_rate() -> None:
+    assert hit_rate(0, 0) == 0.0
+    assert hit_rate(3, 1) == 0.75
+    assert hit_rate(0, 10) == 0.0
+
+
+def test_summarize_run() -> None:
+    recs = [
+        RequestRecord("a", "g1", 0, 0.0, 1.0, ttft_s=0.1, prompt_n=100, cache_n=0, predicted_n=8),
+        RequestRecord("b", "g1", 0, 0.0, 2.0, ttft_s=0.3, prompt_n=10, cache_n=90, predicted_n=8),
+        RequestRecord("c", "g2", 0, 0.0, 3.0, ttft_s=0.2, prompt_n=50, cache_n=50, predicted_n=8),
+        RequestRecord("d", "g2", 0, 0.0, 9.0, error="HTTP 500"),
+    ]
+    s = summarize_run(recs, wall_s=4.0)
+    assert s["n_requests"] == 4 and s["n_errors"] == 1
+    assert s["ttft_p50_ms"] == pytest.approx(200.0)
+    assert s["ttft_p95_ms"] == pytest.approx(290.0)  # 0.2 + 0.9*(0.3-0.2)
+    assert s["e2e_p50_ms"] == pytest.approx(2000.0)
+    assert s["req_per_s"] == pytest.approx(0.75) and s["gen_tok_per_s"] == pytest.approx(6.0)
+    assert s["prompt_tokens_reused"] == 140 and s["prompt_tokens_computed"] == 160
+    assert s["hit_rate"] == pytest.approx(140 / 300)
+    assert s["hit_rate_by_group"] == {"g1": pytest.approx(0.45), "g2": pytest.approx(0.5)}
+
+
+METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 1234.0
+radixserve:bytes 2.097152e+06
+radixserve:unique_tokens 90.0
+radixserve:logical_tokens 300.0
+radixserve:saves 7.0
+radixserve:loads 5.0
+radixserve:hit_tokens 400.0
+radixserve:evictions 2.0
+radixserve:fallbacks 0.0
+labelled{a="b"} 3
+garbage
+"""
+
+
+def test_parse_prometheus() -> None:
+    m = parse_prometheus(METRICS)
+    assert m["llamacpp:prompt_tokens_total"] == 1234.0
+    assert m["radixserve:bytes"] == 2 * MIB
+    assert m["labelled"] == 3.0 and "garbage" not in m
+
+
+def test_host_cache_figures_radix_deltas() -> None:
+    before = {"radixserve:saves": 2.0, "radixserve:loads": 1.0, "radixserve:hit_tokens": 100.0,
+              "radixserve:evictions": 0.0, "radixserve:fallbacks": 0.0}
+    f = host_cache_figures(before, parse_prometheus(METRICS))
+    assert f["host_cache_mib"] == 2.0
+    assert f["unique_tokens"] == 90 and f["logical_tokens"] == 300
+    assert f["host_saves"] == 5 and f["host_loads"] == 4 and f["host_hit_tokens"] == 300
+    assert f["host_evictions"] == 2
+
+
+def test_host_cache_figures_legacy_and_none() -> None:
+    after = {"radixserve:cache_bytes": float(MIB), "radixserve:cache_tokens": 50.0,
+             "radixserve:cache_saves": 3.0, "radixserve:cache_evicted_fifo": 1.0,
+             "radixserve:cache_evicted_bytes": 1.0, "radixserve:cache_evicted_obsolete": 4.0}
+    f = host_cache_figures({}, after)
+    assert f["host_cache_mib"] == 1.0
+    assert f["unique_tokens"] == f["logical_tokens"] == 50
+    assert f["host_saves"] == 3 and f["host_evictions"] == 2  # obsolete entries are not pressure
+    empty = host_cache_figures({}, {})  # no-cache, or llama-server without --metrics
+    assert all(v is None for v in empty.values())
+
+
+def test_medians_over_repeats() -> None:
+    assert median_of([3, None, 1, float("nan"), 2]) == 2
+    assert median_of([None]) is None
+    runs = [{"a": 1.0, "b": None, "g": {"x": 0.1}}, {"a": 5.0, "b": None, "g": {"x": 0.3}},
+            {"a": 2.0, "b": None, "g": {"x": 0.2}}]
+    agg = aggregate(runs)
+    assert agg == {"repeats": 3, "a": 2.0, "b": None, "g": {"x": 0.2}}
