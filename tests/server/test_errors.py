@@ -93,3 +93,18 @@ def test_unknown_route_is_404(server):
 def test_server_still_serves_after_errors(server):
     r = call(server, "/completion", {"prompt": "hello", "n_predict": 3, "temperature": 0})
     assert r.status_code == 200 and r.json()["tokens_predicted"] == 3
+
+
+def test_model_that_fails_to_load_stops_the_server(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.server.harness import free_port
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    for model in (str(bad), str(tmp_path / "missing.gguf")):
+        r = subprocess.run([sys.executable, "-m", "radixserve.cli", "serve", "-m", model,
+                            "--port", str(free_port())], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 1 and "failed to load the model" in r.stderr
