@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from radixserve.kv.pool import KVPool
+from radixserve.model.chat_template import ChatTemplate
 from radixserve.model.default_model import default_model_path
 from radixserve.model.forward import Transformer
 from radixserve.model.hparams import HParams
+from radixserve.model.tokenizer import Tokenizer
 from radixserve.model.weights import load_weights
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -56,3 +58,11 @@ def default_path() -> str:
 @pytest.fixture(scope="session")
 def default_tr(default_path: str) -> Transformer:
     return make_transformer(default_path)
+
+
+@pytest.fixture(scope="session")
+def tok_tmpl(tiny_path: str) -> tuple[Tokenizer, ChatTemplate]:
+    """The real tokenizer and chat template of the tiny model (copied from the default one)."""
+    reader = gguf.GGUFReader(tiny_path)
+    tok = Tokenizer.from_gguf(reader)
+    return tok, ChatTemplate.from_gguf(reader, tok)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from radixserve.cache.legacy import LegacyPromptCache
-from radixserve.kv.state import fingerprint_of, state_size
+from radixserve.kv.state import fingerprint_of
 from radixserve.model.forward import BatchSeq, Transformer
 from tests.conftest import make_pool
 

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import gguf
 import pytest
 
 from radixserve.config import ServerConfig
@@ -65,13 +64,6 @@ def shape(v: Any) -> Any:
     if v is None:
         return None
     return type(v).__name__
-
-
-@pytest.fixture(scope="module")
-def tok_tmpl(tiny_path: str) -> tuple[Tokenizer, ChatTemplate]:
-    reader = gguf.GGUFReader(tiny_path)
-    tok = Tokenizer.from_gguf(reader)
-    return tok, ChatTemplate.from_gguf(reader, tok)
 
 
 @pytest.fixture

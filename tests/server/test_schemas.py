@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import gguf
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,13 +24,6 @@ from radixserve.server.parse import (
 from radixserve.server.task import TaskError
 
 N_CTX = 64
-
-
-@pytest.fixture(scope="module")
-def tok_tmpl(tiny_path: str) -> tuple[Tokenizer, ChatTemplate]:
-    reader = gguf.GGUFReader(tiny_path)
-    tok = Tokenizer.from_gguf(reader)
-    return tok, ChatTemplate.from_gguf(reader, tok)
 
 
 @pytest.fixture
