@@ -164,6 +164,10 @@ class Scheduler:
             sampler = Sampler(task.params, self.tok.n_vocab, task.prompt_tokens)
         except ValueError as e:
             raise TaskError(400, "invalid_request_error", f"Failed to initialize samplers: {e}")
+        if self.pool.unified:  # room for the whole prompt, so a cached prefix can be restored
+            while (self.pool.n_free + len(slot.tokens) < len(task.prompt_tokens)
+                   and self.try_clear_idle_slots(exclude=slot)):
+                pass
         self.host.exchange(slot, task.prompt_tokens, update_cache)
         slot.start(task, sampler, emit)
         self._pre_decode(slot)
@@ -335,13 +339,19 @@ class Scheduler:
         s.tokens = []
         s.release()
 
-    def try_clear_idle_slots(self) -> bool:
-        """Unified KV only: free the first idle slot holding cells (llama-server's rule)."""
+    def try_clear_idle_slots(self, exclude: Slot | None = None) -> bool:
+        """Unified KV only: free the first idle slot holding cells (llama-server's rule).
+
+        Unlike llama-server, the slot's KV goes to the host cache first (when there is one), so
+        freeing cells for an active slot loses nothing a later request could reuse.
+        """
         if not self.pool.unified:
             return False
         for s in self.slots:
-            if not s.is_processing and s.tokens:
+            if not s.is_processing and s.tokens and s is not exclude:
                 log.warning("purging slot %d with %d tokens", s.id, len(s.tokens))
+                if self.host.cache.save(self.pool, s.id, s.tokens):
+                    self.host.cache.update()
                 self.pool.seq_rm(s.id)
                 s.tokens = []
                 return True
