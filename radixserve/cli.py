@@ -49,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="start the HTTP server", formatter_class=fmt)
     _model_args(s)
-    s.add_argument("--host", default=d.host)
-    s.add_argument("--port", type=int, default=d.port)
+    s.add_argument("--host", default=d.host, help="address to listen on")
+    s.add_argument("--port", type=int, default=d.port, help="port to listen on")
     s.add_argument("-a", "--alias", default=None, help="model name reported by the API")
     s.add_argument("-c", "--ctx-size", type=int, default=0,
                    help="KV cells in total, 0 = the model's training context")
@@ -60,24 +60,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="all slots draw KV cells from one shared pool")
     s.add_argument("--kv-unified-per-slot", type=int, default=d.kv_unified_per_slot,
                    help="with --kv-unified: cap of one slot's context, 0 = no cap")
-    s.add_argument("-b", "--batch-size", type=int, default=d.batch_size)
+    s.add_argument("-b", "--batch-size", type=int, default=d.batch_size,
+                   help="logical batch size; a step holds at most min(-b, -ub) tokens")
     s.add_argument("-ub", "--ubatch-size", type=int, default=d.ubatch_size,
                    help="tokens per forward step (prefill chunk + decode tokens)")
-    s.add_argument("-sps", "--slot-prompt-similarity", type=float, default=d.slot_prompt_similarity)
+    s.add_argument("-sps", "--slot-prompt-similarity", type=float,
+                   default=d.slot_prompt_similarity,
+                   help="reuse an idle slot whose prompt shares more than this fraction, 0 = off")
     s.add_argument("--cache-reuse", type=int, default=d.cache_reuse,
                    help="min chunk size to reuse from the slot's KV via shifting, 0 = off")
     s.add_argument("--no-cache-prompt", dest="cache_prompt", action="store_false",
-                   help="default cache_prompt=false for requests")
+                   help="requests default to cache_prompt=false")
     s.add_argument("--api-key", default=None, help="API key(s), comma separated")
     s.add_argument("--slots", dest="slots", action="store_true", default=True,
                    help="enable GET /slots")
-    s.add_argument("--no-slots", dest="slots", action="store_false", help="disable GET /slots")
+    s.add_argument("--no-slots", dest="slots", action="store_false",
+                   help="disable GET /slots")
     s.add_argument("--metrics", action="store_true", help="enable GET /metrics")
     s.add_argument("-cram", "--cache-ram", type=int, default=d.cache_ram_mib,
                    help="host prompt cache size in MiB, -1 = no limit, 0 = off")
     s.add_argument("--cache-idle-slots", dest="cache_idle_slots", action="store_true", default=True,
                    help="save idle slots to the host cache when a new task starts")
-    s.add_argument("--no-cache-idle-slots", dest="cache_idle_slots", action="store_false")
+    s.add_argument("--no-cache-idle-slots", dest="cache_idle_slots", action="store_false",
+                   help="keep idle slots out of the host cache")
     s.add_argument("--cache-radix-prompt", type=_on_off, default=True, metavar="on|off",
                    help="radix-tree backend for the host prompt cache")
     s.add_argument("--cache-radix-min-restore-tokens", type=int,
