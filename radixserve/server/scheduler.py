@@ -29,6 +29,7 @@ from radixserve.server.slot import Slot, SlotState
 from radixserve.server.task import CompletionTask, TaskError, TokenProbs
 
 log = logging.getLogger(__name__)
+SHARE_MIN_TOKENS = 32  # shorter shared prefixes are not worth waiting for or copying
 Emit = Callable[[Any], None]
 
 
@@ -110,6 +111,9 @@ class Scheduler:
         waiting = len(self.deferred)
         for _ in range(waiting):
             task, emit = self.deferred.popleft()
+            if self._waits_for_prefill(task):
+                self.deferred.append((task, emit))
+                continue
             slot, update_cache = self.get_available_slot(task)
             if slot is None or slot.is_processing:
                 self.deferred.append((task, emit))
@@ -169,10 +173,43 @@ class Scheduler:
                    and self.try_clear_idle_slots(exclude=slot)):
                 pass
         self.host.exchange(slot, task.prompt_tokens, update_cache)
+        self._share_prefix(slot, task.prompt_tokens)
         slot.start(task, sampler, emit)
         self._pre_decode(slot)
         log.info("slot %d: task %d, prompt %d tokens, n_past %d", slot.id, task.id,
                  len(task.prompt_tokens), slot.n_past)
+
+    # -- device-tier sharing (beyond the seeds) ----------------------------------------------
+    def _waits_for_prefill(self, task: CompletionTask) -> bool:
+        """Another slot is computing a prefix this task shares: wait for it and share its KV,
+        rather than computing the same prefix twice at the same time on the same cores."""
+        for s in self.slots:
+            if s.state is SlotState.PROCESSING_PROMPT and s.task is not task:
+                n = common_prefix(s.prompt, task.prompt_tokens)
+                if n - len(s.tokens) >= SHARE_MIN_TOKENS:
+                    return True
+        return False
+
+    def _share_prefix(self, slot: Slot, prompt: list[int]) -> None:
+        """Take the longest prefix of `prompt` another slot already holds in its KV. With
+        unified KV the cells are shared, not copied (`seq_cp`); a partition gets a copy."""
+        own = common_prefix(slot.tokens, prompt)
+        donor, n_best = None, own
+        for s in self.slots:
+            if s is not slot and s.tokens:
+                n = common_prefix(s.tokens, prompt)
+                if n > n_best:
+                    donor, n_best = s, n
+        if donor is None or n_best - own < SHARE_MIN_TOKENS:
+            return
+        self.pool.seq_rm(slot.id)
+        try:
+            self.pool.seq_cp(donor.id, slot.id, 0, n_best)
+        except OutOfCells:
+            slot.tokens = []
+            return
+        slot.tokens = prompt[:n_best]
+        log.info("slot %d: sharing %d prompt tokens with slot %d", slot.id, n_best, donor.id)
 
     def _pre_decode(self, slot: Slot) -> None:
         task = slot.task
@@ -219,6 +256,8 @@ class Scheduler:
             self._after_forward(batch, owners, logits)
         except Exception as e:
             self._fail_batch([s for s in owners if s.is_processing], e)
+        if self.deferred:  # tasks waiting on another slot's prefill may go now
+            self.launch_deferred()
 
     def _fail_batch(self, owners: list[Slot], e: Exception) -> None:
         log.exception("batch failed")

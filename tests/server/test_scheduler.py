@@ -92,3 +92,23 @@ def test_similar_prompt_picks_the_slot_holding_it(model):
     assert second.id_slot == first.id_slot and second.timings.cache_n == 60
     other = run(sched, [task(list(range(900, 960)))])[0][-1]
     assert other.id_slot != first.id_slot  # LRU, not the similar one
+
+
+@pytest.mark.parametrize("unified", [True, False])
+def test_concurrent_requests_share_one_prefill(model, unified):
+    """Two requests with one 300-token prefix arrive together: it is computed once; the
+    second waits for it and reads the same cells (unified) or a copy (partitioned)."""
+    cfg = ServerConfig(ctx_size=2048, n_parallel=2, kv_unified=unified, ubatch_size=64,
+                       cache_ram_mib=0)
+    sched = Scheduler(model, cfg, ServerMetrics())
+    doc = list(range(2000, 2300))
+    tasks = [task(doc + [11, 12, 13], n=6), task(doc + [21, 22], n=6)]
+    outs = run(sched, tasks)
+    a, b = outs[0][-1], outs[1][-1]
+    assert a.timings.prompt_n == 303 and b.timings.cache_n == 300 and b.timings.prompt_n == 2
+    fresh = Scheduler(model, ServerConfig(ctx_size=2048, n_parallel=2, cache_ram_mib=0),
+                      ServerMetrics())
+    assert b.tokens == run(fresh, [task(doc + [21, 22], n=6, cache_prompt=False)])[0][-1].tokens
+    if unified:  # one copy of the prefix in the pool
+        assert sched.pool.n_cells - sched.pool.n_free < len(sched.slots[0].tokens) + len(
+            sched.slots[1].tokens)
