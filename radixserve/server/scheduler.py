@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from radixserve.cache.base import PromptCache, common_prefix
+from radixserve.cache.base import PromptCache
 from radixserve.config import ServerConfig
 from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.model.forward import BatchSeq
@@ -25,11 +25,12 @@ from radixserve.model.sampling import Sampler, sample_batch
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.host_tier import HostTier
 from radixserve.server.predecode import pre_decode
+from radixserve.server.sharing import share_prefix, waits_for_prefill
 from radixserve.server.slot import Slot, SlotState
+from radixserve.server.slot_choice import choose_slot
 from radixserve.server.task import CompletionTask, TaskError, TokenProbs
 
 log = logging.getLogger(__name__)
-SHARE_MIN_TOKENS = 32  # shorter shared prefixes are not worth waiting for or copying
 Emit = Callable[[Any], None]
 
 
@@ -111,7 +112,7 @@ class Scheduler:
         waiting = len(self.deferred)
         for _ in range(waiting):
             task, emit = self.deferred.popleft()
-            if self._waits_for_prefill(task):
+            if waits_for_prefill(self.slots, task):
                 self.deferred.append((task, emit))
                 continue
             slot, update_cache = self.get_available_slot(task)
@@ -133,35 +134,7 @@ class Scheduler:
         self.metrics.requests_processing = sum(s.is_processing for s in self.slots)
 
     def get_available_slot(self, task: CompletionTask) -> tuple[Slot | None, bool]:
-        """id_slot if given; else best LCP similarity above the threshold; else LRU idle slot.
-
-        The flag says whether the slot's content should go to the host cache first (it would
-        keep less than half of its tokens, or it was picked by LRU).
-        """
-        if task.id_slot != -1:
-            slot = self.slots[task.id_slot]
-            keep = common_prefix(slot.tokens, task.prompt_tokens) / max(1, len(slot.tokens))
-            return slot, not slot.tokens or keep < 0.5
-        best, f_best = None, 0.0
-        thold = self.cfg.slot_prompt_similarity
-        if thold > 0:
-            n = len(task.prompt_tokens)
-            for slot in self.slots:
-                if slot.is_processing or not slot.tokens:
-                    continue
-                f_sim = common_prefix(slot.tokens, task.prompt_tokens) / n
-                if f_sim > f_best and f_sim > thold:
-                    best, f_best = slot, f_sim
-        if best is not None:
-            f_keep = f_best * len(task.prompt_tokens) / len(best.tokens)
-            log.debug("selected slot %d by LCP similarity, f_sim = %.3f, f_keep = %.3f",
-                      best.id, f_best, f_keep)
-            return best, f_keep < 0.5
-        lru = None
-        for slot in self.slots:
-            if not slot.is_processing and (lru is None or slot.t_last_used <= lru.t_last_used):
-                lru = slot
-        return lru, True
+        return choose_slot(self.slots, task, self.cfg.slot_prompt_similarity)
 
     def _launch(self, slot: Slot, task: CompletionTask, emit: Emit, update_cache: bool) -> None:
         try:
@@ -173,43 +146,11 @@ class Scheduler:
                    and self.try_clear_idle_slots(exclude=slot)):
                 pass
         self.host.exchange(slot, task.prompt_tokens, update_cache)
-        self._share_prefix(slot, task.prompt_tokens)
+        share_prefix(self.pool, self.slots, slot, task.prompt_tokens)
         slot.start(task, sampler, emit)
         self._pre_decode(slot)
         log.info("slot %d: task %d, prompt %d tokens, n_past %d", slot.id, task.id,
                  len(task.prompt_tokens), slot.n_past)
-
-    # -- device-tier sharing (beyond the seeds) ----------------------------------------------
-    def _waits_for_prefill(self, task: CompletionTask) -> bool:
-        """Another slot is computing a prefix this task shares: wait for it and share its KV,
-        rather than computing the same prefix twice at the same time on the same cores."""
-        for s in self.slots:
-            if s.state is SlotState.PROCESSING_PROMPT and s.task is not task:
-                n = common_prefix(s.prompt, task.prompt_tokens)
-                if n - len(s.tokens) >= SHARE_MIN_TOKENS:
-                    return True
-        return False
-
-    def _share_prefix(self, slot: Slot, prompt: list[int]) -> None:
-        """Take the longest prefix of `prompt` another slot already holds in its KV. With
-        unified KV the cells are shared, not copied (`seq_cp`); a partition gets a copy."""
-        own = common_prefix(slot.tokens, prompt)
-        donor, n_best = None, own
-        for s in self.slots:
-            if s is not slot and s.tokens:
-                n = common_prefix(s.tokens, prompt)
-                if n > n_best:
-                    donor, n_best = s, n
-        if donor is None or n_best - own < SHARE_MIN_TOKENS:
-            return
-        self.pool.seq_rm(slot.id)
-        try:
-            self.pool.seq_cp(donor.id, slot.id, 0, n_best)
-        except OutOfCells:
-            slot.tokens = []
-            return
-        slot.tokens = prompt[:n_best]
-        log.info("slot %d: sharing %d prompt tokens with slot %d", slot.id, n_best, donor.id)
 
     def _pre_decode(self, slot: Slot) -> None:
         task = slot.task
