@@ -15,7 +15,8 @@ import gguf
 import pytest
 
 from radixserve.model.default_model import DEFAULT_MODEL_FILE, default_model_path
-from radixserve.model.tokenizer import PRE_TOKENIZERS, GGUFVocab, Tokenizer, pre_tokenizer_spec
+from radixserve.model.pretokenize import PRE_TOKENIZERS, pre_tokenizer_spec
+from radixserve.model.tokenizer import GGUFVocab, Tokenizer
 
 # ---- corpus ----------------------------------------------------------------------------------
 
