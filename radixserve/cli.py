@@ -132,12 +132,13 @@ def _log_level(verbosity: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = build_parser()
-    a = ap.parse_args(argv)
-    if a.cmd == "bench":
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the benchmark has its own parser (and --help)
         from radixserve.bench.cli import main as bench_main
 
-        return bench_main(a.rest)
+        return bench_main(argv[1:])
+    ap = build_parser()
+    a = ap.parse_args(argv)
     if getattr(a, "threads", -1) > 0:
         torch.set_num_threads(a.threads)
     if a.cmd == "perf":

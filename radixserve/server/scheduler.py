@@ -146,7 +146,8 @@ class Scheduler:
                    and self.try_clear_idle_slots(exclude=slot)):
                 pass
         self.host.exchange(slot, task.prompt_tokens, update_cache)
-        share_prefix(self.pool, self.slots, slot, task.prompt_tokens)
+        if task.cache_prompt:
+            share_prefix(self.pool, self.slots, slot, task.prompt_tokens)
         slot.start(task, sampler, emit)
         self._pre_decode(slot)
         log.info("slot %d: task %d, prompt %d tokens, n_past %d", slot.id, task.id,

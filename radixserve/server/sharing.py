@@ -22,6 +22,8 @@ SHARE_MIN_TOKENS = 32  # shorter shared prefixes are not worth waiting for or co
 
 def waits_for_prefill(slots: list[Slot], task: CompletionTask) -> bool:
     """A prefilling slot will soon hold a prefix of this task's prompt that it lacks now."""
+    if not task.cache_prompt:  # it will compute everything anyway
+        return False
     for s in slots:
         if s.state is SlotState.PROCESSING_PROMPT and s.task is not task:
             if common_prefix(s.prompt, task.prompt_tokens) - len(s.tokens) >= SHARE_MIN_TOKENS:

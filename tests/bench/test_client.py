@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import httpx
+import pytest
 
 from radixserve.bench import client as bench_client
 from radixserve.bench.client import RequestOptions, chat_body, run_sessions
@@ -23,21 +24,19 @@ def _delta(text: str | None, role: bool = False) -> dict:
     return {"choices": [{"index": 0, "delta": d, "finish_reason": None}]}
 
 
-def _run(handler, sessions: list[Session], concurrency: int = 1):
+def _run(monkeypatch: pytest.MonkeyPatch, handler, sessions: list[Session],
+         concurrency: int = 1):
     real = httpx.AsyncClient
 
     def patched(**kw):  # the client under test, over an in-process transport
         return real(transport=httpx.MockTransport(handler), **kw)
 
-    bench_client.httpx.AsyncClient = patched  # type: ignore[assignment]
-    try:
-        return asyncio.run(run_sessions("http://x", sessions, concurrency,
-                                        RequestOptions(n_predict=4)))
-    finally:
-        bench_client.httpx.AsyncClient = real  # type: ignore[assignment]
+    monkeypatch.setattr(bench_client.httpx, "AsyncClient", patched)
+    return asyncio.run(run_sessions("http://x", sessions, concurrency,
+                                    RequestOptions(n_predict=4)))
 
 
-def test_timings_and_history() -> None:
+def test_timings_and_history(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[dict]] = []
 
     def handler(req: httpx.Request) -> httpx.Response:
@@ -50,7 +49,7 @@ def test_timings_and_history() -> None:
         return httpx.Response(200, content=_sse(_delta(None, role=True), _delta(f"r{turn}"),
                                                 _delta(" end"), last))
 
-    recs, wall = _run(handler, [Session("c", "chat", "sys", ("u1", "u2"))])
+    recs, wall = _run(monkeypatch, handler, [Session("c", "chat", "sys", ("u1", "u2"))])
     assert [r.turn for r in recs] == [0, 1] and wall > 0
     assert recs[1].cache_n == 20 and recs[1].prompt_n == 5 and recs[1].predicted_n == 4
     assert all(r.ttft_s is not None and 0 <= r.ttft_s <= r.latency_s for r in recs)
@@ -59,7 +58,7 @@ def test_timings_and_history() -> None:
                        {"role": "user", "content": "u2"}]
 
 
-def test_usage_fallback_and_errors() -> None:
+def test_usage_fallback_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     def handler(req: httpx.Request) -> httpx.Response:
         if json.loads(req.content)["messages"][0]["content"] == "bad":
             return httpx.Response(500, json={"error": {"message": "no"}})
@@ -67,7 +66,7 @@ def test_usage_fallback_and_errors() -> None:
                  "prompt_tokens_details": {"cached_tokens": 24}}
         return httpx.Response(200, content=_sse(_delta("hi"), {"choices": [], "usage": usage}))
 
-    recs, _ = _run(handler, [Session("a", "g", "ok", ("q",)), Session("b", "g", "bad", ("q",))],
+    recs, _ = _run(monkeypatch, handler, [Session("a", "g", "ok", ("q",)), Session("b", "g", "bad", ("q",))],
                    concurrency=2)
     ok = next(r for r in recs if r.session == "a")
     bad = next(r for r in recs if r.session == "b")

@@ -112,3 +112,12 @@ def test_concurrent_requests_share_one_prefill(model, unified):
     if unified:  # one copy of the prefix in the pool
         assert sched.pool.n_cells - sched.pool.n_free < len(sched.slots[0].tokens) + len(
             sched.slots[1].tokens)
+
+
+def test_cache_prompt_false_neither_waits_nor_shares(model):
+    cfg = ServerConfig(ctx_size=2048, n_parallel=2, kv_unified=True, ubatch_size=64,
+                       cache_ram_mib=0)
+    sched = Scheduler(model, cfg, ServerMetrics())
+    doc = list(range(2000, 2300))
+    outs = run(sched, [task(doc + [1], n=3), task(doc + [2], n=3, cache_prompt=False)])
+    assert outs[1][-1].timings.cache_n == 0 and outs[1][-1].timings.prompt_n == 301

@@ -1,0 +1,146 @@
+"""The benchmark client: closed-loop workers streaming OpenAI chat completions over HTTP.
+
+It speaks only the OpenAI API (plus llama-server's optional `cache_prompt`/`ignore_eos` body
+fields and `timings` in the last chunk), so the same client measures radixserve and any other
+OpenAI-compatible server. TTFT is measured here, on the client: request sent -> first chunk that
+carries generated text (the chat role chunk does not count: servers send it before prefill).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from radixserve.bench.scenarios import Session
+from radixserve.bench.stats import RequestRecord
+
+REQUEST_TIMEOUT_S = 600.0
+
+
+@dataclass(slots=True)
+class RequestOptions:
+    """What every request carries besides its messages."""
+
+    n_predict: int
+    cache_prompt: bool = True  # false: the server must not reuse any prompt KV (strict no-cache)
+    model: str = "bench"
+
+
+def chat_body(messages: list[dict[str, str]], opt: RequestOptions) -> dict[str, Any]:
+    """Greedy, fixed length (`ignore_eos`) so every mode generates the same number of tokens."""
+    return {
+        "model": opt.model,
+        "messages": messages,
+        "max_tokens": opt.n_predict,
+        "temperature": 0.0,
+        "seed": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "cache_prompt": opt.cache_prompt,
+    }
+
+
+def _apply_usage(rec: RequestRecord, usage: dict[str, Any]) -> None:
+    """OpenAI `usage` as a fallback for servers without llama.cpp's `timings`."""
+    prompt = usage.get("prompt_tokens")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    if rec.prompt_n is None and isinstance(prompt, int):
+        rec.cache_n, rec.prompt_n = cached, prompt - cached
+    if rec.predicted_n is None and isinstance(usage.get("completion_tokens"), int):
+        rec.predicted_n = usage["completion_tokens"]
+
+
+async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                      rec: RequestRecord, t0: float) -> str:
+    """POST one streamed chat completion; fill `rec`'s timings; return the reply text."""
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            rec.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+            return ""
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                rec.error = str(chunk["error"])[:200]
+                break
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    if rec.ttft_s is None:
+                        rec.ttft_s = time.perf_counter() - t0
+                    text.append(piece)
+            if "timings" in chunk:
+                tm = chunk["timings"]
+                rec.cache_n, rec.prompt_n = tm.get("cache_n"), tm.get("prompt_n")
+                rec.predicted_n, rec.prompt_ms = tm.get("predicted_n"), tm.get("prompt_ms")
+            usage = chunk.get("usage") or usage
+    _apply_usage(rec, usage)
+    return "".join(text)
+
+
+async def _run_turn(client: httpx.AsyncClient, url: str, s: Session, turn: int,
+                    history: list[dict[str, str]], opt: RequestOptions,
+                    phase_t0: float) -> tuple[RequestRecord, str]:
+    t0 = time.perf_counter()
+    rec = RequestRecord(s.id, s.group, turn, t0 - phase_t0, 0.0)
+    messages = history + [{"role": "user", "content": s.user_turns[turn]}]
+    try:
+        reply = await stream_chat(client, url, chat_body(messages, opt), rec, t0)
+    except Exception as e:  # any failure is one failed request, never a stuck benchmark
+        rec.error, reply = f"{type(e).__name__}: {e}"[:200], ""
+    rec.latency_s = time.perf_counter() - t0
+    if rec.ttft_s is None and rec.error is None:
+        rec.ttft_s = rec.latency_s  # nothing streamed (all text in the last chunk)
+    return rec, reply
+
+
+async def run_sessions(url: str, sessions: list[Session], concurrency: int, opt: RequestOptions,
+                       on_done: Callable[[RequestRecord], None] | None = None,
+                       ) -> tuple[list[RequestRecord], float]:
+    """Run `sessions` with `concurrency` closed-loop clients; returns (records, wall seconds).
+
+    A session's next turn goes to the back of the queue when its reply arrives, so many
+    conversations interleave turn by turn (and outnumber the slots) as with real chat users.
+    """
+    queue: asyncio.Queue[tuple[Session, int, list[dict[str, str]]]] = asyncio.Queue()
+    for s in sessions:
+        queue.put_nowait((s, 0, [{"role": "system", "content": s.system}]))
+    records: list[RequestRecord] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+
+        async def worker() -> None:
+            while True:
+                s, turn, history = await queue.get()
+                try:
+                    rec, reply = await _run_turn(client, url, s, turn, history, opt, t0)
+                    records.append(rec)
+                    if on_done is not None:
+                        on_done(rec)
+                    if turn + 1 < len(s.user_turns) and rec.error is None:
+                        history = history + [{"role": "user", "content": s.user_turns[turn]},
+                                             {"role": "assistant", "content": reply}]
+                        queue.put_nowait((s, turn + 1, history))
+                finally:
+                    queue.task_done()
+
+        workers = [asyncio.create_task(worker()) for _ in range(max(1, concurrency))]
+        await queue.join()
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    return records, time.perf_counter() - t0

@@ -1,0 +1,158 @@
+"""Turn run results into the deliverables: summary JSON, a Markdown table, PNG bar charts.
+
+The summary is `{scenario: {mode: medians over the repeats that succeeded}}`; failed runs are
+listed, never averaged in. Plots are grouped bars (x: scenario, one bar per mode) so one figure
+compares every mode on every scenario that was run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on servers and CI
+import matplotlib.pyplot as plt  # noqa: E402
+
+from radixserve.bench.stats import aggregate  # noqa: E402
+
+Summary = dict[str, dict[str, dict[str, Any]]]
+
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("hit rate", "hit_rate"),
+    ("reused / computed tok", "tokens"),
+    ("TTFT p50 ms", "ttft_p50_ms"),
+    ("TTFT p95 ms", "ttft_p95_ms"),
+    ("E2E p50 ms", "e2e_p50_ms"),
+    ("E2E p95 ms", "e2e_p95_ms"),
+    ("req/s", "req_per_s"),
+    ("gen tok/s", "gen_tok_per_s"),
+    ("host MiB", "host_cache_mib"),
+    ("unique / logical tok", "stored"),
+    ("peak RSS MiB", "rss_peak_mib"),
+)
+
+
+def summarize(results: list[dict[str, Any]]) -> Summary:
+    """Medians per (scenario, mode) over the runs that produced figures."""
+    grouped: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for r in results:
+        runs = grouped.setdefault(r["scenario"], {}).setdefault(r["mode"], [])
+        if "figures" in r:
+            runs.append(r["figures"])
+    return {s: {m: aggregate(runs) for m, runs in modes.items()} for s, modes in grouped.items()}
+
+
+def _num(v: Any, fmt: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+
+def _cell(f: dict[str, Any], key: str) -> str:
+    if key == "hit_rate":
+        return _num(None if f.get(key) is None else 100 * f[key], ".1f") + (
+            "%" if f.get(key) is not None else "")
+    if key == "tokens":
+        return f"{_num(f.get('prompt_tokens_reused'), '.0f')} / " \
+               f"{_num(f.get('prompt_tokens_computed'), '.0f')}"
+    if key == "stored":
+        return f"{_num(f.get('unique_tokens'), '.0f')} / {_num(f.get('logical_tokens'), '.0f')}"
+    return _num(f.get(key), ".2f" if key.endswith("per_s") else ".1f")
+
+
+def markdown_table(modes: dict[str, dict[str, Any]]) -> str:
+    """One row per mode, the columns of COLUMNS (medians; '-' where the figure is unknown)."""
+    head = "| mode | runs | " + " | ".join(c for c, _ in COLUMNS) + " |"
+    sep = "| --- | ---: | " + " | ".join("---:" for _ in COLUMNS) + " |"
+    rows = [f"| {m} | {f.get('repeats', 0)} | " + " | ".join(_cell(f, k) for _, k in COLUMNS)
+            + " |" for m, f in modes.items()]
+    return "\n".join([head, sep, *rows])
+
+
+def markdown_report(summary: Summary, results: list[dict[str, Any]],
+                    descriptions: dict[str, str] | None = None) -> str:
+    """All scenarios' tables, per-group hit rates where a scenario has groups, and failures."""
+    out = ["# radixserve bench summary", "",
+           "Medians over repeats (each repeat = a cold server per mode). Hit rate = reused / "
+           "(reused + computed) prompt tokens, from the server's per-request `timings`.", ""]
+    for scenario, modes in summary.items():
+        out += [f"## {scenario}", ""]
+        if descriptions and descriptions.get(scenario):
+            out += [descriptions[scenario], ""]
+        out += [markdown_table(modes), ""]
+        for m, f in modes.items():
+            groups = f.get("hit_rate_by_group")
+            if groups:
+                parts = ", ".join(f"{g} {100 * v:.1f}%" for g, v in groups.items() if v is not None)
+                out.append(f"- {m}: hit rate by group: {parts}")
+            extra = [f"{k.removeprefix('host_')} {f[k]:.0f}" for k in
+                     ("host_saves", "host_loads", "host_hit_tokens", "host_evictions",
+                      "host_fallbacks") if f.get(k) is not None]
+            if extra:
+                out.append(f"- {m}: host cache during measurement: {', '.join(extra)}")
+            if f.get("n_errors"):
+                out.append(f"- {m}: {f['n_errors']:.0f} failed requests (median per run)")
+        out.append("")
+    failed = [r for r in results if "error" in r]
+    if failed:
+        out += ["## Failed runs", ""]
+        out += [f"- {r['scenario']} / {r['mode']} / r{r['repeat']}: {r['error']}" for r in failed]
+        out.append("")
+    return "\n".join(out)
+
+
+def _bars(summary: Summary, key: str, ylabel: str, title: str, path: Path,
+          scale: float = 1.0, whisker_key: str | None = None, log_y: bool = False) -> Path:
+    scenarios = list(summary)
+    modes = list(dict.fromkeys(m for s in scenarios for m in summary[s]))
+    width = 0.8 / max(1, len(modes))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(scenarios) + 2.0), 4.5))
+    for i, m in enumerate(modes):
+        xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(scenarios))]
+        vals = [(summary[s].get(m, {}).get(key) or 0.0) * scale for s in scenarios]
+        if log_y:
+            vals = [v if v > 0 else math.nan for v in vals]
+        ax.bar(xs, vals, width, label=m)
+        if whisker_key:
+            tops = [(summary[s].get(m, {}).get(whisker_key) or 0.0) * scale for s in scenarios]
+            ax.errorbar(xs, vals, yerr=[[0] * len(vals), [max(0.0, t - v) for t, v in
+                                                        zip(tops, vals)]],
+                        fmt="none", ecolor="black", capsize=3, linewidth=1)
+    ax.set_xticks(range(len(scenarios)), scenarios, rotation=20, ha="right")
+    if log_y:  # TTFT spans 0.1 s (hits) to tens of seconds (long cold prefills)
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_plots(summary: Summary, out_dir: Path) -> list[Path]:
+    """ttft.png (p50 bars, p95 whiskers), hit_rate.png, host_mib.png."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [
+        _bars(summary, "ttft_p50_ms", "TTFT ms", "Time to first token (bar p50, whisker p95)",
+              out_dir / "ttft.png", whisker_key="ttft_p95_ms", log_y=True),
+        _bars(summary, "hit_rate", "% of prompt tokens reused", "Prompt cache hit rate",
+              out_dir / "hit_rate.png", scale=100.0),
+        _bars(summary, "host_cache_mib", "MiB", "Host cache size at the end",
+              out_dir / "host_mib.png"),
+    ]
+
+
+def write_report(results: list[dict[str, Any]], out_dir: Path,
+                 descriptions: dict[str, str] | None = None) -> dict[str, Path]:
+    """summary.json, summary.md and the plots under `out_dir`; returns their paths."""
+    summary = summarize(results)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"summary.json": out_dir / "summary.json", "summary.md": out_dir / "summary.md"}
+    paths["summary.json"].write_text(json.dumps(summary, indent=1))
+    paths["summary.md"].write_text(markdown_report(summary, results, descriptions))
+    for p in write_plots(summary, out_dir):
+        paths[p.name] = p
+    return paths

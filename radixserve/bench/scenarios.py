@@ -1,0 +1,170 @@
+"""Benchmark scenarios: JSON parameter files shipped in the package -> deterministic workloads.
+
+A scenario file names a workload *kind* and its sizes; `build_workload` turns it into sessions
+(a system prompt plus one or more user turns) using only `random.Random(seed)` and a fixed word
+list, so the same file gives the same prompts on every machine and run, with no downloads.
+Sizes are in tokens of the default model's tokenizer (every word of `WORDS` is one token there);
+the figures that matter (prompt tokens computed/reused) are read back from the server anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from radixserve.bench.words import WORDS
+
+INSTRUCTION = "you are a document assistant. answer the question from the document only."
+# kind -> the size parameters its JSON must give
+KIND_PARAMS: dict[str, tuple[str, ...]] = {
+    "shared-prefix": ("n_docs", "doc_tokens", "n_questions", "question_tokens"),
+    "exact-reuse": ("doc_tokens", "question_tokens", "n_requests"),
+    "no-sharing": ("doc_tokens", "question_tokens", "n_requests"),
+    "multi-turn": ("n_conversations", "n_turns", "system_tokens", "turn_tokens"),
+    "capacity": ("n_hot", "n_cold", "cold_per_round", "doc_tokens", "question_tokens"),
+}
+
+
+@dataclass(slots=True)
+class Scenario:
+    """One JSON file. `server_args` go to `radixserve serve` before the mode's own flags."""
+
+    name: str
+    kind: str
+    seed: int
+    concurrency: int
+    n_predict: int
+    params: dict[str, int]
+    description: str = ""
+    server_args: list[str] = field(default_factory=list)
+    warmup_requests: int = 2
+    warmup_tokens: int = 128
+    order: str = "shuffle"  # shared-prefix: "shuffle" or "round-robin" over the documents
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Scenario:
+        obj = dict(obj)
+        kind = obj.pop("kind", None)
+        if obj.get("order", "shuffle") not in ("shuffle", "round-robin"):
+            raise ValueError(f"scenario order must be shuffle or round-robin, got {obj['order']!r}")
+        if kind not in KIND_PARAMS:
+            raise ValueError(f"scenario kind must be one of {sorted(KIND_PARAMS)}, got {kind!r}")
+        params = {k: int(obj.pop(k)) for k in KIND_PARAMS[kind] if k in obj}
+        missing = [k for k in KIND_PARAMS[kind] if k not in params]
+        if missing:
+            raise ValueError(f"scenario {obj.get('name')!r} ({kind}) lacks {', '.join(missing)}")
+        bad = [k for k, v in params.items() if v < 1]
+        if bad or int(obj.get("concurrency", 0)) < 1 or int(obj.get("n_predict", 0)) < 1:
+            raise ValueError(f"scenario {obj.get('name')!r}: concurrency, n_predict and "
+                             f"sizes must be >= 1 {bad or ''}")
+        return cls(kind=kind, params=params, **obj)
+
+
+@dataclass(slots=True, frozen=True)
+class Session:
+    """A client conversation: its turns run in order, each after the previous one's reply."""
+
+    id: str
+    group: str
+    system: str
+    user_turns: tuple[str, ...]
+
+
+def _scenario_dir() -> Path:
+    return Path(str(resources.files("radixserve.bench") / "scenarios"))
+
+
+def scenario_names() -> list[str]:
+    """Names of the scenarios shipped in the package."""
+    return sorted(p.stem for p in _scenario_dir().glob("*.json"))
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    """A shipped scenario by name, or any JSON file by path."""
+    path = Path(name_or_path)
+    if not (path.suffix == ".json" and path.is_file()):
+        path = _scenario_dir() / f"{name_or_path}.json"
+        if not path.is_file():
+            raise ValueError(
+                f"unknown scenario {name_or_path!r}; shipped: {', '.join(scenario_names())} "
+                "(server flags go after `--`)"
+            )
+    return Scenario.from_json(json.loads(path.read_text()))
+
+
+def make_text(rng: random.Random, n_tokens: int) -> str:
+    """About `n_tokens` tokens of words, in sentences of 12 words (a period is a token too)."""
+    n_words = max(1, round(n_tokens * 12 / 13))
+    words = [rng.choice(WORDS) for _ in range(n_words)]
+    return " ".join(w + "." if i % 12 == 11 else w for i, w in enumerate(words))
+
+
+def _doc(rng: random.Random, n_tokens: int) -> str:
+    return INSTRUCTION + "\n\ndocument:\n" + make_text(rng, n_tokens)
+
+
+def _question(rng: random.Random, n_tokens: int) -> str:
+    return "question: " + make_text(rng, n_tokens) + "?"
+
+
+def build_workload(s: Scenario) -> list[Session]:
+    """The measured sessions, in the order clients pick them up."""
+    rng = random.Random(s.seed)
+    p = s.params
+    if s.kind == "shared-prefix":
+        docs = [_doc(rng, p["doc_tokens"]) for _ in range(p["n_docs"])]
+        out = [Session(f"d{d}q{q}", f"doc{d}", docs[d], (_question(rng, p["question_tokens"]),))
+               for q in range(p["n_questions"]) for d in range(p["n_docs"])]
+        if s.order == "shuffle":  # questions about one document arrive spread out (RAG traffic)
+            rng.shuffle(out)
+        # round-robin: every return to a document comes after the other documents' turns, so
+        # its prefix has left the slot and must come back from the host cache
+        return out
+    if s.kind == "exact-reuse":
+        doc, q = _doc(rng, p["doc_tokens"]), _question(rng, p["question_tokens"])
+        return [Session(f"r{i}", "same", doc, (q,)) for i in range(p["n_requests"])]
+    if s.kind == "no-sharing":
+        # the unique text comes first, so prompts share nothing past the chat template's header
+        return [Session(f"u{i}", "unique", make_text(rng, p["doc_tokens"]) + "\n\n" + INSTRUCTION,
+                        (_question(rng, p["question_tokens"]),)) for i in range(p["n_requests"])]
+    if s.kind == "multi-turn":
+        system = INSTRUCTION + "\n\n" + make_text(rng, p["system_tokens"])
+        return [Session(f"c{c}", "chat", system,
+                        tuple(make_text(rng, p["turn_tokens"]) for _ in range(p["n_turns"])))
+                for c in range(p["n_conversations"])]
+    return _capacity(s, rng)
+
+
+def _capacity(s: Scenario, rng: random.Random) -> list[Session]:
+    """Rounds of `cold_per_round` never-seen documents followed by one question per hot
+    document: the cold sweep pushes the host cache over its limit, the hot set stays in use."""
+    p = s.params
+    hot = [_doc(rng, p["doc_tokens"]) for _ in range(p["n_hot"])]
+    out: list[Session] = []
+    n_rounds = -(-p["n_cold"] // p["cold_per_round"])
+    for r in range(n_rounds):
+        lo, hi = r * p["cold_per_round"], min(p["n_cold"], (r + 1) * p["cold_per_round"])
+        out += [Session(f"cold{i}", "cold", _doc(rng, p["doc_tokens"]),
+                        (_question(rng, p["question_tokens"]),)) for i in range(lo, hi)]
+        out += [Session(f"hot{h}r{r}", "hot", hot[h], (_question(rng, p["question_tokens"]),))
+                for h in range(p["n_hot"])]
+    return out
+
+
+def warmup_sessions(s: Scenario) -> list[Session]:
+    """Unrelated prompts (own seed, random first words): they warm the compute path without
+    putting any of the scenario's prefixes into a slot or the host cache."""
+    rng = random.Random(s.seed + 7919)
+    return [Session(f"warm{i}", "warmup", make_text(rng, s.warmup_tokens),
+                    (make_text(rng, 16),)) for i in range(s.warmup_requests)]
+
+
+def cleanup_session(s: Scenario) -> Session:
+    """One short unrelated request. Starting it makes the server publish its idle slots to the
+    host cache (and clear them with unified KV): `--cache-idle-slots`, as in production."""
+    rng = random.Random(s.seed + 104729)
+    return Session("cleanup", "cleanup", make_text(rng, 8), (make_text(rng, 4),))

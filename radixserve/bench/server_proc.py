@@ -1,0 +1,134 @@
+"""A cold `radixserve serve` process per benchmark run, and a sampler of its memory.
+
+Each (scenario, mode, repeat) gets its own process on a free loopback port, so no cache state,
+allocator state or warm page leaks from one measurement into the next. The RSS sampler runs in a
+thread of the benchmark (not the server) and polls with psutil: the peak is what an operator
+would see in `top`, host cache included.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+import psutil
+
+from radixserve.bench.stats import MIB
+
+
+def free_port() -> int:
+    """A port the OS says is free now (another process could take it first: rare on loopback)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """`python -m radixserve.cli serve --port P ARGS...`, logged to `log_path`."""
+
+    def __init__(self, args: list[str], log_path: Path, ready_timeout_s: float = 300.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args, self.log_path, self.ready_timeout_s = args, log_path, ready_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> ServerProcess:
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(self.port), *self.args]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            log.write((" ".join(cmd) + "\n").encode())
+            log.flush()
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def _wait_ready(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready after {self.ready_timeout_s}s:\n{self.log_tail()}")
+
+    def log_tail(self, n_chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n_chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """SIGINT (clean shutdown), then SIGKILL if it does not exit within 15 s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class RssSampler:
+    """Polls a process's resident set size every `interval_s` in a daemon thread."""
+
+    def __init__(self, pid: int, interval_s: float = 0.1) -> None:
+        self.proc = psutil.Process(pid)
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
+
+    def rss_bytes(self) -> int:
+        try:
+            return int(self.proc.memory_info().rss)
+        except psutil.Error:  # the process is gone: nothing more to see
+            return 0
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.peak_bytes = max(self.peak_bytes, self.rss_bytes())
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> RssSampler:
+        self.peak_bytes = self.rss_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_bytes = max(self.peak_bytes, self.rss_bytes())
+
+    @property
+    def peak_mib(self) -> float:
+        return self.peak_bytes / MIB

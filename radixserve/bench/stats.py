@@ -1,0 +1,157 @@
+"""The numbers of a benchmark run: percentiles, per-run figures, medians over repeats.
+
+Everything here is pure (records and scraped metrics in, plain dicts out) so it is unit-tested
+without a server. Hit rate is token-weighted, from the server's own per-request `timings`:
+reused = sum(cache_n), computed = sum(prompt_n), hit rate = reused / (reused + computed).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MIB = 1024 * 1024
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One measured request as the client saw it (times in seconds from the phase start)."""
+
+    session: str
+    group: str
+    turn: int
+    t_start: float
+    latency_s: float
+    ttft_s: float | None = None
+    prompt_n: int | None = None  # prompt tokens computed by the server
+    cache_n: int | None = None  # prompt tokens reused (slot or host cache)
+    predicted_n: int | None = None
+    prompt_ms: float | None = None
+    error: str | None = None
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between closest ranks
+    (numpy's default "linear" method); NaN for no values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be within [0, 100], got {q}")
+    xs = sorted(values)
+    if not xs:
+        return math.nan
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def hit_rate(reused: int, computed: int) -> float:
+    total = reused + computed
+    return reused / total if total else 0.0
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """`name value` lines of a Prometheus exposition (labels dropped, comments skipped)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) < 2:
+            continue
+        name = parts[0].split("{", 1)[0]
+        try:
+            out[name] = float(parts[1])
+        except ValueError:
+            continue
+    return out
+
+
+def _first(m: dict[str, float], *names: str) -> float | None:
+    return next((m[n] for n in names if n in m), None)
+
+
+def host_cache_figures(before: dict[str, float],
+                       after: dict[str, float]) -> dict[str, float | None]:
+    """Host-cache figures from two /metrics scrapes, for either backend (radix names first,
+    legacy's `cache_*` second). Counters are deltas over the phase; sizes are end values."""
+
+    def delta(*names: str) -> float | None:
+        a = _first(after, *names)
+        return None if a is None else a - (_first(before, *names) or 0.0)
+
+    host_bytes = _first(after, "radixserve:bytes", "radixserve:cache_bytes")
+    stored = _first(after, "radixserve:unique_tokens", "radixserve:cache_tokens")
+    legacy_evictions = [delta(f"radixserve:cache_evicted_{r}") for r in ("fifo", "bytes", "tokens")]
+    evictions = delta("radixserve:evictions")
+    if evictions is None and any(e is not None for e in legacy_evictions):
+        evictions = sum(e or 0.0 for e in legacy_evictions)
+    return {
+        "host_cache_mib": None if host_bytes is None else host_bytes / MIB,
+        "unique_tokens": stored,
+        # legacy stores every entry whole: what it represents is what it stores
+        "logical_tokens": _first(after, "radixserve:logical_tokens", "radixserve:cache_tokens"),
+        "host_saves": delta("radixserve:saves", "radixserve:cache_saves"),
+        "host_loads": delta("radixserve:loads", "radixserve:cache_loads"),
+        "host_hit_tokens": delta("radixserve:hit_tokens", "radixserve:cache_hit_tokens"),
+        "host_evictions": evictions,
+        "host_fallbacks": delta("radixserve:fallbacks"),
+    }
+
+
+def _ms(xs: list[float], q: float) -> float:
+    return percentile(xs, q) * 1e3
+
+
+def summarize_run(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
+    """Client-side figures of one measurement phase (errors are counted, not timed)."""
+    ok = [r for r in records if r.error is None]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    e2e = [r.latency_s for r in ok]
+    reused = sum(r.cache_n or 0 for r in ok)
+    computed = sum(r.prompt_n or 0 for r in ok)
+    generated = sum(r.predicted_n or 0 for r in ok)
+    out: dict[str, Any] = {
+        "n_requests": len(records),
+        "n_errors": len(records) - len(ok),
+        "wall_s": wall_s,
+        "ttft_p50_ms": _ms(ttft, 50),
+        "ttft_p95_ms": _ms(ttft, 95),
+        "e2e_p50_ms": _ms(e2e, 50),
+        "e2e_p95_ms": _ms(e2e, 95),
+        "req_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
+        "gen_tok_per_s": generated / wall_s if wall_s > 0 else 0.0,
+        "prompt_tokens_computed": computed,
+        "prompt_tokens_reused": reused,
+        "hit_rate": hit_rate(reused, computed),
+    }
+    groups = sorted({r.group for r in ok})
+    if len(groups) > 1:
+        out["hit_rate_by_group"] = {
+            g: hit_rate(sum(r.cache_n or 0 for r in ok if r.group == g),
+                        sum(r.prompt_n or 0 for r in ok if r.group == g))
+            for g in groups
+        }
+    return out
+
+
+def median_of(values: Iterable[Any]) -> Any:
+    """Median of the numbers present (None and NaN skipped); None when there are none."""
+    xs = [v for v in values if isinstance(v, (int, float)) and not math.isnan(v)]
+    return statistics.median(xs) if xs else None
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-key medians over repeated runs of one (scenario, mode); nested dicts per key."""
+    keys = dict.fromkeys(k for r in runs for k in r)
+    out: dict[str, Any] = {"repeats": len(runs)}
+    for k in keys:
+        vals = [r.get(k) for r in runs]
+        if any(isinstance(v, dict) for v in vals):
+            out[k] = aggregate([v for v in vals if isinstance(v, dict)])
+            out[k].pop("repeats", None)
+        else:
+            out[k] = median_of(vals)
+    return out
