@@ -34,10 +34,12 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m radixserve.cli serve --port P ARGS...`, logged to `log_path`."""
 
-    def __init__(self, args: list[str], log_path: Path, ready_timeout_s: float = 300.0) -> None:
+    def __init__(self, args: list[str], log_path: Path, ready_timeout_s: float = 300.0,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args, self.log_path, self.ready_timeout_s = args, log_path, ready_timeout_s
+        self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> ServerProcess:
@@ -47,7 +49,7 @@ class ServerProcess:
         with open(self.log_path, "wb") as log:
             log.write((" ".join(cmd) + "\n").encode())
             log.flush()
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             self._wait_ready()
