@@ -6,31 +6,23 @@ import codecs
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from radixserve.kv.pool import KVPool
 from radixserve.model.forward import BatchSeq
 from radixserve.model.loader import Model
 from radixserve.model.sampling import Sampler, SamplingParams
+from radixserve.server.task import Timings
 
 
-@dataclass(slots=True)
-class GenStats:
-    n_prompt: int = 0
-    prompt_s: float = 0.0
-    n_gen: int = 0
-    gen_s: float = 0.0
-
-    def summary(self) -> str:
-        pps = self.n_prompt / self.prompt_s if self.prompt_s else 0.0
-        steps = self.n_gen - 1  # the first token comes from the prompt's logits
-        gps = steps / self.gen_s if steps > 0 and self.gen_s else 0.0
-        return (f"prompt: {self.n_prompt} tokens, {pps:.1f} tok/s | "
-                f"generation: {self.n_gen} tokens, {gps:.1f} tok/s")
+def summary(t: Timings) -> str:
+    """llama-server's rates (the first generated token is free: it comes with the prompt)."""
+    j = t.to_json()
+    return (f"prompt: {t.prompt_n} tokens, {j['prompt_per_second']:.1f} tok/s | "
+            f"generation: {t.predicted_n} tokens, {j['predicted_per_second']:.1f} tok/s")
 
 
 def generate(
-    model: Model, prompt: str, n_predict: int, params: SamplingParams, chat: bool, stats: GenStats
+    model: Model, prompt: str, n_predict: int, params: SamplingParams, chat: bool, stats: Timings
 ) -> Iterator[str]:
     """Yield text pieces as they are generated (UTF-8 safe), filling `stats`."""
     if chat:
@@ -49,12 +41,12 @@ def generate(
     t0 = time.perf_counter()
     logits = model.transformer.forward(pool, [BatchSeq(0, ids, 0)])
     t1 = time.perf_counter()
-    stats.n_prompt, stats.prompt_s = len(ids), t1 - t0
+    stats.prompt_n, stats.prompt_ms = len(ids), (t1 - t0) * 1e3
     pos = len(ids)
-    while n_predict < 0 or stats.n_gen < n_predict:
+    while n_predict < 0 or stats.predicted_n < n_predict:
         tok = sampler.sample(logits[-1])
         sampler.accept(tok)
-        stats.n_gen += 1
+        stats.predicted_n += 1
         if model.tokenizer.is_eog(tok):
             break
         yield utf8.decode(model.tokenizer.token_to_piece(tok, special=False))
@@ -62,17 +54,17 @@ def generate(
             break
         logits = model.transformer.forward(pool, [BatchSeq(0, [tok], pos)])
         pos += 1
-        stats.gen_s = time.perf_counter() - t1
+        stats.predicted_ms = (time.perf_counter() - t1) * 1e3
     yield utf8.decode(b"", final=True)
 
 
 def run_generate(model: Model, prompt: str, n_predict: int, params: SamplingParams,
-                 chat: bool) -> GenStats:
-    stats = GenStats()
+                 chat: bool) -> Timings:
+    stats = Timings()
     for piece in generate(model, prompt, n_predict, params, chat, stats):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
-    print(stats.summary(), file=sys.stderr)
+    print(summary(stats), file=sys.stderr)
     return stats
