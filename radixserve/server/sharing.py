@@ -17,7 +17,7 @@ from radixserve.server.slot import Slot, SlotState
 from radixserve.server.task import CompletionTask
 
 log = logging.getLogger(__name__)
-SHARE_MIN_TOKENS = 32  # shorter shared prefixes are not worth waiting for or copying
+SHARE_MIN_TOKENS = 16  # shorter shared prefixes are not worth waiting (a step) for or copying
 
 
 def waits_for_prefill(slots: list[Slot], task: CompletionTask) -> bool:
@@ -26,7 +26,8 @@ def waits_for_prefill(slots: list[Slot], task: CompletionTask) -> bool:
         return False
     for s in slots:
         if s.state is SlotState.PROCESSING_PROMPT and s.task is not task:
-            if common_prefix(s.prompt, task.prompt_tokens) - len(s.tokens) >= SHARE_MIN_TOKENS:
+            n = common_prefix(s.prompt, task.prompt_tokens)
+            if n >= SHARE_MIN_TOKENS and len(s.tokens) < n:  # wait until all of it is there
                 return True
     return False
 
