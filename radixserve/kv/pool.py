@@ -305,9 +305,9 @@ class KVPool:
         assert len(free) == self._n_free == self.n_cells - used, "free count mismatch"
         assert len(set(free)) == len(free), "a cell is free twice"
         assert all(not self.cell_seqs[c] for c in free), "a used cell is on the free list"
-        for i, s in enumerate(self.seqs):
-            for p, c in s.by_pos.items():
+        for i, sq in enumerate(self.seqs):
+            for p, c in sq.by_pos.items():
                 assert i in self.cell_seqs[c] and self.cell_pos[c] == p, f"seq {i} pos {p}"
                 assert self.unified or c // self.part_size == i, f"seq {i} left its partition"
-            if s.ordered:
-                assert s.order_pos == sorted(s.by_pos), f"seq {i} order view stale"
+            if sq.ordered:
+                assert sq.order_pos == sorted(sq.by_pos), f"seq {i} order view stale"

@@ -93,7 +93,7 @@ class Transformer:
             gu = F.linear(h, lw.w_gate_up)
             x = x + F.linear(F.silu(gu[:, : hp.n_ff]) * gu[:, hp.n_ff :], lw.w_down).float()
 
-        rows = []
+        rows: list[int] = []
         start = 0
         for b in batch:
             n = len(b.tokens)

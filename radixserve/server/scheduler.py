@@ -103,7 +103,7 @@ class Scheduler:
                 del self.deferred[i]
                 return
         for slot in self.slots:
-            if slot.task is not None and slot.task.id == task_id:
+            if slot.task is not None and slot.job.id == task_id:
                 log.info("slot %d: task %d cancelled", slot.id, task_id)
                 self._finish(slot, emit_final=False)
                 return
@@ -154,7 +154,7 @@ class Scheduler:
                  len(task.prompt_tokens), slot.n_past)
 
     def _pre_decode(self, slot: Slot) -> None:
-        task = slot.task
+        task = slot.job
         n_reuse = self.cfg.cache_reuse if task.n_cache_reuse is None else task.n_cache_reuse
         plan = pre_decode(self.pool, slot.id, slot.tokens, slot.prompt, task.cache_prompt, n_reuse)
         slot.n_past, slot.todo = plan.n_reused, plan.todo
@@ -210,7 +210,7 @@ class Scheduler:
         batch: list[BatchSeq] = []
         owners: list[Slot] = []
         for s in self.slots:
-            if s.state is SlotState.GENERATING:
+            if s.state is SlotState.GENERATING and s.pending is not None:
                 batch.append(BatchSeq(s.id, [s.pending], len(s.tokens)))
                 owners.append(s)
         used = len(batch)
@@ -248,7 +248,7 @@ class Scheduler:
                     continue
                 s.state, s.t_first = SlotState.GENERATING, now
                 self.metrics.on_prompt_done(s.n_prompt_processed, s.n_past, now - s.t_start)
-                if s.task.n_predict == 0:  # prompt only: nothing to sample
+                if s.job.n_predict == 0:  # prompt only: nothing to sample
                     s.stop_type = "limit"
                     self._finish(s)
                     continue
@@ -259,17 +259,17 @@ class Scheduler:
         if len(rows) < logits.shape[0]:
             logits = logits[rows]
         for i, s in enumerate(to_sample):
-            if s.task.ignore_eos:
+            if s.job.ignore_eos:
                 logits[i, list(self.tok.eog_ids)] = -math.inf
-        tokens = sample_batch([s.sampler for s in to_sample], logits)
+        tokens = sample_batch([s.smp for s in to_sample], logits)
         for i, (s, t) in enumerate(zip(to_sample, tokens)):
-            if s.task.n_probs > 0:
+            if s.job.n_probs > 0:
                 s.probs.append(self._probs(s, logits[i], t))
-            s.sampler.accept(t)
+            s.smp.accept(t)
             self._process_token(s, t)
 
     def _probs(self, s: Slot, logits: torch.Tensor, t: int) -> TokenProbs:
-        top = s.sampler.top_probs(logits, s.task.n_probs)
+        top = s.smp.top_probs(logits, s.job.n_probs)
         p = dict(top).get(t, 0.0)
         piece = self.tok.token_to_piece(t, special=False)
         return TokenProbs(t, piece.decode("utf-8", "replace"), list(piece), p,
@@ -277,7 +277,7 @@ class Scheduler:
                            for i, q in top])
 
     def _process_token(self, s: Slot, t: int) -> None:
-        task = s.task
+        task = s.job
         s.generated.append(t)
         stop = False
         if self.tok.is_eog(t) and not task.ignore_eos:
@@ -294,7 +294,7 @@ class Scheduler:
         s.pending = t
         part = s.partial()
         if part is not None:
-            s.emit(part)
+            s.send(part)
 
     def _finish(self, s: Slot, emit_final: bool = True) -> None:
         now = time.perf_counter()
@@ -302,8 +302,8 @@ class Scheduler:
         if emit_final:
             part = s.partial(final=True)
             if part is not None:
-                s.emit(part)
-            s.emit(s.final(now))
+                s.send(part)
+            s.send(s.final(now))
         if s.generated:
             self.metrics.on_prediction_done(len(s.generated), now - (s.t_first or now))
         self.metrics.n_tokens_max = max(self.metrics.n_tokens_max, len(s.tokens))
@@ -314,8 +314,7 @@ class Scheduler:
 
     def _fail(self, s: Slot, err: TaskError) -> None:
         """Fail one request and drop its KV (it may be half-written); others carry on."""
-        if s.emit is not None:
-            s.emit(err)
+        s.send(err)
         self.pool.seq_rm(s.id)
         s.tokens = []
         s.release()

@@ -8,6 +8,7 @@ UTF-8 decoding and stop strings, holding back text that could still become a sto
 from __future__ import annotations
 
 import codecs
+from collections.abc import Callable
 import enum
 import time
 from dataclasses import asdict
@@ -31,7 +32,7 @@ class Slot:
         self.t_last_used = -1.0
         self.task: CompletionTask | None = None
         self.last_task: CompletionTask | None = None
-        self.emit = None  # callable(result) set by the engine for the running task
+        self.emit: Callable[[object], None] | None = None  # the running task's consumer
         self.n_decoded_last = 0
         self._reset_task_state()
 
@@ -52,6 +53,22 @@ class Slot:
         self.t_first = 0.0
         self.stop_type, self.stopping_word, self.truncated = "none", "", False
         self.n_prompt_processed = 0
+
+    @property
+    def job(self) -> CompletionTask:
+        """The running task (only while processing)."""
+        assert self.task is not None, f"slot {self.id} has no task"
+        return self.task
+
+    @property
+    def smp(self) -> Sampler:
+        assert self.sampler is not None, f"slot {self.id} has no sampler"
+        return self.sampler
+
+    def send(self, item: object) -> None:
+        """Hand a result to the task's consumer (nothing once the task is gone)."""
+        if self.emit is not None:
+            self.emit(item)
 
     @property
     def is_processing(self) -> bool:
