@@ -306,7 +306,7 @@ class Scheduler:
             s.send(s.final(now))
         if s.generated:
             self.metrics.on_prediction_done(len(s.generated), now - (s.t_first or now))
-        self.metrics.n_tokens_max = max(self.metrics.n_tokens_max, len(s.tokens))
+        self.metrics.observe_n_tokens(len(s.tokens))
         log.info("slot %d: stop processing, n_tokens = %d, truncated = %s",
                  s.id, len(s.tokens), s.truncated)
         s.release()

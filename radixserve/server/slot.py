@@ -33,7 +33,6 @@ class Slot:
         self.task: CompletionTask | None = None
         self.last_task: CompletionTask | None = None
         self.emit: Callable[[object], None] | None = None  # the running task's consumer
-        self.n_decoded_last = 0
         self._reset_task_state()
 
     def _reset_task_state(self) -> None:
@@ -153,7 +152,6 @@ class Slot:
         self.state = SlotState.IDLE
         self.t_last_used = time.monotonic()
         self.last_task = self.task
-        self.n_decoded_last = len(self.generated)
         self.task, self.emit, self.sampler = None, None, None
 
     # -- /slots --------------------------------------------------------------------------
