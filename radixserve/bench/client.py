@@ -21,6 +21,7 @@ from radixserve.bench.scenarios import Session
 from radixserve.bench.stats import RequestRecord
 
 REQUEST_TIMEOUT_S = 600.0
+Messages = list[dict[str, str]]
 
 
 @dataclass(slots=True)
@@ -92,11 +93,10 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
 
 
 async def _run_turn(client: httpx.AsyncClient, url: str, s: Session, turn: int,
-                    history: list[dict[str, str]], opt: RequestOptions,
+                    messages: list[dict[str, str]], opt: RequestOptions,
                     phase_t0: float) -> tuple[RequestRecord, str]:
     t0 = time.perf_counter()
     rec = RequestRecord(s.id, s.group, turn, t0 - phase_t0, 0.0)
-    messages = history + [{"role": "user", "content": s.user_turns[turn]}]
     try:
         reply = await stream_chat(client, url, chat_body(messages, opt), rec, t0)
     except Exception as e:  # any failure is one failed request, never a stuck benchmark
@@ -109,13 +109,15 @@ async def _run_turn(client: httpx.AsyncClient, url: str, s: Session, turn: int,
 
 async def run_sessions(url: str, sessions: list[Session], concurrency: int, opt: RequestOptions,
                        on_done: Callable[[RequestRecord], None] | None = None,
+                       sent: list[tuple[RequestRecord, Messages]] | None = None,
                        ) -> tuple[list[RequestRecord], float]:
     """Run `sessions` with `concurrency` closed-loop clients; returns (records, wall seconds).
+    `sent`, when given, collects every request's messages (to tokenize the prompts afterwards).
 
     A session's next turn goes to the back of the queue when its reply arrives, so many
     conversations interleave turn by turn (and outnumber the slots) as with real chat users.
     """
-    queue: asyncio.Queue[tuple[Session, int, list[dict[str, str]]]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[Session, int, Messages]] = asyncio.Queue()
     for s in sessions:
         queue.put_nowait((s, 0, [{"role": "system", "content": s.system}]))
     records: list[RequestRecord] = []
@@ -127,8 +129,11 @@ async def run_sessions(url: str, sessions: list[Session], concurrency: int, opt:
             while True:
                 s, turn, history = await queue.get()
                 try:
-                    rec, reply = await _run_turn(client, url, s, turn, history, opt, t0)
+                    messages = history + [{"role": "user", "content": s.user_turns[turn]}]
+                    rec, reply = await _run_turn(client, url, s, turn, messages, opt, t0)
                     records.append(rec)
+                    if sent is not None:
+                        sent.append((rec, messages))
                     if on_done is not None:
                         on_done(rec)
                     if turn + 1 < len(s.user_turns) and rec.error is None:
@@ -144,3 +149,27 @@ async def run_sessions(url: str, sessions: list[Session], concurrency: int, opt:
             w.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
     return records, time.perf_counter() - t0
+
+
+async def prompt_token_ids(url: str, sent: list[tuple[RequestRecord, Messages]],
+                           ) -> list[list[int]] | None:
+    """The token ids of the successful requests' prompts, in the order they were sent, through
+    the server's own template and tokenizer (llama-server's /apply-template and /tokenize).
+    None when the server lacks those endpoints."""
+    out: list[list[int]] = []
+    try:
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as c:
+            for rec, messages in sorted(sent, key=lambda x: x[0].t_start):
+                if rec.error is not None:
+                    continue
+                r = await c.post(url + "/apply-template", json={"messages": messages})
+                if r.status_code != 200:
+                    return None
+                r = await c.post(url + "/tokenize",
+                                 json={"content": r.json()["prompt"], "add_special": True})
+                if r.status_code != 200:
+                    return None
+                out.append([t if isinstance(t, int) else t["id"] for t in r.json()["tokens"]])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    return out

@@ -71,6 +71,12 @@ def markdown_table(modes: dict[str, dict[str, Any]]) -> str:
     return "\n".join([head, sep, *rows])
 
 
+def host_ratio(modes: dict[str, dict[str, Any]]) -> float | None:
+    """radix's host bytes over legacy's (medians), when both ran: issue #5 wants <= 1/3."""
+    radix, legacy = (modes.get(m, {}).get("host_cache_mib") for m in ("radix", "legacy"))
+    return radix / legacy if radix is not None and legacy else None
+
+
 def markdown_report(summary: Summary, results: list[dict[str, Any]],
                     descriptions: dict[str, str] | None = None) -> str:
     """All scenarios' tables, per-group hit rates where a scenario has groups, and failures."""
@@ -92,8 +98,15 @@ def markdown_report(summary: Summary, results: list[dict[str, Any]],
                       "host_fallbacks") if f.get(k) is not None]
             if extra:
                 out.append(f"- {m}: host cache during measurement: {', '.join(extra)}")
+            if f.get("prompt_tokens_bound") is not None and m != "no-cache":
+                out.append(f"- {m}: prompt tokens computed {f['prompt_tokens_computed']:.0f}, "
+                           f"bound {f['prompt_tokens_bound']:.0f} (what no earlier prompt "
+                           "shared + 1 per request)")
             if f.get("n_errors"):
                 out.append(f"- {m}: {f['n_errors']:.0f} failed requests (median per run)")
+        ratio = host_ratio(modes)
+        if ratio is not None:
+            out.append(f"- host cache bytes radix / legacy: {ratio:.2f}")
         out.append("")
     failed = [r for r in results if "error" in r]
     if failed:
@@ -140,7 +153,7 @@ def write_plots(summary: Summary, out_dir: Path) -> list[Path]:
               out_dir / "ttft.png", whisker_key="ttft_p95_ms", log_y=True),
         _bars(summary, "hit_rate", "% of prompt tokens reused", "Prompt cache hit rate",
               out_dir / "hit_rate.png", scale=100.0),
-        _bars(summary, "host_cache_mib", "MiB", "Host cache size at the end",
+        _bars(summary, "host_cache_mib", "MiB", "Host cache size after the run",
               out_dir / "host_mib.png"),
     ]
 

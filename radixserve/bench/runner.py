@@ -6,8 +6,13 @@
    its idle slots to the host cache and, with unified KV, clear them (`--cache-idle-slots`, on
    by default): the state a production server is in between bursts. Nothing else is touched;
    the modes run with their default cache settings;
-3. measurement: the scenario's sessions with its client concurrency, `/metrics` scraped just
-   before and after, the server's RSS polled throughout.
+3. measurement: the scenario's sessions with its client concurrency, the server's RSS polled
+   throughout;
+4. final publish: the clean-up request once more, so the server publishes the slots the last
+   measured requests left (as it would at its next task); `/metrics` is scraped before the
+   measurement and after this step, so the host cache figures count every measured request's
+   KV, in every mode alike. Then the prompts are tokenized by the server (/apply-template,
+   /tokenize) to compute the prompt-token bound of issue #5 (`stats.prefix_bound`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from radixserve.bench.client import RequestOptions, run_sessions
+from radixserve.bench.client import Messages, RequestOptions, prompt_token_ids, run_sessions
 from radixserve.bench.modes import Mode
 from radixserve.bench.scenarios import (
     Scenario,
@@ -39,6 +44,7 @@ from radixserve.bench.stats import (
     RequestRecord,
     host_cache_figures,
     parse_prometheus,
+    prefix_bound,
     summarize_run,
 )
 
@@ -92,11 +98,16 @@ async def _phases(url: str, s: Scenario, mode: Mode, pid: int | None,
     before = await _scrape(url)
     sampler = RssSampler(pid) if pid is not None else None
     rss_start = sampler.rss_bytes() / MIB if sampler else None
+    sent: list[tuple[RequestRecord, Messages]] = []
     with sampler or contextlib.nullcontext():
-        records, wall_s = await run_sessions(url, build_workload(s), s.concurrency, opt, on_done)
+        records, wall_s = await run_sessions(url, build_workload(s), s.concurrency, opt, on_done,
+                                             sent)
+    await run_sessions(url, [cleanup_session(s)], 1, opt)  # final publish
     after = await _scrape(url)
     figures = summarize_run(records, wall_s)
     figures |= host_cache_figures(before, after)
+    prompts = await prompt_token_ids(url, sent)
+    figures["prompt_tokens_bound"] = None if prompts is None else prefix_bound(prompts)
     figures["rss_start_mib"] = rss_start
     figures["rss_peak_mib"] = sampler.peak_mib if sampler else None
     return {"figures": figures, "requests": [dataclasses.asdict(r) for r in records],

@@ -19,6 +19,9 @@ from typing import Any
 from radixserve.bench.words import WORDS
 
 INSTRUCTION = "you are a document assistant. answer the question from the document only."
+# shared-prefix request orders: questions spread out at random, one per document in turn, or
+# each document's questions together (a burst of traffic on one hot document at a time)
+ORDERS = ("shuffle", "round-robin", "grouped")
 # kind -> the size parameters its JSON must give
 KIND_PARAMS: dict[str, tuple[str, ...]] = {
     "shared-prefix": ("n_docs", "doc_tokens", "n_questions", "question_tokens"),
@@ -43,14 +46,15 @@ class Scenario:
     server_args: list[str] = field(default_factory=list)
     warmup_requests: int = 2
     warmup_tokens: int = 128
-    order: str = "shuffle"  # shared-prefix: "shuffle" or "round-robin" over the documents
+    order: str = "shuffle"  # shared-prefix: one of ORDERS
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Scenario:
         obj = dict(obj)
         kind = obj.pop("kind", None)
-        if obj.get("order", "shuffle") not in ("shuffle", "round-robin"):
-            raise ValueError(f"scenario order must be shuffle or round-robin, got {obj['order']!r}")
+        if obj.get("order", "shuffle") not in ORDERS:
+            raise ValueError(f"scenario order must be one of {', '.join(ORDERS)}, "
+                             f"got {obj['order']!r}")
         if kind not in KIND_PARAMS:
             raise ValueError(f"scenario kind must be one of {sorted(KIND_PARAMS)}, got {kind!r}")
         params = {k: int(obj.pop(k)) for k in KIND_PARAMS[kind] if k in obj}
@@ -119,7 +123,9 @@ def build_workload(s: Scenario) -> list[Session]:
         docs = [_doc(rng, p["doc_tokens"]) for _ in range(p["n_docs"])]
         out = [Session(f"d{d}q{q}", f"doc{d}", docs[d], (_question(rng, p["question_tokens"]),))
                for q in range(p["n_questions"]) for d in range(p["n_docs"])]
-        if s.order == "shuffle":  # questions about one document arrive spread out (RAG traffic)
+        if s.order == "grouped":  # each document's questions together, in their own order
+            out.sort(key=lambda x: docs.index(x.system))
+        elif s.order == "shuffle":  # questions about one document arrive spread out (RAG traffic)
             rng.shuffle(out)
         # round-robin: every return to a document comes after the other documents' turns, so
         # its prefix has left the slot and must come back from the host cache

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.cache.prefix import common_prefix
+
 MIB = 1024 * 1024
 
 
@@ -67,6 +69,17 @@ def parse_prometheus(text: str) -> dict[str, float]:
         except ValueError:
             continue
     return out
+
+
+def prefix_bound(prompts: Sequence[Sequence[int]]) -> int:
+    """Issue #5's bound on prompt tokens computed: for each prompt (in the order sent), the
+    tokens past its longest common prefix with any earlier prompt, plus one per prompt (a
+    prompt that is all cached still computes its last token, for the logits)."""
+    total = 0
+    for i, p in enumerate(prompts):
+        shared = max((common_prefix(p, q) for q in prompts[:i]), default=0)
+        total += len(p) - shared + 1
+    return total
 
 
 def _first(m: dict[str, float], *names: str) -> float | None:

@@ -13,15 +13,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from radixserve.cache.prefix import common_prefix
 from radixserve.kv.pool import KVPool
 
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix (LCP) of two token lists."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case, compared at C speed
-        return n
-    return next(i for i in range(n) if a[i] != b[i])
+__all__ = ["PromptCache", "NullPromptCache", "common_prefix"]
 
 
 class PromptCache(Protocol):

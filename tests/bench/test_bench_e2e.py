@@ -62,6 +62,11 @@ def test_tiny_bench_run(tmp_path: Path, tiny_path: str) -> None:
     assert radix["host_saves"] > 0 and radix["host_cache_mib"] > 0
     assert radix["host_loads"] > 0 and radix["host_hit_tokens"] >= 160  # a document came back
     assert radix["logical_tokens"] >= radix["unique_tokens"] > 0
+    # issue #5's bound, from the prompts as the server tokenized them: radix computes at most
+    # what no earlier prompt shared plus one token per request (no-cache computes everything)
+    assert radix["prompt_tokens_bound"] == none["prompt_tokens_bound"] > 6
+    assert radix["prompt_tokens_computed"] <= radix["prompt_tokens_bound"]
+    assert none["prompt_tokens_computed"] > none["prompt_tokens_bound"]
 
     md = (out / "summary.md").read_text()
     assert "| no-cache | 1 |" in md and "| radix | 1 |" in md

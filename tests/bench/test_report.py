@@ -5,7 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from radixserve.bench.report import COLUMNS, markdown_report, summarize, write_report
+from radixserve.bench.report import (
+    COLUMNS,
+    host_ratio,
+    markdown_report,
+    summarize,
+    write_report,
+)
 
 
 def _run(scenario: str, mode: str, repeat: int, hit: float, ttft: float) -> dict:
@@ -65,3 +71,17 @@ def test_write_report_creates_files(tmp_path: Path) -> None:
     for name in ("ttft.png", "hit_rate.png", "host_mib.png"):
         assert paths[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(paths["summary.json"].read_text())["s1"]["radix"]["hit_rate"] == 0.6
+
+
+def test_issue5_lines_bound_and_host_ratio() -> None:
+    runs = [_run("s", m, 0, 0.5, 10.0) for m in ("no-cache", "legacy", "radix")]
+    for r, mib in zip(runs, (None, 30.0, 9.0)):
+        r["figures"] |= {"host_cache_mib": mib, "prompt_tokens_bound": 60}
+    s = summarize(runs)
+    assert host_ratio(s["s"]) == 0.3
+    md = markdown_report(s, runs)
+    assert "- host cache bytes radix / legacy: 0.30" in md
+    assert "- radix: prompt tokens computed 50, bound 60" in md
+    assert "- legacy: prompt tokens computed 50, bound 60" in md
+    assert "- no-cache: prompt tokens computed" not in md  # computes everything by design
+    assert host_ratio(summarize(runs[:1] + runs[2:])["s"]) is None  # no legacy run

@@ -21,7 +21,7 @@ from radixserve.bench.scenarios import (
 
 REQUIRED = {"shared-prefix-main", "exact-reuse", "no-sharing", "prefix-512", "prefix-1024",
             "prefix-2048", "prefix-4096", "concurrency-1", "concurrency-4", "capacity-lru-512",
-            "multi-turn-chat"}
+            "multi-turn-chat", "shared-prefix-shuffled"}
 
 
 def _prompts(s: Scenario) -> list[tuple[str, tuple[str, ...]]]:
@@ -59,10 +59,23 @@ def test_shared_prefix_shape() -> None:
     s = load_scenario("shared-prefix-main")
     w = build_workload(s)
     p = s.params
+    assert (p["n_docs"], p["n_questions"], s.concurrency) == (4, 8, 4)  # issue #5's measure
     assert len(w) == p["n_docs"] * p["n_questions"]
     assert len({x.system for x in w}) == p["n_docs"]  # questions share their document
     assert len({x.user_turns for x in w}) == len(w)  # every question differs
-    assert [x.id for x in w] != sorted(x.id for x in w)  # shuffled, not document-major
+    # grouped: each document's questions together, in question order
+    assert [x.id for x in w] == [f"d{d}q{q}" for d in range(4) for q in range(8)]
+
+
+def test_shuffled_and_round_robin_orders_use_the_same_prompts() -> None:
+    main = load_scenario("shared-prefix-main")
+    shuffled = load_scenario("shared-prefix-shuffled")
+    assert shuffled.order == "shuffle" and main.params == shuffled.params
+    w, ws = build_workload(main), build_workload(shuffled)
+    assert sorted(_prompts(main)) == sorted(_prompts(shuffled))
+    assert [x.id for x in ws] != [x.id for x in w]
+    rr = build_workload(dataclasses.replace(main, order="round-robin"))
+    assert [x.id for x in rr][:5] == ["d0q0", "d1q0", "d2q0", "d3q0", "d0q1"]
 
 
 def test_no_sharing_prompts_differ_from_the_first_word() -> None:
@@ -118,4 +131,7 @@ def test_bad_scenarios_are_rejected(tmp_path) -> None:
         load_scenario(str(bad))
     bad.write_text(json.dumps({"name": "bad", "kind": "nope"}))
     with pytest.raises(ValueError, match="kind"):
+        load_scenario(str(bad))
+    bad.write_text(json.dumps({"name": "bad", "kind": "shared-prefix", "order": "sorted"}))
+    with pytest.raises(ValueError, match="order must be one of shuffle, round-robin, grouped"):
         load_scenario(str(bad))

@@ -15,6 +15,7 @@ from radixserve.bench.stats import (
     median_of,
     parse_prometheus,
     percentile,
+    prefix_bound,
     summarize_run,
 )
 
@@ -112,3 +113,13 @@ def test_medians_over_repeats() -> None:
             {"a": 2.0, "b": None, "g": {"x": 0.2}}]
     agg = aggregate(runs)
     assert agg == {"repeats": 3, "a": 2.0, "b": None, "g": {"x": 0.2}}
+
+
+def test_prefix_bound_counts_what_no_earlier_prompt_shared() -> None:
+    doc_a, doc_b = [1, 2, 3, 4], [1, 9, 9]
+    prompts = [doc_a + [5], doc_a + [6, 7], doc_b + [8], doc_a + [5]]
+    # 5 new; 2 past the 4 shared with the first; 3 past the [1] shared; 0 (exact repeat)
+    assert prefix_bound(prompts) == (5 + 2 + 3 + 0) + 4
+    assert prefix_bound([]) == 0
+    # the longest match counts, whichever earlier prompt it is with
+    assert prefix_bound([[1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5]]) == (2 + 2 + 1) + 3
