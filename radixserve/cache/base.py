@@ -16,7 +16,7 @@ from typing import Protocol
 from radixserve.cache.prefix import common_prefix
 from radixserve.kv.pool import KVPool
 
-__all__ = ["PromptCache", "NullPromptCache", "common_prefix"]
+__all__ = ["NullPromptCache", "PromptCache", "common_prefix"]
 
 
 class PromptCache(Protocol):
