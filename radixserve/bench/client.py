@@ -93,7 +93,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
 
 
 async def _run_turn(client: httpx.AsyncClient, url: str, s: Session, turn: int,
-                    messages: list[dict[str, str]], opt: RequestOptions,
+                    messages: Messages, opt: RequestOptions,
                     phase_t0: float) -> tuple[RequestRecord, str]:
     t0 = time.perf_counter()
     rec = RequestRecord(s.id, s.group, turn, t0 - phase_t0, 0.0)
