@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from radixserve.config import DTYPES, ServerConfig
+from radixserve.config import DTYPES, WEIGHTS, ServerConfig
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -16,6 +16,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF file, or 'default' for the bundled SmolLM2-135M (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="compute dtype; auto = bf16 where the CPU runs it fast (default: %(default)s)")
+    p.add_argument("--weights", default="auto", choices=WEIGHTS,
+                   help="native: Q4_0/Q4_1/Q4_K matrices run packed in torch's int4 kernel and "
+                        "the output head is re-scored exactly from an int8 pass; dequant: every "
+                        "weight dense in the compute dtype; auto: native unless --dtype is f32 "
+                        "(the int4 kernel's f32 path is slow) (default: %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=-1,
                    help="CPU threads for compute, -1 = all cores (default: %(default)s)")
     p.add_argument("-s", "--seed", type=int, default=-1,
@@ -98,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=fmt)
     pf.add_argument("-m", "--model", default="default")
     pf.add_argument("--dtypes", default="f32,bf16")
+    pf.add_argument("--weights", default="auto,dequant",
+                    help="weight paths to measure, comma separated")
+    pf.add_argument("--ctx", type=int, default=512, help="context of the decode figures")
     pf.add_argument("--repeats", type=int, default=3)
 
     b = sub.add_parser("bench", help="HTTP benchmark scenarios (see radixserve.bench)",
@@ -108,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(a: argparse.Namespace) -> ServerConfig:
     cfg = ServerConfig(
-        model=a.model, alias=a.alias, dtype=a.dtype, threads=a.threads, seed=a.seed,
+        model=a.model, alias=a.alias, dtype=a.dtype, weights=a.weights, threads=a.threads, seed=a.seed,
         host=a.host, port=a.port,
         api_key=[k for k in (a.api_key or "").split(",") if k],
         ctx_size=a.ctx_size, n_parallel=a.parallel, kv_unified=a.kv_unified,
@@ -144,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "perf":
         from radixserve.perf import main as perf_main
 
-        return perf_main(a.model, a.dtypes.split(","), a.repeats)
+        return perf_main(a.model, a.dtypes.split(","), a.weights.split(","), a.repeats, a.ctx)
     if a.cmd == "generate":
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         from radixserve.generate import run_generate
@@ -155,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                                 min_p=a.min_p, repeat_penalty=a.repeat_penalty, seed=a.seed)
         try:
             params.validate()
-            model = load_model(a.model, a.dtype)
+            model = load_model(a.model, a.dtype, weights=a.weights)
             run_generate(model, a.prompt, a.n_predict, params, a.chat)
         except (ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "f32", "bf16", "f16")
+WEIGHTS = ("auto", "native", "dequant")
 
 
 @dataclass(slots=True)
@@ -16,6 +17,7 @@ class ServerConfig:
     model: str = "default"
     alias: str | None = None
     dtype: str = "auto"
+    weights: str = "auto"  # auto: native unless f32 compute; native: 4-bit blocks run packed
     threads: int = -1  # -1: torch's default (all cores)
     seed: int = -1
     host: str = "127.0.0.1"
@@ -47,6 +49,8 @@ class ServerConfig:
         """Reject settings that cannot work, with a message naming the flag."""
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"--weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.n_parallel == 0 or self.n_parallel < -1:
             raise ValueError(f"--parallel must be >= 1 (or -1 for auto), got {self.n_parallel}")
         if self.ctx_size < 0:

@@ -39,7 +39,8 @@ def generate(
     sampler = Sampler(params, model.tokenizer.n_vocab, ids)
     utf8 = codecs.getincrementaldecoder("utf-8")("replace")
     t0 = time.perf_counter()
-    logits = model.transformer.forward(pool, [BatchSeq(0, ids, 0)])
+    tr = model.transformer
+    logits = tr.w.head.logits(tr.hidden(pool, [BatchSeq(0, ids, 0)]), [sampler.head_need()])
     t1 = time.perf_counter()
     stats.prompt_n, stats.prompt_ms = len(ids), (t1 - t0) * 1e3
     pos = len(ids)
@@ -52,7 +53,8 @@ def generate(
         yield utf8.decode(model.tokenizer.token_to_piece(tok, special=False))
         if pos + 1 >= n_ctx:
             break
-        logits = model.transformer.forward(pool, [BatchSeq(0, [tok], pos)])
+        logits = tr.w.head.logits(tr.hidden(pool, [BatchSeq(0, [tok], pos)]),
+                                  [sampler.head_need()])
         pos += 1
         stats.predicted_ms = (time.perf_counter() - t1) * 1e3
     yield utf8.decode(b"", final=True)

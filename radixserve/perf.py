@@ -1,21 +1,26 @@
 """`radixserve perf`: engine micro-benchmark (no HTTP): prefill and decode tok/s, load, RSS.
 
-Prints one JSON object per dtype. Figures are medians over `repeats`; quote them with the
-machine and the command (docs/PERFORMANCE.md).
+Prints one JSON object per (dtype, weights) pair, each measured in a fresh process so RSS after
+load belongs to that path alone. Decode steps sample greedily through the same head as the
+server (model/head.py). Figures are medians over `repeats`; quote them with the machine and the
+command (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import platform
 import resource
 import statistics
 import time
 
+import psutil
 import torch
 
 from radixserve.kv.pool import KVPool
 from radixserve.model.forward import BatchSeq
+from radixserve.model.head import RowNeed
 from radixserve.model.loader import Model, load_model
 
 
@@ -32,47 +37,77 @@ def _tokens(n: int, salt: int = 0) -> list[int]:
 def prefill_tps(model: Model, n: int, chunk: int = 512) -> float:
     pool = _pool(model, n + 16, 1)
     ids = _tokens(n)
+    tr = model.transformer
     t = time.perf_counter()
     for s in range(0, n, chunk):
-        model.transformer.forward(pool, [BatchSeq(0, ids[s : s + chunk], s)])
+        h = tr.hidden(pool, [BatchSeq(0, ids[s : s + chunk], s)])
+    tr.w.head.logits(h, [RowNeed(1)])
     return n / (time.perf_counter() - t)
 
 
 def decode_tps(model: Model, batch: int, ctx: int = 512, steps: int = 32) -> float:
+    """Greedy decode of `batch` sequences with `ctx` tokens of context each, one token per
+    sequence per step, through the server's head (sampling included)."""
+    tr = model.transformer
     pool = _pool(model, (ctx + steps + 8) * batch, batch)
     for s in range(batch):
-        model.transformer.forward(pool, [BatchSeq(s, _tokens(ctx, s), 0)])
-    tok = [[5] for _ in range(batch)]
+        for c in range(0, ctx, 512):
+            tr.hidden(pool, [BatchSeq(s, _tokens(ctx, s)[c : c + 512], c, 0)])
+    tok = [5] * batch
+    needs = [RowNeed(1)] * batch
     t = time.perf_counter()
     for i in range(steps):
-        model.transformer.forward(pool, [BatchSeq(s, tok[s], ctx + i) for s in range(batch)])
+        h = tr.hidden(pool, [BatchSeq(s, [tok[s]], ctx + i) for s in range(batch)])
+        tok = tr.w.head.logits(h, needs).argmax(1).tolist()
     return batch * steps / (time.perf_counter() - t)
 
 
-def run(model_path: str, dtype: str, repeats: int) -> dict:
-    model = load_model(model_path, dtype)
+def run(model_path: str, dtype: str, weights: str, repeats: int, ctx: int) -> dict:
+    model = load_model(model_path, dtype, weights=weights)
+    rss_load = psutil.Process().memory_info().rss / 2**20
     fig: dict[str, list[float]] = {}
     for _ in range(repeats):
         for name, fn in (
             ("prefill_512_tok_s", lambda: prefill_tps(model, 512)),
             ("prefill_2048_tok_s", lambda: prefill_tps(model, 2048)),
-            ("decode_b1_tok_s", lambda: decode_tps(model, 1)),
-            ("decode_b4_tok_s", lambda: decode_tps(model, 4)),
+            (f"decode_b1_tok_s_ctx{ctx}", lambda: decode_tps(model, 1, ctx)),
+            (f"decode_b4_tok_s_ctx{ctx}", lambda: decode_tps(model, 4, ctx)),
         ):
             fig.setdefault(name, []).append(fn())
     return {
         "model": model.name,
         "dtype": dtype,
+        "weights": model.weights,
         "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "load_s": round(model.load_s, 3),
+        "weights_mib": round(model.transformer.w.nbytes / 2**20, 1),
+        "rss_after_load_mib": round(rss_load, 1),
         **{k: round(statistics.median(v), 1) for k, v in fig.items()},
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "repeats": repeats,
     }
 
 
-def main(model_path: str, dtypes: list[str], repeats: int) -> int:
+def _run_in_child(args: tuple, out: multiprocessing.Queue) -> None:
+    torch.set_num_threads(args[-1])
+    out.put(run(*args[:-1]))
+
+
+def main(model_path: str, dtypes: list[str], weights: list[str], repeats: int,
+         ctx: int = 512) -> int:
+    ctx_mp = multiprocessing.get_context("spawn")
+    seen = set()
     for dt in dtypes:
-        print(json.dumps(run(model_path, dt, repeats)), flush=True)
+        for w in weights:
+            key = (dt, w if w != "auto" else ("dequant" if dt == "f32" else "native"))
+            if key in seen:
+                continue
+            seen.add(key)
+            q: multiprocessing.Queue = ctx_mp.Queue()
+            p = ctx_mp.Process(target=_run_in_child,
+                               args=((model_path, *key, repeats, ctx, torch.get_num_threads()), q))
+            p.start()
+            print(json.dumps(q.get()), flush=True)
+            p.join()
     return 0

@@ -87,6 +87,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                 tm = chunk["timings"]
                 rec.cache_n, rec.prompt_n = tm.get("cache_n"), tm.get("prompt_n")
                 rec.predicted_n, rec.prompt_ms = tm.get("predicted_n"), tm.get("prompt_ms")
+                rec.predicted_ms = tm.get("predicted_ms")
             usage = chunk.get("usage") or usage
     _apply_usage(rec, usage)
     return "".join(text)

@@ -30,6 +30,8 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("E2E p95 ms", "e2e_p95_ms"),
     ("req/s", "req_per_s"),
     ("gen tok/s", "gen_tok_per_s"),
+    ("prefill tok/s p50", "prefill_tok_s_p50"),
+    ("decode tok/s p50", "decode_tok_s_p50"),
     ("host MiB", "host_cache_mib"),
     ("unique / logical tok", "stored"),
     ("peak RSS MiB", "rss_peak_mib"),

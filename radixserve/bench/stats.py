@@ -32,7 +32,22 @@ class RequestRecord:
     cache_n: int | None = None  # prompt tokens reused (slot or host cache)
     predicted_n: int | None = None
     prompt_ms: float | None = None
+    predicted_ms: float | None = None
     error: str | None = None
+
+    @property
+    def prefill_tok_s(self) -> float | None:
+        """The server's own prompt rate (timings): prompt tokens computed per second."""
+        if not self.prompt_n or not self.prompt_ms:
+            return None
+        return self.prompt_n / self.prompt_ms * 1e3
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        """The server's own generation rate (timings), as llama-server reports it."""
+        if not self.predicted_n or not self.predicted_ms:
+            return None
+        return self.predicted_n / self.predicted_ms * 1e3
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -136,6 +151,9 @@ def summarize_run(records: list[RequestRecord], wall_s: float) -> dict[str, Any]
         "e2e_p95_ms": _ms(e2e, 95),
         "req_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
         "gen_tok_per_s": generated / wall_s if wall_s > 0 else 0.0,
+        # per-request engine rates from the server's timings (single-stream: the engine itself)
+        "prefill_tok_s_p50": median_of(r.prefill_tok_s for r in ok),
+        "decode_tok_s_p50": median_of(r.decode_tok_s for r in ok),
         "prompt_tokens_computed": computed,
         "prompt_tokens_reused": reused,
         "hit_rate": hit_rate(reused, computed),

@@ -47,7 +47,13 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(self, pool: "KVPool", batch: list[BatchSeq]) -> torch.Tensor:
-        """Run `batch`, storing its K/V in `pool`; returns f32 logits [sum n_logits, n_vocab].
+        """Run `batch`, storing its K/V in `pool`; returns exact f32 logits [sum n_logits, V]."""
+        return self.w.head.full(self.hidden(pool, batch))
+
+    @torch.inference_mode()
+    def hidden(self, pool: "KVPool", batch: list[BatchSeq]) -> torch.Tensor:
+        """Run `batch`, storing its K/V in `pool`; returns the output-normed f32 hidden states
+        [sum n_logits, n_embd] of the rows to sample (the head turns them into logits).
 
         Cells are allocated for every sequence before any compute (all or nothing): an
         OutOfCells error leaves the pool unchanged.
@@ -64,21 +70,22 @@ class Transformer:
         cell_idx = torch.tensor(cells, dtype=torch.long, device=device)
         cos, sin = self.rope.cos_sin(pos)
         plans = [self._attn_plan(pool, b, device) for b in batch]
+        n_qk = hp.n_head + hp.n_head_kv
+        d, eps = hp.n_embd, hp.rms_eps
 
         # the residual stream stays in f32: bf16 there flips near-tie greedy choices
         x = F.embedding(tokens, self.w.tok_embd).float()
         dt = self.dtype
         for li, lw in enumerate(self.w.layers):
-            h = rms_norm(x, lw.attn_norm, hp.rms_eps, dt)
-            qkv = F.linear(h, lw.wqkv, lw.bqkv)
-            q = qkv[:, : self.q_dim].view(-1, hp.n_head, hp.head_dim)
-            k = qkv[:, self.q_dim : self.q_dim + self.kv_dim].view(-1, hp.n_head_kv, hp.head_dim)
+            h = F.rms_norm(x, (d,), lw.attn_norm, eps).to(dt)
+            qkv = lw.wqkv(h)
+            qk = qkv[:, : self.q_dim + self.kv_dim].view(-1, n_qk, hp.head_dim)
             v = qkv[:, self.q_dim + self.kv_dim :].view(-1, hp.n_head_kv, hp.head_dim)
             if lw.q_norm is not None:
-                q = rms_norm(q, lw.q_norm, hp.rms_eps)
-                k = rms_norm(k, lw.k_norm, hp.rms_eps)
-            q = self.rope.apply(q, cos, sin)
-            k = self.rope.apply(k, cos, sin)
+                qk = torch.cat([rms_norm(qk[:, : hp.n_head], lw.q_norm, eps),
+                                rms_norm(qk[:, hp.n_head :], lw.k_norm, eps)], dim=1)
+            qk = self.rope.apply(qk, cos, sin)
+            q, k = qk[:, : hp.n_head], qk[:, hp.n_head :]
             pool.write(li, cell_idx, k, v)
             kl, vl = pool.k[li], pool.v[li]
             outs = []
@@ -88,10 +95,10 @@ class Transformer:
                 outs.append(self._attend(q[start : start + n], kl[:, sel], vl[:, sel], mask))
                 start += n
             attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-            x = x + F.linear(attn, lw.wo).float()
-            h = rms_norm(x, lw.ffn_norm, hp.rms_eps, dt)
-            gu = F.linear(h, lw.w_gate_up)
-            x = x + F.linear(F.silu(gu[:, : hp.n_ff]) * gu[:, hp.n_ff :], lw.w_down).float()
+            x = x + lw.wo(attn).float()
+            h = F.rms_norm(x, (d,), lw.ffn_norm, eps).to(dt)
+            gu = lw.w_gate_up(h)
+            x = x + lw.w_down(F.silu(gu[:, : hp.n_ff]) * gu[:, hp.n_ff :]).float()
 
         rows: list[int] = []
         start = 0
@@ -100,10 +107,9 @@ class Transformer:
             rows.extend(range(start + n - min(b.n_logits, n), start + n))
             start += n
         if not rows:
-            return torch.empty(0, hp.n_vocab)
+            return torch.empty(0, hp.n_embd)
         xr = x[torch.tensor(rows, device=device)] if len(rows) < len(x) else x
-        out_w = self.w.output
-        return F.linear(rms_norm(xr, self.w.output_norm, hp.rms_eps, out_w.dtype), out_w).float()
+        return F.rms_norm(xr, (d,), self.w.output_norm, eps)
 
     def _attn_plan(
         self, pool: "KVPool", b: BatchSeq, device: torch.device
@@ -127,6 +133,10 @@ class Transformer:
         """
         hp = self.hp
         n = q.shape[0]
+        if n == 1:  # decode: [1, n_head, d] is already [n_head_kv, group, d]; fewer ops a layer
+            o = F.scaled_dot_product_attention(q.view(1, hp.n_head_kv, hp.n_group, hp.head_dim),
+                                               k[None], v[None], attn_mask=mask)
+            return o.view(1, hp.n_head * hp.head_dim)
         qf = q.view(n, hp.n_head_kv, hp.n_group, hp.head_dim).permute(1, 2, 0, 3)
         qf = qf.reshape(hp.n_head_kv, hp.n_group * n, hp.head_dim)
         # a leading batch axis makes SDPA pick its fused CPU kernel (3x faster than 3-D input)

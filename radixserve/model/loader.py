@@ -21,6 +21,7 @@ from radixserve.model.weights import load_weights
 log = logging.getLogger(__name__)
 
 _DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+WEIGHTS = ("auto", "native", "dequant")
 DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
@@ -54,34 +55,42 @@ class Model:
     dtype: torch.dtype
     device: torch.device
     load_s: float
+    weights: str  # "native" (4-bit blocks packed) or "dequant" (every weight dense)
 
     @property
     def rope(self) -> Rope:
         return self.transformer.rope
 
     @property
-    def fingerprint(self) -> tuple:
-        """What must match for saved KV to be valid in this model (see kv/state.py)."""
-        hp = self.hp
-        return (hp.arch, hp.n_layer, hp.n_head_kv, hp.head_dim, DTYPE_NAMES[self.dtype])
-
-    @property
     def name(self) -> str:
         return os.path.basename(self.path)
 
 
-def load_model(path: str | None = "default", dtype: str = "auto", device: str = "cpu") -> Model:
+def resolve_weights(name: str, dtype: torch.dtype) -> str:
+    """`auto`: packed 4-bit blocks with bf16/f16 compute; f32 compute dequantizes, because the
+    int4 kernel's f32 path is ~10x slower than a dense f32 matmul (exact, though: tests use it)."""
+    if name not in WEIGHTS:
+        raise ValueError(f"unknown weights mode {name!r} ({', '.join(WEIGHTS)})")
+    if name == "auto":
+        return "dequant" if dtype == torch.float32 else "native"
+    return name
+
+
+def load_model(path: str | None = "default", dtype: str = "auto", device: str = "cpu",
+               weights: str = "auto") -> Model:
     t0 = time.perf_counter()
     path = resolve_model_path(path)
     dev = torch.device(device)
     dt = resolve_dtype(dtype, dev)
+    mode = resolve_weights(weights, dt)
     reader = gguf.GGUFReader(path)
     hp = HParams.from_gguf(reader)
-    weights = load_weights(reader, hp, dt)
+    w = load_weights(reader, hp, dt, packed=mode == "native")
     if dev.type != "cpu":
         raise NotImplementedError("only the CPU device is wired up so far")
     tok = Tokenizer.from_gguf(reader)
     template = ChatTemplate.from_gguf(reader, tok)
     load_s = time.perf_counter() - t0
-    log.info("loaded %s (%s, %d layers, %s) in %.2f s", path, hp.arch, hp.n_layer, dt, load_s)
-    return Model(path, hp, tok, template, Transformer(hp, weights, dt), dt, dev, load_s)
+    log.info("loaded %s (%s, %d layers, %s, %s weights, %.1f MiB) in %.2f s", path, hp.arch,
+             hp.n_layer, dt, mode, w.nbytes / 2**20, load_s)
+    return Model(path, hp, tok, template, Transformer(hp, w, dt), dt, dev, load_s, mode)

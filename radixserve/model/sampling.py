@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.model.head import RowNeed
+
 _MAX_N_PROBS = 100
 _MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
 
@@ -106,6 +108,23 @@ class Sampler:
                 del self._counts[old]
         w.append(token)
         self._counts[token] += 1
+
+    def head_need(self, banned: Sequence[int] = ()) -> RowNeed:
+        """What this sampler reads of a logits row (model/head.py computes only that exactly):
+        greedy the best token, top-k sampling the best k, else the whole vocabulary. `banned`
+        tokens are set to -inf before sampling (ignore_eos)."""
+        p = self.params
+        top = 1 if self.greedy else max(p.top_k, 0)
+        ban = list(banned)
+
+        def adjust(row: torch.Tensor) -> torch.Tensor:
+            row = self.penalize(row)
+            if ban:
+                row = row.clone()
+                row[ban] = -math.inf
+            return row
+
+        return RowNeed(top, list(self._counts), adjust if (self._counts or ban) else None)
 
     def penalize(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits with repeat/frequency/presence penalties applied; never mutates the input.

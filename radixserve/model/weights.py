@@ -1,10 +1,12 @@
-"""GGUF tensors -> dense PyTorch weights in the compute dtype.
+"""GGUF tensors -> the engine's weights: packed 4-bit linears or dense ones, and the output head.
 
-Every quant type is dequantized once at load with `gguf.quants` (the engine runs dense
-matmuls). Q/K/V and gate/up are fused into one [out, in] matrix each, because on CPU one larger
-`F.linear` beats several small ones (shared/reference/cpu-perf-notes.md). GGUF `llama` Q/K rows
-are stored permuted for the interleaved rotation; we undo the permutation so every architecture
-uses the half-split (NeoX) rotation, exactly as HF transformers does when it loads a GGUF.
+`packed=True` (the native path) keeps Q4_0 / Q4_1 / Q4_K matrices as 4-bit codes executed by
+torch's int4 kernel (model/quant.py); every other type is dequantized once at load with
+`gguf.quants` into the compute dtype (the dequant path does that for every type). Q/K/V and
+gate/up are fused into one [out, in] matrix each, because on CPU one larger matmul beats several
+small ones (shared/reference/cpu-perf-notes.md). GGUF `llama` Q/K rows are stored permuted for
+the interleaved rotation; we undo the permutation (rows of codes and scales alike) so every
+architecture uses the half-split (NeoX) rotation, exactly as HF transformers does with a GGUF.
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ import gguf
 import numpy as np
 import torch
 
+from radixserve.model.head import OutputHead
 from radixserve.model.hparams import HParams, UnsupportedModelError
+from radixserve.model.quant import (
+    PACKED_TYPES, Codes, ConcatLinear, DenseLinear, Linear, PackedLinear, split_blocks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -24,29 +30,38 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class LayerWeights:
     attn_norm: torch.Tensor
-    wqkv: torch.Tensor  # [(n_head + 2 n_head_kv) * head_dim, n_embd]
-    bqkv: torch.Tensor | None  # qwen2 biases
+    wqkv: Linear  # [(n_head + 2 n_head_kv) * head_dim, n_embd], q/k/v biases included (qwen2)
     q_norm: torch.Tensor | None  # qwen3 per-head RMS norm
     k_norm: torch.Tensor | None
-    wo: torch.Tensor
+    wo: Linear
     ffn_norm: torch.Tensor
-    w_gate_up: torch.Tensor  # [2 * n_ff, n_embd]
-    w_down: torch.Tensor
+    w_gate_up: Linear  # [2 * n_ff, n_embd]
+    w_down: Linear
 
 
 @dataclass(slots=True)
 class ModelWeights:
-    tok_embd: torch.Tensor  # [n_vocab, n_embd]
+    tok_embd: torch.Tensor  # [n_vocab, n_embd]; the head's f32 matrix when they are tied
     output_norm: torch.Tensor
-    output: torch.Tensor  # [n_vocab, n_embd], f32: bf16 logits are too coarse for near ties
+    head: OutputHead
     layers: list[LayerWeights]
     rope_freqs: torch.Tensor | None  # llama3-style per-frequency divisors
+    n_params: int  # as llama.cpp counts them (a tied output matrix once)
+    packed: bool
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weights hold in memory."""
+        lin = sum(
+            m.nbytes for lw in self.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)
+        )
+        tied = self.tok_embd.data_ptr() == self.head.w.data_ptr()
+        return lin + self.head.nbytes + (0 if tied else self.tok_embd.nbytes)
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+def _row_order(rows: int, n_head: int) -> np.ndarray:
     """Inverse of convert_hf_to_gguf's llama Q/K permutation (interleaved -> half-split)."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
 def _dense(t: gguf.ReaderTensor) -> np.ndarray:
@@ -55,58 +70,81 @@ def _dense(t: gguf.ReaderTensor) -> np.ndarray:
     return np.array(arr.reshape(shape), dtype=np.float32)  # a writable copy, not the mmap
 
 
-def load_weights(reader: gguf.GGUFReader, hp: HParams, dtype: torch.dtype) -> ModelWeights:
-    tensors = {t.name: t for t in reader.tensors}
+class _Loader:
+    def __init__(self, reader: gguf.GGUFReader, dtype: torch.dtype, packed: bool) -> None:
+        self.tensors = {t.name: t for t in reader.tensors}
+        self.dtype, self.packed = dtype, packed
 
-    def get(name: str, required: bool = True) -> np.ndarray | None:
-        t = tensors.get(name)
-        if t is None:
-            if required:
-                raise UnsupportedModelError(f"GGUF is missing tensor {name!r}")
-            return None
-        return _dense(t)
+    def tensor(self, name: str, required: bool = True) -> gguf.ReaderTensor | None:
+        t = self.tensors.get(name)
+        if t is None and required:
+            raise UnsupportedModelError(f"GGUF is missing tensor {name!r}")
+        return t
 
-    def tt(a: np.ndarray | None, keep_f32: bool = False) -> torch.Tensor | None:
+    def array(self, name: str, required: bool = True) -> np.ndarray | None:
+        t = self.tensor(name, required)
+        return None if t is None else _dense(t)
+
+    def torch(self, name: str, required: bool = True, f32: bool = False) -> torch.Tensor | None:
+        a = self.array(name, required)
         if a is None:
             return None
-        return torch.from_numpy(a).to(torch.float32 if keep_f32 else dtype).contiguous()
+        return torch.from_numpy(a).to(torch.float32 if f32 else self.dtype).contiguous()
 
-    unpermute = hp.arch == "llama"
+    def linear(self, names: list[str], heads: list[int | None],
+               biases: list[np.ndarray] | None = None) -> Linear:
+        """One linear of the row-concatenated matrices `names` (rows un-permuted where `heads`
+        gives a head count); packed when every part is a 4-bit type, else dense or mixed."""
+        ts = [self.tensor(n) for n in names]
+        bias = None if biases is None else torch.from_numpy(np.concatenate(biases)).to(self.dtype)
+        is_packed = [self.packed and t.tensor_type in PACKED_TYPES for t in ts]
+        if all(is_packed):
+            parts = [split_blocks(t) for t in ts]
+            parts = [c if h is None else c.rows(_row_order(c.q.shape[0], h))
+                     for c, h in zip(parts, heads)]
+            return PackedLinear(Codes.concat(parts), bias, self.dtype)
+        if any(is_packed):  # e.g. Q4_K_M: attn_v in Q6_K next to Q4_K q/k
+            return ConcatLinear([
+                self.linear([n], [h], None if biases is None else [biases[i]])
+                for i, (n, h) in enumerate(zip(names, heads))
+            ])
+        arrays = []
+        for t, h in zip(ts, heads):
+            a = _dense(t)
+            arrays.append(a if h is None else a[_row_order(a.shape[0], h)])
+        w = torch.from_numpy(np.concatenate(arrays)).to(self.dtype).contiguous()
+        return DenseLinear(w, bias)
+
+
+def load_weights(reader: gguf.GGUFReader, hp: HParams, dtype: torch.dtype,
+                 packed: bool = False) -> ModelWeights:
+    ld = _Loader(reader, dtype, packed)
+    perm_q, perm_k = (hp.n_head, hp.n_head_kv) if hp.arch == "llama" else (None, None)
     layers = []
     for i in range(hp.n_layer):
         p = f"blk.{i}."
-        q, k, v = get(p + "attn_q.weight"), get(p + "attn_k.weight"), get(p + "attn_v.weight")
-        if unpermute:
-            q, k = _unpermute(q, hp.n_head), _unpermute(k, hp.n_head_kv)
-        biases = [get(p + f"attn_{n}.bias", required=False) for n in "qkv"]
-        if any(b is not None for b in biases):
-            if any(b is None for b in biases):
-                raise UnsupportedModelError(f"layer {i}: only some of the q/k/v biases are present")
-            bqkv = tt(np.concatenate(biases))
-        else:
-            bqkv = None
-        gate, up = get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")
-        layers.append(
-            LayerWeights(
-                attn_norm=tt(get(p + "attn_norm.weight"), keep_f32=True),
-                wqkv=tt(np.concatenate([q, k, v])),
-                bqkv=bqkv,
-                q_norm=tt(get(p + "attn_q_norm.weight", required=hp.arch == "qwen3"), True),
-                k_norm=tt(get(p + "attn_k_norm.weight", required=hp.arch == "qwen3"), True),
-                wo=tt(get(p + "attn_output.weight")),
-                ffn_norm=tt(get(p + "ffn_norm.weight"), keep_f32=True),
-                w_gate_up=tt(np.concatenate([gate, up])),
-                w_down=tt(get(p + "ffn_down.weight")),
-            )
-        )
-    tok_embd = tt(get("token_embd.weight"))
-    out = get("output.weight", required=False)
+        biases = [ld.array(p + f"attn_{n}.bias", required=False) for n in "qkv"]
+        if any(b is not None for b in biases) and any(b is None for b in biases):
+            raise UnsupportedModelError(f"layer {i}: only some of the q/k/v biases are present")
+        layers.append(LayerWeights(
+            attn_norm=ld.torch(p + "attn_norm.weight", f32=True),
+            wqkv=ld.linear([p + f"attn_{n}.weight" for n in "qkv"], [perm_q, perm_k, None],
+                           None if biases[0] is None else biases),
+            q_norm=ld.torch(p + "attn_q_norm.weight", hp.arch == "qwen3", f32=True),
+            k_norm=ld.torch(p + "attn_k_norm.weight", hp.arch == "qwen3", f32=True),
+            wo=ld.linear([p + "attn_output.weight"], [None]),
+            ffn_norm=ld.torch(p + "ffn_norm.weight", f32=True),
+            w_gate_up=ld.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], [None, None]),
+            w_down=ld.linear([p + "ffn_down.weight"], [None]),
+        ))
+    out = ld.torch("output.weight", required=False, f32=True)
     if out is None:
         log.info("output.weight absent: using tied token embeddings as the output head")
-    return ModelWeights(
-        tok_embd=tok_embd,
-        output_norm=tt(get("output_norm.weight"), keep_f32=True),
-        output=tt(get("token_embd.weight") if out is None else out, keep_f32=True),
-        layers=layers,
-        rope_freqs=tt(get("rope_freqs.weight", required=False), keep_f32=True),
-    )
+        head = OutputHead(ld.torch("token_embd.weight", f32=True), shortlist=packed)
+        tok_embd = head.w
+    else:
+        head = OutputHead(out, shortlist=packed)
+        tok_embd = ld.torch("token_embd.weight")
+    n_params = sum(int(np.prod(t.shape)) for t in reader.tensors)
+    return ModelWeights(tok_embd, ld.torch("output_norm.weight", f32=True), head, layers,
+                        ld.torch("rope_freqs.weight", required=False, f32=True), n_params, packed)

@@ -128,20 +128,8 @@ def props_json(
 
 
 def count_params(model: Model) -> int:
-    """Parameter count as llama.cpp reports it: a tied output matrix counts once."""
-    w = model.transformer.w
-    tensors = [w.tok_embd, w.output_norm]
-    if w.output.shape != w.tok_embd.shape or not torch.equal(
-        w.output.to(w.tok_embd.dtype), w.tok_embd
-    ):
-        tensors.append(w.output)
-    for layer in w.layers:
-        tensors += [t for t in vars_of(layer) if isinstance(t, torch.Tensor)]
-    return sum(int(t.numel()) for t in tensors)
-
-
-def vars_of(obj: Any) -> list[Any]:
-    return [getattr(obj, name) for name in getattr(obj, "__dataclass_fields__", {})]
+    """Parameter count as llama.cpp reports it: every GGUF tensor (a tied head counts once)."""
+    return model.transformer.w.n_params
 
 
 def models_json(

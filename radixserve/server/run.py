@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 def build_engine(cfg: ServerConfig) -> Engine:
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
-    model = load_model(cfg.model, cfg.dtype)
+    model = load_model(cfg.model, cfg.dtype, weights=cfg.weights)
     engine = Engine(model, cfg)
     engine.start()
     return engine

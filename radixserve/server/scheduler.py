@@ -176,7 +176,7 @@ class Scheduler:
             if not batch:
                 return
             try:
-                logits = self.model.transformer.forward(self.pool, batch)
+                hidden = self.model.transformer.hidden(self.pool, batch)
                 break
             except OutOfCells:
                 if self.try_clear_idle_slots():
@@ -195,7 +195,7 @@ class Scheduler:
                 return
         self.metrics.on_decode(len(owners))
         try:
-            self._after_forward(batch, owners, logits)
+            self._after_forward(batch, owners, hidden)
         except Exception as e:
             self._fail_batch([s for s in owners if s.is_processing], e)
         if self.deferred:  # tasks waiting on another slot's prefill may go now
@@ -227,7 +227,7 @@ class Scheduler:
             used += take
         return batch, owners
 
-    def _after_forward(self, batch: list[BatchSeq], owners: list[Slot], logits: torch.Tensor) -> None:
+    def _after_forward(self, batch: list[BatchSeq], owners: list[Slot], hidden: torch.Tensor) -> None:
         now = time.perf_counter()
         rows: list[int] = []
         to_sample: list[Slot] = []
@@ -256,11 +256,15 @@ class Scheduler:
             to_sample.append(s)
         if not to_sample:
             return
-        if len(rows) < logits.shape[0]:
-            logits = logits[rows]
-        for i, s in enumerate(to_sample):
-            if s.job.ignore_eos:
-                logits[i, list(self.tok.eog_ids)] = -math.inf
+        if len(rows) < hidden.shape[0]:
+            hidden = hidden[rows]
+        eog = list(self.tok.eog_ids)
+        bans = [eog if s.job.ignore_eos else [] for s in to_sample]
+        logits = self.model.transformer.w.head.logits(
+            hidden, [s.smp.head_need(ban) for s, ban in zip(to_sample, bans)])
+        for i, ban in enumerate(bans):
+            if ban:
+                logits[i, ban] = -math.inf
         tokens = sample_batch([s.smp for s in to_sample], logits)
         for i, (s, t) in enumerate(zip(to_sample, tokens)):
             if s.job.n_probs > 0:

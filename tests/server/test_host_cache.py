@@ -10,6 +10,9 @@ import pytest
 
 from tests.server.harness import running_server
 
+# packed weights with exact f32 activations: the native path, cached == uncached to the bit
+NATIVE_F32 = ["--dtype", "f32", "--weights", "native"]
+
 
 def convo_schedule(seed: int, n_convs: int, turns: int, vocab: tuple[int, int] = (1000, 40000)):
     """Interleaved multi-turn conversations as token prompts: (conv, turn, new tokens)."""
@@ -49,7 +52,7 @@ def reference(tiny_path, tmp_path_factory):
     """The same conversations on a server with no host cache, every token computed."""
     schedule = convo_schedule(7, 6, 3)
     log = str(tmp_path_factory.mktemp("ref") / "server.log")
-    with running_server(["-m", tiny_path, "--dtype", "f32", "-np", "2", "-c", "1024",
+    with running_server(["-m", tiny_path, *NATIVE_F32, "-np", "2", "-c", "1024",
                          "--cache-ram", "0"], log) as srv:
         return schedule, run_convos(srv.url, schedule, cache_prompt=False)
 
@@ -61,7 +64,7 @@ def reference(tiny_path, tmp_path_factory):
 ])
 def test_conversations_come_back_from_host_ram(tiny_path, tmp_path, reference, backend, extra):
     schedule, expect = reference
-    args = ["-m", tiny_path, "--dtype", "f32", "-np", "2", "-c", "1024", "--metrics", *extra]
+    args = ["-m", tiny_path, *NATIVE_F32, "-np", "2", "-c", "1024", "--metrics", *extra]
     with running_server(args, str(tmp_path / "server.log")) as srv:
         got = run_convos(srv.url, schedule)
         m = metrics(srv.url)
@@ -79,7 +82,7 @@ def test_conversations_come_back_from_host_ram(tiny_path, tmp_path, reference, b
 
 def test_cache_ram_zero_disables_the_host_tier(tiny_path, tmp_path, reference):
     schedule, expect = reference
-    args = ["-m", tiny_path, "--dtype", "f32", "-np", "2", "-c", "1024", "--metrics",
+    args = ["-m", tiny_path, *NATIVE_F32, "-np", "2", "-c", "1024", "--metrics",
             "--cache-ram", "0"]
     with running_server(args, str(tmp_path / "server.log")) as srv:
         got = run_convos(srv.url, schedule)
@@ -95,7 +98,7 @@ def test_cache_ram_zero_disables_the_host_tier(tiny_path, tmp_path, reference):
 
 def test_cache_ram_unlimited_is_capped_by_tokens(tiny_path, tmp_path):
     """-1: no byte limit; the legacy cache still holds at most n_ctx tokens (llama.cpp)."""
-    args = ["-m", tiny_path, "--dtype", "f32", "-np", "2", "-c", "256", "--metrics",
+    args = ["-m", tiny_path, *NATIVE_F32, "-np", "2", "-c", "256", "--metrics",
             "--cache-ram", "-1", "--cache-radix-prompt", "off"]
     with running_server(args, str(tmp_path / "server.log")) as srv:
         run_convos(srv.url, convo_schedule(3, 6, 1))

@@ -12,7 +12,7 @@ import pytest
 from tests.server.harness import running_server
 from tests.server.test_host_cache import metrics, run_convos, convo_schedule
 
-TINY = ["--dtype", "f32", "-c", "2048", "--metrics"]
+TINY = ["--dtype", "f32", "--weights", "native", "-c", "2048", "--metrics"]
 
 
 def docs_questions(seed: int, n_docs: int = 4, n_q: int = 8) -> list[list[int]]:

@@ -12,9 +12,9 @@ from radixserve.server.scheduler import Scheduler
 from radixserve.server.task import CompletionTask, FinalResult, TaskError
 
 
-@pytest.fixture(scope="module")
-def model(tiny_path):
-    return load_model(tiny_path, "f32")
+@pytest.fixture(scope="module", params=["native", "dequant"])
+def model(tiny_path, request):
+    return load_model(tiny_path, "f32", weights=request.param)
 
 
 def run(sched: Scheduler, tasks: list[CompletionTask]) -> list[list]:

@@ -32,7 +32,7 @@ OTHER = [3000 + 5 * i for i in range(9)]
 
 @pytest.fixture(scope="module")
 def model(tiny_path: str) -> Model:
-    return load_model(tiny_path, "f32")
+    return load_model(tiny_path, "f32", weights="native")
 
 
 def make_sched(model: Model, save_dir: Path | None, ctx: int = 256,

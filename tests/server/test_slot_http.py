@@ -11,6 +11,9 @@ import pytest
 
 from tests.server.harness import running_server
 
+# packed weights with exact f32 activations: the native path, cached == uncached to the bit
+NATIVE_F32 = ["--dtype", "f32", "--weights", "native"]
+
 P = list(range(5000, 5080))
 
 
@@ -19,7 +22,7 @@ def server(tiny_path, tmp_path_factory):
     d = tmp_path_factory.mktemp("slots")
     save_dir = d / "saved"
     save_dir.mkdir()
-    args = ["-m", tiny_path, "--dtype", "f32", "-np", "2", "-c", "8192", "--cache-ram", "0",
+    args = ["-m", tiny_path, *NATIVE_F32, "-np", "2", "-c", "8192", "--cache-ram", "0",
             "--slot-save-path", str(save_dir)]
     with running_server(args, str(d / "server.log")) as srv:
         srv.save_dir = save_dir

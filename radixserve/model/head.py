@@ -1,0 +1,120 @@
+"""The output head: exact f32 logits where they decide a token, found by a fast int8 pass.
+
+An f32 head (49152 x 576 for SmolLM2) is a third of a decode step on CPU; a bf16 head is coarse
+enough (0.125 at logit 25) to flip near-tie greedy choices and derail a generation. So when the
+sampler only looks at the best `k` tokens (greedy: 1; top-k sampling: k), the head runs an int8
+per-row matmul (a quarter of the f32 bytes) that gives approximate logits y and a *certified*
+bound |z - y| <= B per token. Every token that could still be among the best k (y + B at least the
+k-th largest y - B) is re-scored exactly in f32, with the penalized history; after the sampler's
+penalties and bans, the window is widened once if they pushed the k-th value down. Tokens left out
+provably cannot reach the k best, so every choice and every top-k probability is what the full f32
+head gives. Rows that need the whole distribution (top_k off) get the full f32 head.
+
+The bound, per token i, for h in f32 and its bf16 rounding h':
+    |z_i - y_i| <= e_i |h|_1 + a_i (|h - h'|_1 + K 2^-24 |h'|_1) + 2^-7 |y_i|
+e_i: the row's largest weight error of the int8 copy, a_i: its largest int8 weight; the terms
+are the weight error, the input rounding, f32 accumulation, and the bf16 output rounding. On the
+default model B is ~8 while the gap to the 64th token is ~8: a greedy step re-scores ~10 tokens
+(at most ~80 seen), a top-40 step ~400 (docs/PERFORMANCE.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+MAX_TOP = 256  # samplers looking at more tokens than this get the full head
+_MARGIN = 1.01  # slack on the bound for the kernel's own rounding order
+
+
+@dataclass(slots=True)
+class RowNeed:
+    """What the sampler of one row looks at."""
+
+    top: int  # that many best tokens must be exact (0: the whole vocabulary)
+    extra: Sequence[int] = ()  # tokens whose exact logit is needed too (penalized history)
+    adjust: Callable[[torch.Tensor], torch.Tensor] | None = None  # penalties / bans, as sampled
+
+
+@dataclass(slots=True)
+class HeadStats:
+    rows_short: int = 0  # rows served from a certified shortlist
+    rows_full: int = 0  # rows that got the full f32 head
+    rescored: int = 0  # tokens re-scored exactly for shortlist rows
+    widened: int = 0  # rows whose window penalties or bans made wider
+
+
+class OutputHead:
+    def __init__(self, w: torch.Tensor, shortlist: bool) -> None:
+        self.w = w.float().contiguous()  # [V, D] exact f32
+        self.stats = HeadStats()
+        self.q8: torch.Tensor | None = None
+        if not shortlist:
+            return
+        scale = (self.w.abs().amax(1) / 127).clamp(min=1e-30).to(torch.bfloat16)
+        sf = scale.float()[:, None]
+        q = torch.round(self.w / sf).clamp(-128, 127)
+        self.q8, self.s8 = q.to(torch.int8).contiguous(), scale
+        w8 = q * sf
+        self.err = (self.w - w8).abs().amax(1)
+        self.amax = w8.abs().amax(1)
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.q8 is None else self.q8.nbytes + self.s8.nbytes
+        return self.w.nbytes + extra
+
+    def full(self, h: torch.Tensor) -> torch.Tensor:
+        """Exact f32 logits [n, V] for normed hidden states h [n, D] f32."""
+        return F.linear(h, self.w)
+
+    def logits(self, h: torch.Tensor, needs: list[RowNeed]) -> torch.Tensor:
+        """Logits [n, V] for the samplers: exact wherever they look, -inf where they provably
+        cannot (rows with a shortlist), or the full f32 head."""
+        short = [i for i, nd in enumerate(needs) if 0 < nd.top <= MAX_TOP]
+        if not short or self.q8 is None:
+            self.stats.rows_full += len(needs)
+            return self.full(h)
+        out = torch.full((h.shape[0], self.w.shape[0]), -torch.inf)
+        self._shortlist(h[short], [needs[i] for i in short], out, short)
+        rest = [i for i in range(len(needs)) if i not in set(short)]
+        if rest:
+            idx = torch.tensor(rest)
+            out[idx] = self.full(h[idx])
+        self.stats.rows_full += len(rest)
+        self.stats.rows_short += len(short)
+        return out
+
+    def _shortlist(self, h: torch.Tensor, needs: list[RowNeed], out: torch.Tensor,
+                   rows: list[int]) -> None:
+        hb = h.to(torch.bfloat16)
+        y = torch.ops.aten._weight_int8pack_mm(hb, self.q8, self.s8).float()
+        hbf = hb.float()
+        c_w = h.abs().sum(1, keepdim=True)
+        c_a = (h - hbf).abs().sum(1, keepdim=True) + hbf.abs().sum(1, keepdim=True) * (
+            h.shape[1] * 2.0**-24)
+        bound = _MARGIN * (self.err * c_w + self.amax * c_a + y.abs() * 2.0**-7)
+        upper, lower = y + bound, y - bound
+        for j, (nd, r) in enumerate(zip(needs, rows)):
+            row, up = out[r], upper[j]
+            floor = torch.topk(lower[j], nd.top).values[-1]  # <= the true k-th best logit
+            ids = self._rescore(h[j], row, (up >= floor).nonzero().squeeze(1), nd.extra)
+            if nd.adjust is None:
+                continue
+            seen = nd.adjust(row)
+            kth = torch.topk(seen[ids], min(nd.top, ids.numel())).values[-1]
+            more = ((up >= kth) & torch.isinf(row)).nonzero().squeeze(1)
+            if more.numel():  # penalties or bans lowered the k-th value: widen the window
+                self.stats.widened += 1
+                self._rescore(h[j], row, more, ())
+
+    def _rescore(self, h: torch.Tensor, row: torch.Tensor, ids: torch.Tensor,
+                 extra: Sequence[int]) -> torch.Tensor:
+        if extra:
+            ids = torch.unique(torch.cat([ids, torch.tensor(list(extra), dtype=torch.long)]))
+        row[ids] = F.linear(h, self.w[ids])
+        self.stats.rescored += ids.numel()
+        return ids

@@ -1,0 +1,197 @@
+"""Linear layers over a GGUF's weights: 4-bit blocks executed packed, everything else dense.
+
+Decode is memory-bound: each step reads every weight once, so reading Q4 blocks (~0.6 bytes a
+weight) instead of dequantized bf16 (2 bytes) is what makes a step fast. GGUF's 4-bit types all
+decode a 32-weight group as an affine map of 4-bit codes, which is exactly what torch's CPU int4
+weight-only kernel (`aten._weight_int4pack_mm_for_cpu`, group 32) computes:
+
+    Q4_0: w = d (q - 8)          -> scale = d,      zero = 0
+    Q4_1: w = d q + m            -> scale = d,      zero = m + 8 d
+    Q4_K: w = d sc q - dmin mn   -> scale = d sc,   zero = 8 d sc - dmin mn   (per 32 sub-block)
+
+with the kernel's w = (q - 8) * scale + zero. So the repacked weights equal gguf-py's
+dequantization up to the rounding of scale and zero to the activation dtype. Its bf16 path is the
+fast one; its f32 path is exact but ~10x slower than a dense f32 matmul (cpu-perf-notes.md), so
+`--weights auto` packs only for bf16/f16 compute. Other types (Q5_*, Q6_K, Q8_0, F16...) stay
+dense in the compute dtype, because torch's int8 kernel takes one scale per row and re-quantizing
+those blocks to it would change the weights (docs/PERFORMANCE.md has the measurements).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+GROUP = 32
+Q = gguf.GGMLQuantizationType
+PACKED_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+# chunks above this many rows run as a dense bf16 matmul on weights unpacked for that call:
+# the int4 kernel is tuned for few rows and loses to a bf16 GEMM on large prefill chunks
+# (docs/PERFORMANCE.md, "packed vs dense by batch size")
+DENSE_FROM_ROWS = 96
+
+
+@dataclass(slots=True)
+class Codes:
+    """A weight matrix as 4-bit codes with one affine (scale, zero) per 32 weights of a row."""
+
+    q: np.ndarray  # [N, K] uint8 in 0..15
+    scale: np.ndarray  # [N, K / 32] f32
+    zero: np.ndarray  # [N, K / 32] f32
+
+    def rows(self, order: np.ndarray) -> Codes:
+        return Codes(self.q[order], self.scale[order], self.zero[order])
+
+    @staticmethod
+    def concat(parts: list[Codes]) -> Codes:
+        return Codes(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
+
+    def dequantize(self) -> np.ndarray:
+        """f32 weights [N, K], the kernel's formula evaluated in f32."""
+        g = lambda a: np.repeat(a, GROUP, axis=1)  # noqa: E731
+        return (self.q.astype(np.float32) - 8) * g(self.scale) + g(self.zero)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] codes: low nibbles are weights 0..15, high 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def split_blocks(t: gguf.ReaderTensor) -> Codes:
+    """The 4-bit codes and per-group affine maps of a Q4_0 / Q4_1 / Q4_K tensor."""
+    n, k = (int(x) for x in reversed(t.shape.tolist()))
+    if k % GROUP:
+        raise ValueError(f"{t.name}: row length {k} is not a multiple of {GROUP}")
+    raw = np.asarray(t.data, dtype=np.uint8).reshape(n, -1)
+    f16 = lambda b: b.copy().view(np.float16).astype(np.float32)[..., 0]  # noqa: E731
+    if t.tensor_type in (Q.Q4_0, Q.Q4_1):
+        size = 18 if t.tensor_type == Q.Q4_0 else 20
+        b = raw.reshape(n, k // GROUP, size)
+        d = f16(b[..., 0:2])
+        q = _nibbles(b[..., size - 16 :])
+        zero = np.zeros_like(d) if t.tensor_type == Q.Q4_0 else f16(b[..., 2:4]) + 8 * d
+        return Codes(q.reshape(n, k), d, zero)
+    if t.tensor_type == Q.Q4_K:
+        b = raw.reshape(-1, 144)
+        d, dmin = f16(b[:, 0:2])[:, None], f16(b[:, 2:4])[:, None]
+        sc, mn = gguf.quants.Q4_K.get_scale_min(b[:, 4:16].copy())
+        scale = d * sc.astype(np.float32)
+        zero = 8 * scale - dmin * mn.astype(np.float32)
+        qs = b[:, 16:].reshape(-1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low), 2c+1 (high)
+        q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 256)
+        return Codes(q.reshape(n, k), scale.reshape(n, -1), zero.reshape(n, -1))
+    raise ValueError(f"{t.name}: {t.tensor_type.name} is not a packed 4-bit type")
+
+
+class Linear:
+    """y = x W^T (+ b) for x [M, K] in the compute dtype."""
+
+    n_out: int
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def weight(self) -> torch.Tensor:
+        """W [N, K] as the matmul sees it (tests, parameter counts)."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+
+class DenseLinear(Linear):
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.w, self.bias, self.n_out = w, bias, w.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w, self.bias)
+
+    def weight(self) -> torch.Tensor:
+        return self.w
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes + (self.bias.nbytes if self.bias is not None else 0)
+
+
+def _unpack_tiles(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Codes - 8 as f32 [N, K] from torch's CPU int4 layout: byte (b, k, i) holds row 64b + i in
+    its low nibble and row 64b + 32 + i in its high one (torch 2.13, AVX-512 and AVX2 builds)."""
+    p = packed.view(n // 64, k, 32)
+    c = torch.cat([p & 15, p >> 4], -1).view(torch.int8).sub_(8)
+    return torch.empty(n // 64, 64, k).copy_(c.transpose(1, 2)).view(n, k)
+
+
+@functools.cache
+def tile_layout_known() -> bool:
+    """Whether `_unpack_tiles` reads this build's int4 layout (checked once on a probe matrix)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=g)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return packed.numel() * 2 == q.numel() and torch.equal(_unpack_tiles(packed, 128, 64),
+                                                            (q - 8).float())
+
+
+class PackedLinear(Linear):
+    """4-bit codes in torch's int4 CPU layout, one (scale, zero) pair per 32 weights.
+
+    Few rows (decode) run the int4 kernel. Large chunks (prefill) unpack the weight to the
+    kernel's own dequantized values (bitwise) and run a bf16 GEMM, 2x faster there than the
+    int4 kernel even with the unpacking (docs/PERFORMANCE.md); no dense copy is kept.
+    """
+
+    def __init__(self, codes: Codes, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        q = torch.from_numpy(np.ascontiguousarray(codes.q)).to(torch.int32)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        sz = np.stack([codes.scale.T, codes.zero.T], axis=-1)  # [K / 32, N, 2]
+        self.scales_zeros = torch.from_numpy(np.ascontiguousarray(sz)).to(dtype).contiguous()
+        self.n_out, self.n_in = codes.q.shape
+        self.bias, self.dtype = bias, dtype
+        self._tiles = self.n_out % 64 == 0 and tile_layout_known()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= DENSE_FROM_ROWS:
+            return F.linear(x, self.weight(), self.bias)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        return y if self.bias is None else y + self.bias
+
+    def weight(self) -> torch.Tensor:
+        n, k = self.n_out, self.n_in
+        if not self._tiles:  # the kernel itself dequantizes: times the identity
+            eye = torch.eye(k, dtype=self.dtype)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                eye, self.packed, GROUP, self.scales_zeros).t().contiguous()
+        sz = self.scales_zeros.float()
+        w = _unpack_tiles(self.packed, n, k).view(n, k // GROUP, GROUP)
+        w.mul_(sz[..., 0].t()[..., None]).add_(sz[..., 1].t()[..., None])
+        return w.view(n, k).to(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.bias.nbytes if self.bias is not None else 0
+        return self.packed.nbytes + self.scales_zeros.nbytes + extra
+
+
+class ConcatLinear(Linear):
+    """Several linears on the same input, outputs side by side (a fused Q/K/V of mixed types)."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts, self.bias = parts, None
+        self.n_out = sum(p.n_out for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def weight(self) -> torch.Tensor:
+        return torch.cat([p.weight() for p in self.parts])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)

@@ -1,0 +1,91 @@
+"""The output head's certified shortlist gives every sampler exactly what the full f32 head gives:
+the greedy token, the top-k tokens and their values, with penalties and bans applied."""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.model.head import MAX_TOP, OutputHead, RowNeed
+from radixserve.model.sampling import Sampler, SamplingParams
+
+V, D = 8192, 64
+
+
+def make_head(seed: int = 0) -> OutputHead:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, D, generator=g) * 0.05
+    w[torch.randint(0, V, (64,), generator=g)] *= 8  # outlier rows, like real embeddings
+    w[:, 3] *= 6  # an outlier dimension
+    return OutputHead(w, shortlist=True)
+
+
+def hidden(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, D, generator=torch.Generator().manual_seed(seed)) * 6
+
+
+def test_greedy_and_top_k_equal_the_full_head():
+    head = make_head()
+    h = hidden(64, 1)
+    full = head.full(h)
+    for k in (1, 5, 40, MAX_TOP):
+        got = head.logits(h, [RowNeed(k)] * len(h))
+        want = torch.topk(full, k, dim=1)
+        have = torch.topk(got, k, dim=1)
+        assert torch.equal(have.indices, want.indices), k
+        assert torch.allclose(have.values, want.values, rtol=1e-6, atol=1e-5), k
+    assert head.stats.rows_short == 4 * len(h) and head.stats.rows_full == 0
+    # the point of it: far fewer rows re-scored than the vocabulary
+    assert head.stats.rescored < 4 * len(h) * V / 4
+
+
+def test_near_ties_are_resolved_exactly():
+    head = make_head(2)
+    h = hidden(1, 3)
+    full = head.full(h)[0]
+    a, b = torch.topk(full, 2).indices.tolist()
+    # make the runner-up tie the winner to within 1e-4: int8 alone cannot tell them apart
+    head.w[b] += (full[a] - full[b] - 1e-4) * h[0] / h[0].dot(h[0])
+    head.__init__(head.w, shortlist=True)
+    full = head.full(h)[0]
+    assert 0 < (full[a] - full[b]).item() < 1e-3
+    got = head.logits(h, [RowNeed(1)])[0]
+    assert int(got.argmax()) == int(full.argmax()) == a
+
+
+def test_samplers_with_penalties_and_bans_draw_what_the_full_head_gives():
+    head = make_head(4)
+    h = hidden(24, 5)
+    full = head.full(h)
+    history = torch.topk(full[0], 30).indices.tolist()[::3]  # penalize some of the best tokens
+    for params in (
+        SamplingParams(temperature=0, repeat_penalty=1.5),
+        SamplingParams(temperature=0, repeat_penalty=0.7),  # < 1 raises penalized logits
+        SamplingParams(temperature=0.8, top_k=40, seed=7, presence_penalty=2.0),
+        SamplingParams(temperature=1.0, top_k=10, top_p=0.9, min_p=0.02, seed=3),
+    ):
+        for r in range(len(h)):
+            banned = torch.topk(full[r], 2).indices.tolist()[1:]  # ignore_eos-like ban
+            a = Sampler(params, V, history)
+            b = Sampler(params, V, history)
+            need = a.head_need(banned)
+            row = head.logits(h[r : r + 1], [need])[0]
+            want = full[r].clone()
+            row[banned] = -torch.inf
+            want[banned] = -torch.inf
+            assert a.sample(row) == b.sample(want), (params, r)
+            got_p, want_p = a.top_probs(row, 5), b.top_probs(want, 5)
+            assert [t for t, _ in got_p] == [t for t, _ in want_p]
+            assert all(abs(p - q) < 1e-5 for (_, p), (_, q) in zip(got_p, want_p))
+
+
+def test_whole_distribution_rows_get_the_full_head():
+    head = make_head(6)
+    h = hidden(3, 7)
+    needs = [RowNeed(0), RowNeed(1), RowNeed(MAX_TOP + 1)]
+    got = head.logits(h, needs)
+    full = head.full(h)
+    assert torch.equal(got[0], full[0]) and torch.equal(got[2], full[2])
+    assert torch.isinf(got[1]).sum() > V // 2  # a shortlist row
+    assert int(got[1].argmax()) == int(full[1].argmax())
+    dense = OutputHead(head.w, shortlist=False)  # the dequant path: always the full head
+    assert torch.equal(dense.logits(h, needs), full)
