@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     ap = build_parser()
     a = ap.parse_args(argv)
-    if getattr(a, "threads", -1) > 0:
+    if getattr(a, "threads", -1) > 0 and a.cmd != "serve":  # serve: set on the engine thread
         torch.set_num_threads(a.threads)
     if a.cmd == "perf":
         from radixserve.perf import main as perf_main

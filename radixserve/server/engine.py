@@ -2,6 +2,11 @@
 
 HTTP handlers (asyncio) talk to it through one thread-safe control queue; results flow back
 through a per-task asyncio queue fed with `call_soon_threadsafe`. No locks inside the engine.
+
+It is also the only thread that runs torch's parallel kernels, from loading on (`Engine.boot`):
+while another live thread owns an OpenMP team (it ran a parallel op once, e.g. loading the
+model), the engine's kernels ran ~35% slower on 2 cores (decode 36 vs 55 tok/s, measured in
+docs/PERFORMANCE.md), as slow as with one thread.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import queue
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+import torch
 
 from radixserve.config import ServerConfig
 from radixserve.model.loader import Model
@@ -65,6 +72,30 @@ class Engine:
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="radixserve-engine", daemon=True)
         self._stopping = False
+
+    @classmethod
+    def boot(cls, cfg: ServerConfig, load: Callable[[], Model]) -> "Engine":
+        """Load the model and run the engine loop on one new thread; returns once it is ready
+        (or raises what loading raised)."""
+        ready: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+        def main() -> None:
+            try:
+                if cfg.threads > 0:  # per thread in OpenMP: set where the kernels run
+                    torch.set_num_threads(cfg.threads)
+                engine = cls(load(), cfg)
+            except BaseException as e:  # handed to the caller
+                ready.put(e)
+                return
+            engine._thread = threading.current_thread()
+            ready.put(engine)
+            engine._run()
+
+        threading.Thread(target=main, name="radixserve-engine", daemon=True).start()
+        got = ready.get()
+        if isinstance(got, BaseException):
+            raise got
+        return got
 
     # -- handler side ----------------------------------------------------------------------
     def start(self) -> None:

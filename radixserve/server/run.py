@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
 import uvicorn
 
 from radixserve.config import ServerConfig
@@ -21,12 +20,7 @@ log = logging.getLogger(__name__)
 
 
 def build_engine(cfg: ServerConfig) -> Engine:
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
-    model = load_model(cfg.model, cfg.dtype, weights=cfg.weights)
-    engine = Engine(model, cfg)
-    engine.start()
-    return engine
+    return Engine.boot(cfg, lambda: load_model(cfg.model, cfg.dtype, weights=cfg.weights))
 
 
 def serve(cfg: ServerConfig) -> int:
