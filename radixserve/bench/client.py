@@ -102,6 +102,7 @@ async def _run_turn(client: httpx.AsyncClient, url: str, s: Session, turn: int,
         reply = await stream_chat(client, url, chat_body(messages, opt), rec, t0)
     except Exception as e:  # any failure is one failed request, never a stuck benchmark
         rec.error, reply = f"{type(e).__name__}: {e}"[:200], ""
+    rec.reply = reply
     rec.latency_s = time.perf_counter() - t0
     if rec.ttft_s is None and rec.error is None:
         rec.ttft_s = rec.latency_s  # nothing streamed (all text in the last chunk)

@@ -90,7 +90,8 @@ async def _model_id(url: str) -> str:
 
 async def _phases(url: str, s: Scenario, mode: Mode, pid: int | None,
                   on_done: Callable[[RequestRecord], None]) -> dict[str, Any]:
-    opt = RequestOptions(s.n_predict, mode.cache_prompt, await _model_id(url))
+    opt = RequestOptions(s.n_predict, mode.cache_prompt and s.cache_prompt,
+                         await _model_id(url))
     warm = warmup_sessions(s)
     if warm:
         await run_sessions(url, warm, min(s.concurrency, len(warm)), opt)

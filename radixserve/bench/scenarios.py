@@ -47,6 +47,9 @@ class Scenario:
     warmup_requests: int = 2
     warmup_tokens: int = 128
     order: str = "shuffle"  # shared-prefix: one of ORDERS
+    # false: every request recomputes its whole prompt in every mode (engine yardsticks), so
+    # an external server measured repeatedly cannot answer from what an earlier run cached
+    cache_prompt: bool = True
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Scenario:

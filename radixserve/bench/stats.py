@@ -34,6 +34,7 @@ class RequestRecord:
     prompt_ms: float | None = None
     predicted_ms: float | None = None
     error: str | None = None
+    reply: str | None = None  # the generated text: runs of different modes must agree on it
 
     @property
     def prefill_tok_s(self) -> float | None:

@@ -95,10 +95,10 @@ class Transformer:
                 outs.append(self._attend(q[start : start + n], kl[:, sel], vl[:, sel], mask))
                 start += n
             attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-            x = x + lw.wo(attn).float()
+            x.add_(lw.wo(attn))  # f32 += bf16, no conversion op
             h = F.rms_norm(x, (d,), lw.ffn_norm, eps).to(dt)
             gu = lw.w_gate_up(h)
-            x = x + lw.w_down(F.silu(gu[:, : hp.n_ff]) * gu[:, hp.n_ff :]).float()
+            x.add_(lw.w_down(F.silu(gu[:, : hp.n_ff]) * gu[:, hp.n_ff :]))
 
         rows: list[int] = []
         start = 0

@@ -96,11 +96,13 @@ class OutputHead:
         c_w = h.abs().sum(1, keepdim=True)
         c_a = (h - hbf).abs().sum(1, keepdim=True) + hbf.abs().sum(1, keepdim=True) * (
             h.shape[1] * 2.0**-24)
-        bound = _MARGIN * (self.err * c_w + self.amax * c_a + y.abs() * 2.0**-7)
+        bound = torch.addcmul(self.err * c_w, self.amax, c_a).add_(y.abs(), alpha=2.0**-7)
+        bound.mul_(_MARGIN)
         upper, lower = y + bound, y - bound
         for j, (nd, r) in enumerate(zip(needs, rows)):
             row, up = out[r], upper[j]
-            floor = torch.topk(lower[j], nd.top).values[-1]  # <= the true k-th best logit
+            # <= the true k-th best logit
+            floor = lower[j].max() if nd.top == 1 else torch.topk(lower[j], nd.top).values[-1]
             ids = self._rescore(h[j], row, (up >= floor).nonzero().squeeze(1), nd.extra)
             if nd.adjust is None:
                 continue

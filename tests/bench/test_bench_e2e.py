@@ -34,17 +34,23 @@ def test_tiny_bench_run(tmp_path: Path, tiny_path: str) -> None:
     scenario = tmp_path / "tiny-shared.json"
     scenario.write_text(json.dumps(TINY_SCENARIO))
     out = tmp_path / "out"
+    # f32 on the native path: cached and uncached replies must agree to the token
     rc = main([str(scenario), "--modes", "no-cache,radix", "--out", str(out), "-m", tiny_path,
-               "--", "-t", "1"])
+               "--", "-t", "1", "--dtype", "f32", "--weights", "native"])
     assert rc == 0, (out / "summary.md").read_text()
 
     for name in ("summary.json", "summary.md", "ttft.png", "hit_rate.png", "host_mib.png"):
         assert (out / name).stat().st_size > 0, name
+    replies = {}
     for mode in ("no-cache", "radix"):
         run = json.loads((out / "runs" / f"tiny-shared__{mode}__r0.json").read_text())
         assert "error" not in run, run.get("traceback")
         assert len(run["requests"]) == 6
         assert (out / "logs" / f"tiny-shared__{mode}__r0.log").stat().st_size > 0
+        replies[mode] = [(r["session"], r["reply"]) for r in run["requests"]]
+    # the same requests in the same order, the same greedy replies with and without the cache
+    assert replies["radix"] == replies["no-cache"]
+    assert all(text for _, text in replies["radix"])
 
     s = json.loads((out / "summary.json").read_text())["tiny-shared"]
     radix, none = s["radix"], s["no-cache"]
@@ -53,6 +59,7 @@ def test_tiny_bench_run(tmp_path: Path, tiny_path: str) -> None:
         assert 0 < f["ttft_p50_ms"] <= f["ttft_p95_ms"]
         assert f["ttft_p50_ms"] <= f["e2e_p50_ms"] <= f["e2e_p95_ms"]
         assert f["req_per_s"] > 0 and f["gen_tok_per_s"] > 0
+        assert f["prefill_tok_s_p50"] > 0 and f["decode_tok_s_p50"] > 0  # server timings
         assert f["prompt_tokens_reused"] + f["prompt_tokens_computed"] > 6 * 160
         assert f["rss_peak_mib"] >= f["rss_start_mib"] > 0
 

@@ -21,7 +21,19 @@ from radixserve.bench.scenarios import (
 
 REQUIRED = {"shared-prefix-main", "exact-reuse", "no-sharing", "prefix-512", "prefix-1024",
             "prefix-2048", "prefix-4096", "concurrency-1", "concurrency-4", "capacity-lru-512",
-            "multi-turn-chat", "shared-prefix-shuffled"}
+            "multi-turn-chat", "shared-prefix-shuffled", "shared-prefix-long", "single-stream",
+            "decode-4"}
+
+
+def test_engine_yardsticks_compute_every_prompt() -> None:
+    """Issue #11's scenarios: long answers on shared prefixes; engine rates with the cache off."""
+    long = load_scenario("shared-prefix-long")
+    assert long.kind == "shared-prefix" and long.n_predict >= 200 and long.cache_prompt
+    for name in ("single-stream", "decode-4"):
+        s = load_scenario(name)
+        assert s.cache_prompt is False and s.params["doc_tokens"] == 1600
+    assert load_scenario("single-stream").concurrency == 1
+    assert load_scenario("decode-4").concurrency == 4
 
 
 def _prompts(s: Scenario) -> list[tuple[str, tuple[str, ...]]]:

@@ -45,8 +45,10 @@ def test_hit_rate() -> None:
 
 def test_summarize_run() -> None:
     recs = [
-        RequestRecord("a", "g1", 0, 0.0, 1.0, ttft_s=0.1, prompt_n=100, cache_n=0, predicted_n=8),
-        RequestRecord("b", "g1", 0, 0.0, 2.0, ttft_s=0.3, prompt_n=10, cache_n=90, predicted_n=8),
+        RequestRecord("a", "g1", 0, 0.0, 1.0, ttft_s=0.1, prompt_n=100, cache_n=0, predicted_n=8,
+                      prompt_ms=200.0, predicted_ms=100.0),
+        RequestRecord("b", "g1", 0, 0.0, 2.0, ttft_s=0.3, prompt_n=10, cache_n=90, predicted_n=8,
+                      prompt_ms=50.0, predicted_ms=400.0),
         RequestRecord("c", "g2", 0, 0.0, 3.0, ttft_s=0.2, prompt_n=50, cache_n=50, predicted_n=8),
         RequestRecord("d", "g2", 0, 0.0, 9.0, error="HTTP 500"),
     ]
@@ -59,6 +61,10 @@ def test_summarize_run() -> None:
     assert s["prompt_tokens_reused"] == 140 and s["prompt_tokens_computed"] == 160
     assert s["hit_rate"] == pytest.approx(140 / 300)
     assert s["hit_rate_by_group"] == {"g1": pytest.approx(0.45), "g2": pytest.approx(0.5)}
+    # engine rates from the server's timings, only where it reported them: 500 and 200 tok/s
+    # of prompt, 80 and 20 tok/s of generation -> medians
+    assert s["prefill_tok_s_p50"] == pytest.approx(350.0)
+    assert s["decode_tok_s_p50"] == pytest.approx(50.0)
 
 
 METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed

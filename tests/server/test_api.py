@@ -55,7 +55,6 @@ def test_openai_client_chat_and_completions(server):
     assert "Paris" in chat.choices[0].message.content
     assert chat.choices[0].finish_reason == "stop"
     assert chat.usage.prompt_tokens > 0 and chat.usage.completion_tokens > 0
-    assert chat.usage.prompt_tokens_details.cached_tokens >= 0
 
     stream = client.chat.completions.create(model="x", messages=msgs, temperature=0,
                                             max_tokens=20, stream=True,
@@ -69,6 +68,9 @@ def test_openai_client_chat_and_completions(server):
             usage = ch.usage
     assert "".join(parts) == chat.choices[0].message.content
     assert finish == "stop" and usage is not None and usage.completion_tokens > 0
+    # the same prompt again: its slot still holds it, all but the last token is reused
+    assert usage.prompt_tokens == chat.usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
 
     comp = client.completions.create(model="x", prompt="The capital of France is",
                                      temperature=0, max_tokens=8)
