@@ -54,13 +54,17 @@ class OutputHead:
         self.q8: torch.Tensor | None = None
         if not shortlist:
             return
-        scale = (self.w.abs().amax(1) / 127).clamp(min=1e-30).to(torch.bfloat16)
-        sf = scale.float()[:, None]
-        q = torch.round(self.w / sf).clamp(-128, 127)
-        self.q8, self.s8 = q.to(torch.int8).contiguous(), scale
-        w8 = q * sf
-        self.err = (self.w - w8).abs().amax(1)
-        self.amax = w8.abs().amax(1)
+        n = self.w.shape[0]
+        self.q8 = torch.empty(self.w.shape, dtype=torch.int8)
+        self.s8 = (self.w.abs().amax(1) / 127).clamp(min=1e-30).to(torch.bfloat16)
+        self.err, self.amax = torch.empty(n), torch.empty(n)
+        for r in range(0, n, 4096):  # in row blocks: no vocabulary-sized f32 temporaries
+            w, sf = self.w[r : r + 4096], self.s8[r : r + 4096].float()[:, None]
+            q = torch.round(w / sf).clamp_(-128, 127)
+            self.q8[r : r + 4096] = q.to(torch.int8)
+            w8 = q.mul_(sf)
+            self.amax[r : r + 4096] = w8.abs().amax(1)
+            self.err[r : r + 4096] = w8.sub_(w).abs_().amax(1)
 
     @property
     def nbytes(self) -> int:

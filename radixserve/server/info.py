@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import gguf
-import torch
 
 from radixserve.config import ServerConfig
 from radixserve.model.loader import Model
