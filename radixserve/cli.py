@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(a: argparse.Namespace) -> ServerConfig:
     cfg = ServerConfig(
-        model=a.model, alias=a.alias, dtype=a.dtype, weights=a.weights, threads=a.threads, seed=a.seed,
-        host=a.host, port=a.port,
+        model=a.model, alias=a.alias, dtype=a.dtype, weights=a.weights, threads=a.threads,
+        seed=a.seed, host=a.host, port=a.port,
         api_key=[k for k in (a.api_key or "").split(",") if k],
         ctx_size=a.ctx_size, n_parallel=a.parallel, kv_unified=a.kv_unified,
         kv_unified_per_slot=a.kv_unified_per_slot, batch_size=a.batch_size,

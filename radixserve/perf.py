@@ -21,7 +21,7 @@ import torch
 from radixserve.kv.pool import KVPool
 from radixserve.model.forward import BatchSeq
 from radixserve.model.head import RowNeed
-from radixserve.model.loader import Model, load_model
+from radixserve.model.loader import Model, load_model, resolve_dtype, resolve_weights
 
 
 def _pool(model: Model, n_cells: int, n_seq: int) -> KVPool:
@@ -100,7 +100,7 @@ def main(model_path: str, dtypes: list[str], weights: list[str], repeats: int,
     seen = set()
     for dt in dtypes:
         for w in weights:
-            key = (dt, w if w != "auto" else ("dequant" if dt == "f32" else "native"))
+            key = (dt, resolve_weights(w, resolve_dtype(dt, torch.device("cpu"))))
             if key in seen:
                 continue
             seen.add(key)

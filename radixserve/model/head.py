@@ -13,9 +13,9 @@ head gives. Rows that need the whole distribution (top_k off) get the full f32 h
 The bound, per token i, for h in f32 and its bf16 rounding h':
     |z_i - y_i| <= e_i |h|_1 + a_i (|h - h'|_1 + K 2^-24 |h'|_1) + 2^-7 |y_i|
 e_i: the row's largest weight error of the int8 copy, a_i: its largest int8 weight; the terms
-are the weight error, the input rounding, f32 accumulation, and the bf16 output rounding. On the
-default model B is ~8 while the gap to the 64th token is ~8: a greedy step re-scores ~10 tokens
-(at most ~80 seen), a top-40 step ~400 (docs/PERFORMANCE.md).
+are the weight error, the input rounding, f32 accumulation, and the bf16 output rounding (the
+int8 kernel accumulates exactly in f32). On the default model B is ~8: a greedy step re-scores
+~10 tokens (at most ~80 seen), a top-40 step ~400 (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class OutputHead:
             return self.full(h)
         out = torch.full((h.shape[0], self.w.shape[0]), -torch.inf)
         self._shortlist(h[short], [needs[i] for i in short], out, short)
-        rest = [i for i in range(len(needs)) if i not in set(short)]
+        rest = sorted(set(range(len(needs))) - set(short))
         if rest:
             idx = torch.tensor(rest)
             out[idx] = self.full(h[idx])

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import gguf
 import torch
 
+from radixserve.config import WEIGHTS
 from radixserve.model.chat_template import ChatTemplate
 from radixserve.model.default_model import resolve_model_path
 from radixserve.model.forward import Transformer
@@ -21,7 +22,6 @@ from radixserve.model.weights import load_weights
 log = logging.getLogger(__name__)
 
 _DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-WEIGHTS = ("auto", "native", "dequant")
 DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 

@@ -49,7 +49,8 @@ class Codes:
 
     @staticmethod
     def concat(parts: list[Codes]) -> Codes:
-        return Codes(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
+        return Codes(*(np.concatenate([getattr(p, f) for p in parts])
+                       for f in ("q", "scale", "zero")))
 
     def dequantize(self) -> np.ndarray:
         """f32 weights [N, K], the kernel's formula evaluated in f32."""
@@ -98,7 +99,7 @@ class Linear:
         raise NotImplementedError
 
     def weight(self) -> torch.Tensor:
-        """W [N, K] as the matmul sees it (tests, parameter counts)."""
+        """W [N, K] as the matmul sees it (prefill chunks of packed weights, tests)."""
         raise NotImplementedError
 
     @property

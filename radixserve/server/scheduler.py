@@ -227,7 +227,8 @@ class Scheduler:
             used += take
         return batch, owners
 
-    def _after_forward(self, batch: list[BatchSeq], owners: list[Slot], hidden: torch.Tensor) -> None:
+    def _after_forward(self, batch: list[BatchSeq], owners: list[Slot],
+                       hidden: torch.Tensor) -> None:
         now = time.perf_counter()
         rows: list[int] = []
         to_sample: list[Slot] = []
