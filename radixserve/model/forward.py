@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.model.hparams import HParams
+from radixserve.model.kernels import kernels
 from radixserve.model.rope import Rope
 from radixserve.model.weights import ModelWeights
 
@@ -39,8 +40,12 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype | 
 
 
 class Transformer:
-    def __init__(self, hp: HParams, w: ModelWeights, dtype: torch.dtype) -> None:
+    def __init__(self, hp: HParams, w: ModelWeights, dtype: torch.dtype,
+                 use_kernels: bool = True) -> None:
         self.hp, self.w, self.dtype = hp, w, dtype
+        # bf16 steps run their glue and decode attention in our kernels (model/csrc/) when they
+        # build; f32 (the reference path) stays on torch ops
+        self.kern = kernels() if use_kernels and dtype == torch.bfloat16 else None
         self.rope = Rope(hp, w.rope_freqs)
         self.q_dim = hp.n_head * hp.head_dim
         self.kv_dim = hp.n_head_kv * hp.head_dim
@@ -70,35 +75,32 @@ class Transformer:
         cell_idx = torch.tensor(cells, dtype=torch.long, device=device)
         cos, sin = self.rope.cos_sin(pos)
         plans = [self._attn_plan(pool, b, device) for b in batch]
-        n_qk = hp.n_head + hp.n_head_kv
         d, eps = hp.n_embd, hp.rms_eps
 
         # the residual stream stays in f32: bf16 there flips near-tie greedy choices
         x = F.embedding(tokens, self.w.tok_embd).float()
-        dt = self.dtype
-        for li, lw in enumerate(self.w.layers):
-            h = F.rms_norm(x, (d,), lw.attn_norm, eps).to(dt)
+        # a step of single decode tokens (no masks) runs RoPE, the K/V store and attention in
+        # one kernel call a layer (model/csrc/decode_attn.c)
+        step = None
+        if (self.kern is not None and self.w.layers[0].q_norm is None
+                and all(len(b.tokens) == 1 and mask is None for b, (_, mask) in zip(batch, plans))):
+            step = self.kern.decode_step(pool.k, pool.v, hp.n_head, [sel for sel, _ in plans],
+                                         cells, cos, sin)
+        layers = self.w.layers
+        h = self._add_norm(x, None, layers[0].attn_norm)
+        for li, lw in enumerate(layers):
             qkv = lw.wqkv(h)
-            qk = qkv[:, : self.q_dim + self.kv_dim].view(-1, n_qk, hp.head_dim)
-            v = qkv[:, self.q_dim + self.kv_dim :].view(-1, hp.n_head_kv, hp.head_dim)
-            if lw.q_norm is not None:
-                qk = torch.cat([rms_norm(qk[:, : hp.n_head], lw.q_norm, eps),
-                                rms_norm(qk[:, hp.n_head :], lw.k_norm, eps)], dim=1)
-            qk = self.rope.apply(qk, cos, sin)
-            q, k = qk[:, : hp.n_head], qk[:, hp.n_head :]
-            pool.write(li, cell_idx, k, v)
-            kl, vl = pool.k[li], pool.v[li]
-            outs = []
-            start = 0
-            for b, (sel, mask) in zip(batch, plans):
-                n = len(b.tokens)
-                outs.append(self._attend(q[start : start + n], kl[:, sel], vl[:, sel], mask))
-                start += n
-            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-            x.add_(lw.wo(attn))  # f32 += bf16, no conversion op
-            h = F.rms_norm(x, (d,), lw.ffn_norm, eps).to(dt)
-            gu = lw.w_gate_up(h)
-            x.add_(lw.w_down(F.silu(gu[:, : hp.n_ff]) * gu[:, hp.n_ff :]))
+            if step is not None:
+                attn = step.attend(li, qkv)
+            else:
+                outs = self._attention(pool, li, batch, plans, qkv, cos, sin, cell_idx)
+                attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+            h = self._add_norm(x, lw.wo(attn), lw.ffn_norm)
+            down = lw.w_down(self._silu_mul(lw.w_gate_up(h)))
+            if li + 1 < len(layers):
+                h = self._add_norm(x, down, layers[li + 1].attn_norm)
+            else:
+                x.add_(down)
 
         rows: list[int] = []
         start = 0
@@ -110,6 +112,47 @@ class Transformer:
             return torch.empty(0, hp.n_embd)
         xr = x[torch.tensor(rows, device=device)] if len(rows) < len(x) else x
         return F.rms_norm(xr, (d,), self.w.output_norm, eps)
+
+    def _add_norm(self, x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
+        """x += y (the f32 residual stream; f32 += bf16 needs no conversion op), then its
+        RMSNorm in the compute dtype."""
+        if self.kern is not None:
+            return self.kern.add_rms_norm(x, y, w, self.hp.rms_eps)
+        if y is not None:
+            x.add_(y)
+        return F.rms_norm(x, (self.hp.n_embd,), w, self.hp.rms_eps).to(self.dtype)
+
+    def _silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        if self.kern is not None:
+            return self.kern.silu_mul(gu)
+        return F.silu(gu[:, : self.hp.n_ff]) * gu[:, self.hp.n_ff :]
+
+    def _attention(self, pool: "KVPool", li: int, batch: list[BatchSeq],
+                   plans: list[tuple[slice | torch.Tensor, torch.Tensor | None]],
+                   qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cell_idx: torch.Tensor) -> list[torch.Tensor]:
+        """Rotate q/k, store this layer's K/V, attend per sequence (the general path)."""
+        hp = self.hp
+        qk = qkv[:, : self.q_dim + self.kv_dim].view(-1, hp.n_head + hp.n_head_kv, hp.head_dim)
+        v = qkv[:, self.q_dim + self.kv_dim :].view(-1, hp.n_head_kv, hp.head_dim)
+        lw = self.w.layers[li]
+        if lw.q_norm is not None:
+            qk = torch.cat([rms_norm(qk[:, : hp.n_head], lw.q_norm, hp.rms_eps),
+                            rms_norm(qk[:, hp.n_head :], lw.k_norm, hp.rms_eps)], dim=1)
+        qk = self.rope.apply(qk, cos, sin)
+        q, k = qk[:, : hp.n_head], qk[:, hp.n_head :]
+        pool.write(li, cell_idx, k, v)
+        kl, vl = pool.k[li], pool.v[li]
+        outs = []
+        start = 0
+        for b, (sel, mask) in zip(batch, plans):
+            n = len(b.tokens)
+            if n == 1 and mask is None and self.kern is not None:
+                outs.append(self.kern.attend(q[start : start + 1], kl, vl, sel))
+            else:
+                outs.append(self._attend(q[start : start + n], kl[:, sel], vl[:, sel], mask))
+            start += n
+        return outs
 
     def _attn_plan(
         self, pool: "KVPool", b: BatchSeq, device: torch.device

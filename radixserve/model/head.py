@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from radixserve.model.kernels import Kernels, kernels
+
 MAX_TOP = 256  # samplers looking at more tokens than this get the full head
 _MARGIN = 1.01  # slack on the bound for the kernel's own rounding order
 
@@ -52,6 +54,7 @@ class OutputHead:
         self.w = w.float().contiguous()  # [V, D] exact f32
         self.stats = HeadStats()
         self.q8: torch.Tensor | None = None
+        self.kern: Kernels | None = None
         if not shortlist:
             return
         n = self.w.shape[0]
@@ -65,6 +68,12 @@ class OutputHead:
             w8 = q.mul_(sf)
             self.amax[r : r + 4096] = w8.abs().amax(1)
             self.err[r : r + 4096] = w8.sub_(w).abs_().amax(1)
+        kern = kernels()
+        if kern is not None and kern.has_int8_head and self.w.shape[1] % 64 == 0:
+            # our VNNI pass (csrc/int8_head.c): 3x torch's int8 kernel here
+            self.kern = kern
+            self.rowsum = self.q8.sum(1, dtype=torch.int32)
+            self.s8f = self.s8.float()
 
     @property
     def nbytes(self) -> int:
@@ -94,13 +103,9 @@ class OutputHead:
 
     def _shortlist(self, h: torch.Tensor, needs: list[RowNeed], out: torch.Tensor,
                    rows: list[int]) -> None:
-        hb = h.to(torch.bfloat16)
-        y = torch.ops.aten._weight_int8pack_mm(hb, self.q8, self.s8).float()
-        hbf = hb.float()
+        y, c_a, rel = self._approx(h)
         c_w = h.abs().sum(1, keepdim=True)
-        c_a = (h - hbf).abs().sum(1, keepdim=True) + hbf.abs().sum(1, keepdim=True) * (
-            h.shape[1] * 2.0**-24)
-        bound = torch.addcmul(self.err * c_w, self.amax, c_a).add_(y.abs(), alpha=2.0**-7)
+        bound = torch.addcmul(self.err * c_w, self.amax, c_a).add_(y.abs(), alpha=rel)
         bound.mul_(_MARGIN)
         upper, lower = y + bound, y - bound
         for j, (nd, r) in enumerate(zip(needs, rows)):
@@ -117,6 +122,23 @@ class OutputHead:
                 self.stats.widened += 1
                 self._rescore(h[j], row, more, ())
 
+    def _approx(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Approximate logits y [n, V] of the int8 copy, the input term c_a [n, 1] of the
+        bound (times a row's largest int8 weight), and the relative rounding of y."""
+        if self.kern is not None:
+            a, sc, approx, parts_l1 = split_int8(h)
+            y = self.kern.int8_head(self.q8, self.rowsum, self.s8f, a, sc)
+            # integer sums are exact; the parts' f32 combination and the scale round twice
+            c_a = (h - approx).abs().sum(1, keepdim=True) + parts_l1 * 2.0**-20
+            return y, c_a, 2.0**-20
+        # torch's kernel: bf16 input (rounded), f32 sums, bf16 output (rounded)
+        hb = h.to(torch.bfloat16)
+        y = torch.ops.aten._weight_int8pack_mm(hb, self.q8, self.s8).float()
+        hbf = hb.float()
+        c_a = (h - hbf).abs().sum(1, keepdim=True) + hbf.abs().sum(1, keepdim=True) * (
+            h.shape[1] * 2.0**-24)
+        return y, c_a, 2.0**-7
+
     def _rescore(self, h: torch.Tensor, row: torch.Tensor, ids: torch.Tensor,
                  extra: Sequence[int]) -> torch.Tensor:
         if extra:
@@ -124,3 +146,18 @@ class OutputHead:
         row[ids] = F.linear(h, self.w[ids])
         self.stats.rescored += ids.numel()
         return ids
+
+
+def split_int8(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [n, D] f32 as two int8 parts h ~ s1 h1 + s2 h2 (s2 = s1 / 254: the second part holds
+    the first one's rounding error), for the VNNI head pass. Returns the parts +128 as uint8
+    [2n, D] (rows h1_0, h2_0, h1_1, ...), their scales [2n], the f32 value s1 h1 + s2 h2 they
+    stand for, and |s1 h1|_1 + |s2 h2|_1 [n, 1] (for the bound's rounding term)."""
+    s1 = h.abs().amax(1, keepdim=True).clamp(min=1e-30) / 127
+    h1 = torch.round(h / s1).clamp_(-127, 127)
+    s2 = s1 / 254
+    h2 = torch.round((h - h1 * s1) / s2).clamp_(-127, 127)
+    p1, p2 = h1 * s1, h2 * s2
+    a = torch.stack([h1, h2], 1).add_(128).to(torch.uint8).view(-1, h.shape[1])
+    sc = torch.cat([s1, s2], 1).view(-1)
+    return a, sc, p1 + p2, p1.abs().sum(1, keepdim=True) + p2.abs().sum(1, keepdim=True)

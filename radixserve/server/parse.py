@@ -205,6 +205,7 @@ def build_task(
         n_cache_reuse=req.n_cache_reuse,
         ignore_eos=bool(req.ignore_eos),
         n_probs=n_probs_value,
+        stream=bool(req.stream),
     )
     opts = req.stream_options
     return ParsedRequest(

@@ -297,7 +297,7 @@ class Scheduler:
             self._finish(s)
             return
         s.pending = t
-        part = s.partial()
+        part = s.partial() if task.stream else None
         if part is not None:
             s.send(part)
 
@@ -305,7 +305,7 @@ class Scheduler:
         now = time.perf_counter()
         self.pool.seq_rm(s.id, len(s.tokens))  # cancelled mid-prompt: drop KV past the prefix
         if emit_final:
-            part = s.partial(final=True)
+            part = s.partial(final=True) if s.job.stream else None
             if part is not None:
                 s.send(part)
             s.send(s.final(now))

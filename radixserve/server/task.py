@@ -39,6 +39,9 @@ class CompletionTask:
     n_cache_reuse: int | None = None  # None: the server's --cache-reuse
     ignore_eos: bool = False
     n_probs: int = 0
+    # partial results per token; off for a non-streamed request, whose consumer only reads the
+    # final result (each partial wakes the HTTP thread: ~10% of decode speed on 2 cores)
+    stream: bool = True
     id: int = -1  # assigned by the engine
 
 

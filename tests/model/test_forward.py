@@ -70,19 +70,73 @@ def test_default_model_matches_hf_logits_and_greedy(default_tr: Transformer, hf_
         assert greedy(default_tr, ids, 32) == gen
 
 
+NEAR_TIE = 0.05  # reference logits this close are a coin flip for bf16 activations
+
+
+def f32_step_logits(ref: Transformer, seq: list[int]) -> torch.Tensor:
+    return ref.forward(make_pool(ref, n_cells=512, n_seq=1), [BatchSeq(0, seq, 0)])[0]
+
+
 @pytest.mark.model
-def test_native_bf16_greedy_matches_hf(default_path: str, hf_reference):
-    """Packed Q4_1 weights, bf16 activations, shortlist head: the same 32 greedy tokens as the
-    f32 reference on every reference prompt (measured: no near-tie splits them)."""
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch-ops"])
+def test_native_bf16_greedy_matches_hf(default_path: str, default_tr: Transformer,
+                                       hf_reference, kernels: bool):
+    """Packed Q4_1 weights, bf16 activations, shortlist head, with our step kernels
+    (model/csrc/) or torch's ops: the same 32 greedy tokens as the f32 reference, up to a
+    measured near-tie. Every prompt must agree until a step where the f32 reference itself
+    has our token within NEAR_TIE of its choice, and from then on nothing is compared (the
+    continuations differ). Measured: the torch-ops path matches all 3 prompts in full; the
+    kernel path splits prompt 3 at step 5, where the reference's top three are 31.294, 31.284
+    and 31.267 and it takes the third."""
     model = load_model(default_path, "bf16", weights="native")
     tr = model.transformer
     assert model.weights == "native" and tr.w.packed
     assert isinstance(tr.w.layers[0].wqkv, PackedLinear)
+    if kernels:
+        assert tr.kern is not None, "the step kernels did not build (is a C compiler there?)"
+    else:
+        tr.kern = None
+    full = 0
     for ids, (expect, gen) in zip(PROMPTS, hf_reference):
         got = our_logits(tr, ids)  # bf16 activations: close, not equal (measured max 0.63)
         assert (got - expect).abs().max().item() < 1.0
-        assert greedy(tr, ids, 32) == gen
-    assert tr.w.head.stats.rows_short == 3 * 32 and tr.w.head.stats.rows_full == 0
+        ours = greedy(tr, ids, 32)
+        split = next((i for i, (a, b) in enumerate(zip(ours, gen)) if a != b), None)
+        if split is None:
+            full += 1
+            continue
+        ref = f32_step_logits(default_tr, ids + gen[:split])
+        gap = (ref[gen[split]] - ref[ours[split]]).item()
+        assert 0 <= gap < NEAR_TIE, f"split at step {split} by {gap:.3f}: not a near-tie"
+    assert full >= 2  # a split is the exception, not the rule
+    assert tr.w.head.stats.rows_short >= 3 * 32 and tr.w.head.stats.rows_full == 0
+
+
+@pytest.mark.model
+def test_kernel_path_as_close_to_reference_as_torch_ops(default_path: str,
+                                                         default_tr: Transformer):
+    """Decode steps through our kernels (fused RoPE + K/V store + attention, add + norm, SiLU
+    gate) stay as close to the f32 reference as torch's own bf16 ops do, on forced tokens."""
+    model = load_model(default_path, "bf16", weights="native")
+    tr = model.transformer
+    kern = tr.kern
+    assert kern is not None
+
+    def logits(t: Transformer, seq: list[int], n0: int) -> torch.Tensor:
+        pool = make_pool(t, n_cells=512, n_seq=1)
+        rows = [t.forward(pool, [BatchSeq(0, seq[:n0], 0)])[0]]
+        rows += [t.forward(pool, [BatchSeq(0, [seq[i]], i)])[0] for i in range(n0, len(seq))]
+        return torch.stack(rows)
+
+    for ids in PROMPTS:
+        seq = ids + list(range(1000, 1024))
+        ref = logits(default_tr, seq, len(ids))
+        tr.kern = kern
+        err_k = (logits(tr, seq, len(ids)) - ref).abs()
+        tr.kern = None
+        err_t = (logits(tr, seq, len(ids)) - ref).abs()
+        # measured: kernels max 0.27-0.49 / mean 0.046-0.074, torch ops 0.37-0.54 / 0.056-0.072
+        assert err_k.max() < 1.0 and err_k.mean() < 1.5 * err_t.mean()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -145,3 +199,38 @@ def test_bf16_close_to_f32(tiny_path: str):
     bf16 = our_logits(make_transformer(tiny_path, torch.bfloat16), ids)
     # bf16 keeps ~3 significant digits: errors stay a small fraction of the logits' spread
     assert ((f32 - bf16).abs().max() / f32.std()).item() < 0.1
+
+
+def test_bf16_kernels_follow_torch_ops_through_sharing_and_mixed_batches(tiny_path: str):
+    """The bf16 step kernels, driven like the server drives them: prefill, a sequence that
+    takes another's prefix cells (seq_cp: gathered cells in unified mode, a copy in partitions),
+    fused decode steps of several sequences, and a decode token batched with a prefill chunk
+    (the general path). Logits stay within bf16 noise of the same run on torch's ops."""
+    from tests.conftest import make_transformer
+
+    tr = make_transformer(tiny_path, torch.bfloat16)
+    assert tr.kern is not None
+
+    def drive(use_kernels: bool, unified: bool) -> torch.Tensor:
+        kern = tr.kern
+        tr.kern = kern if use_kernels else None
+        try:
+            pool = make_pool(tr, n_cells=256, n_seq=4, unified=unified)
+            a, b = list(range(300, 340)), list(range(700, 713))
+            out = [tr.forward(pool, [BatchSeq(0, a, 0), BatchSeq(1, b, 0)])]
+            pool.seq_cp(0, 2, 0, 30)  # sequence 2 starts from a's first 30 tokens
+            out.append(tr.forward(pool, [BatchSeq(2, list(range(900, 905)), 30)]))
+            for i in range(6):  # decode steps of three sequences at once
+                out.append(tr.forward(pool, [BatchSeq(0, [5 + i], 40 + i), BatchSeq(1, [9], 13 + i),
+                                             BatchSeq(2, [11 + i], 35 + i)]))
+            # a decode token next to a prefill chunk: the general path
+            out.append(tr.forward(pool, [BatchSeq(0, [77], 46), BatchSeq(3, list(range(50, 90)), 0)]))
+            pool.check()
+            return torch.cat(out)
+        finally:
+            tr.kern = kern
+
+    for unified in (True, False):
+        got, ref = drive(True, unified), drive(False, unified)
+        assert got.shape == ref.shape
+        assert ((got - ref).abs().max() / ref.std()).item() < 0.05, unified

@@ -3,28 +3,39 @@ the greedy token, the top-k tokens and their values, with penalties and bans app
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from radixserve.model.head import MAX_TOP, OutputHead, RowNeed
+from radixserve.model.head import MAX_TOP, OutputHead, RowNeed, split_int8
 from radixserve.model.sampling import Sampler, SamplingParams
 
 V, D = 8192, 64
+# the approximate pass: our VNNI kernel (model/csrc/int8_head.c) or torch's int8 kernel
+pytestmark = pytest.mark.parametrize("vnni", [True, False], ids=["vnni", "torch-int8"])
 
 
-def make_head(seed: int = 0) -> OutputHead:
+def make_head(seed: int = 0, vnni: bool = False) -> OutputHead:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(V, D, generator=g) * 0.05
     w[torch.randint(0, V, (64,), generator=g)] *= 8  # outlier rows, like real embeddings
     w[:, 3] *= 6  # an outlier dimension
-    return OutputHead(w, shortlist=True)
+    return set_path(OutputHead(w, shortlist=True), vnni)
+
+
+def set_path(head: OutputHead, vnni: bool) -> OutputHead:
+    if vnni:
+        assert head.kern is not None, "the VNNI head pass did not build (needs AVX512-VNNI)"
+    else:
+        head.kern = None
+    return head
 
 
 def hidden(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, D, generator=torch.Generator().manual_seed(seed)) * 6
 
 
-def test_greedy_and_top_k_equal_the_full_head():
-    head = make_head()
+def test_greedy_and_top_k_equal_the_full_head(vnni):
+    head = make_head(vnni=vnni)
     h = hidden(64, 1)
     full = head.full(h)
     for k in (1, 5, 40, MAX_TOP):
@@ -38,22 +49,23 @@ def test_greedy_and_top_k_equal_the_full_head():
     assert head.stats.rescored < 4 * len(h) * V / 4
 
 
-def test_near_ties_are_resolved_exactly():
-    head = make_head(2)
+def test_near_ties_are_resolved_exactly(vnni):
+    head = make_head(2, vnni)
     h = hidden(1, 3)
     full = head.full(h)[0]
     a, b = torch.topk(full, 2).indices.tolist()
     # make the runner-up tie the winner to within 1e-4: int8 alone cannot tell them apart
     head.w[b] += (full[a] - full[b] - 1e-4) * h[0] / h[0].dot(h[0])
     head.__init__(head.w, shortlist=True)
+    set_path(head, vnni)
     full = head.full(h)[0]
     assert 0 < (full[a] - full[b]).item() < 1e-3
     got = head.logits(h, [RowNeed(1)])[0]
     assert int(got.argmax()) == int(full.argmax()) == a
 
 
-def test_samplers_with_penalties_and_bans_draw_what_the_full_head_gives():
-    head = make_head(4)
+def test_samplers_with_penalties_and_bans_draw_what_the_full_head_gives(vnni):
+    head = make_head(4, vnni)
     h = hidden(24, 5)
     full = head.full(h)
     history = torch.topk(full[0], 30).indices.tolist()[::3]  # penalize some of the best tokens
@@ -78,8 +90,8 @@ def test_samplers_with_penalties_and_bans_draw_what_the_full_head_gives():
             assert all(abs(p - q) < 1e-5 for (_, p), (_, q) in zip(got_p, want_p))
 
 
-def test_whole_distribution_rows_get_the_full_head():
-    head = make_head(6)
+def test_whole_distribution_rows_get_the_full_head(vnni):
+    head = make_head(6, vnni)
     h = hidden(3, 7)
     needs = [RowNeed(0), RowNeed(1), RowNeed(MAX_TOP + 1)]
     got = head.logits(h, needs)
@@ -89,3 +101,22 @@ def test_whole_distribution_rows_get_the_full_head():
     assert int(got[1].argmax()) == int(full[1].argmax())
     dense = OutputHead(head.w, shortlist=False)  # the dequant path: always the full head
     assert torch.equal(dense.logits(h, needs), full)
+
+
+def test_vnni_pass_is_within_its_bound(vnni):
+    """The approximate logits of either pass stay within the bound the shortlist trusts, on
+    hidden states with outliers and with exact zeros (a zero row must not divide by zero)."""
+    head = make_head(8, vnni)
+    h = hidden(9, 9)
+    h[0] = 0
+    h[1, 3] = 300.0  # one huge element: the int8 split's scale follows it
+    y, c_a, rel = head._approx(h)
+    z = head.full(h)
+    c_w = h.abs().sum(1, keepdim=True)
+    bound = torch.addcmul(head.err * c_w, head.amax, c_a) + rel * y.abs()
+    assert ((z - y).abs() <= bound).all()
+    assert torch.equal(y[0], torch.zeros(V))
+    if vnni:  # the split itself: parts stand for h to ~max|h| / 64516 per element
+        a, sc, approx, _ = split_int8(h)
+        assert a.dtype == torch.uint8 and a.shape == (18, D)
+        assert ((approx - h).abs() <= h.abs().amax(1, keepdim=True) / 64516 * 1.01).all()

@@ -121,3 +121,16 @@ def test_cache_prompt_false_neither_waits_nor_shares(model):
     doc = list(range(2000, 2300))
     outs = run(sched, [task(doc + [1], n=3), task(doc + [2], n=3, cache_prompt=False)])
     assert outs[1][-1].timings.cache_n == 0 and outs[1][-1].timings.prompt_n == 301
+
+
+def test_partials_only_for_streamed_tasks(model):
+    """A non-streamed task gets its final result alone (no per-token wake-ups of the HTTP
+    thread); a streamed one gets partials whose text adds up to the final's, same tokens."""
+    cfg = ServerConfig(ctx_size=512, n_parallel=2, cache_ram_mib=0)
+    streamed = task(list(range(300, 320)), n=12)
+    quiet = task(list(range(300, 320)), n=12, stream=False)
+    out_s, out_q = run(Scheduler(model, cfg, ServerMetrics()), [streamed, quiet])
+    assert [type(o).__name__ for o in out_q] == ["FinalResult"]
+    assert len(out_s) > 2 and isinstance(out_s[-1], FinalResult)
+    assert "".join(p.text for p in out_s[:-1]) == out_s[-1].content
+    assert out_q[0].tokens == out_s[-1].tokens and out_q[0].content == out_s[-1].content

@@ -1,0 +1,182 @@
+"""Our C step kernels (model/csrc/) against torch's own ops on the same inputs, their input
+checks (they take raw pointers), and their build cache."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixserve.model import kernels as K
+from radixserve.model.hparams import HParams
+from radixserve.model.rope import Rope
+
+BF = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def kern() -> K.Kernels:
+    k = K.kernels()
+    assert k is not None, "the kernels did not build (is a C compiler installed?)"
+    return k
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reference decode attention: q [1, H, d], k/v [n_kv, L, d] -> [1, H * d]."""
+    n_kv, _, d = k.shape
+    g = q.shape[1] // n_kv
+    o = F.scaled_dot_product_attention(q.view(1, n_kv, g, d).to(dtype), k[None].to(dtype),
+                                       v[None].to(dtype))
+    return o.reshape(1, -1).float()
+
+
+# (n_kv, group, head_dim): the default model's shape (AVX-512 path), others (generic path)
+SHAPES = [(3, 3, 64), (2, 4, 64), (8, 1, 64), (4, 2, 128), (1, 1, 32)]
+LENGTHS = [1, 2, 3, 15, 16, 17, 33, 257, 299]
+
+
+@pytest.mark.parametrize("n_kv,g,d", SHAPES)
+def test_attend_as_accurate_as_torch_bf16(kern, threads, n_kv, g, d):
+    """Against f32 SDPA, the kernel's error is within twice bf16 SDPA's (plus a rounding step),
+    for runs of cells and gathered cells, odd and even lengths, 1 and 2 threads."""
+    gen = torch.Generator().manual_seed(n_kv * 100 + d)
+    n_cells = 300
+    pk = (torch.randn(n_kv, n_cells, d, generator=gen) * 2).to(BF)
+    pv = torch.randn(n_kv, n_cells, d, generator=gen).to(BF)
+    for n in LENGTHS:
+        q = (torch.randn(1, n_kv * g, d, generator=gen) * 2).to(BF)
+        perm = torch.randperm(n_cells, generator=gen)[:n]
+        for cells in (slice(1, 1 + n), perm):
+            k, v = pk[:, cells], pv[:, cells]
+            ref = sdpa(q, k, v, torch.float32)
+            err_torch = (sdpa(q, k, v, BF) - ref).abs().max().item()
+            err = (kern.attend(q, pk, pv, cells).float() - ref).abs().max().item()
+            assert err <= 2 * err_torch + 2**-8 * ref.abs().max().item(), (n, cells)
+
+
+def test_decode_step_equals_torch_path(kern, threads):
+    """One call a layer: RoPE, the K/V store and attention for three sequences (a run of cells,
+    gathered cells, a one-token sequence) equal Rope.apply + index_copy + SDPA."""
+    hp = HParams(arch="llama", n_layer=2, n_embd=576, n_ff=64, n_head=9, n_head_kv=3,
+                 head_dim=64, n_vocab=100, n_ctx_train=4096, rms_eps=1e-5, rope_base=10000.0,
+                 rope_neox=True, rope_scale_linear=1.0, name="t")
+    rope = Rope(hp)
+    gen = torch.Generator().manual_seed(7)
+    shape = (hp.n_layer, hp.n_head_kv, 64, hp.head_dim)
+    pk, pv = torch.randn(shape, generator=gen).to(BF), torch.randn(shape, generator=gen).to(BF)
+    pk2, pv2 = pk.clone(), pv.clone()
+    # a new cell belongs to its sequence alone (shared prefix cells are only read)
+    scattered = torch.tensor([12, 13, 35, 8, 50, 52])  # shares cells 12, 13 with the first
+    cells = [slice(10, 30), scattered, slice(60, 61)]
+    dst = [29, 52, 60]  # each sequence's new cell, last in its cells
+    pos = torch.tensor([19, 5, 0])
+    cos, sin = rope.cos_sin(pos)
+    row = (hp.n_head + 2 * hp.n_head_kv) * hp.head_dim
+    step = kern.decode_step(pk, pv, hp.n_head, cells, dst, cos, sin)
+    for layer in range(hp.n_layer):
+        qkv = torch.randn(3, row, generator=gen).to(BF)
+        out = step.attend(layer, qkv).float()
+        # the torch path
+        nq, nk = hp.n_head * 64, hp.n_head_kv * 64
+        qk = rope.apply(qkv[:, : nq + nk].view(3, -1, 64), cos, sin)
+        q, k = qk[:, : hp.n_head], qk[:, hp.n_head :]
+        v = qkv[:, nq + nk :].view(3, hp.n_head_kv, 64)
+        pk2[layer].index_copy_(1, torch.tensor(dst), k.transpose(0, 1))
+        pv2[layer].index_copy_(1, torch.tensor(dst), v.transpose(0, 1))
+        assert torch.equal(pv[layer], pv2[layer])
+        # K: the same f32 rotation rounded once to bf16 (an FMA may move the last bit)
+        assert (pk[layer].float() - pk2[layer].float()).abs().max() <= 2**-7 * pk2.abs().max()
+        for i, c in enumerate(cells):
+            ref = sdpa(q[i : i + 1], pk2[layer][:, c].float(), pv2[layer][:, c].float(),
+                       torch.float32)
+            assert (out[i : i + 1] - ref).abs().max() < 2**-6 * ref.abs().max() + 1e-3
+
+
+def test_add_rms_norm_and_silu_match_torch(kern, threads):
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, 5, 40):  # 40: rows split over the threads
+        x = torch.randn(rows, 576, generator=gen) * 3
+        y = torch.randn(rows, 576, generator=gen).to(BF)
+        w = torch.rand(576, generator=gen) + 0.5
+        x2 = x.clone()
+        got = kern.add_rms_norm(x, y, w, 1e-5)
+        x2.add_(y)
+        assert torch.equal(x, x2)  # the residual add is torch's, bit for bit
+        ref = F.rms_norm(x2, (576,), w, 1e-5)
+        assert ((got.float() - ref).abs() <= 2**-8 * ref.abs() + 1e-6).all()
+        got0 = kern.add_rms_norm(x, None, w, 1e-5)
+        assert torch.equal(x, x2) and torch.equal(got0, got)
+        gu = (torch.randn(rows, 2 * 1536, generator=gen) * 4).to(BF)
+        ref = (F.silu(gu[:, :1536]) * gu[:, 1536:]).float()
+        diff = (kern.silu_mul(gu).float() - ref).abs()
+        assert (diff <= 2**-7 * ref.abs() + 1e-30).all()  # at most the last bit of bf16
+
+
+def test_kernels_refuse_what_they_cannot_read(kern):
+    """They take raw pointers, so a wrong dtype, layout, shape or cell is an error, not a read."""
+    pk = torch.zeros(3, 32, 64, dtype=BF)
+    q = torch.zeros(1, 9, 64, dtype=BF)
+    with pytest.raises(ValueError):
+        kern.attend(q.float(), pk, pk, slice(0, 4))
+    with pytest.raises(ValueError):
+        kern.attend(q, pk.float(), pk.float(), slice(0, 4))
+    with pytest.raises(ValueError):
+        kern.attend(q, pk[:, ::2], pk[:, ::2], slice(0, 4))  # not the pool's layout
+    with pytest.raises(IndexError):
+        kern.attend(q, pk, pk, slice(30, 40))
+    with pytest.raises(ValueError):
+        kern.attend(q, pk, pk, torch.tensor([1, 2], dtype=torch.int32))
+    pool = torch.zeros(2, 3, 32, 64, dtype=BF)
+    cos = sin = torch.zeros(1, 1, 64)
+    with pytest.raises(ValueError):
+        kern.decode_step(pool, pool, 9, [slice(0, 4)], [32], cos, sin)  # cell outside
+    step = kern.decode_step(pool, pool, 9, [slice(0, 4)], [3], cos, sin)
+    with pytest.raises(ValueError):
+        step.attend(2, torch.zeros(1, 15 * 64, dtype=BF))  # no layer 2
+    with pytest.raises(ValueError):
+        step.attend(0, torch.zeros(1, 14 * 64, dtype=BF))
+    with pytest.raises(ValueError):
+        kern.add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8, dtype=BF), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError):
+        kern.silu_mul(torch.zeros(2, 7, dtype=BF))
+
+
+def test_build_is_cached_and_degrades_without_a_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = K.build()
+    assert first is not None and first.parent == tmp_path / "radixserve" / "kernels"
+    stamp = first.stat().st_mtime_ns
+    assert K.build() == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporaries left
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert K.build() is None
+    fake = tmp_path / "fake-cc"  # answers --version, then writes half an output and fails
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && echo fake 1.0 && exit 0\n'
+                    'while [ "$1" != -o ]; do shift; done; echo partial > "$2"; exit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    assert K.build() is None
+    out = tmp_path / "other" / "radixserve" / "kernels"
+    assert not out.exists() or not list(out.iterdir())
+
+
+def test_kernels_can_be_switched_off(monkeypatch):
+    K.kernels.cache_clear()
+    monkeypatch.setenv("RADIXSERVE_KERNELS", "0")
+    try:
+        assert K.kernels() is None
+    finally:
+        K.kernels.cache_clear()
+    monkeypatch.delenv("RADIXSERVE_KERNELS")
+    assert K.kernels() is not None and os.environ.get("RADIXSERVE_KERNELS") is None
