@@ -46,6 +46,12 @@ class Transformer:
         # bf16 steps run their glue and decode attention in our kernels (model/csrc/) when they
         # build; f32 (the reference path) stays on torch ops
         self.kern = kernels() if use_kernels and dtype == torch.bfloat16 else None
+        # decode steps hand the norm weights to C by pointer: checked once here
+        norms = [n for lw in w.layers for n in (lw.attn_norm, lw.ffn_norm)]
+        if not all(n.dtype == torch.float32 and n.is_contiguous() and n.shape == (hp.n_embd,)
+                   for n in norms):
+            self.kern = None
+        self._norm_ptrs = {id(n): n.data_ptr() for n in norms}
         self.rope = Rope(hp, w.rope_freqs)
         self.q_dim = hp.n_head * hp.head_dim
         self.kv_dim = hp.n_head_kv * hp.head_dim
@@ -85,9 +91,10 @@ class Transformer:
         if (self.kern is not None and self.w.layers[0].q_norm is None
                 and all(len(b.tokens) == 1 and mask is None for b, (_, mask) in zip(batch, plans))):
             step = self.kern.decode_step(pool.k, pool.v, hp.n_head, [sel for sel, _ in plans],
-                                         cells, cos, sin)
+                                         cells, cos, sin, x, eps, hp.n_ff, self._norm_ptrs)
+        glue = step or self  # norm and silu: the step's C calls, or the general ones
         layers = self.w.layers
-        h = self._add_norm(x, None, layers[0].attn_norm)
+        h = glue.norm(x, None, layers[0].attn_norm)
         for li, lw in enumerate(layers):
             qkv = lw.wqkv(h)
             if step is not None:
@@ -95,10 +102,10 @@ class Transformer:
             else:
                 outs = self._attention(pool, li, batch, plans, qkv, cos, sin, cell_idx)
                 attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-            h = self._add_norm(x, lw.wo(attn), lw.ffn_norm)
-            down = lw.w_down(self._silu_mul(lw.w_gate_up(h)))
+            h = glue.norm(x, lw.wo(attn), lw.ffn_norm)
+            down = lw.w_down(glue.silu(lw.w_gate_up(h)))
             if li + 1 < len(layers):
-                h = self._add_norm(x, down, layers[li + 1].attn_norm)
+                h = glue.norm(x, down, layers[li + 1].attn_norm)
             else:
                 x.add_(down)
 
@@ -113,7 +120,7 @@ class Transformer:
         xr = x[torch.tensor(rows, device=device)] if len(rows) < len(x) else x
         return F.rms_norm(xr, (d,), self.w.output_norm, eps)
 
-    def _add_norm(self, x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
+    def norm(self, x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
         """x += y (the f32 residual stream; f32 += bf16 needs no conversion op), then its
         RMSNorm in the compute dtype."""
         if self.kern is not None:
@@ -122,7 +129,8 @@ class Transformer:
             x.add_(y)
         return F.rms_norm(x, (self.hp.n_embd,), w, self.hp.rms_eps).to(self.dtype)
 
-    def _silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+    def silu(self, gu: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the fused [gate | up] rows, in the compute dtype."""
         if self.kern is not None:
             return self.kern.silu_mul(gu)
         return F.silu(gu[:, : self.hp.n_ff]) * gu[:, self.hp.n_ff :]

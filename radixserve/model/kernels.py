@@ -163,17 +163,22 @@ class Kernels:
 
     def decode_step(self, k: torch.Tensor, v: torch.Tensor, n_head: int,
                     cells: list[slice | torch.Tensor], dst: list[int], cos: torch.Tensor,
-                    sin: torch.Tensor) -> DecodeStep:
+                    sin: torch.Tensor, x: torch.Tensor, eps: float, n_ff: int,
+                    norm_ptrs: dict[int, int]) -> DecodeStep:
         """A step of single decode tokens, one per sequence: k, v the whole pool [n_layer,
         n_head_kv, n_cells, d]; per sequence its cells (including the new one) and its new
-        cell `dst`; cos/sin the tokens' Rope.cos_sin tables [n, 1, d]."""
+        cell `dst`; cos/sin the tokens' Rope.cos_sin tables [n, 1, d]; x the f32 residual
+        rows [n, n_embd]; norm_ptrs the data pointers of the model's norm weights by id(),
+        checked by the caller (f32, contiguous, n_embd long) and alive as long as the model."""
         n_kv, n_cells, d, g = self._pool_args(k, v, n_head)
         if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous()
                 and sin.is_contiguous() and cos.numel() == sin.numel() == len(dst) * d
-                and len(cells) == len(dst) and all(0 <= c < n_cells for c in dst)):
-            raise ValueError("decode_step: bad rope tables or cells")
+                and len(cells) == len(dst) and all(0 <= c < n_cells for c in dst)
+                and x.dtype == torch.float32 and x.is_contiguous() and x.shape[0] == len(dst)):
+            raise ValueError("decode_step: bad rope tables, cells or residual rows")
         args = [_cells_arg(c, n_cells) for c in cells]
-        return DecodeStep(self, k, v, (n_kv, g, d, n_head), args, dst, cos, sin, cells)
+        return DecodeStep(self, k, v, (n_kv, g, d, n_head), args, dst, cos, sin, cells, x, eps,
+                          n_ff, norm_ptrs)
 
     def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor,
                      eps: float) -> torch.Tensor:
@@ -221,19 +226,20 @@ class Kernels:
 
 
 class DecodeStep:
-    """One decode step's attention, layer by layer: everything that is the same in every layer
-    (cells, new cells, rope rows, pointers) is checked and marshalled once, so a layer costs one
-    C call (RoPE, the K/V store and attention for every sequence)."""
+    """One decode step's glue, layer by layer: everything that is the same in every layer
+    (cells, new cells, rope rows, the residual rows, output buffers, pointers) is checked and
+    marshalled once, so a layer costs four C calls: attention (RoPE, the K/V store and
+    attention for every sequence), two add + norms and the SiLU gate. The norm and gate outputs
+    are buffers reused every layer: each is consumed by the next matmul before it is rewritten."""
 
     def __init__(self, kern: Kernels, k: torch.Tensor, v: torch.Tensor,
                  shape: tuple[int, int, int, int], cells: list[tuple[int | None, int, int]],
-                 dst: list[int], cos: torch.Tensor, sin: torch.Tensor, keep: object) -> None:
+                 dst: list[int], cos: torch.Tensor, sin: torch.Tensor, keep: object,
+                 x: torch.Tensor, eps: float, n_ff: int, norm_ptrs: dict[int, int]) -> None:
         n_seq = len(dst)
         arr = ctypes.c_int64 * n_seq
-        # the pointers below stay valid while we live
-        self._keep = (k, v, cos, sin, keep, kern._work)
         self.n_layer = k.shape[0]
-        self._call = kern._step_attn
+        self._call, self._norm, self._silu = kern._step_attn, kern._norm, kern._silu
         n_kv, g, d, n_head = shape
         self.n_seq, self.width, self.row = n_seq, n_head * d, (n_head + 2 * n_kv) * d
         layer = k.stride(0) * k.element_size()
@@ -242,6 +248,12 @@ class DecodeStep:
                        arr(*(c[1] for c in cells)), arr(*(c[2] for c in cells)), n_seq, n_kv,
                        g, d, d**-0.5)
         self._cos, self._sin, self._work = cos.data_ptr(), sin.data_ptr(), kern._work.data_ptr()
+        self.x, self.n_embd, self.n_ff, self._eps = x, x.shape[1], n_ff, eps
+        self.h = torch.empty(n_seq, x.shape[1], dtype=torch.bfloat16)
+        self.act = torch.empty(n_seq, n_ff, dtype=torch.bfloat16)
+        self._norm_ptrs = norm_ptrs
+        # the pointers above stay valid while we live
+        self._keep = (k, v, cos, sin, keep, kern._work)
 
     def attend(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [n_seq, (n_head + 2 n_head_kv) * d] bf16, this layer's fused projections ->
@@ -256,6 +268,26 @@ class DecodeStep:
         if rc != 0:
             raise ValueError("decode attention kernel refused the shape")
         return out
+
+    def norm(self, x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
+        """Transformer.norm for this step's residual rows: x += y, then bf16(rms_norm(x) * w),
+        into the step's reused buffer."""
+        wp = self._norm_ptrs.get(id(w))
+        if x is not self.x or wp is None or not (
+                y is None or (y.dtype == torch.bfloat16 and y.is_contiguous()
+                              and y.shape == (self.n_seq, self.n_embd))):
+            raise ValueError("decode step: not this step's residual, a model norm or bf16 rows")
+        self._norm(x.data_ptr(), self.n_embd, None if y is None else y.data_ptr(), wp,
+                   self.n_seq, self.n_embd, self._eps, self.h.data_ptr())
+        return self.h
+
+    def silu(self, gu: torch.Tensor) -> torch.Tensor:
+        """Transformer.silu into the step's reused buffer."""
+        if not (gu.dtype == torch.bfloat16 and gu.is_contiguous()
+                and gu.shape == (self.n_seq, 2 * self.n_ff)):
+            raise ValueError("decode step: bad [gate | up] rows")
+        self._silu(gu.data_ptr(), self.n_seq, self.n_ff, self.act.data_ptr())
+        return self.act
 
 
 @functools.cache

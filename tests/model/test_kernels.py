@@ -82,7 +82,17 @@ def test_decode_step_equals_torch_path(kern, threads):
     pos = torch.tensor([19, 5, 0])
     cos, sin = rope.cos_sin(pos)
     row = (hp.n_head + 2 * hp.n_head_kv) * hp.head_dim
-    step = kern.decode_step(pk, pv, hp.n_head, cells, dst, cos, sin)
+    x = torch.randn(3, hp.n_embd, generator=gen)
+    w = torch.rand(hp.n_embd, generator=gen) + 0.5
+    step = kern.decode_step(pk, pv, hp.n_head, cells, dst, cos, sin, x, 1e-5, 64,
+                            {id(w): w.data_ptr()})
+    # the step's add + norm and gate equal the general kernels (and write reused buffers)
+    x2, y = x.clone(), torch.randn(3, hp.n_embd, generator=gen).to(BF)
+    got = step.norm(x, y, w)
+    assert got is step.h and torch.equal(got, kern.add_rms_norm(x2, y, w, 1e-5))
+    assert torch.equal(x, x2)
+    gu = torch.randn(3, 128, generator=gen).to(BF)
+    assert step.silu(gu) is step.act and torch.equal(step.act, kern.silu_mul(gu))
     for layer in range(hp.n_layer):
         qkv = torch.randn(3, row, generator=gen).to(BF)
         out = step.attend(layer, qkv).float()
@@ -138,13 +148,25 @@ def test_kernels_refuse_what_they_cannot_read(kern):
         kern.attend(q, pk, pk, torch.tensor([1, 2], dtype=torch.int32))
     pool = torch.zeros(2, 3, 32, 64, dtype=BF)
     cos = sin = torch.zeros(1, 1, 64)
-    with pytest.raises(ValueError):
-        kern.decode_step(pool, pool, 9, [slice(0, 4)], [32], cos, sin)  # cell outside
-    step = kern.decode_step(pool, pool, 9, [slice(0, 4)], [3], cos, sin)
+    x, w = torch.zeros(1, 576), torch.ones(576)
+    ptrs = {id(w): w.data_ptr()}
+    with pytest.raises(ValueError):  # cell outside
+        kern.decode_step(pool, pool, 9, [slice(0, 4)], [32], cos, sin, x, 1e-5, 64, ptrs)
+    with pytest.raises(ValueError):  # residual rows not f32
+        kern.decode_step(pool, pool, 9, [slice(0, 4)], [3], cos, sin, x.to(BF), 1e-5, 64, ptrs)
+    step = kern.decode_step(pool, pool, 9, [slice(0, 4)], [3], cos, sin, x, 1e-5, 64, ptrs)
     with pytest.raises(ValueError):
         step.attend(2, torch.zeros(1, 15 * 64, dtype=BF))  # no layer 2
     with pytest.raises(ValueError):
         step.attend(0, torch.zeros(1, 14 * 64, dtype=BF))
+    with pytest.raises(ValueError):  # a norm weight the model did not register
+        step.norm(x, None, torch.ones(576))
+    with pytest.raises(ValueError):  # another residual stream
+        step.norm(x.clone(), None, w)
+    with pytest.raises(ValueError):
+        step.norm(x, torch.zeros(1, 575, dtype=BF), w)
+    with pytest.raises(ValueError):
+        step.silu(torch.zeros(1, 127, dtype=BF))
     with pytest.raises(ValueError):
         kern.add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8, dtype=BF), torch.ones(8), 1e-5)
     with pytest.raises(ValueError):

@@ -85,6 +85,10 @@ static void attend_share_generic(const uint16_t *q, const uint16_t *kh, const ui
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#ifndef PF
+#define PF 16 /* keys fetched ahead */
+#endif
+
 /* Lane i of the result = the sum of p[i]'s 16 lanes, for 16 vectors (a transpose-and-add tree:
  * ~3 ops a vector instead of ~8 for a separate horizontal sum each). */
 static inline __m512 sum16(const __m512 *p) {
@@ -130,6 +134,11 @@ static void attend_share_d64(const uint16_t *q, const uint16_t *kh, const uint16
         __m512 p[MAXG][16];
         for (int jj = 0; jj < 16; jj++) {
             const uint16_t *kr = kh + (cells ? cells[j0 + j + jj] : c0 + j0 + j + jj) * 64;
+            if (j + jj + PF < n) { /* a key row is 2 cache lines; fetch PF keys ahead */
+                const uint16_t *kp = kh + (cells ? cells[j0 + j + jj + PF] : c0 + j0 + j + jj + PF) * 64;
+                _mm_prefetch((const char *)kp, _MM_HINT_T0);
+                _mm_prefetch((const char *)(kp + 32), _MM_HINT_T0);
+            }
             for (int a = 0; a < g; a++) p[a][jj] = dot64(q0[a], q1[a], kr);
         }
         for (int a = 0; a < g; a++) {
@@ -168,6 +177,11 @@ static void attend_share_d64(const uint16_t *q, const uint16_t *kh, const uint16
     const __m512i zero = _mm512_setzero_si512();
     for (j = 0; j < n; j += 2) {
         const uint16_t *v0 = vh + (cells ? cells[j0 + j] : c0 + j0 + j) * 64;
+        for (int64_t e = j + PF; e < j + PF + 2 && e < n; e++) {
+            const uint16_t *vp = vh + (cells ? cells[j0 + e] : c0 + j0 + e) * 64;
+            _mm_prefetch((const char *)vp, _MM_HINT_T0);
+            _mm_prefetch((const char *)(vp + 32), _MM_HINT_T0);
+        }
         __m512i a0 = _mm512_loadu_si512(v0), a1 = _mm512_loadu_si512(v0 + 32), b0 = zero, b1 = zero;
         if (j + 1 < n) {
             const uint16_t *v1 = vh + (cells ? cells[j0 + j + 1] : c0 + j0 + j + 1) * 64;
