@@ -61,10 +61,12 @@ class OutputHead:
         self.q8 = torch.empty(self.w.shape, dtype=torch.int8)
         self.s8 = (self.w.abs().amax(1) / 127).clamp(min=1e-30).to(torch.bfloat16)
         self.err, self.amax = torch.empty(n), torch.empty(n)
+        self.rowsum = torch.empty(n, dtype=torch.int32)  # for the VNNI pass's +128 offset
         for r in range(0, n, 4096):  # in row blocks: no vocabulary-sized f32 temporaries
             w, sf = self.w[r : r + 4096], self.s8[r : r + 4096].float()[:, None]
             q = torch.round(w / sf).clamp_(-128, 127)
             self.q8[r : r + 4096] = q.to(torch.int8)
+            self.rowsum[r : r + 4096] = q.sum(1).to(torch.int32)  # exact: |sum| < 2^24
             w8 = q.mul_(sf)
             self.amax[r : r + 4096] = w8.abs().amax(1)
             self.err[r : r + 4096] = w8.sub_(w).abs_().amax(1)
@@ -72,7 +74,6 @@ class OutputHead:
         if kern is not None and kern.has_int8_head and self.w.shape[1] % 64 == 0:
             # our VNNI pass (csrc/int8_head.c): 3x torch's int8 kernel here
             self.kern = kern
-            self.rowsum = self.q8.sum(1, dtype=torch.int32)
             self.s8f = self.s8.float()
 
     @property
