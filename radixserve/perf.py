@@ -51,8 +51,9 @@ def decode_tps(model: Model, batch: int, ctx: int = 512, steps: int = 32) -> flo
     tr = model.transformer
     pool = _pool(model, (ctx + steps + 8) * batch, batch)
     for s in range(batch):
+        ids = _tokens(ctx, s)
         for c in range(0, ctx, 512):
-            tr.hidden(pool, [BatchSeq(s, _tokens(ctx, s)[c : c + 512], c, 0)])
+            tr.hidden(pool, [BatchSeq(s, ids[c : c + 512], c, 0)])
     tok = [5] * batch
     needs = [RowNeed(1)] * batch
     t = time.perf_counter()

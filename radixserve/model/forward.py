@@ -46,12 +46,6 @@ class Transformer:
         # bf16 steps run their glue and decode attention in our kernels (model/csrc/) when they
         # build; f32 (the reference path) stays on torch ops
         self.kern = kernels() if use_kernels and dtype == torch.bfloat16 else None
-        # decode steps hand the norm weights to C by pointer: checked once here
-        norms = [n for lw in w.layers for n in (lw.attn_norm, lw.ffn_norm)]
-        if not all(n.dtype == torch.float32 and n.is_contiguous() and n.shape == (hp.n_embd,)
-                   for n in norms):
-            self.kern = None
-        self._norm_ptrs = {id(n): n.data_ptr() for n in norms}
         self.rope = Rope(hp, w.rope_freqs)
         self.q_dim = hp.n_head * hp.head_dim
         self.kv_dim = hp.n_head_kv * hp.head_dim
@@ -78,7 +72,6 @@ class Transformer:
         pos = torch.tensor(
             [p for b in batch for p in range(b.pos0, b.pos0 + len(b.tokens))], device=device
         )
-        cell_idx = torch.tensor(cells, dtype=torch.long, device=device)
         cos, sin = self.rope.cos_sin(pos)
         plans = [self._attn_plan(pool, b, device) for b in batch]
         d, eps = hp.n_embd, hp.rms_eps
@@ -91,7 +84,10 @@ class Transformer:
         if (self.kern is not None and self.w.layers[0].q_norm is None
                 and all(len(b.tokens) == 1 and mask is None for b, (_, mask) in zip(batch, plans))):
             step = self.kern.decode_step(pool.k, pool.v, hp.n_head, [sel for sel, _ in plans],
-                                         cells, cos, sin, x, eps, hp.n_ff, self._norm_ptrs)
+                                         cells, cos, sin, x, eps, hp.n_ff)
+            cell_idx = None
+        else:
+            cell_idx = torch.tensor(cells, dtype=torch.long, device=device)
         glue = step or self  # norm and silu: the step's C calls, or the general ones
         layers = self.w.layers
         h = glue.norm(x, None, layers[0].attn_norm)

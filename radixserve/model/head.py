@@ -14,8 +14,11 @@ The bound, per token i, for h in f32 and its bf16 rounding h':
     |z_i - y_i| <= e_i |h|_1 + a_i (|h - h'|_1 + K 2^-24 |h'|_1) + 2^-7 |y_i|
 e_i: the row's largest weight error of the int8 copy, a_i: its largest int8 weight; the terms
 are the weight error, the input rounding, f32 accumulation, and the bf16 output rounding (the
-int8 kernel accumulates exactly in f32). On the default model B is ~8: a greedy step re-scores
-~10 tokens (at most ~80 seen), a top-40 step ~400 (docs/PERFORMANCE.md).
+int8 kernel accumulates exactly in f32). With our VNNI pass (csrc/int8_head.c) h' is instead
+s1 h1 + s2 h2, two int8 parts of h with exact integer sums, so the input term is
+|h - h'|_1 plus 2^-20 (|s1 h1|_1 + |s2 h2|_1) for the f32 combination and scaling, and the
+output term 2^-20 |y_i| (no bf16 rounding). On the default model B is ~8: a greedy step
+re-scores ~10 tokens (at most ~80 seen), a top-40 step ~400 (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations

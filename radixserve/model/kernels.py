@@ -1,7 +1,7 @@
 """Kernels of our own (model/csrc/*.c), compiled on first use with the system C compiler.
 
 Why compiled here rather than shipped: the sources are plain C with no torch headers, so a build
-takes ~0.3 s, and `-march=native` gives them the vector width of the CPU at hand. The shared
+takes ~1 s, and `-march=native` gives them the vector width of the CPU at hand. The shared
 object is cached under the user's cache directory, keyed by the source, the compiler, the flags
 and the CPU's feature flags, and written atomically (a crash mid-build leaves no half file).
 Without a compiler, or with RADIXSERVE_KERNELS=0, callers keep their torch path.
@@ -163,13 +163,11 @@ class Kernels:
 
     def decode_step(self, k: torch.Tensor, v: torch.Tensor, n_head: int,
                     cells: list[slice | torch.Tensor], dst: list[int], cos: torch.Tensor,
-                    sin: torch.Tensor, x: torch.Tensor, eps: float, n_ff: int,
-                    norm_ptrs: dict[int, int]) -> DecodeStep:
+                    sin: torch.Tensor, x: torch.Tensor, eps: float, n_ff: int) -> DecodeStep:
         """A step of single decode tokens, one per sequence: k, v the whole pool [n_layer,
         n_head_kv, n_cells, d]; per sequence its cells (including the new one) and its new
         cell `dst`; cos/sin the tokens' Rope.cos_sin tables [n, 1, d]; x the f32 residual
-        rows [n, n_embd]; norm_ptrs the data pointers of the model's norm weights by id(),
-        checked by the caller (f32, contiguous, n_embd long) and alive as long as the model."""
+        rows [n, n_embd]."""
         n_kv, n_cells, d, g = self._pool_args(k, v, n_head)
         if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous()
                 and sin.is_contiguous() and cos.numel() == sin.numel() == len(dst) * d
@@ -178,7 +176,7 @@ class Kernels:
             raise ValueError("decode_step: bad rope tables, cells or residual rows")
         args = [_cells_arg(c, n_cells) for c in cells]
         return DecodeStep(self, k, v, (n_kv, g, d, n_head), args, dst, cos, sin, cells, x, eps,
-                          n_ff, norm_ptrs)
+                          n_ff)
 
     def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor,
                      eps: float) -> torch.Tensor:
@@ -235,7 +233,7 @@ class DecodeStep:
     def __init__(self, kern: Kernels, k: torch.Tensor, v: torch.Tensor,
                  shape: tuple[int, int, int, int], cells: list[tuple[int | None, int, int]],
                  dst: list[int], cos: torch.Tensor, sin: torch.Tensor, keep: object,
-                 x: torch.Tensor, eps: float, n_ff: int, norm_ptrs: dict[int, int]) -> None:
+                 x: torch.Tensor, eps: float, n_ff: int) -> None:
         n_seq = len(dst)
         arr = ctypes.c_int64 * n_seq
         self.n_layer = k.shape[0]
@@ -251,7 +249,6 @@ class DecodeStep:
         self.x, self.n_embd, self.n_ff, self._eps = x, x.shape[1], n_ff, eps
         self.h = torch.empty(n_seq, x.shape[1], dtype=torch.bfloat16)
         self.act = torch.empty(n_seq, n_ff, dtype=torch.bfloat16)
-        self._norm_ptrs = norm_ptrs
         # the pointers above stay valid while we live
         self._keep = (k, v, cos, sin, keep, kern._work)
 
@@ -272,12 +269,12 @@ class DecodeStep:
     def norm(self, x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
         """Transformer.norm for this step's residual rows: x += y, then bf16(rms_norm(x) * w),
         into the step's reused buffer."""
-        wp = self._norm_ptrs.get(id(w))
-        if x is not self.x or wp is None or not (
-                y is None or (y.dtype == torch.bfloat16 and y.is_contiguous()
-                              and y.shape == (self.n_seq, self.n_embd))):
-            raise ValueError("decode step: not this step's residual, a model norm or bf16 rows")
-        self._norm(x.data_ptr(), self.n_embd, None if y is None else y.data_ptr(), wp,
+        if x is not self.x or not (
+                w.dtype == torch.float32 and w.is_contiguous() and w.numel() == self.n_embd
+                and (y is None or (y.dtype == torch.bfloat16 and y.is_contiguous()
+                                   and y.shape == (self.n_seq, self.n_embd)))):
+            raise ValueError("decode step: not this step's residual, an f32 norm or bf16 rows")
+        self._norm(x.data_ptr(), self.n_embd, None if y is None else y.data_ptr(), w.data_ptr(),
                    self.n_seq, self.n_embd, self._eps, self.h.data_ptr())
         return self.h
 

@@ -84,8 +84,7 @@ def test_decode_step_equals_torch_path(kern, threads):
     row = (hp.n_head + 2 * hp.n_head_kv) * hp.head_dim
     x = torch.randn(3, hp.n_embd, generator=gen)
     w = torch.rand(hp.n_embd, generator=gen) + 0.5
-    step = kern.decode_step(pk, pv, hp.n_head, cells, dst, cos, sin, x, 1e-5, 64,
-                            {id(w): w.data_ptr()})
+    step = kern.decode_step(pk, pv, hp.n_head, cells, dst, cos, sin, x, 1e-5, 64)
     # the step's add + norm and gate equal the general kernels (and write reused buffers)
     x2, y = x.clone(), torch.randn(3, hp.n_embd, generator=gen).to(BF)
     got = step.norm(x, y, w)
@@ -149,18 +148,19 @@ def test_kernels_refuse_what_they_cannot_read(kern):
     pool = torch.zeros(2, 3, 32, 64, dtype=BF)
     cos = sin = torch.zeros(1, 1, 64)
     x, w = torch.zeros(1, 576), torch.ones(576)
-    ptrs = {id(w): w.data_ptr()}
     with pytest.raises(ValueError):  # cell outside
-        kern.decode_step(pool, pool, 9, [slice(0, 4)], [32], cos, sin, x, 1e-5, 64, ptrs)
+        kern.decode_step(pool, pool, 9, [slice(0, 4)], [32], cos, sin, x, 1e-5, 64)
     with pytest.raises(ValueError):  # residual rows not f32
-        kern.decode_step(pool, pool, 9, [slice(0, 4)], [3], cos, sin, x.to(BF), 1e-5, 64, ptrs)
-    step = kern.decode_step(pool, pool, 9, [slice(0, 4)], [3], cos, sin, x, 1e-5, 64, ptrs)
+        kern.decode_step(pool, pool, 9, [slice(0, 4)], [3], cos, sin, x.to(BF), 1e-5, 64)
+    step = kern.decode_step(pool, pool, 9, [slice(0, 4)], [3], cos, sin, x, 1e-5, 64)
     with pytest.raises(ValueError):
         step.attend(2, torch.zeros(1, 15 * 64, dtype=BF))  # no layer 2
     with pytest.raises(ValueError):
         step.attend(0, torch.zeros(1, 14 * 64, dtype=BF))
-    with pytest.raises(ValueError):  # a norm weight the model did not register
-        step.norm(x, None, torch.ones(576))
+    with pytest.raises(ValueError):  # a norm weight that is not f32 and n_embd long
+        step.norm(x, None, torch.ones(576, dtype=BF))
+    with pytest.raises(ValueError):
+        step.norm(x, None, torch.ones(575))
     with pytest.raises(ValueError):  # another residual stream
         step.norm(x.clone(), None, w)
     with pytest.raises(ValueError):
