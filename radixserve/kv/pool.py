@@ -195,7 +195,15 @@ class KVPool:
         if src == dst:
             return
         positions = self._in_range(src, p0, p1)
-        self._detach(dst, [p for p in positions if p in self.seqs[dst].by_pos])
+        held = [p for p in positions if p in self.seqs[dst].by_pos]
+        if not self.unified:  # all or nothing: check room before dst loses the cells it holds
+            d = self.seqs[dst]
+            freed = sum(1 for p in held if self.cell_seqs[d.by_pos[p]] == {dst})
+            free = len(self._free[self._part(dst)])
+            if free + freed < len(positions):
+                raise OutOfCells(f"sequence {dst} needs {len(positions)} cells, "
+                                 f"{free + freed} free")
+        self._detach(dst, held)
         src_cells = [self.seqs[src].by_pos[p] for p in positions]
         if self.unified:
             self._attach(dst, positions, src_cells)

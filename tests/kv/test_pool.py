@@ -177,3 +177,16 @@ def test_random_operations_match_naive_model(ops, unified: bool):
         pool.check()
         for q in model:
             assert pool.seq_positions(q) == sorted(model[q])
+
+
+def test_partitioned_seq_cp_out_of_cells_keeps_what_dst_held():
+    """Found by the random-operations test: a copy into a sequence that already holds some of
+    the positions, with too few free cells, raised OutOfCells after dropping those positions."""
+    pool = KVPool(1, 1, 2, 24, 3, False, torch.float32, noop_rotate)
+    pool.alloc(0, [0, 1, 2])
+    pool.alloc(1, [0, 3, 4, 5, 6, 7, 8])  # 7 of its partition's 8 cells
+    with pytest.raises(OutOfCells):
+        pool.seq_cp(0, 1, 0, 3)  # needs 3 cells, 1 free + 1 its own position 0 frees
+    pool.check()
+    assert pool.seq_positions(1) == [0, 3, 4, 5, 6, 7, 8]
+    assert pool.seq_positions(0) == [0, 1, 2]
