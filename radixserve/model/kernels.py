@@ -128,6 +128,13 @@ class Kernels:
         self._int8_head.restype = i32
         self._int8_head.argtypes = [p, p, p, p, p, i64, i64, i32, p]
         self.has_int8_head = bool(lib.int8_head_available())  # needs AVX512-VNNI
+        self._q4 = lib.q4_matmul_bf16
+        self._q4.restype = i32
+        self._q4.argtypes = [p, p, i64, i64, i64, p]
+        self._q4_dequant = lib.q4_dequant_t_bf16
+        self._q4_dequant.restype = i32
+        self._q4_dequant.argtypes = [p, i64, i64, p]
+        self.has_q4 = bool(lib.q4_available())  # needs AVX512-BF16
         self._work = torch.empty(0)
         self._need: dict[tuple[int, ...], int] = {}
 
@@ -221,6 +228,32 @@ class Kernels:
         if rc != 0:
             raise ValueError("int8_head kernel refused the shape")
         return y
+
+    def _q4_check(self, w: torch.Tensor, n: int, k: int) -> None:
+        if not (self.has_q4 and w.dtype == torch.uint8 and w.is_contiguous()
+                and w.shape == (n // 16, k // 32, 320) and n % 16 == 0 and k % 32 == 0):
+            raise ValueError("q4 kernels need uint8 tiles [n / 16, k / 32, 320]")
+
+    def q4_matmul(self, w: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+        """x [rows, k] bf16 times the 4-bit matrix W [n, k] in q4_gemv.c's tiles (uint8
+        [n / 16, k / 32, 320], quant.py's pack_q4) -> [rows, n] bf16."""
+        rows, k = x.shape
+        self._q4_check(w, n, k)
+        if not (x.dtype == torch.bfloat16 and x.is_contiguous()):
+            raise ValueError("q4_matmul needs contiguous bf16 rows")
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        rc = self._q4(w.data_ptr(), x.data_ptr(), rows, n, k, y.data_ptr())
+        if rc != 0:
+            raise MemoryError("q4_matmul: no memory for the group sums")
+        return y
+
+    def q4_weight(self, w: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """The 4-bit matrix in q4_gemv.c's tiles as bf16 W [n, k] (a transposed view of a
+        [k, n] buffer: the layout its kernel writes fastest)."""
+        self._q4_check(w, n, k)
+        wt = torch.empty(k, n, dtype=torch.bfloat16)
+        self._q4_dequant(w.data_ptr(), n, k, wt.data_ptr())
+        return wt.t()
 
 
 class DecodeStep:

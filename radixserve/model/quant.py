@@ -2,19 +2,22 @@
 
 Decode is memory-bound: each step reads every weight once, so reading Q4 blocks (~0.6 bytes a
 weight) instead of dequantized bf16 (2 bytes) is what makes a step fast. GGUF's 4-bit types all
-decode a 32-weight group as an affine map of 4-bit codes, which is exactly what torch's CPU int4
-weight-only kernel (`aten._weight_int4pack_mm_for_cpu`, group 32) computes:
+decode a 32-weight group as an affine map of 4-bit codes, w = scale q + offset:
 
-    Q4_0: w = d (q - 8)          -> scale = d,      zero = 0
-    Q4_1: w = d q + m            -> scale = d,      zero = m + 8 d
-    Q4_K: w = d sc q - dmin mn   -> scale = d sc,   zero = 8 d sc - dmin mn   (per 32 sub-block)
+    Q4_0: w = d (q - 8)          -> scale = d,      offset = -8 d
+    Q4_1: w = d q + m            -> scale = d,      offset = m
+    Q4_K: w = d sc q - dmin mn   -> scale = d sc,   offset = -dmin mn   (per 32 sub-block)
 
-with the kernel's w = (q - 8) * scale + zero. So the repacked weights equal gguf-py's
-dequantization up to the rounding of scale and zero to the activation dtype. Its bf16 path is the
-fast one; its f32 path is exact but ~10x slower than a dense f32 matmul (cpu-perf-notes.md), so
-`--weights auto` packs only for bf16/f16 compute. Other types (Q5_*, Q6_K, Q8_0, F16...) stay
-dense in the compute dtype, because torch's int8 kernel takes one scale per row and re-quantizing
-those blocks to it would change the weights (docs/PERFORMANCE.md has the measurements).
+Two executions of that form, picked at load (`packed_linear`):
+- Q4Linear, our kernel (csrc/q4_gemv.c, needs AVX512-BF16): f16 scale and offset, so Q4_0 and
+  Q4_1 weights are exactly the file's; fastest at every batch size measured (docs/PERFORMANCE.md).
+- Int4Linear, torch's CPU int4 weight-only kernel (`aten._weight_int4pack_mm_for_cpu`, group 32,
+  w = (q - 8) scale' + zero, so zero = offset + 8 scale) with scale and zero rounded to the
+  activation dtype: the path without our kernels. Its bf16 path is the fast one; its f32 path is
+  exact but ~10x slower than a dense f32 matmul (cpu-perf-notes.md), so `--weights auto` packs
+  only for bf16/f16 compute.
+Other types (Q5_*, Q6_K, Q8_0, F16...) stay dense in the compute dtype, because torch's int8
+kernel takes one scale per row and re-quantizing those blocks to it would change the weights.
 """
 
 from __future__ import annotations
@@ -27,35 +30,39 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from radixserve.model.kernels import Kernels, kernels
+
 GROUP = 32
 Q = gguf.GGMLQuantizationType
 PACKED_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
-# chunks above this many rows run as a dense bf16 matmul on weights unpacked for that call:
-# the int4 kernel is tuned for few rows and loses to a bf16 GEMM on large prefill chunks
-# (docs/PERFORMANCE.md, "packed vs dense by batch size")
+# Int4Linear: chunks above this many rows run as a dense bf16 matmul on weights unpacked for
+# that call: torch's int4 kernel is tuned for few rows and loses to a bf16 GEMM on large prefill
+# chunks (docs/PERFORMANCE.md, "packed vs dense by batch size")
 DENSE_FROM_ROWS = 96
+TILE = 16  # Q4Linear: rows per tile (q4_gemv.c)
 
 
 @dataclass(slots=True)
 class Codes:
-    """A weight matrix as 4-bit codes with one affine (scale, zero) per 32 weights of a row."""
+    """A weight matrix as 4-bit codes with one affine map w = scale q + offset per 32 weights
+    of a row."""
 
     q: np.ndarray  # [N, K] uint8 in 0..15
     scale: np.ndarray  # [N, K / 32] f32
-    zero: np.ndarray  # [N, K / 32] f32
+    offset: np.ndarray  # [N, K / 32] f32
 
     def rows(self, order: np.ndarray) -> Codes:
-        return Codes(self.q[order], self.scale[order], self.zero[order])
+        return Codes(self.q[order], self.scale[order], self.offset[order])
 
     @staticmethod
     def concat(parts: list[Codes]) -> Codes:
         return Codes(*(np.concatenate([getattr(p, f) for p in parts])
-                       for f in ("q", "scale", "zero")))
+                       for f in ("q", "scale", "offset")))
 
     def dequantize(self) -> np.ndarray:
-        """f32 weights [N, K], the kernel's formula evaluated in f32."""
+        """f32 weights [N, K], the affine map evaluated in f32."""
         g = lambda a: np.repeat(a, GROUP, axis=1)  # noqa: E731
-        return (self.q.astype(np.float32) - 8) * g(self.scale) + g(self.zero)
+        return self.q.astype(np.float32) * g(self.scale) + g(self.offset)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -75,17 +82,17 @@ def split_blocks(t: gguf.ReaderTensor) -> Codes:
         b = raw.reshape(n, k // GROUP, size)
         d = f16(b[..., 0:2])
         q = _nibbles(b[..., size - 16 :])
-        zero = np.zeros_like(d) if t.tensor_type == Q.Q4_0 else f16(b[..., 2:4]) + 8 * d
-        return Codes(q.reshape(n, k), d, zero)
+        offset = -8 * d if t.tensor_type == Q.Q4_0 else f16(b[..., 2:4])
+        return Codes(q.reshape(n, k), d, offset)
     if t.tensor_type == Q.Q4_K:
         b = raw.reshape(-1, 144)
         d, dmin = f16(b[:, 0:2])[:, None], f16(b[:, 2:4])[:, None]
         sc, mn = gguf.quants.Q4_K.get_scale_min(b[:, 4:16].copy())
         scale = d * sc.astype(np.float32)
-        zero = 8 * scale - dmin * mn.astype(np.float32)
+        offset = -dmin * mn.astype(np.float32)
         qs = b[:, 16:].reshape(-1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low), 2c+1 (high)
         q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 256)
-        return Codes(q.reshape(n, k), scale.reshape(n, -1), zero.reshape(n, -1))
+        return Codes(q.reshape(n, k), scale.reshape(n, -1), offset.reshape(n, -1))
     raise ValueError(f"{t.name}: {t.tensor_type.name} is not a packed 4-bit type")
 
 
@@ -140,7 +147,7 @@ def tile_layout_known() -> bool:
                                                             (q - 8).float())
 
 
-class PackedLinear(Linear):
+class Int4Linear(Linear):
     """4-bit codes in torch's int4 CPU layout, one (scale, zero) pair per 32 weights.
 
     Few rows (decode) run the int4 kernel. Large chunks (prefill) unpack the weight to the
@@ -151,7 +158,8 @@ class PackedLinear(Linear):
     def __init__(self, codes: Codes, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         q = torch.from_numpy(np.ascontiguousarray(codes.q)).to(torch.int32)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        sz = np.stack([codes.scale.T, codes.zero.T], axis=-1)  # [K / 32, N, 2]
+        zero = codes.offset + 8 * codes.scale
+        sz = np.stack([codes.scale.T, zero.T], axis=-1)  # [K / 32, N, 2]
         self.scales_zeros = torch.from_numpy(np.ascontiguousarray(sz)).to(dtype).contiguous()
         self.n_out, self.n_in = codes.q.shape
         self.bias, self.dtype = bias, dtype
@@ -196,3 +204,54 @@ class ConcatLinear(Linear):
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+
+def pack_q4(codes: Codes) -> torch.Tensor:
+    """Codes -> q4_gemv.c's tiles [N / 16, K / 32, 320] uint8 (its header has the layout)."""
+    n, k = codes.q.shape
+    q = codes.q.reshape(n // TILE, TILE, k // GROUP, 4, 4, 2).astype(np.uint16)
+    # [tile, row, group, chunk, nibble, pair half] -> words [tile, group, chunk, row, half]
+    words = sum(q[:, :, :, :, i, :] << (4 * i) for i in range(4)).astype(np.uint16)
+    words = words.transpose(0, 2, 3, 1, 4).reshape(n // TILE, k // GROUP, 128)
+
+    def per_tile(a: np.ndarray) -> np.ndarray:  # [N, K / 32] -> f16 bytes [tile, group, 32]
+        a = a.astype(np.float16).reshape(n // TILE, TILE, k // GROUP).transpose(0, 2, 1)
+        return np.ascontiguousarray(a).view(np.uint8)
+
+    blocks = np.concatenate([words.view(np.uint8), per_tile(codes.scale),
+                             per_tile(codes.offset)], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(blocks))
+
+
+class Q4Linear(Linear):
+    """4-bit codes in our kernel's tiles (csrc/q4_gemv.c) with f16 scale and offset, for bf16
+    activations. Like Int4Linear, chunks from DENSE_FROM_ROWS rows run a bf16 GEMM on weights
+    unpacked for the call: the kernel is compute-bound there (docs/PERFORMANCE.md)."""
+
+    def __init__(self, codes: Codes, bias: torch.Tensor | None, kern: Kernels) -> None:
+        self.n_out, self.n_in = codes.q.shape
+        self.tiles, self.bias, self.kern = pack_q4(codes), bias, kern
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= DENSE_FROM_ROWS:
+            return F.linear(x, self.weight(), self.bias)
+        y = self.kern.q4_matmul(self.tiles, x, self.n_out)
+        return y if self.bias is None else y + self.bias
+
+    def weight(self) -> torch.Tensor:
+        """bf16(scale q + offset) [N, K], evaluated in f32."""
+        return self.kern.q4_weight(self.tiles, self.n_out, self.n_in)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.nbytes + (self.bias.nbytes if self.bias is not None else 0)
+
+
+def packed_linear(codes: Codes, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
+    """Our kernel's layout when it can run these weights (bf16 compute, AVX512-BF16, rows a
+    multiple of 16), else torch's int4 layout."""
+    kern = kernels()
+    if (dtype == torch.bfloat16 and kern is not None and kern.has_q4
+            and codes.q.shape[0] % TILE == 0):
+        return Q4Linear(codes, bias, kern)
+    return Int4Linear(codes, bias, dtype)

@@ -21,7 +21,7 @@ import torch
 from radixserve.model.head import OutputHead
 from radixserve.model.hparams import HParams, UnsupportedModelError
 from radixserve.model.quant import (
-    PACKED_TYPES, Codes, ConcatLinear, DenseLinear, Linear, PackedLinear, split_blocks,
+    PACKED_TYPES, Codes, ConcatLinear, DenseLinear, Linear, packed_linear, split_blocks,
 )
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class _Loader:
             parts = [split_blocks(t) for t in ts]
             parts = [c if h is None else c.rows(_row_order(c.q.shape[0], h))
                      for c, h in zip(parts, heads)]
-            return PackedLinear(Codes.concat(parts), bias, self.dtype)
+            return packed_linear(Codes.concat(parts), bias, self.dtype)
         if any(is_packed):  # e.g. Q4_K_M: attn_v in Q6_K next to Q4_K q/k
             return ConcatLinear([
                 self.linear([n], [h], None if biases is None else [biases[i]])

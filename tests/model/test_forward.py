@@ -11,7 +11,8 @@ import torch
 from radixserve.model.forward import BatchSeq, Transformer
 from radixserve.model.head import RowNeed
 from radixserve.model.loader import load_model
-from radixserve.model.quant import PackedLinear
+from radixserve.model import kernels as K
+from radixserve.model.quant import Int4Linear, Q4Linear
 from tests.conftest import make_pool
 
 PROMPTS = [
@@ -27,6 +28,27 @@ def hf_model(path: str):
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
     )
     return model.eval()
+
+
+def load_native(path: str, kernels: bool, monkeypatch) -> Transformer:
+    """The default model on packed weights in bf16, with our kernels (Q4 matmuls, step glue)
+    or with none of them (torch's int4 kernel and ops), as RADIXSERVE_KERNELS=0 runs it."""
+    if not kernels:
+        monkeypatch.setenv("RADIXSERVE_KERNELS", "0")
+    K.kernels.cache_clear()
+    try:
+        model = load_model(path, "bf16", weights="native")
+    finally:
+        monkeypatch.delenv("RADIXSERVE_KERNELS", raising=False)
+        K.kernels.cache_clear()
+    tr = model.transformer
+    assert model.weights == "native" and tr.w.packed
+    if kernels:
+        assert tr.kern is not None, "the kernels did not build (is a C compiler there?)"
+        assert isinstance(tr.w.layers[0].wqkv, Q4Linear), "no AVX512-BF16 here?"
+    else:
+        assert tr.kern is None and isinstance(tr.w.layers[0].wqkv, Int4Linear)
+    return tr
 
 
 def our_logits(tr: Transformer, ids: list[int]) -> torch.Tensor:
@@ -80,22 +102,15 @@ def f32_step_logits(ref: Transformer, seq: list[int]) -> torch.Tensor:
 @pytest.mark.model
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch-ops"])
 def test_native_bf16_greedy_matches_hf(default_path: str, default_tr: Transformer,
-                                       hf_reference, kernels: bool):
-    """Packed Q4_1 weights, bf16 activations, shortlist head, with our step kernels
-    (model/csrc/) or torch's ops: the same 32 greedy tokens as the f32 reference, up to a
-    measured near-tie. Every prompt must agree until a step where the f32 reference itself
-    has our token within NEAR_TIE of its choice, and from then on nothing is compared (the
-    continuations differ). Measured: the torch-ops path matches all 3 prompts in full; the
-    kernel path splits prompt 3 at step 5, where the reference's top three are 31.294, 31.284
-    and 31.267 and it takes the third."""
-    model = load_model(default_path, "bf16", weights="native")
-    tr = model.transformer
-    assert model.weights == "native" and tr.w.packed
-    assert isinstance(tr.w.layers[0].wqkv, PackedLinear)
-    if kernels:
-        assert tr.kern is not None, "the step kernels did not build (is a C compiler there?)"
-    else:
-        tr.kern = None
+                                       hf_reference, kernels: bool, monkeypatch):
+    """Packed Q4_1 weights, bf16 activations, shortlist head, with our kernels (model/csrc/:
+    Q4 matmuls, step glue, head) or with torch's int4 kernel and ops: the same 32 greedy
+    tokens as the f32 reference, up to a measured near-tie. Every prompt must agree until a
+    step where the f32 reference itself has our token within NEAR_TIE of its choice, and from
+    then on nothing is compared (the continuations differ). Measured: both paths match all 3
+    prompts in full (before the Q4 kernel, with torch's int4 matmuls under our step kernels,
+    prompt 3 split at step 5, where the reference's top three are 31.294, 31.284 and 31.267)."""
+    tr = load_native(default_path, kernels, monkeypatch)
     full = 0
     for ids, (expect, gen) in zip(PROMPTS, hf_reference):
         got = our_logits(tr, ids)  # bf16 activations: close, not equal (measured max 0.63)

@@ -171,6 +171,38 @@ def test_kernels_refuse_what_they_cannot_read(kern):
         kern.add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8, dtype=BF), torch.ones(8), 1e-5)
     with pytest.raises(ValueError):
         kern.silu_mul(torch.zeros(2, 7, dtype=BF))
+    tiles = torch.zeros(2, 3, 320, dtype=torch.uint8)  # a 32 x 96 Q4 matrix
+    with pytest.raises(ValueError):
+        kern.q4_matmul(tiles, torch.zeros(1, 96), 32)  # f32 rows
+    with pytest.raises(ValueError):
+        kern.q4_matmul(tiles, torch.zeros(1, 64, dtype=BF), 32)  # k does not match the tiles
+    with pytest.raises(ValueError):
+        kern.q4_matmul(tiles, torch.zeros(4, 192, dtype=BF)[:, ::2], 32)  # not contiguous
+    with pytest.raises(ValueError):
+        kern.q4_weight(tiles[:, :2], 32, 96)
+
+
+def test_q4_matmul_rows_are_independent_of_the_batch(kern, threads):
+    """Each row's product is the same alone or among others (the kernel works rows in groups
+    of four: 1..9 rows cover every remainder), and equals an f64 product with the kernel's own
+    weights to the bf16 output rounding."""
+    from radixserve.model.quant import Codes, Q4Linear
+
+    assert kern.has_q4, "no AVX512-BF16 here?"
+    g = torch.Generator().manual_seed(0)
+    n, k = 48, 160
+    codes = Codes(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8).numpy(),
+                  (torch.rand(n, k // 32, generator=g) * 0.01).half().float().numpy(),
+                  (torch.randn(n, k // 32, generator=g) * 0.05).half().float().numpy())
+    lin = Q4Linear(codes, None, kern)
+    w = torch.from_numpy(codes.dequantize()).double()
+    x = torch.randn(9, k, generator=g).to(BF)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(9)])
+    for rows in range(1, 10):
+        y = lin(x[:rows])
+        assert torch.equal(y, alone[:rows])
+    ref = x.double() @ w.T
+    assert ((alone.double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-6).all()
 
 
 def test_build_is_cached_and_degrades_without_a_compiler(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
-"""Packed 4-bit weights: what the int4 kernel multiplies equals gguf-py's dequantization up to
-the rounding of scale and zero to bf16, for every packed type; large chunks read the same
-numbers through the unpacked path; mixed-type layers still fuse."""
+"""Packed 4-bit weights: what each 4-bit kernel multiplies (ours, csrc/q4_gemv.c, and torch's
+int4) equals gguf-py's dequantization up to the rounding of its scale dtype, for every packed
+type; large chunks read the same numbers through the unpacked path; mixed-type layers still
+fuse."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from radixserve.model.kernels import kernels
 from radixserve.model.quant import (
-    DENSE_FROM_ROWS, PACKED_TYPES, ConcatLinear, DenseLinear, PackedLinear, split_blocks,
-    tile_layout_known,
+    DENSE_FROM_ROWS, PACKED_TYPES, ConcatLinear, DenseLinear, Int4Linear, Q4Linear,
+    packed_linear, split_blocks, tile_layout_known,
 )
 
 Q = gguf.GGMLQuantizationType
@@ -42,13 +44,14 @@ def test_packed_times_identity_equals_gguf_dequantization(qtype: Q):
     # the affine form is gguf-py's formula rearranged: equal in f32 up to one rounding
     np.testing.assert_allclose(codes.dequantize(), ref, rtol=0, atol=1e-6)
 
-    lin = PackedLinear(codes, None, torch.bfloat16)
+    lin = Int4Linear(codes, None, torch.bfloat16)
     eye = torch.eye(K, dtype=torch.bfloat16)
     kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, lin.packed, 32, lin.scales_zeros)
     got = kernel.t().float().numpy()
-    # bf16 rounding of scale and zero, then of the product written out as bf16
+    # bf16 rounding of scale and zero (= offset + 8 scale), then of the product written as bf16
     g = lambda a: np.repeat(a, 32, axis=1)  # noqa: E731
-    tol = (np.abs(codes.q.astype(np.float32) - 8) * np.abs(g(codes.scale)) + np.abs(g(codes.zero))
+    zero = np.abs(g(codes.offset + 8 * codes.scale))
+    tol = (np.abs(codes.q.astype(np.float32) - 8) * np.abs(g(codes.scale)) + zero
            + np.abs(ref)) * 2.0**-8 * 1.01
     assert (np.abs(got - ref) <= tol + 1e-12).all()
     assert np.abs(got - ref).max() > 0  # bf16 really rounds: the tolerance is not vacuous
@@ -57,12 +60,52 @@ def test_packed_times_identity_equals_gguf_dequantization(qtype: Q):
     assert torch.equal(lin.weight(), kernel.t())
 
 
-def test_small_and_large_batches_use_the_same_weights():
+def require_q4() -> None:
+    """Our Q4 kernel needs a C compiler and AVX512-BF16; this project's machines have both, so
+    their absence fails rather than skips."""
+    kern = kernels()
+    assert kern is not None and kern.has_q4, "Q4 kernel unavailable (compiler? AVX512-BF16?)"
+
+
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda q: q.name)
+def test_q4_kernel_times_identity_equals_gguf_dequantization(qtype: Q):
+    require_q4()
+    t = raw_tensor(qtype, seed=int(qtype))
+    ref = gguf.quants.dequantize(t.data, qtype).reshape(N, K).astype(np.float32)
+    codes = split_blocks(t)
+    lin = packed_linear(codes, None, torch.bfloat16)
+    assert isinstance(lin, Q4Linear)
+    got = lin(torch.eye(K, dtype=torch.bfloat16)).t().float().numpy()  # the kernel itself
+    unpacked = lin.weight().float().numpy()  # what large chunks multiply
+    bf16_ref = torch.from_numpy(ref).to(torch.bfloat16).float().numpy()
+    if qtype in (Q.Q4_0, Q.Q4_1):
+        # f16 scales and offsets are the file's own: only the bf16 output rounds, so every
+        # weight is bf16(w) (the kernel's f32 partial sums are exact here)
+        assert np.array_equal(got, bf16_ref) and np.array_equal(unpacked, bf16_ref)
+        tol = np.abs(ref) * 2.0**-8 + 1e-12
+    else:  # Q4_K's scale d * sc rounds to f16 (11 bits) too
+        g = lambda a: np.repeat(a, 32, axis=1)  # noqa: E731
+        tol = ((codes.q * np.abs(g(codes.scale)) + np.abs(g(codes.offset))) * 2.0**-11
+               + np.abs(ref) * 2.0**-8) * 1.01 + 1e-12
+    assert (np.abs(got - ref) <= tol).all() and (np.abs(unpacked - ref) <= tol).all()
+    assert np.abs(got - ref).max() > 0  # bf16 really rounds: the tolerance is not vacuous
+
+
+def q4_or_int4(kind: str, codes, bias):
+    if kind == "int4":
+        return Int4Linear(codes, bias, torch.bfloat16)
+    require_q4()
+    return packed_linear(codes, bias, torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["int4", "q4"])
+def test_small_and_large_batches_use_the_same_weights(kind: str):
     t = raw_tensor(Q.Q4_1, seed=3)
-    lin = PackedLinear(split_blocks(t), torch.randn(N).to(torch.bfloat16), torch.bfloat16)
+    lin = q4_or_int4(kind, split_blocks(t), torch.randn(N).to(torch.bfloat16))
+    assert isinstance(lin, Int4Linear if kind == "int4" else Q4Linear)
     x = torch.randn(DENSE_FROM_ROWS + 5, K).to(torch.bfloat16)
     big = lin(x)  # dense GEMM on unpacked weights
-    small = torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])])  # the int4 kernel
+    small = torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])])  # the 4-bit kernel
     xw = torch.nn.functional.linear(x.float(), lin.weight().float())
     ref = xw + lin.bias.float()
     for y in (big, small):
@@ -73,8 +116,9 @@ def test_small_and_large_batches_use_the_same_weights():
         assert ((y.float() - ref).abs() <= scale * 2.0**-6).all()
 
 
-def test_concat_linear_of_mixed_types():
-    packed = PackedLinear(split_blocks(raw_tensor(Q.Q4_0, seed=5)), None, torch.bfloat16)
+@pytest.mark.parametrize("kind", ["int4", "q4"])
+def test_concat_linear_of_mixed_types(kind: str):
+    packed = q4_or_int4(kind, split_blocks(raw_tensor(Q.Q4_0, seed=5)), None)
     dense = DenseLinear(torch.randn(64, K).to(torch.bfloat16))
     both = ConcatLinear([packed, dense])
     x = torch.randn(3, K).to(torch.bfloat16)
