@@ -17,10 +17,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="compute dtype; auto = bf16 where the CPU runs it fast (default: %(default)s)")
     p.add_argument("--weights", default="auto", choices=WEIGHTS,
-                   help="native: Q4_0/Q4_1/Q4_K matrices run packed in torch's int4 kernel and "
+                   help="native: Q4_0/Q4_1/Q4_K matrices run packed (our Q4 kernel, or torch's int4) and "
                         "the output head is re-scored exactly from an int8 pass; dequant: every "
                         "weight dense in the compute dtype; auto: native unless --dtype is f32 "
-                        "(the int4 kernel's f32 path is slow) (default: %(default)s)")
+                        "(torch's int4 f32 path is slow) (default: %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=-1,
                    help="CPU threads for compute, -1 = all cores (default: %(default)s)")
     p.add_argument("-s", "--seed", type=int, default=-1,

@@ -102,10 +102,11 @@ def _cells_arg(cells: slice | torch.Tensor, n_cells: int) -> tuple[int | None, i
 
 
 class Kernels:
-    """The bf16 step kernels (csrc/): decode attention reading K/V in place from the pool (alone,
-    or fused with RoPE and the K/V store for a whole decode step), the residual add fused with
-    RMSNorm-to-bf16, and the SiLU gate. Pointers go to C unchecked, so every entry point checks
-    dtype and layout first (cheaply, or once per step)."""
+    """The bf16 kernels (csrc/): the 4-bit matmul and its unpack, decode attention reading K/V in
+    place from the pool (alone, or fused with RoPE and the K/V store for a whole decode step),
+    the residual add fused with RMSNorm-to-bf16, the SiLU gate and the head's int8 pass.
+    Pointers go to C unchecked, so every entry point checks dtype and layout first (cheaply, or
+    once per step)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float

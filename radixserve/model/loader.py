@@ -67,8 +67,9 @@ class Model:
 
 
 def resolve_weights(name: str, dtype: torch.dtype) -> str:
-    """`auto`: packed 4-bit blocks with bf16/f16 compute; f32 compute dequantizes, because the
-    int4 kernel's f32 path is ~10x slower than a dense f32 matmul (exact, though: tests use it)."""
+    """`auto`: packed 4-bit blocks with bf16/f16 compute; f32 compute dequantizes, because our
+    Q4 kernel takes bf16 activations only and torch's int4 f32 path is ~10x slower than a dense
+    f32 matmul (exact, though: tests use it)."""
     if name not in WEIGHTS:
         raise ValueError(f"unknown weights mode {name!r} ({', '.join(WEIGHTS)})")
     if name == "auto":
