@@ -40,6 +40,7 @@ PACKED_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 # chunks (docs/PERFORMANCE.md, "packed vs dense by batch size")
 DENSE_FROM_ROWS = 96
 TILE = 16  # Q4Linear: rows per tile (q4_gemv.c)
+F16_MAX = float(np.finfo(np.float16).max)
 
 
 @dataclass(slots=True)
@@ -235,7 +236,7 @@ class Q4Linear(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= DENSE_FROM_ROWS:
             return F.linear(x, self.weight(), self.bias)
-        y = self.kern.q4_matmul(self.tiles, x, self.n_out)
+        y = self.kern.q4_matmul(self.tiles, x.contiguous(), self.n_out)
         return y if self.bias is None else y + self.bias
 
     def weight(self) -> torch.Tensor:
@@ -248,10 +249,13 @@ class Q4Linear(Linear):
 
 
 def packed_linear(codes: Codes, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
-    """Our kernel's layout when it can run these weights (bf16 compute, AVX512-BF16, rows a
-    multiple of 16), else torch's int4 layout."""
+    """Our kernel's layout when it can run these weights (bf16 compute, AVX512-BF16, scales and
+    offsets within f16's range), else torch's int4 layout; both need rows in tiles of 16, so
+    other matrices stay dense."""
+    if codes.q.shape[0] % TILE:
+        return DenseLinear(torch.from_numpy(codes.dequantize()).to(dtype), bias)
     kern = kernels()
     if (dtype == torch.bfloat16 and kern is not None and kern.has_q4
-            and codes.q.shape[0] % TILE == 0):
+            and all(np.abs(a).max(initial=0) <= F16_MAX for a in (codes.scale, codes.offset))):
         return Q4Linear(codes, bias, kern)
     return Int4Linear(codes, bias, dtype)

@@ -91,6 +91,24 @@ def test_q4_kernel_times_identity_equals_gguf_dequantization(qtype: Q):
     assert np.abs(got - ref).max() > 0  # bf16 really rounds: the tolerance is not vacuous
 
 
+def test_q4_layout_only_where_it_holds_the_weights():
+    """Scales beyond f16's range, or f32 compute: torch's int4 layout (bf16 / f32 scales), never
+    silently wrong f16 ones; rows not in tiles of 16 (neither layout holds them): dense."""
+    require_q4()
+    codes = split_blocks(raw_tensor(Q.Q4_1, seed=7))
+    assert isinstance(packed_linear(codes, None, torch.bfloat16), Q4Linear)
+    assert isinstance(packed_linear(codes, None, torch.float32), Int4Linear)
+    odd = codes.rows(np.arange(N - 8))
+    dense = packed_linear(odd, None, torch.bfloat16)
+    assert isinstance(dense, DenseLinear)
+    assert torch.equal(dense.weight(), torch.from_numpy(odd.dequantize()).to(torch.bfloat16))
+    big = split_blocks(raw_tensor(Q.Q4_1, seed=7))
+    big.scale[3, 2] = 1e6  # beyond f16's 65504
+    lin = packed_linear(big, None, torch.bfloat16)
+    assert isinstance(lin, Int4Linear)
+    assert torch.isfinite(lin(torch.ones(1, K, dtype=torch.bfloat16))).all()
+
+
 def q4_or_int4(kind: str, codes, bias):
     if kind == "int4":
         return Int4Linear(codes, bias, torch.bfloat16)
