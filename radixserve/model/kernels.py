@@ -244,8 +244,10 @@ class Kernels:
             raise ValueError("q4_matmul needs contiguous bf16 rows")
         y = torch.empty(rows, n, dtype=torch.bfloat16)
         rc = self._q4(w.data_ptr(), x.data_ptr(), rows, n, k, y.data_ptr())
-        if rc != 0:
+        if rc == 2:
             raise MemoryError("q4_matmul: no memory for the group sums")
+        if rc != 0:
+            raise ValueError("q4_matmul kernel refused the shape")
         return y
 
     def q4_weight(self, w: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -253,7 +255,8 @@ class Kernels:
         [k, n] buffer: the layout its kernel writes fastest)."""
         self._q4_check(w, n, k)
         wt = torch.empty(k, n, dtype=torch.bfloat16)
-        self._q4_dequant(w.data_ptr(), n, k, wt.data_ptr())
+        if self._q4_dequant(w.data_ptr(), n, k, wt.data_ptr()) != 0:
+            raise ValueError("q4 unpack kernel refused the shape")
         return wt.t()
 
 

@@ -202,7 +202,9 @@ def test_q4_matmul_rows_are_independent_of_the_batch(kern, threads):
         y = lin(x[:rows])
         assert torch.equal(y, alone[:rows])
     ref = x.double() @ w.T
-    assert ((alone.double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-6).all()
+    # bf16 output rounding, plus f32 sums relative to the products' magnitudes (outputs near 0)
+    mag = x.double().abs() @ w.abs().T
+    assert ((alone.double() - ref).abs() <= ref.abs() * 2.0**-8 + mag * 2.0**-16).all()
 
 
 def test_build_is_cached_and_degrades_without_a_compiler(tmp_path, monkeypatch):

@@ -76,7 +76,7 @@ static inline __attribute__((always_inline)) void tile(
  * for a shape the layout cannot hold, 2 when out of memory. */
 int q4_matmul_bf16(const uint8_t *w, const uint16_t *x, int64_t rows, int64_t n, int64_t k,
                    uint16_t *y) {
-    if (n % 16 || k % 32 || rows < 0) return 1;
+    if (n < 0 || k < 0 || n % 16 || k % 32 || rows < 0) return 1;
     int64_t ng = k / 32, tiles = n / 16;
     float *gsum = malloc(sizeof(float) * (size_t)(rows * ng + 1));
     if (!gsum) return 2;
@@ -108,7 +108,7 @@ int q4_matmul_bf16(const uint8_t *w, const uint16_t *x, int64_t rows, int64_t n,
  * the kernel above (it is compute-bound there). Column-major so each (chunk, nibble, half) of a
  * block is one 16-row store. */
 int q4_dequant_t_bf16(const uint8_t *w, int64_t n, int64_t k, uint16_t *wt) {
-    if (n % 16 || k % 32) return 1;
+    if (n < 0 || k < 0 || n % 16 || k % 32) return 1;
     int64_t ng = k / 32, tiles = n / 16;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
