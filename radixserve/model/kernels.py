@@ -230,32 +230,40 @@ class Kernels:
             raise ValueError("int8_head kernel refused the shape")
         return y
 
-    def _q4_check(self, w: torch.Tensor, n: int, k: int) -> None:
-        if not (self.has_q4 and w.dtype == torch.uint8 and w.is_contiguous()
-                and w.shape == (n // 16, k // 32, 320) and n % 16 == 0 and k % 32 == 0):
+    def q4(self, tiles: torch.Tensor, n: int, k: int) -> Q4Matrix:
+        """The 4-bit matrix W [n, k] held in q4_gemv.c's tiles (uint8 [n / 16, k / 32, 320],
+        quant.py's pack_q4), checked once here so each product only checks its input."""
+        if not (self.has_q4 and tiles.dtype == torch.uint8 and tiles.is_contiguous()
+                and n % 16 == 0 and k % 32 == 0 and tiles.shape == (n // 16, k // 32, 320)):
             raise ValueError("q4 kernels need uint8 tiles [n / 16, k / 32, 320]")
+        return Q4Matrix(self, tiles, n, k)
 
-    def q4_matmul(self, w: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
-        """x [rows, k] bf16 times the 4-bit matrix W [n, k] in q4_gemv.c's tiles (uint8
-        [n / 16, k / 32, 320], quant.py's pack_q4) -> [rows, n] bf16."""
-        rows, k = x.shape
-        self._q4_check(w, n, k)
-        if not (x.dtype == torch.bfloat16 and x.is_contiguous()):
-            raise ValueError("q4_matmul needs contiguous bf16 rows")
-        y = torch.empty(rows, n, dtype=torch.bfloat16)
-        rc = self._q4(w.data_ptr(), x.data_ptr(), rows, n, k, y.data_ptr())
+
+class Q4Matrix:
+    """A 4-bit matrix in q4_gemv.c's tiles: products with bf16 rows, and its bf16 unpack."""
+
+    def __init__(self, kern: Kernels, tiles: torch.Tensor, n: int, k: int) -> None:
+        self.tiles, self.n, self.k = tiles, n, k
+        self._ptr, self._mm, self._unpack = tiles.data_ptr(), kern._q4, kern._q4_dequant
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, k] bf16 (contiguous) times W^T -> [rows, n] bf16."""
+        if not (x.dtype == torch.bfloat16 and x.is_contiguous() and x.dim() == 2
+                and x.shape[1] == self.k):
+            raise ValueError(f"q4 matmul needs contiguous bf16 rows of {self.k}")
+        y = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16)
+        rc = self._mm(self._ptr, x.data_ptr(), x.shape[0], self.n, self.k, y.data_ptr())
         if rc == 2:
-            raise MemoryError("q4_matmul: no memory for the group sums")
+            raise MemoryError("q4 matmul: no memory for the group sums")
         if rc != 0:
-            raise ValueError("q4_matmul kernel refused the shape")
+            raise ValueError("q4 matmul kernel refused the shape")
         return y
 
-    def q4_weight(self, w: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        """The 4-bit matrix in q4_gemv.c's tiles as bf16 W [n, k] (a transposed view of a
-        [k, n] buffer: the layout its kernel writes fastest)."""
-        self._q4_check(w, n, k)
-        wt = torch.empty(k, n, dtype=torch.bfloat16)
-        if self._q4_dequant(w.data_ptr(), n, k, wt.data_ptr()) != 0:
+    def weight(self) -> torch.Tensor:
+        """bf16 W [n, k]: a transposed view of a [k, n] buffer, the layout the unpack writes
+        fastest."""
+        wt = torch.empty(self.k, self.n, dtype=torch.bfloat16)
+        if self._unpack(self._ptr, self.n, self.k, wt.data_ptr()) != 0:
             raise ValueError("q4 unpack kernel refused the shape")
         return wt.t()
 

@@ -10,7 +10,7 @@ decode a 32-weight group as an affine map of 4-bit codes, w = scale q + offset:
 
 Two executions of that form, picked at load (`packed_linear`):
 - Q4Linear, our kernel (csrc/q4_gemv.c, needs AVX512-BF16): f16 scale and offset, so Q4_0 and
-  Q4_1 weights are exactly the file's; fastest at every batch size measured (docs/PERFORMANCE.md).
+  Q4_1 weights are exactly the file's; ~2x torch's int4 kernel (docs/PERFORMANCE.md).
 - Int4Linear, torch's CPU int4 weight-only kernel (`aten._weight_int4pack_mm_for_cpu`, group 32,
   w = (q - 8) scale' + zero, so zero = offset + 8 scale) with scale and zero rounded to the
   activation dtype: the path without our kernels. Its bf16 path is the fast one; its f32 path is
@@ -35,8 +35,8 @@ from radixserve.model.kernels import Kernels, kernels
 GROUP = 32
 Q = gguf.GGMLQuantizationType
 PACKED_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
-# Int4Linear: chunks above this many rows run as a dense bf16 matmul on weights unpacked for
-# that call: torch's int4 kernel is tuned for few rows and loses to a bf16 GEMM on large prefill
+# chunks of this many rows or more run as a dense bf16 matmul on weights unpacked for that
+# call: both 4-bit kernels are compute-bound there and lose to a bf16 GEMM on large prefill
 # chunks (docs/PERFORMANCE.md, "packed vs dense by batch size")
 DENSE_FROM_ROWS = 96
 TILE = 16  # Q4Linear: rows per tile (q4_gemv.c)
@@ -148,13 +148,25 @@ def tile_layout_known() -> bool:
                                                             (q - 8).float())
 
 
-class Int4Linear(Linear):
-    """4-bit codes in torch's int4 CPU layout, one (scale, zero) pair per 32 weights.
+class PackedLinear(Linear):
+    """4-bit weights: few rows (decode) run a 4-bit kernel; chunks of DENSE_FROM_ROWS rows or
+    more (prefill) unpack the weights for that call and run a bf16 GEMM, faster there even with
+    the unpacking (docs/PERFORMANCE.md); no dense copy is kept."""
 
-    Few rows (decode) run the int4 kernel. Large chunks (prefill) unpack the weight to the
-    kernel's own dequantized values (bitwise) and run a bf16 GEMM, 2x faster there than the
-    int4 kernel even with the unpacking (docs/PERFORMANCE.md); no dense copy is kept.
-    """
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= DENSE_FROM_ROWS:
+            return F.linear(x, self.weight(), self.bias)
+        y = self.kernel(x)
+        return y if self.bias is None else y + self.bias
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T through the 4-bit kernel, no bias."""
+        raise NotImplementedError
+
+
+class Int4Linear(PackedLinear):
+    """4-bit codes in torch's int4 CPU layout, one (scale, zero) pair per 32 weights; the
+    unpack gives the kernel's own dequantized values (bitwise)."""
 
     def __init__(self, codes: Codes, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         q = torch.from_numpy(np.ascontiguousarray(codes.q)).to(torch.int32)
@@ -166,11 +178,8 @@ class Int4Linear(Linear):
         self.bias, self.dtype = bias, dtype
         self._tiles = self.n_out % 64 == 0 and tile_layout_known()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= DENSE_FROM_ROWS:
-            return F.linear(x, self.weight(), self.bias)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
-        return y if self.bias is None else y + self.bias
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
 
     def weight(self) -> torch.Tensor:
         n, k = self.n_out, self.n_in
@@ -224,28 +233,24 @@ def pack_q4(codes: Codes) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(blocks))
 
 
-class Q4Linear(Linear):
+class Q4Linear(PackedLinear):
     """4-bit codes in our kernel's tiles (csrc/q4_gemv.c) with f16 scale and offset, for bf16
-    activations. Like Int4Linear, chunks from DENSE_FROM_ROWS rows run a bf16 GEMM on weights
-    unpacked for the call: the kernel is compute-bound there (docs/PERFORMANCE.md)."""
+    activations."""
 
     def __init__(self, codes: Codes, bias: torch.Tensor | None, kern: Kernels) -> None:
         self.n_out, self.n_in = codes.q.shape
-        self.tiles, self.bias, self.kern = pack_q4(codes), bias, kern
+        self.mat, self.bias = kern.q4(pack_q4(codes), self.n_out, self.n_in), bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= DENSE_FROM_ROWS:
-            return F.linear(x, self.weight(), self.bias)
-        y = self.kern.q4_matmul(self.tiles, x.contiguous(), self.n_out)
-        return y if self.bias is None else y + self.bias
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mat.matmul(x.contiguous())
 
     def weight(self) -> torch.Tensor:
         """bf16(scale q + offset) [N, K], evaluated in f32."""
-        return self.kern.q4_weight(self.tiles, self.n_out, self.n_in)
+        return self.mat.weight()
 
     @property
     def nbytes(self) -> int:
-        return self.tiles.nbytes + (self.bias.nbytes if self.bias is not None else 0)
+        return self.mat.tiles.nbytes + (self.bias.nbytes if self.bias is not None else 0)
 
 
 def packed_linear(codes: Codes, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:

@@ -172,14 +172,19 @@ def test_kernels_refuse_what_they_cannot_read(kern):
     with pytest.raises(ValueError):
         kern.silu_mul(torch.zeros(2, 7, dtype=BF))
     tiles = torch.zeros(2, 3, 320, dtype=torch.uint8)  # a 32 x 96 Q4 matrix
+    mat = kern.q4(tiles, 32, 96)
     with pytest.raises(ValueError):
-        kern.q4_matmul(tiles, torch.zeros(1, 96), 32)  # f32 rows
+        mat.matmul(torch.zeros(1, 96))  # f32 rows
     with pytest.raises(ValueError):
-        kern.q4_matmul(tiles, torch.zeros(1, 64, dtype=BF), 32)  # k does not match the tiles
+        mat.matmul(torch.zeros(1, 64, dtype=BF))  # k does not match the tiles
     with pytest.raises(ValueError):
-        kern.q4_matmul(tiles, torch.zeros(4, 192, dtype=BF)[:, ::2], 32)  # not contiguous
+        mat.matmul(torch.zeros(4, 192, dtype=BF)[:, ::2])  # not contiguous
     with pytest.raises(ValueError):
-        kern.q4_weight(tiles[:, :2], 32, 96)
+        mat.matmul(torch.zeros(96, dtype=BF))  # not rows
+    with pytest.raises(ValueError):
+        kern.q4(tiles[:, :2], 32, 96)  # tiles not of that shape
+    with pytest.raises(ValueError):
+        kern.q4(tiles.to(torch.int16), 32, 96)
 
 
 def test_q4_matmul_rows_are_independent_of_the_batch(kern, threads):

@@ -76,7 +76,7 @@ def test_q4_kernel_times_identity_equals_gguf_dequantization(qtype: Q):
     lin = packed_linear(codes, None, torch.bfloat16)
     assert isinstance(lin, Q4Linear)
     # the kernel itself (lin() would send K >= DENSE_FROM_ROWS rows to the unpack path)
-    got = lin.kern.q4_matmul(lin.tiles, torch.eye(K, dtype=torch.bfloat16), N).t().float().numpy()
+    got = lin.mat.matmul(torch.eye(K, dtype=torch.bfloat16)).t().float().numpy()
     unpacked = lin.weight().float().numpy()  # what large chunks multiply
     bf16_ref = torch.from_numpy(ref).to(torch.bfloat16).float().numpy()
     if qtype in (Q.Q4_0, Q.Q4_1):
