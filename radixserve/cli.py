@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     logging.basicConfig(level=_log_level(cfg.log_verbosity),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from radixserve.server.run import serve
+    from radixserve.http.run import serve
 
     return serve(cfg)
 

@@ -11,7 +11,7 @@ from radixserve.kv.pool import KVPool
 from radixserve.model.forward import BatchSeq
 from radixserve.model.loader import Model
 from radixserve.model.sampling import Sampler, SamplingParams
-from radixserve.server.task import Timings
+from radixserve.engine.task import Timings
 
 
 def summary(t: Timings) -> str:

@@ -1,0 +1,193 @@
+"""A slot: one sequence of the KV pool serving one task at a time (llama-server's server_slot).
+
+`tokens` are the tokens whose KV the pool holds for this slot's sequence; they survive the task
+(the slot-level prompt cache). The slot also owns the text side of generation: incremental
+UTF-8 decoding and stop strings, holding back text that could still become a stop word.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Callable
+import enum
+import time
+from dataclasses import asdict
+from typing import Any
+
+from radixserve.model.sampling import Sampler
+from radixserve.engine.task import CompletionTask, FinalResult, PartialResult, Timings, TokenProbs
+
+
+class SlotState(enum.Enum):
+    IDLE = "idle"
+    PROCESSING_PROMPT = "processing_prompt"
+    GENERATING = "generating"
+
+
+class Slot:
+    def __init__(self, id_: int, n_ctx: int) -> None:
+        self.id, self.n_ctx = id_, n_ctx
+        self.state = SlotState.IDLE
+        self.tokens: list[int] = []  # KV held in the pool for sequence `id`
+        self.t_last_used = -1.0
+        self.task: CompletionTask | None = None
+        self.last_task: CompletionTask | None = None
+        self.emit: Callable[[object], None] | None = None  # the running task's consumer
+        self._reset_task_state()
+
+    def _reset_task_state(self) -> None:
+        self.sampler: Sampler | None = None
+        self.prompt: list[int] = []
+        self.n_past = 0  # prompt tokens reused (slot KV, host cache, shifted chunks): cache_n
+        self.todo: list[tuple[int, int]] = []  # prompt position ranges still to compute
+        self.generated: list[int] = []
+        self.pending: int | None = None  # sampled, not yet fed back through the model
+        self.text = ""
+        self.n_sent = 0
+        self.n_tokens_sent = 0
+        self.probs: list[TokenProbs] = []
+        self.n_probs_sent = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self.t_start = 0.0
+        self.t_first = 0.0
+        self.stop_type, self.stopping_word, self.truncated = "none", "", False
+        self.n_prompt_processed = 0
+
+    @property
+    def job(self) -> CompletionTask:
+        """The running task (only while processing)."""
+        assert self.task is not None, f"slot {self.id} has no task"
+        return self.task
+
+    @property
+    def smp(self) -> Sampler:
+        assert self.sampler is not None, f"slot {self.id} has no sampler"
+        return self.sampler
+
+    def send(self, item: object) -> None:
+        """Hand a result to the task's consumer (nothing once the task is gone)."""
+        if self.emit is not None:
+            self.emit(item)
+
+    @property
+    def is_processing(self) -> bool:
+        return self.state is not SlotState.IDLE
+
+    def start(self, task: CompletionTask, sampler: Sampler, emit) -> None:
+        self._reset_task_state()
+        self.task, self.sampler, self.emit = task, sampler, emit
+        self.prompt = task.prompt_tokens
+        self.state = SlotState.PROCESSING_PROMPT
+        self.t_start = time.perf_counter()
+
+    # -- generation text ---------------------------------------------------------------
+    def add_text(self, piece: bytes) -> bool:
+        """Append a token's bytes; returns True when a stop string completed."""
+        self.text += self._utf8.decode(piece)
+        stops = self.task.stop if self.task else []
+        if not stops:
+            return False
+        longest = max(len(s) for s in stops)
+        search_from = max(0, self.n_sent - longest)
+        best = -1
+        for s in stops:
+            if not s:
+                continue
+            i = self.text.find(s, search_from)
+            if i >= 0 and (best < 0 or i < best):
+                best, self.stopping_word = i, s
+        if best >= 0:
+            self.text = self.text[:best]
+            self.stop_type = "word"
+            return True
+        return False
+
+    def _held_back(self) -> int:
+        """Characters at the end of the text that could still start a stop string."""
+        hold = 0
+        for s in self.task.stop if self.task else []:
+            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        return hold
+
+    def partial(self, final: bool = False) -> PartialResult | None:
+        end = len(self.text) if final else len(self.text) - self._held_back()
+        new_probs = self.probs[self.n_probs_sent :]
+        if end <= self.n_sent and not new_probs:
+            return None
+        text = self.text[self.n_sent : max(end, self.n_sent)]
+        self.n_sent = max(end, self.n_sent)
+        self.n_probs_sent = len(self.probs)
+        tokens = self.generated[self.n_tokens_sent :]
+        self.n_tokens_sent = len(self.generated)
+        return PartialResult(text, tokens, new_probs)
+
+    def timings(self, now: float) -> Timings:
+        t_first = self.t_first or now
+        return Timings(
+            cache_n=self.n_past,
+            prompt_n=self.n_prompt_processed,
+            prompt_ms=(t_first - self.t_start) * 1e3,
+            predicted_n=len(self.generated),
+            predicted_ms=max((now - t_first) * 1e3, 1e-3) if self.generated else 0.0,
+        )
+
+    def final(self, now: float) -> FinalResult:
+        return FinalResult(
+            content=self.text,
+            tokens=list(self.generated),
+            stop_type=self.stop_type,
+            stopping_word=self.stopping_word,
+            truncated=self.truncated,
+            n_prompt_tokens=len(self.prompt),
+            n_tokens_cached=len(self.tokens),
+            id_slot=self.id,
+            timings=self.timings(now),
+            probs=list(self.probs),
+        )
+
+    def release(self) -> None:
+        self.state = SlotState.IDLE
+        self.t_last_used = time.monotonic()
+        self.last_task = self.task
+        self.task, self.emit, self.sampler = None, None, None
+
+    # -- /slots --------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "n_ctx": self.n_ctx,
+            "speculative": False,
+            "is_processing": self.is_processing,
+        }
+        task = self.task or self.last_task
+        if task is None:
+            return out
+        n_predict = task.n_predict
+        n_decoded = len(self.generated) if self.task else 0
+        out.update(
+            id_task=task.id,
+            n_prompt_tokens=len(self.tokens),
+            n_prompt_tokens_processed=self.n_prompt_processed,
+            n_prompt_tokens_cache=self.n_past,
+            params={
+                **asdict(task.params),
+                "n_predict": n_predict,
+                "max_tokens": n_predict,
+                "ignore_eos": task.ignore_eos,
+                "stop": list(task.stop),
+                "id_slot": task.id_slot,
+                "cache_prompt": task.cache_prompt,
+            },
+            next_token=[
+                {
+                    "has_next_token": self.state is SlotState.GENERATING,
+                    "has_new_line": "\n" in self.text,
+                    "n_remain": (n_predict - n_decoded) if self.task and n_predict >= 0 else -1,
+                    "n_decoded": n_decoded,
+                }
+            ],
+        )
+        return out

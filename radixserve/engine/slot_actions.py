@@ -1,0 +1,146 @@
+"""`POST /slots/{id}?action=save|restore|erase`: llama-server's slot tasks, on the engine thread.
+
+Responses are llama-server's. Beyond it: file names must stay inside `--slot-save-path`
+(cache/slot_file.py), saves are atomic, a busy slot is refused with 409 instead of waiting, and a
+restore checks the whole file (format, checksum, model fingerprint, tokens, positions, free
+cells) before it touches the slot, so a failed restore leaves the slot exactly as it was
+(llama-server clears it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from radixserve.cache.slot_file import (
+    SlotFile,
+    main_size,
+    read_slot_file,
+    resolve_in_dir,
+    write_slot_file,
+)
+from radixserve.kv.state import StateError, fingerprint_of, get_state, parse_state, write_rows
+from radixserve.engine.task import TaskError
+
+if TYPE_CHECKING:
+    from radixserve.engine.scheduler import Scheduler
+    from radixserve.engine.slot import Slot
+
+log = logging.getLogger(__name__)
+
+ACTIONS = ("save", "restore", "erase")
+NOT_SUPPORTED = "This server does not support slots action. Start it with `--slot-save-path`"
+
+
+def _bad(message: str) -> TaskError:
+    return TaskError(400, "invalid_request_error", message)
+
+
+def slot_action(
+    sched: Scheduler, id_slot: int, action: str, filename: str | None
+) -> dict[str, Any]:
+    """Run one slot action; raises TaskError (501 no save path, 400 bad request or unusable file,
+    409 slot busy, 500 I/O failure while saving)."""
+    save_dir = sched.cfg.slot_save_path
+    if not save_dir:
+        raise TaskError(501, "not_supported_error", NOT_SUPPORTED)
+    if action not in ACTIONS:
+        raise _bad("Invalid action")
+    if not 0 <= id_slot < len(sched.slots):
+        raise _bad("Invalid slot ID")
+    slot = sched.slots[id_slot]
+    if action == "erase":
+        _check_idle(slot)
+        return _erase(sched, slot)
+    if not filename:
+        raise _bad('"filename" is required')
+    try:
+        path = resolve_in_dir(save_dir, filename)
+    except ValueError as e:
+        raise _bad(f"Invalid filename: {e}") from None
+    _check_idle(slot)
+    if action == "save":
+        return _save(sched, slot, filename, str(path))
+    return _restore(sched, slot, filename, str(path))
+
+
+def _check_idle(slot: Slot) -> None:
+    if slot.is_processing:
+        raise TaskError(409, "invalid_request_error",
+                        f"slot {slot.id} is processing a task; retry when it is idle")
+
+
+def _erase(sched: Scheduler, slot: Slot) -> dict[str, Any]:
+    n_erased = len(slot.tokens)
+    sched.pool.seq_rm(slot.id)
+    slot.tokens = []
+    log.info("slot %d: erased %d tokens", slot.id, n_erased)
+    return {"id_slot": slot.id, "n_erased": n_erased}
+
+
+def _save(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    pool, n = sched.pool, len(slot.tokens)
+    if pool.seq_positions(slot.id) != list(range(n)):  # token i must sit at position i
+        raise TaskError(500, "server_error",
+                        f"Unable to save slot: its KV does not match its {n} tokens")
+    state = get_state(pool, slot.id, fingerprint_of(pool, sched.model.hp.arch))
+    try:
+        n_written = write_slot_file(path, SlotFile(list(slot.tokens), state))
+    except OSError as e:
+        log.error("slot %d: saving %r failed: %s", slot.id, filename, e)
+        raise TaskError(500, "server_error",
+                        f"Unable to save slot: {e.strerror or e}") from None
+    ms = (time.perf_counter() - t0) * 1e3
+    log.info("slot %d: saved %d tokens to %r (%d bytes, %.1f ms)", slot.id, n, filename,
+             n_written, ms)
+    return {"id_slot": slot.id, "filename": filename, "n_saved": n, "n_written": n_written,
+            "timings": {"save_ms": ms}}
+
+
+def _restore(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str, Any]:
+    """All checks first, then the slot's KV is replaced. On failure: 400, the slot as it was."""
+    t0 = time.perf_counter()
+    pool, seq = sched.pool, slot.id
+
+    def fail(reason: str) -> TaskError:
+        log.warning("slot %d: restore of %r failed: %s", seq, filename, reason)
+        return _bad(f"Unable to restore slot: {reason}")
+
+    try:
+        sf, _warnings = read_slot_file(path)  # appendix warnings are logged by the reader
+    except FileNotFoundError:
+        raise fail(f"file {filename!r} not found") from None
+    except OSError as e:
+        raise fail(e.strerror or str(e)) from None
+    except ValueError as e:
+        raise fail(str(e)) from None
+    n = len(sf.tokens)
+    if n > slot.n_ctx:
+        raise fail(f"Restored prompt does not fit in the slot context ({n} > {slot.n_ctx})")
+    n_vocab = sched.model.tokenizer.n_vocab
+    if any(not 0 <= t < n_vocab for t in sf.tokens):
+        raise fail("Invalid tokens in slot save file")
+    try:
+        st = parse_state(sf.state, fingerprint_of(pool, sched.model.hp.arch), pool.dtype)
+    except StateError as e:
+        raise fail(str(e)) from None
+    if st.positions != list(range(n)):
+        raise fail(f"the file's {n} tokens do not match its KV state "
+                   f"({len(st.positions)} positions)")
+    own = sum(1 for c in pool.seq_cells(seq) if len(pool.cell_seqs[c]) == 1)
+    if n > pool.n_free_for(seq) + own:
+        raise fail(f"No available space in KV cache (need {n} cells, "
+                   f"{pool.n_free_for(seq) + own} available)")
+    if sf.checkpoints or sf.draft or sf.speculative:
+        log.info("slot %d: %d checkpoints and the draft state in %r are not used (no "
+                 "checkpointing or draft model here)", seq, len(sf.checkpoints), filename)
+    pool.seq_rm(seq)
+    write_rows(pool, seq, st.positions, st.k, st.v)
+    slot.tokens = list(sf.tokens)
+    n_read = main_size(sf)  # as llama-server: the bytes its state loader consumed
+    ms = (time.perf_counter() - t0) * 1e3
+    log.info("slot %d: restored %d tokens from %r (%.1f ms)", seq, n, filename, ms)
+    return {"id_slot": seq, "filename": filename, "n_restored": n, "n_read": n_read,
+            "timings": {"restore_ms": ms}}

@@ -1,0 +1,102 @@
+"""Every failure as an OpenAI-shaped error `{"error": {"code", "message", "type"}}`.
+
+`GuardedRoute` wraps each handler so a `TaskError` becomes its status and body, and any other
+exception a 500 `server_error` carrying the message, logged once; the server keeps serving.
+Framework-level failures (unknown route, bad path parameters) get the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from radixserve.engine.task import TaskError, invalid_request
+
+log = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    500: "server_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready; its task has been cancelled."""
+
+
+def error_response(status: int, message: str, type_: str | None = None, **extra: Any) -> Response:
+    type_ = type_ or ERROR_TYPES.get(status, "invalid_request_error")
+    return task_error_response(TaskError(status, type_, message, **extra))
+
+
+def task_error_response(e: TaskError) -> Response:
+    return JSONResponse(e.to_json(), status_code=e.status)
+
+
+async def read_json(request: Request) -> Any:
+    """The decoded body; malformed JSON is a 400 (llama-server gives 500, tests accept both)."""
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid_request(f"Invalid JSON in request body: {e}") from None
+
+
+Handler = Callable[[Request], Coroutine[Any, Any, Response]]
+
+
+class GuardedRoute(APIRoute):
+    """An APIRoute whose handler never lets an exception escape as a bare 500 page."""
+
+    def get_route_handler(self) -> Handler:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except TaskError as e:
+                if e.status >= 500:
+                    log.error("%s %s: %s", request.method, request.url.path, e.message)
+                return task_error_response(e)
+            except ClientDisconnected:
+                log.info("%s %s: client disconnected", request.method, request.url.path)
+                return Response(status_code=499)
+            except (StarletteHTTPException, RequestValidationError):
+                raise  # shaped by the exception handlers below
+            except Exception as e:
+                log.exception("%s %s failed", request.method, request.url.path)
+                return error_response(500, f"{type(e).__name__}: {e}")
+
+        return guarded
+
+
+def _validation_message(e: RequestValidationError) -> str:
+    err = e.errors()[0] if e.errors() else {}
+    where = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path"))
+    return f"Field '{where}': {err.get('msg', 'invalid value')}" if where else str(e)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Unknown routes, wrong methods and parameter errors in the OpenAI error shape."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> Response:
+        message = "File Not Found" if e.status_code == 404 else str(e.detail)
+        return error_response(e.status_code, message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> Response:
+        return error_response(400, _validation_message(e))

@@ -1,0 +1,181 @@
+"""Bodies of the informational routes: GET /props and GET /models (/v1/models).
+
+Shapes follow props.json and v1_models.json in shared/reference/llama-server-shapes/; the
+model name reported everywhere is `--alias`, else the GGUF file name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+
+from radixserve.config import ServerConfig
+from radixserve.model.loader import Model
+from radixserve.model.sampling import SamplingParams
+from radixserve.http.responses import BUILD_INFO, params_json
+
+log = logging.getLogger(__name__)
+
+# gguf `general.file_type` values (llama_ftype) -> llama-server's ftype names.
+_FTYPES = {
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K",
+    11: "Q3_K_S",
+    12: "Q3_K_M",
+    13: "Q3_K_L",
+    14: "Q4_K_S",
+    15: "Q4_K_M",
+    16: "Q5_K_S",
+    17: "Q5_K_M",
+    18: "Q6_K",
+    32: "BF16",
+}
+
+
+def model_alias(model: Model, cfg: ServerConfig) -> str:
+    return cfg.alias or model.name
+
+
+@dataclass(slots=True, frozen=True)
+class ModelFacts:
+    """Figures about the model file that cost a pass over weights or metadata: computed once."""
+
+    n_params: int
+    ftype: str  # "Q4_1", or "" if the GGUF does not say
+    size: int  # file bytes
+
+
+def read_ftype(path: str) -> str:
+    """The GGUF's `general.file_type` as llama.cpp names it ("Q4_1"), "" when unknown."""
+    try:
+        field = gguf.GGUFReader(path).fields.get("general.file_type")
+        value = field.contents() if field is not None else None
+    except (OSError, ValueError):
+        return ""
+    return _FTYPES.get(value, "") if isinstance(value, int) else ""
+
+
+def model_facts(model: Model) -> ModelFacts:
+    try:
+        size = os.path.getsize(model.path)
+    except OSError:
+        size = 0
+    return ModelFacts(count_params(model), read_ftype(model.path), size)
+
+
+def default_params_json(cfg: ServerConfig) -> dict[str, Any]:
+    """The generation settings a request gets when it sets nothing."""
+    return params_json(SamplingParams(seed=cfg.seed), cfg.n_predict)
+
+
+def props_json(
+    model: Model,
+    facts: ModelFacts,
+    cfg: ServerConfig,
+    n_ctx_slot: int,
+    n_slots: int,
+    cache_stats: dict[str, float],
+) -> dict[str, Any]:
+    """GET /props (props.json), plus `prompt_cache`: the host cache figures (ours)."""
+    tmpl = model.chat_template
+    return {
+        "default_generation_settings": {"params": default_params_json(cfg), "n_ctx": n_ctx_slot},
+        "total_slots": n_slots,
+        "model_alias": model_alias(model, cfg),
+        "model_ftype": facts.ftype,
+        "model_path": model.path,
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "media_marker": "<__media__>",  # llama.cpp's default; no media input here
+        "endpoint_slots": cfg.slots_endpoint,
+        "endpoint_props": False,
+        "endpoint_metrics": cfg.metrics,
+        "ui": False,
+        "ui_settings": {},
+        "chat_template": tmpl.source,
+        "chat_template_caps": {
+            "supports_string_content": True,
+            "supports_system_role": True,
+            "supports_tool_calls": False,
+            "supports_tools": False,
+            "supports_typed_content": False,
+        },
+        "bos_token": tmpl.bos_token,
+        "eos_token": tmpl.eos_token,
+        "build_info": BUILD_INFO,
+        "is_sleeping": False,
+        "cors_proxy_enabled": False,
+        "prompt_cache": {
+            "backend": "none" if cfg.cache_ram_mib == 0
+            else ("radix" if cfg.cache_radix_prompt else "legacy"),
+            "cache_ram_mib": cfg.cache_ram_mib,
+            "cache_idle_slots": cfg.cache_idle_slots and cfg.cache_ram_mib != 0,
+            "cache_radix_min_restore_tokens": cfg.cache_radix_min_restore_tokens,
+            "cache_reuse": cfg.cache_reuse,
+            **cache_stats,
+        },
+    }
+
+
+def count_params(model: Model) -> int:
+    """Parameter count as llama.cpp reports it: every GGUF tensor (a tied head counts once)."""
+    return model.transformer.w.n_params
+
+
+def models_json(
+    model: Model, facts: ModelFacts, cfg: ServerConfig, n_ctx_slot: int, created: int
+) -> dict[str, Any]:
+    """GET /models and /v1/models (v1_models.json): an ollama-style list plus OpenAI `data`."""
+    name = model_alias(model, cfg)
+    ftype = facts.ftype
+    hp = model.hp
+    vocab_type = {"llama": 1, "gpt2": 2}.get(model.tokenizer.model, 0)  # llama_vocab_type
+    ollama = {
+        "name": name,
+        "model": name,
+        "modified_at": "",
+        "size": "",
+        "digest": "",
+        "type": "model",
+        "description": "",
+        "tags": [""],
+        "capabilities": ["completion"],
+        "parameters": "",
+        "details": {
+            "parent_model": "",
+            "format": "gguf",
+            "family": "",
+            "families": [""],
+            "parameter_size": "",
+            "quantization_level": ftype,
+        },
+    }
+    meta = {
+        "vocab_type": vocab_type,
+        "n_vocab": hp.n_vocab,
+        "n_ctx": n_ctx_slot,
+        "n_ctx_train": hp.n_ctx_train,
+        "n_embd": hp.n_embd,
+        "n_params": facts.n_params,
+        "size": facts.size,
+        "ftype": ftype,
+    }
+    data = {
+        "id": name,
+        "aliases": [name],
+        "tags": [],
+        "object": "model",
+        "created": created,
+        "owned_by": "llamacpp",
+        "meta": meta,
+    }
+    return {"models": [ollama], "object": "list", "data": [data]}

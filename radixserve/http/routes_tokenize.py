@@ -1,0 +1,50 @@
+"""POST /tokenize and /detokenize bodies (llama-server's tokenizer endpoints)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from radixserve.model.tokenizer import Tokenizer
+from radixserve.http.parse import tokenize_mixed
+from radixserve.http.schemas import DetokenizeRequest, TokenizeRequest, validate_body
+from radixserve.engine.task import invalid_request
+
+log = logging.getLogger(__name__)
+
+
+def piece_json(tok: Tokenizer, tid: int) -> str | list[int]:
+    """A token's text, or its raw bytes when they are not valid UTF-8 on their own."""
+    raw = tok.token_to_piece(tid)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
+def _check_ids(tokens: list[int], tok: Tokenizer, field: str) -> None:
+    bad = next((t for t in tokens if not 0 <= t < tok.n_vocab), None)
+    if bad is not None:
+        raise invalid_request(f"Field '{field}': invalid token id {bad} (n_vocab {tok.n_vocab})")
+
+
+def tokenize(body: Any, tok: Tokenizer) -> dict[str, Any]:
+    """`{content, add_special=false, parse_special=true, with_pieces=false}` -> `{tokens}`;
+    with pieces each token is `{id, piece}`. No `content` gives no tokens (llama-server)."""
+    req = validate_body(TokenizeRequest, body)
+    if req.content is None:
+        return {"tokens": []}
+    parse_special = True if req.parse_special is None else req.parse_special
+    tokens = tokenize_mixed(req.content, tok, bool(req.add_special), parse_special)
+    if not req.with_pieces:
+        return {"tokens": tokens}
+    _check_ids(tokens, tok, "content")
+    return {"tokens": [{"id": t, "piece": piece_json(tok, t)} for t in tokens]}
+
+
+def detokenize(body: Any, tok: Tokenizer) -> dict[str, str]:
+    """`{tokens}` -> `{content}` (special tokens rendered as their text)."""
+    req = validate_body(DetokenizeRequest, body)
+    tokens = req.tokens or []
+    _check_ids(tokens, tok, "tokens")
+    return {"content": tok.decode(tokens)}

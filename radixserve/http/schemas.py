@@ -1,0 +1,214 @@
+"""Request bodies as pydantic models: JSON types checked, errors named after the field.
+
+llama-server reads loosely typed JSON; we check types up front so a client bug ("n_predict":
+"64") is a clear 400 naming the field instead of a silently ignored setting. As in
+llama-server, `null` means "absent" and unknown keys are ignored. Value ranges and the
+prompt itself are checked in `parse.py`, which turns these models into a `CompletionTask`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, field_validator
+
+from radixserve.model.chat_template import flatten_content
+from radixserve.engine.task import TaskError, invalid_request
+
+log = logging.getLogger(__name__)
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def _show(v: Any) -> str:
+    try:
+        return json.dumps(v)[:80]
+    except (TypeError, ValueError):
+        return repr(v)[:80]
+
+
+def _int(v: Any) -> int:
+    """JSON integers (and integral floats such as 64.0); never bools or numeric strings.
+
+    Validators raise ValueError, not TypeError: only ValueError becomes a pydantic error."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"Value must be an integer, but got {_show(v)}")  # noqa: TRY004
+    return v
+
+
+def _float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"Value must be a finite number, but got {_show(v)}")
+    return float(v)
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"Value must be a boolean, but got {_show(v)}")  # noqa: TRY004
+    return v
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"Value must be a string, but got {_show(v)}")  # noqa: TRY004
+    return v
+
+
+def _stop(v: Any) -> list[str]:
+    """`stop`: a string or a list of strings; empty strings dropped (they would match at once)."""
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ValueError(f"Value must be a string or a list of strings, but got {_show(v)}")
+    return [s for s in items if s]
+
+
+Int = Annotated[int, BeforeValidator(_int)]
+Float = Annotated[float, BeforeValidator(_float)]
+Bool = Annotated[bool, BeforeValidator(_bool)]
+Str = Annotated[str, BeforeValidator(_str)]
+Stop = Annotated[list[str], BeforeValidator(_stop)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: Bool | None = None
+
+
+class GenerationRequest(_Body):
+    """Fields every completion endpoint accepts (llama-server's `params_from_json_cmpl`).
+
+    Chat requests accept them too: llama-server passes unknown chat keys to this parser, so
+    `id_slot`, `cache_prompt`, `top_k`... work on /v1/chat/completions.
+    """
+
+    n_predict: Int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    temperature: Float | None = None
+    top_k: Int | None = None
+    top_p: Float | None = None
+    min_p: Float | None = None
+    repeat_penalty: Float | None = None
+    repeat_last_n: Int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    seed: Int | None = None
+    n_probs: Int | None = None
+    post_sampling_probs: Bool | None = None
+    stop: Stop | None = None
+    id_slot: Int | None = None
+    cache_prompt: Bool | None = None
+    n_cache_reuse: Int | None = None
+    ignore_eos: Bool | None = None
+    stream: Bool | None = None
+    stream_options: StreamOptions | None = None
+    return_tokens: Bool | None = None
+    n: Int | None = None
+    n_cmpl: Int | None = None
+    model: Str | None = None  # accepted and ignored: one model per server
+    # Features we do not implement; a non-empty value is rejected rather than ignored.
+    grammar: Any = None
+    json_schema: Any = None
+    logit_bias: Any = None
+    response_format: Any = None
+    tools: Any = None
+
+
+class CompletionRequest(GenerationRequest):
+    """/completion, /completions, /v1/completions. `prompt` is checked in parse.py (4 forms).
+
+    `logprobs` is the OpenAI /v1/completions integer (an alias of `n_probs`).
+    """
+
+    prompt: Any = None
+    logprobs: Int | None = None
+
+
+class ChatMessage(_Body):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id reach the template
+
+    role: Str
+    content: Any = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in CHAT_ROLES:
+            raise ValueError(f"unknown role {role!r} (expected one of {', '.join(CHAT_ROLES)})")
+        return role
+
+    @field_validator("content")
+    @classmethod
+    def _content_shape(cls, content: Any) -> Any:
+        flatten_content(content)  # ValueError for anything but a string or a list of text parts
+        return content
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it, extra keys included, nulls dropped."""
+        return {k: v for k, v in self.model_dump().items() if v is not None or k == "content"}
+
+
+class ChatRequest(GenerationRequest):
+    """/v1/chat/completions and /apply-template."""
+
+    messages: list[ChatMessage]
+    logprobs: Bool | None = None
+    top_logprobs: Int | None = None
+    add_generation_prompt: Bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Body):
+    content: Any = None  # a string or a mixed list of strings and token ids
+    add_special: Bool | None = None
+    parse_special: Bool | None = None
+    with_pieces: Bool | None = None
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[Int] | None = None
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def validation_message(e: ValidationError) -> str:
+    """llama-server style: `Field 'n_predict': Value must be an integer, but got "64"`."""
+    err = e.errors(include_url=False)[0]
+    field = _loc(tuple(err["loc"]))
+    if err["type"] == "missing":
+        return f"Field '{field}' is required"
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if err["type"] in ("model_type", "model_attributes_type", "dict_type", "list_type"):
+        msg = f"{msg}, but got {_show(err.get('input'))}"
+    return f"Field '{field}': {msg}" if field else msg
+
+
+def validate_body(model: type[M], body: Any) -> M:
+    """`body` (decoded JSON) as `model`, or TaskError 400 naming the first bad field."""
+    if not isinstance(body, dict):
+        raise invalid_request(f"request body must be a JSON object, got {_show(body)}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise invalid_request(validation_message(e)) from None
+
+
+def range_error(field: str, value: Any, lo: float, hi: float | None = None) -> TaskError:
+    bounds = f"between {lo} <= value <= {hi}" if hi is not None else f">= {lo}"
+    return invalid_request(f"Field '{field}': Value must be {bounds}, but got {value}")

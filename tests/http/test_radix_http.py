@@ -1,0 +1,99 @@
+"""Radix host cache over HTTP: identical tokens to no cache at all, shared prefixes computed
+once, concurrent restores of one prefix, and restore faults that fall back cleanly."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.http.harness import running_server
+from tests.http.test_host_cache import metrics, run_convos, convo_schedule
+
+TINY = ["--dtype", "f32", "--weights", "native", "-c", "2048", "--metrics"]
+
+
+def docs_questions(seed: int, n_docs: int = 4, n_q: int = 8) -> list[list[int]]:
+    rng = random.Random(seed)
+    docs = [[rng.randrange(1000, 40000) for _ in range(rng.randrange(150, 250))]
+            for _ in range(n_docs)]
+    return [d + [rng.randrange(1000, 40000) for _ in range(rng.randrange(5, 15))]
+            for d in docs for _ in range(n_q)]
+
+
+def complete(url: str, prompt: list[int], **kw) -> dict:
+    body = {"prompt": prompt, "n_predict": 6, "temperature": 0, "ignore_eos": True,
+            "return_tokens": True, **kw}
+    r = httpx.post(url + "/completion", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def run_all(url: str, prompts: list[list[int]], concurrency: int, **kw) -> list[dict]:
+    with ThreadPoolExecutor(concurrency) as ex:
+        return list(ex.map(lambda p: complete(url, p, **kw), prompts))
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_path, tmp_path_factory):
+    prompts = docs_questions(11)
+    chats = convo_schedule(5, 3, 6)
+    log = str(tmp_path_factory.mktemp("ref") / "server.log")
+    with running_server(["-m", tiny_path, *TINY, "-np", "4", "--cache-ram", "0"], log) as srv:
+        ref_docs = run_all(srv.url, prompts, 1, cache_prompt=False)
+        ref_chats = run_convos(srv.url, chats, cache_prompt=False, n_predict=6)
+    return prompts, chats, ref_docs, ref_chats
+
+
+@pytest.mark.parametrize("layout", [["-np", "4", "-kvu"], ["-np", "4"], ["-np", "2"]])
+def test_radix_tokens_equal_no_cache(tiny_path, tmp_path, workload, layout):
+    prompts, chats, ref_docs, ref_chats = workload
+    with running_server(["-m", tiny_path, *TINY, *layout], str(tmp_path / "s.log")) as srv:
+        got_docs = run_all(srv.url, prompts, 4)  # 4 clients: slots restore one prefix at once
+        got_chats = run_convos(srv.url, chats, n_predict=6)
+        m = metrics(srv.url)
+    assert len(prompts) + len(chats) >= 50
+    assert [r["tokens"] for r in got_docs] == [r["tokens"] for r in ref_docs]
+    assert [r["tokens"] for r in got_chats] == [r["tokens"] for r in ref_chats]
+    assert m["radixserve:fallbacks"] == 0
+    if layout != ["-np", "4"]:  # 4 private slots can serve 4 docs without the host tier
+        assert m["radixserve:hit_tokens"] > 0
+
+
+def test_shared_prefixes_are_computed_once(tiny_path, tmp_path):
+    """Sequentially, each request computes only what no earlier request shared, plus one."""
+    prompts = docs_questions(12)
+    random.Random(0).shuffle(prompts)
+    with running_server(["-m", tiny_path, *TINY, "-np", "4", "-kvu"],
+                        str(tmp_path / "s.log")) as srv:
+        res = run_all(srv.url, prompts, 1)
+        m = metrics(srv.url)
+    seen: list[list[int]] = []
+    for p, r in zip(prompts, res):
+        best = max((next((i for i, (a, b) in enumerate(zip(p, q)) if a != b), min(len(p), len(q)))
+                    for q in seen), default=0)
+        assert r["timings"]["prompt_n"] <= len(p) - best + 1
+        seen.append(p + r["tokens"][:-1])
+    assert m["radixserve:unique_tokens"] < m["radixserve:logical_tokens"]
+
+
+def test_restore_fault_falls_back_and_the_tree_stays_usable(tiny_path, tmp_path):
+    prompts = docs_questions(13, n_docs=1, n_q=3)
+    env = {"RADIXSERVE_RADIX_FAULT_AFTER": "40:1"}  # the first restore fails after 40 tokens
+    with running_server(["-m", tiny_path, *TINY, "-np", "2", "-kvu"], str(tmp_path / "f.log"),
+                        env) as srv:
+        first = complete(srv.url, prompts[0])
+        faulted = complete(srv.url, prompts[1], id_slot=0)  # restoring the doc fails mid-way
+        m1 = metrics(srv.url)
+        hit = complete(srv.url, prompts[2], id_slot=1)  # slot 1 was cleared: from the tree
+        m2 = metrics(srv.url)
+        health = httpx.get(srv.url + "/health")
+    with running_server(["-m", tiny_path, *TINY, "-np", "2", "--cache-ram", "0"],
+                        str(tmp_path / "r.log")) as ref:
+        expect = [complete(ref.url, p, cache_prompt=False)["tokens"] for p in prompts]
+    assert [first["tokens"], faulted["tokens"], hit["tokens"]] == expect
+    assert m1["radixserve:fallbacks"] == 1 and faulted["timings"]["cache_n"] == 0
+    assert hit["timings"]["cache_n"] > 100 and m2["radixserve:loads"] > m1["radixserve:loads"]
+    assert health.status_code == 200
