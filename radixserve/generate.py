@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 
 from radixserve.kv.pool import KVPool
-from radixserve.model.forward import BatchSeq
+from radixserve.kv.batch import BatchSeq, hidden
 from radixserve.model.loader import Model
 from radixserve.model.sampling import Sampler, SamplingParams
 from radixserve.engine.task import Timings
@@ -40,7 +40,7 @@ def generate(
     utf8 = codecs.getincrementaldecoder("utf-8")("replace")
     t0 = time.perf_counter()
     tr = model.transformer
-    logits = tr.w.head.logits(tr.hidden(pool, [BatchSeq(0, ids, 0)]), [sampler.head_need()])
+    logits = tr.w.head.logits(hidden(tr, pool, [BatchSeq(0, ids, 0)]), [sampler.head_need()])
     t1 = time.perf_counter()
     stats.prompt_n, stats.prompt_ms = len(ids), (t1 - t0) * 1e3
     pos = len(ids)
@@ -53,7 +53,7 @@ def generate(
         yield utf8.decode(model.tokenizer.token_to_piece(tok, special=False))
         if pos + 1 >= n_ctx:
             break
-        logits = tr.w.head.logits(tr.hidden(pool, [BatchSeq(0, [tok], pos)]),
+        logits = tr.w.head.logits(hidden(tr, pool, [BatchSeq(0, [tok], pos)]),
                                   [sampler.head_need()])
         pos += 1
         stats.predicted_ms = (time.perf_counter() - t1) * 1e3

@@ -19,7 +19,7 @@ import psutil
 import torch
 
 from radixserve.kv.pool import KVPool
-from radixserve.model.forward import BatchSeq
+from radixserve.kv.batch import BatchSeq, hidden
 from radixserve.model.head import RowNeed
 from radixserve.model.loader import Model, load_model, resolve_dtype, resolve_weights
 
@@ -40,7 +40,7 @@ def prefill_tps(model: Model, n: int, chunk: int = 512) -> float:
     tr = model.transformer
     t = time.perf_counter()
     for s in range(0, n, chunk):
-        h = tr.hidden(pool, [BatchSeq(0, ids[s : s + chunk], s)])
+        h = hidden(tr, pool, [BatchSeq(0, ids[s : s + chunk], s)])
     tr.w.head.logits(h, [RowNeed(1)])
     return n / (time.perf_counter() - t)
 
@@ -53,12 +53,12 @@ def decode_tps(model: Model, batch: int, ctx: int = 512, steps: int = 32) -> flo
     for s in range(batch):
         ids = _tokens(ctx, s)
         for c in range(0, ctx, 512):
-            tr.hidden(pool, [BatchSeq(s, ids[c : c + 512], c, 0)])
+            hidden(tr, pool, [BatchSeq(s, ids[c : c + 512], c, 0)])
     tok = [5] * batch
     needs = [RowNeed(1)] * batch
     t = time.perf_counter()
     for i in range(steps):
-        h = tr.hidden(pool, [BatchSeq(s, [tok[s]], ctx + i) for s in range(batch)])
+        h = hidden(tr, pool, [BatchSeq(s, [tok[s]], ctx + i) for s in range(batch)])
         tok = tr.w.head.logits(h, needs).argmax(1).tolist()
     return batch * steps / (time.perf_counter() - t)
 

@@ -8,12 +8,12 @@ reused = sum(cache_n), computed = sum(prompt_n), hit rate = reused / (reused + c
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.cache.prefix import common_prefix
 
 MIB = 1024 * 1024
 
@@ -93,40 +93,35 @@ def prefix_bound(prompts: Sequence[Sequence[int]]) -> int:
     prompt that is all cached still computes its last token, for the logits)."""
     total = 0
     for i, p in enumerate(prompts):
-        shared = max((common_prefix(p, q) for q in prompts[:i]), default=0)
+        # os.path.commonprefix compares any sequences element-wise: token lists too
+        shared = max((len(os.path.commonprefix([p, q])) for q in prompts[:i]), default=0)
         total += len(p) - shared + 1
     return total
 
 
-def _first(m: dict[str, float], *names: str) -> float | None:
-    return next((m[n] for n in names if n in m), None)
-
-
 def host_cache_figures(before: dict[str, float],
                        after: dict[str, float]) -> dict[str, float | None]:
-    """Host-cache figures from two /metrics scrapes, for either backend (radix names first,
-    legacy's `cache_*` second). Counters are deltas over the phase; sizes are end values."""
+    """Host-cache figures from two /metrics scrapes (the same names for every backend: the
+    engine's cache.base.STAT_NAMES). Counters are deltas over the phase; sizes are end values;
+    None where the server does not report them (not radixserve)."""
 
-    def delta(*names: str) -> float | None:
-        a = _first(after, *names)
-        return None if a is None else a - (_first(before, *names) or 0.0)
+    def end(name: str) -> float | None:
+        return after.get(f"radixserve:{name}")
 
-    host_bytes = _first(after, "radixserve:bytes", "radixserve:cache_bytes")
-    stored = _first(after, "radixserve:unique_tokens", "radixserve:cache_tokens")
-    legacy_evictions = [delta(f"radixserve:cache_evicted_{r}") for r in ("fifo", "bytes", "tokens")]
-    evictions = delta("radixserve:evictions")
-    if evictions is None and any(e is not None for e in legacy_evictions):
-        evictions = sum(e or 0.0 for e in legacy_evictions)
+    def delta(name: str) -> float | None:
+        a = end(name)
+        return None if a is None else a - before.get(f"radixserve:{name}", 0.0)
+
+    host_bytes = end("bytes")
     return {
         "host_cache_mib": None if host_bytes is None else host_bytes / MIB,
-        "unique_tokens": stored,
-        # legacy stores every entry whole: what it represents is what it stores
-        "logical_tokens": _first(after, "radixserve:logical_tokens", "radixserve:cache_tokens"),
-        "host_saves": delta("radixserve:saves", "radixserve:cache_saves"),
-        "host_loads": delta("radixserve:loads", "radixserve:cache_loads"),
-        "host_hit_tokens": delta("radixserve:hit_tokens", "radixserve:cache_hit_tokens"),
-        "host_evictions": evictions,
-        "host_fallbacks": delta("radixserve:fallbacks"),
+        "unique_tokens": end("unique_tokens"),
+        "logical_tokens": end("logical_tokens"),
+        "host_saves": delta("saves"),
+        "host_loads": delta("loads"),
+        "host_hit_tokens": delta("hit_tokens"),
+        "host_evictions": delta("evictions"),
+        "host_fallbacks": delta("fallbacks"),
     }
 
 

@@ -2,11 +2,15 @@
 
 Rules every backend keeps (SGLang-style contracts):
 - `save` copies a sequence's KV out of the pool and never modifies the pool.
+- `match` says how long a prefix `load` would restore now, and modifies nothing (the engine's
+  prefix planner weighs it against the slot's own KV and other slots' before acting).
 - `load` either leaves the sequence untouched (returns None) or replaces its KV and returns the
   tokens the sequence now holds (possibly [] after a failed restore: the caller then prefills).
 - Evicting nothing is always safe; `update` only enforces limits.
 - `check` raises AssertionError when the bookkeeping is inconsistent (tests call it after every
   operation).
+- `stats` reports the same figures under the same names whichever backend is on (`STAT_NAMES`),
+  so dashboards do not change with `--cache-radix-prompt`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,32 @@ from typing import Protocol
 from radixserve.cache.prefix import common_prefix
 from radixserve.kv.pool import KVPool
 
-__all__ = ["NullPromptCache", "PromptCache", "common_prefix"]
+__all__ = ["STAT_NAMES", "NullPromptCache", "PromptCache", "common_prefix"]
+
+# Every backend's `stats()` keys, in this order (values are floats):
+STAT_NAMES = (
+    "nodes",  # radix tree nodes; legacy: entries
+    "terminal_nodes",  # prompts stored (legacy: entries)
+    "bytes",  # host bytes held
+    "limit_bytes",  # --cache-ram in bytes; 0: no limit
+    "limit_tokens",  # legacy's soft token limit (n_ctx); 0: none (radix)
+    "unique_tokens",  # tokens stored, a shared prefix once
+    "logical_tokens",  # tokens represented, a shared prefix once per prompt
+    "saves",
+    "loads",
+    "hit_tokens",  # tokens restored by loads
+    "skipped",  # saves refused (too large, already cached)
+    "evictions",  # entries (legacy) or leaves (radix) evicted
+    "evicted_tokens",  # tokens they held
+    "fallbacks",  # restores that failed and fell back to a prefill
+)
+
+
+def stats_dict(**figures: float) -> dict[str, float]:
+    """`figures` as a stats() answer: exactly STAT_NAMES, in order, absent ones 0."""
+    unknown = set(figures) - set(STAT_NAMES)
+    assert not unknown, f"not a cache stat: {sorted(unknown)}"
+    return {k: float(figures.get(k, 0)) for k in STAT_NAMES}
 
 
 class PromptCache(Protocol):
@@ -25,6 +54,10 @@ class PromptCache(Protocol):
 
     def save(self, pool: KVPool, seq: int, tokens: list[int]) -> bool:
         """Copy `seq`'s KV (token i at position i) into the cache; False if it was skipped."""
+        ...
+
+    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> int:
+        """Tokens of `prompt` that `load` would restore into `seq` now (0: none); read-only."""
         ...
 
     def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> list[int] | None:
@@ -36,7 +69,7 @@ class PromptCache(Protocol):
         ...
 
     def stats(self) -> dict[str, float]:
-        """Figures for /metrics (as radixserve:<key>) and /props."""
+        """Figures for /metrics (as radixserve:<key>) and /props: `STAT_NAMES`, every backend."""
         ...
 
     def check(self) -> None:
@@ -52,6 +85,9 @@ class NullPromptCache:
     def save(self, pool: KVPool, seq: int, tokens: list[int]) -> bool:
         return False
 
+    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> int:
+        return 0
+
     def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> list[int] | None:
         return None
 
@@ -59,7 +95,7 @@ class NullPromptCache:
         pass
 
     def stats(self) -> dict[str, float]:
-        return {}
+        return stats_dict()
 
     def check(self) -> None:
         pass

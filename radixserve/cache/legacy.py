@@ -13,12 +13,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from radixserve.cache.base import common_prefix
+from radixserve.cache.base import common_prefix, stats_dict
 from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.kv.state import Fingerprint, StateError, get_state, set_state, state_size
 
 log = logging.getLogger(__name__)
 MiB = 1024 * 1024
+# eviction reasons that are memory pressure (an "obsolete" entry was superseded by a longer one)
+PRESSURE = ("fifo", "bytes", "tokens")
 
 
 @dataclass(slots=True)
@@ -44,6 +46,7 @@ class LegacyPromptCache:
         self.states: deque[CacheEntry] = deque()  # oldest first: eviction is FIFO
         self._bytes = 0
         self._tokens = 0
+        self._evicted_tokens = 0
         self.counters = dict(saves=0, loads=0, hit_tokens=0, skipped=0, load_failures=0,
                              evicted_fifo=0, evicted_obsolete=0, evicted_bytes=0,
                              evicted_tokens=0, alloc_failures=0)
@@ -72,6 +75,8 @@ class LegacyPromptCache:
         self._tokens -= len(e.tokens)
         if reason is not None:
             self.counters[f"evicted_{reason}"] += 1
+        if reason in PRESSURE:
+            self._evicted_tokens += len(e.tokens)
 
     # -- the three operations ------------------------------------------------------------------
     def alloc(self, tokens: list[int], size: int) -> CacheEntry | None:
@@ -123,21 +128,29 @@ class LegacyPromptCache:
         """Separate so tests can make the allocation fail (MemoryError)."""
         return get_state(pool, seq, self.fp)
 
-    def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> list[int] | None:
-        """Take the entry that beats the slot on both f_keep and f_sim; it leaves the cache."""
+    def _best(self, slot_tokens: list[int], prompt: list[int]
+              ) -> tuple[CacheEntry | None, int, float, float]:
+        """The entry that beats the slot on both f_keep and f_sim (llama.cpp's rule), the
+        prompt tokens it covers, and its f_keep, f_sim."""
         lcp = common_prefix(slot_tokens, prompt)
         f_keep_best = lcp / len(slot_tokens) if slot_tokens else -1.0
         f_sim_best = lcp / len(prompt)
-        log.debug(" - looking for better prompt, base f_keep = %.3f, f_sim = %.3f",
-                  f_keep_best, f_sim_best)
-        best = None
+        best, n_best = None, 0
         for e in self.states:
             n = common_prefix(e.tokens, prompt)
             f_keep, f_sim = n / len(e.tokens), n / len(prompt)
             if f_keep < 0.25:  # don't trash large prompts
                 continue
             if f_keep > f_keep_best and f_sim > f_sim_best:
-                best, f_keep_best, f_sim_best = e, f_keep, f_sim
+                best, n_best, f_keep_best, f_sim_best = e, n, f_keep, f_sim
+        return best, n_best, f_keep_best, f_sim_best
+
+    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> int:
+        return self._best(slot_tokens, prompt)[1]
+
+    def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> list[int] | None:
+        """Take the entry that beats the slot on both f_keep and f_sim; it leaves the cache."""
+        best, n, f_keep_best, f_sim_best = self._best(slot_tokens, prompt)
         if best is None:
             return None
         log.info(" - found better prompt with f_keep = %.3f, f_sim = %.3f", f_keep_best, f_sim_best)
@@ -149,7 +162,7 @@ class LegacyPromptCache:
             return None
         self._remove(best, None)  # consumed: the entry now lives in the slot
         self.counters["loads"] += 1
-        self.counters["hit_tokens"] += common_prefix(best.tokens, prompt)
+        self.counters["hit_tokens"] += n
         return best.tokens
 
     def update(self) -> None:
@@ -173,14 +186,15 @@ class LegacyPromptCache:
                   (time.perf_counter() - t0) * 1e3)
 
     def stats(self) -> dict[str, float]:
-        return {
-            "cache_entries": len(self.states),
-            "cache_bytes": self._bytes,
-            "cache_tokens": self._tokens,
-            "cache_limit_bytes": self.limit_size,
-            "cache_limit_tokens": self.limit_tokens,
-            **{f"cache_{k}": v for k, v in self.counters.items()},
-        }
+        c = self.counters
+        return stats_dict(
+            nodes=len(self.states), terminal_nodes=len(self.states), bytes=self._bytes,
+            limit_bytes=self.limit_size, limit_tokens=self.limit_tokens,
+            unique_tokens=self._tokens, logical_tokens=self._tokens,  # every entry whole
+            saves=c["saves"], loads=c["loads"], hit_tokens=c["hit_tokens"], skipped=c["skipped"],
+            evictions=sum(c[f"evicted_{r}"] for r in PRESSURE),
+            evicted_tokens=self._evicted_tokens, fallbacks=c["load_failures"],
+        )
 
     def check(self) -> None:
         assert self._bytes == sum(e.size for e in self.states), "byte counter drifted"

@@ -11,24 +11,21 @@ usable. `--cache-ram` bounds the bytes; LRU leaves go first.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
-from radixserve.cache.base import common_prefix
+from radixserve.cache.base import common_prefix, stats_dict
 from radixserve.cache.radix_tree import RadixMatch, RadixTree
 from radixserve.kv.pool import KVPool
 from radixserve.kv.state import write_rows
 
 log = logging.getLogger(__name__)
 
-# Test-only hook (the seed's LLAMA_SERVER_RADIX_TEST_FAULT_INJECTION): a restore raises after
-# writing this many tokens' cells, to exercise the fallback path end to end.
-FAULT_ENV = "RADIXSERVE_RADIX_FAULT_AFTER"
 
 
 class InjectedFault(RuntimeError):
-    """Raised by the fault hook in the middle of a restore."""
+    """Raised by the fault hook (the seed's LLAMA_SERVER_RADIX_TEST_FAULT_INJECTION) in the
+    middle of a restore; tests set it through the constructor."""
 
 
 def _copy_out(pool: KVPool, cells: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,20 +45,18 @@ class RadixPromptCache:
     load_always = True  # hits are not consumed: try the tree for every new prompt
 
     def __init__(
-        self, limit_bytes: int, min_restore_tokens: int = 0, fault_after_tokens: int | None = None
+        self, limit_bytes: int, min_restore_tokens: int = 0, fault_after_tokens: int | None = None,
+        fault_restores: int | None = None,
     ) -> None:
+        """`fault_after_tokens` (tests only): restores raise InjectedFault after writing that
+        many tokens' cells - every restore, or only the first `fault_restores`."""
         self.tree = RadixTree()
         self.limit_bytes = limit_bytes  # <= 0: no limit (--cache-ram -1)
         self.min_restore_tokens = min_restore_tokens
-        self.fault_restores_left: int | None = None  # None: every restore faults
-        if fault_after_tokens is None and (env := os.environ.get(FAULT_ENV)):
-            # "N": every restore faults after N tokens; "N:K": only the first K restores do
-            after, _, count = env.partition(":")
-            fault_after_tokens = int(after)
-            self.fault_restores_left = int(count) if count else None
         self.fault_after_tokens = fault_after_tokens
+        self.fault_restores_left = fault_restores  # None: every restore faults
         self.saves = self.loads = self.hit_tokens = 0
-        self.evictions = self.evicted_tokens = self.fallbacks = 0
+        self.evictions = self.evicted_tokens = self.fallbacks = self.skipped = 0
 
     # ##### PromptCache #####
     def save(self, pool: KVPool, seq: int, tokens: list[int]) -> bool:
@@ -83,6 +78,7 @@ class RadixPromptCache:
                 n - m,
                 self.limit_bytes,
             )
+            self.skipped += 1
             return False
         try:
             k, v = _copy_out(pool, pool.seq_cells(seq)[m:n])
@@ -94,6 +90,14 @@ class RadixPromptCache:
         self.update()
         return True
 
+    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> int:
+        """The stored prefix `load` would restore: long enough, better than the slot's own, and
+        with room for it."""
+        m = self.tree.match(prompt).length
+        if m == 0 or m < self.min_restore_tokens or m <= common_prefix(slot_tokens, prompt):
+            return 0
+        return m if self.can_restore(pool, seq, m) else 0
+
     def load(
         self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]
     ) -> list[int] | None:
@@ -103,13 +107,10 @@ class RadixPromptCache:
         and `seq` now holds nothing. Otherwise the tokens `seq` now holds, `prompt[:m]` (the
         whole match: the scheduler keeps at least one token to evaluate itself).
         """
+        m = self.match(pool, seq, slot_tokens, prompt)
+        if m == 0:
+            return None
         match = self.tree.match(prompt)
-        m = match.length
-        if m == 0 or m < self.min_restore_tokens or m <= common_prefix(slot_tokens, prompt):
-            return None
-        if not self.can_restore(pool, seq, m):
-            log.debug("radix restore of %d tokens skipped: not enough free cells", m)
-            return None
         end = match.path[-1]
         self.tree.touch(end)
         self.tree.lock(end)  # eviction must not drop the segments while we copy them
@@ -143,21 +144,13 @@ class RadixPromptCache:
 
     def stats(self) -> dict[str, float]:
         t = self.tree
-        figures = {
-            "nodes": t.n_nodes,
-            "terminal_nodes": t.n_terminal,
-            "bytes": t.bytes,
-            "limit_bytes": self.limit_bytes,
-            "unique_tokens": t.unique_tokens,
-            "logical_tokens": t.logical_tokens,
-            "saves": self.saves,
-            "loads": self.loads,
-            "hit_tokens": self.hit_tokens,
-            "evictions": self.evictions,
-            "evicted_tokens": self.evicted_tokens,
-            "fallbacks": self.fallbacks,
-        }
-        return {key: float(value) for key, value in figures.items()}
+        return stats_dict(
+            nodes=t.n_nodes, terminal_nodes=t.n_terminal, bytes=t.bytes,
+            limit_bytes=max(0, self.limit_bytes), unique_tokens=t.unique_tokens,
+            logical_tokens=t.logical_tokens, saves=self.saves, loads=self.loads,
+            hit_tokens=self.hit_tokens, skipped=self.skipped, evictions=self.evictions,
+            evicted_tokens=self.evicted_tokens, fallbacks=self.fallbacks,
+        )
 
     def log_stats(self) -> None:
         s = self.stats()
@@ -210,4 +203,4 @@ class RadixPromptCache:
                     self.fault_restores_left -= 1
                     if self.fault_restores_left <= 0:
                         self.fault_after_tokens = None
-                raise InjectedFault(f"injected fault after {written} restored tokens ({FAULT_ENV})")
+                raise InjectedFault(f"injected fault after {written} restored tokens")

@@ -1,7 +1,8 @@
 """The engine thread: the only thread that touches the model, the KV pool, slots and caches.
 
-HTTP handlers (asyncio) talk to it through one thread-safe control queue; results flow back
-through a per-task asyncio queue fed with `call_soon_threadsafe`. No locks inside the engine.
+HTTP handlers (asyncio) talk to it through one thread-safe queue of typed messages; results flow
+back through a per-task asyncio queue fed with `call_soon_threadsafe`. No locks inside the
+engine. What the HTTP side may use is `EngineAPI` (engine/api.py); this class implements it.
 
 It is also the only thread that runs torch's parallel kernels, from loading on (`Engine.boot`):
 while another live thread owns an OpenMP team (it ran a parallel op once, e.g. loading the
@@ -16,19 +17,48 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
+from radixserve.cache.base import PromptCache
 from radixserve.config import ServerConfig
-from radixserve.model.loader import Model
-from radixserve.http.prometheus import ServerMetrics
+from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.slot_actions import slot_action
 from radixserve.engine.task import CompletionTask, FinalResult, TaskError
+from radixserve.model.loader import Model
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+# -- messages to the engine thread ------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class Submit:
+    task: CompletionTask
+    stream: TaskStream
+
+
+@dataclass(slots=True, frozen=True)
+class Cancel:
+    task_id: int
+
+
+@dataclass(slots=True, frozen=True)
+class Call:
+    """Run `run` on the engine thread (it delivers its own result)."""
+
+    run: Callable[[], None]
+
+
+@dataclass(slots=True, frozen=True)
+class Wake:
+    """Nothing to do: lets a blocked loop see `stop`."""
+
+
+Message = Submit | Cancel | Call | Wake
 
 
 class TaskStream:
@@ -59,17 +89,16 @@ class TaskStream:
     def cancel(self) -> None:
         if not self.done:
             self.done = True
-            self.engine._post(("cancel", self.task.id))
+            self.engine._post(Cancel(self.task.id))
 
 
 class Engine:
-    def __init__(self, model: Model, cfg: ServerConfig) -> None:
+    def __init__(self, model: Model, cfg: ServerConfig, cache: PromptCache | None = None) -> None:
+        """`cache`: a host cache instead of the one `cfg` describes (tests inject faults)."""
         self.model, self.cfg = model, cfg
         self.metrics = ServerMetrics()
-        self.scheduler = Scheduler(model, cfg, self.metrics)
-        self.n_ctx_slot = self.scheduler.n_ctx_slot
-        self.n_slots = len(self.scheduler.slots)
-        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.scheduler = Scheduler(model, cfg, self.metrics, cache)
+        self._q: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="radixserve-engine", daemon=True)
         self._stopping = False
 
@@ -103,12 +132,12 @@ class Engine:
 
     def stop(self) -> None:
         self._stopping = True
-        self._post(("wake",))
+        self._post(Wake())
         self._thread.join(timeout=10)
 
     def submit(self, task: CompletionTask) -> TaskStream:
         stream = TaskStream(self, task, asyncio.get_running_loop())
-        self._post(("submit", task, stream))
+        self._post(Submit(task, stream))
         return stream
 
     async def call(self, fn: Callable[[], T]) -> T:
@@ -123,10 +152,10 @@ class Engine:
             else:
                 loop.call_soon_threadsafe(_set_res, fut, res)
 
-        self._post(("call", run))
+        self._post(Call(run))
         return await fut
 
-    def _post(self, msg: tuple) -> None:
+    def _post(self, msg: Message) -> None:
         self._q.put(msg)
 
     # -- engine thread ---------------------------------------------------------------------
@@ -134,6 +163,7 @@ class Engine:
         sched = self.scheduler
         while not self._stopping:
             block = not sched.has_active()
+            msg: Message | None
             try:
                 msg = self._q.get(block=block)
             except queue.Empty:
@@ -150,32 +180,41 @@ class Engine:
                 except Exception:  # never let one bad step kill the engine
                     log.exception("engine step failed")
 
-    def _handle(self, msg: tuple) -> None:
-        kind = msg[0]
+    def _handle(self, msg: Message) -> None:
         try:
-            if kind == "submit":
-                _, task, stream = msg
-                self.scheduler.submit(task, stream.emit)
-            elif kind == "cancel":
-                self.scheduler.cancel(msg[1])
-            elif kind == "call":
-                msg[1]()
+            if isinstance(msg, Submit):
+                self.scheduler.submit(msg.task, msg.stream.emit)
+            elif isinstance(msg, Cancel):
+                self.scheduler.cancel(msg.task_id)
+            elif isinstance(msg, Call):
+                msg.run()
         except Exception:
-            log.exception("engine failed to handle %s", kind)
+            log.exception("engine failed to handle %s", type(msg).__name__)
 
-    # -- called on the engine thread through `call` ------------------------------------------
-    def slots_json(self) -> list[dict[str, Any]]:
-        return self.scheduler.slots_json()
+    # -- EngineAPI: each runs on the engine thread ---------------------------------------------
+    @property
+    def n_ctx_slot(self) -> int:
+        return self.scheduler.n_ctx_slot
 
-    def is_idle_slot_available(self) -> bool:
-        return any(not s.is_processing for s in self.scheduler.slots)
+    @property
+    def n_slots(self) -> int:
+        return len(self.scheduler.slots)
 
-    def cache_stats(self) -> dict[str, float]:
-        return self.scheduler.cache.stats()
+    async def slots_json(self) -> list[dict[str, Any]]:
+        return await self.call(lambda: [s.to_json() for s in self.scheduler.slots])
 
-    def slot_action(self, id_slot: int, action: str, filename: str | None) -> dict[str, Any]:
-        """POST /slots/{id}?action=save|restore|erase (disk tier), on the engine thread."""
-        return slot_action(self.scheduler, id_slot, action, filename)
+    async def has_idle_slot(self) -> bool:
+        return await self.call(lambda: any(not s.is_processing for s in self.scheduler.slots))
+
+    async def cache_stats(self) -> dict[str, float]:
+        return await self.call(self.scheduler.cache.stats)
+
+    async def scrape(self) -> tuple[ServerMetrics, dict[str, float]]:
+        return await self.call(lambda: (self.metrics.scrape(), self.scheduler.cache.stats()))
+
+    async def slot_action(self, id_slot: int, action: str, filename: str | None) -> dict[str, Any]:
+        """POST /slots/{id}?action=save|restore|erase (disk tier)."""
+        return await self.call(lambda: slot_action(self.scheduler, id_slot, action, filename))
 
 
 def _set_res(fut: asyncio.Future, res: Any) -> None:

@@ -1,9 +1,9 @@
-"""When slots and the host prompt cache exchange KV (the scheduler's side of the host tier).
+"""When slots and the host prompt cache exchange KV (the engine's side of the host tier).
 
 - Before a slot takes a new prompt that would keep less than half of its tokens (or that it got
-  by LRU), its content is saved; then the best cached prefix of the prompt is restored. The
-  legacy backend only loads at that moment (llama.cpp); the radix backend, whose hits are not
-  consumed, is asked for every prompt.
+  by LRU), its content is saved. Whether the prompt's prefix is then restored from the cache is
+  the prefix planner's decision (prefix_plan.py); the legacy backend is consulted only at that
+  moment (llama.cpp), the radix backend, whose hits are not consumed, for every prompt.
 - `--cache-idle-slots`: when a task starts, every idle slot is published to the cache and, with
   unified KV, cleared: only then do its cells become usable by the active slots. llama.cpp does
   this after the new task took its slot; with the radix backend we do it just before (the new
@@ -37,42 +37,37 @@ def make_cache(cfg: ServerConfig, pool: KVPool, arch: str) -> PromptCache:
 
 
 class HostTier:
-    def __init__(self, cfg: ServerConfig, pool: KVPool, arch: str) -> None:
+    def __init__(self, cfg: ServerConfig, pool: KVPool, arch: str,
+                 cache: PromptCache | None = None) -> None:
         self.pool = pool
-        self.cache = make_cache(cfg, pool, arch)
-        self.cache_idle_slots = cfg.cache_idle_slots
+        self.cache = cache if cache is not None else make_cache(cfg, pool, arch)
+        self.idle_slots = cfg.cache_idle_slots
         if cfg.cache_idle_slots and cfg.cache_ram_mib == 0:
             log.warning("--cache-idle-slots requires --cache-ram, disabling")
-            self.cache_idle_slots = False
+            self.idle_slots = False
         self._t_log = time.monotonic()
 
-    def exchange(self, slot: Slot, prompt: list[int], update_cache: bool) -> None:
-        """Stash the slot's KV if it is about to be lost; restore the best cached prefix."""
-        cache = self.cache
-        t0 = time.perf_counter()
-        if update_cache and cache.save(self.pool, slot.id, slot.tokens):
-            log.debug("slot %d: saved %d tokens to the host cache", slot.id, len(slot.tokens))
-        if update_cache or cache.load_always:
-            loaded = cache.load(self.pool, slot.id, slot.tokens, prompt)
-            if loaded is not None:
-                slot.tokens = list(loaded)
-                log.info("slot %d: restored %d tokens from the %s cache", slot.id, len(loaded),
-                         cache.name)
-        if update_cache:
-            cache.update()
-            log.debug("prompt cache update took %.2f ms", (time.perf_counter() - t0) * 1e3)
+    def consulted(self, update_cache: bool) -> PromptCache | None:
+        """The cache when a new prompt may restore from it: always for the radix backend (hits
+        are not consumed), only when the slot is about to be overwritten for the legacy one."""
+        return self.cache if update_cache or self.cache.load_always else None
 
-    def publish_idle(self, slots: list[Slot], exclude: Slot | None = None) -> None:
-        if not self.cache_idle_slots:
+    def save_before_overwrite(self, slot: Slot) -> None:
+        if slot.kv.save_to(self.cache):
+            log.debug("slot %d: saved %d tokens to the host cache", slot.id, len(slot.kv))
+
+    def cache_idle_slots(self, slots: list[Slot], exclude: Slot | None = None) -> None:
+        """`--cache-idle-slots`: save every idle slot's KV to the cache and, with unified KV
+        (only there does it free cells another slot can use), clear the slot."""
+        if not self.idle_slots:
             return
         saved = False
         for s in slots:
-            if s.is_processing or not s.tokens or s is exclude:
+            if s.is_processing or not len(s.kv) or s is exclude:
                 continue
-            saved |= self.cache.save(self.pool, s.id, s.tokens)
+            saved |= s.kv.save_to(self.cache)
             if self.pool.unified:
-                self.pool.seq_rm(s.id)
-                s.tokens = []
+                s.kv.drop()
         if saved:
             self.cache.update()
         now = time.monotonic()
@@ -80,3 +75,18 @@ class HostTier:
         if log_stats is not None and now - self._t_log > STATS_LOG_INTERVAL_S:
             self._t_log = now
             log_stats()
+
+    def clear_idle_slot(self, slots: list[Slot], exclude: Slot | None = None) -> bool:
+        """llama-server's try_clear_idle_slots, unified KV only: free the first idle slot holding
+        cells. Unlike llama-server, its KV goes to the host cache first (when there is one), so
+        freeing cells for an active slot loses nothing a later request could reuse."""
+        if not self.pool.unified:
+            return False
+        for s in slots:
+            if not s.is_processing and len(s.kv) and s is not exclude:
+                log.warning("purging slot %d with %d tokens", s.id, len(s.kv))
+                if s.kv.save_to(self.cache):
+                    self.cache.update()
+                s.kv.drop()
+                return True
+        return False

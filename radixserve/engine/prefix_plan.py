@@ -1,53 +1,180 @@
-"""Device-tier prefix sharing between slots (beyond the seeds: llama.cpp cannot do this).
+"""Where a prompt's prefix comes from: one decision, made here.
 
-When a new prompt shares a prefix with KV another slot already holds, the new slot takes those
-cells with `seq_cp`: with unified KV the cells are shared, not copied (the pool counts
-references, and `seq_add` copies a shared cell before shifting it); a partition gets a copy,
-which is still cheaper than recomputing. When the other slot is still computing that prefix,
-the new task waits for it rather than computing the same prefix twice on the same cores.
+A new prompt's KV may already exist in four places, and every reuse decision of the engine is
+taken in this module from one measure (the longest common prefix, `common_prefix`):
+
+- which slot serves the task (`choose_slot`: llama-server's get_available_slot);
+- whether the task should wait for a slot that is computing its prefix right now
+  (`pending_prefill`) rather than compute the same prefix twice on the same cores;
+- where each range of the prompt comes from (`plan_prefix`): the slot's own KV (n_past, plus
+  `--cache-reuse` chunks shifted into place), another slot's cells (device-tier sharing, beyond
+  llama.cpp: `seq_cp` shares cells in unified KV, copies them in a partition), the host prompt
+  cache, or compute. The last prompt token is always computed: its logits give the first
+  sampled token.
+
+`apply_plan` carries a plan out through the slot's KV owner; when a source fails (a restore
+fault, no room for a copy) the caller plans again without it.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+from dataclasses import dataclass
 
-from radixserve.cache.base import common_prefix
-from radixserve.kv.pool import KVPool, OutOfCells
+from radixserve.cache.base import PromptCache
+from radixserve.cache.prefix import common_prefix
+from radixserve.engine.cache_reuse import find_chunks
 from radixserve.engine.slot import Slot, SlotState
+from radixserve.engine.slot_kv import SlotKV
 from radixserve.engine.task import CompletionTask
 
 log = logging.getLogger(__name__)
 SHARE_MIN_TOKENS = 16  # shorter shared prefixes are not worth waiting (a step) for or copying
 
 
-def waits_for_prefill(slots: list[Slot], task: CompletionTask) -> bool:
-    """A prefilling slot will soon hold a prefix of this task's prompt that it lacks now."""
+class Source(enum.Enum):
+    OWN = "own"  # the slot's own KV (a chunk of it shifted, with --cache-reuse)
+    SLOT = "slot"  # another slot's cells
+    HOST = "host"  # the host prompt cache
+    COMPUTE = "compute"
+
+
+@dataclass(slots=True, frozen=True)
+class Span:
+    """Prompt positions [p0, p1) and where their KV comes from; `src_pos`: where an OWN span's
+    KV sits in the slot now (!= p0 for a shifted chunk)."""
+
+    p0: int
+    p1: int
+    source: Source
+    src_pos: int = 0
+
+
+@dataclass(slots=True)
+class PrefixPlan:
+    spans: list[Span]  # in order, covering the whole prompt; the last one computes
+    donor: Slot | None = None  # the slot a SLOT span comes from
+
+    @property
+    def n_reused(self) -> int:
+        """Prompt tokens not computed (timings.cache_n)."""
+        return sum(s.p1 - s.p0 for s in self.spans if s.source is not Source.COMPUTE)
+
+    @property
+    def todo(self) -> list[tuple[int, int]]:
+        """Position ranges to compute, in order."""
+        return [(s.p0, s.p1) for s in self.spans if s.source is Source.COMPUTE]
+
+
+def choose_slot(slots: list[Slot], task: CompletionTask, thold: float) -> tuple[Slot | None, bool]:
+    """id_slot if given; else the idle slot with the best LCP similarity above `thold`; else
+    the least recently used idle slot (ties go to the later slot, as in llama-server).
+
+    The flag says whether the slot's content should go to the host cache first: it would keep
+    less than half of its tokens, or it was picked by LRU. The slot may be busy when the task
+    named it: the caller then defers the task.
+    """
+    prompt = task.prompt_tokens
+    if task.id_slot != -1:
+        slot = slots[task.id_slot]
+        keep = common_prefix(slot.kv.tokens, prompt) / max(1, len(slot.kv))
+        return slot, not len(slot.kv) or keep < 0.5
+    best, f_best = None, 0.0
+    if thold > 0:
+        for slot in slots:
+            if slot.is_processing or not len(slot.kv):
+                continue
+            f_sim = common_prefix(slot.kv.tokens, prompt) / len(prompt)
+            if f_sim > f_best and f_sim > thold:
+                best, f_best = slot, f_sim
+    if best is not None:
+        f_keep = f_best * len(prompt) / len(best.kv)
+        log.debug("selected slot %d by LCP similarity, f_sim = %.3f, f_keep = %.3f",
+                  best.id, f_best, f_keep)
+        return best, f_keep < 0.5
+    lru = None
+    for slot in slots:
+        if not slot.is_processing and (lru is None or slot.t_last_used <= lru.t_last_used):
+            lru = slot
+    return lru, True
+
+
+def pending_prefill(slots: list[Slot], task: CompletionTask) -> Slot | None:
+    """A prefilling slot that will soon hold a prefix of this task's prompt it lacks now."""
     if not task.cache_prompt:  # it will compute everything anyway
-        return False
+        return None
     for s in slots:
         if s.state is SlotState.PROCESSING_PROMPT and s.task is not task:
             n = common_prefix(s.prompt, task.prompt_tokens)
-            if n >= SHARE_MIN_TOKENS and len(s.tokens) < n:  # wait until all of it is there
-                return True
-    return False
+            if n >= SHARE_MIN_TOKENS and len(s.kv) < n:  # wait until all of it is there
+                return s
+    return None
 
 
-def share_prefix(pool: KVPool, slots: list[Slot], slot: Slot, prompt: list[int]) -> None:
-    """Give `slot` the longest prefix of `prompt` another slot holds, if it beats its own."""
-    own = common_prefix(slot.tokens, prompt)
-    donor, n_best = None, own
-    for s in slots:
-        if s is not slot and s.tokens:
-            n = common_prefix(s.tokens, prompt)
-            if n > n_best:
-                donor, n_best = s, n
-    if donor is None or n_best - own < SHARE_MIN_TOKENS:
-        return
-    pool.seq_rm(slot.id)
-    try:
-        pool.seq_cp(donor.id, slot.id, 0, n_best)
-    except OutOfCells:  # a partition too full for the copy: prefill instead
-        slot.tokens = []
-        return
-    slot.tokens = prompt[:n_best]
-    log.info("slot %d: sharing %d prompt tokens with slot %d", slot.id, n_best, donor.id)
+def plan_prefix(slot: Slot, prompt: list[int], donors: list[Slot], host: PromptCache | None,
+                cache_prompt: bool, n_reuse: int) -> PrefixPlan:
+    """The best source for the prompt's prefix, then `--cache-reuse` chunks, then compute.
+
+    The host cache (when given) wins over the slot's own KV when it restores more; another
+    slot wins when it holds SHARE_MIN_TOKENS more than both.
+    """
+    n = len(prompt)
+    if not cache_prompt:
+        return PrefixPlan([Span(0, n, Source.COMPUTE)])
+    kv = slot.kv
+    source, n_src, donor = Source.OWN, common_prefix(kv.tokens, prompt), None
+    if host is not None:
+        n_host = host.match(kv.pool, kv.seq, list(kv.tokens), prompt)
+        if n_host > n_src:
+            source, n_src = Source.HOST, n_host
+    n_best = 0
+    for s in donors:
+        m = common_prefix(s.kv.tokens, prompt) if s is not slot and len(s.kv) else 0
+        if m > n_best:
+            donor, n_best = s, m
+    if donor is not None and n_best - n_src >= SHARE_MIN_TOKENS:
+        source, n_src = Source.SLOT, n_best
+    else:
+        donor = None
+    n_prefix = min(n_src, n - 1)
+    spans = [Span(0, n_prefix, source)] if n_prefix else []
+    if source is Source.OWN and n_reuse > 0:
+        spans += [Span(p, p + m, Source.OWN, c)
+                  for c, p, m in find_chunks(list(kv.tokens), prompt, n_prefix, n_reuse)]
+    if spans and spans[-1].p1 == n:  # the last prompt token is always computed
+        last = spans.pop()
+        if last.p1 - 1 > last.p0:
+            spans.append(Span(last.p0, last.p1 - 1, last.source, last.src_pos))
+    out, at = [], 0
+    for s in spans:
+        if s.p0 > at:
+            out.append(Span(at, s.p0, Source.COMPUTE))
+        out.append(s)
+        at = s.p1
+    out.append(Span(at, n, Source.COMPUTE))
+    return PrefixPlan(out, donor)
+
+
+def apply_plan(kv: SlotKV, plan: PrefixPlan, prompt: list[int], host: PromptCache) -> bool:
+    """Make the slot hold what `plan` reuses and nothing else; False when its source failed
+    (the slot then holds nothing: plan again without that source)."""
+    head = plan.spans[0]
+    n_prefix = 0 if head.source is Source.COMPUTE else head.p1
+    if head.source is Source.HOST:
+        if not kv.restore_from(host, prompt):
+            return False
+        log.info("slot %d: restored %d tokens from the %s cache", kv.seq, len(kv), host.name)
+    elif head.source is Source.SLOT:
+        assert plan.donor is not None
+        if not kv.share_from(plan.donor.kv, n_prefix):
+            return False
+        log.info("slot %d: sharing %d prompt tokens with slot %d", kv.seq, n_prefix,
+                 plan.donor.id)
+    if head.source is Source.OWN or head.source is Source.COMPUTE:
+        chunks = [(s.src_pos, s.p0, s.p1 - s.p0) for s in plan.spans[1:]
+                  if s.source is Source.OWN]
+        kv.shift_chunks(prompt, n_prefix, chunks)
+    else:
+        kv.truncate(n_prefix)
+    return True

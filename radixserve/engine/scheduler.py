@@ -1,8 +1,12 @@
-"""The update loop of llama-server in one class: slot choice, pre-decode, continuous batching.
+"""Admission and continuous batching: llama-server's update loop, minus what lives elsewhere.
 
-Runs on the engine thread only. Each `step()` builds one batch holding a decode token for every
-generating slot plus prompt chunks of prefilling slots (up to the batch budget), runs one forward,
-samples, and streams results out through each task's `emit` callback.
+Runs on the engine thread only. Admission takes a task to a slot (`choose_slot`), lets the host
+tier stash what the slot is about to lose, and has the prefix planner decide and carry out where
+the prompt's prefix comes from. Each `step()` is schedule -> run -> postprocess: schedule
+reserves cells for a decode token of every generating slot plus prompt chunks of prefilling
+slots (up to the batch budget) before anything runs, so a forward never runs out of cells
+half-way; run is one forward; postprocess commits the new KV, samples, and streams results out
+through each task's `emit` callback.
 """
 
 from __future__ import annotations
@@ -18,17 +22,23 @@ import torch
 
 from radixserve.cache.base import PromptCache
 from radixserve.config import ServerConfig
+from radixserve.engine.counters import ServerMetrics
+from radixserve.engine.host_tier import HostTier
+from radixserve.engine.prefix_plan import (
+    PrefixPlan,
+    Source,
+    apply_plan,
+    choose_slot,
+    pending_prefill,
+    plan_prefix,
+)
+from radixserve.engine.slot import Slot, SlotState
+from radixserve.engine.slot_kv import SlotKV
+from radixserve.engine.task import CompletionTask, TaskError, TokenProbs
 from radixserve.kv.pool import KVPool, OutOfCells
-from radixserve.model.forward import BatchSeq
+from radixserve.model.forward import SeqStep
 from radixserve.model.loader import Model
 from radixserve.model.sampling import Sampler, sample_batch
-from radixserve.http.prometheus import ServerMetrics
-from radixserve.engine.host_tier import HostTier
-from radixserve.engine.predecode import pre_decode
-from radixserve.engine.prefix_plan import share_prefix, waits_for_prefill
-from radixserve.engine.slot import Slot, SlotState
-from radixserve.engine.slot_choice import choose_slot
-from radixserve.engine.task import CompletionTask, TaskError, TokenProbs
 
 log = logging.getLogger(__name__)
 Emit = Callable[[Any], None]
@@ -54,18 +64,21 @@ def slot_layout(cfg: ServerConfig, n_ctx_train: int) -> tuple[int, int, bool, in
 
 
 class Scheduler:
-    def __init__(self, model: Model, cfg: ServerConfig, metrics: ServerMetrics) -> None:
+    def __init__(self, model: Model, cfg: ServerConfig, metrics: ServerMetrics,
+                 cache: PromptCache | None = None) -> None:
+        """`cache`: a host cache to use instead of the one `cfg` describes (tests inject
+        faults this way)."""
         self.model, self.cfg, self.metrics = model, cfg, metrics
         self.tok = model.tokenizer
         hp = model.hp
         n_slots, n_cells, unified, self.n_ctx_slot = slot_layout(cfg, hp.n_ctx_train)
         self.pool = KVPool(hp.n_layer, hp.n_head_kv, hp.head_dim, n_cells, n_slots, unified,
                            model.dtype, model.rope.rotate, model.device)
-        self.slots = [Slot(i, self.n_ctx_slot) for i in range(n_slots)]
+        self.slots = [Slot(SlotKV(self.pool, i), self.n_ctx_slot) for i in range(n_slots)]
         self.deferred: deque[tuple[CompletionTask, Emit]] = deque()
         self.n_budget = max(1, min(cfg.batch_size, cfg.ubatch_size))
         self._next_id = 0
-        self.host = HostTier(cfg, self.pool, hp.arch)
+        self.host = HostTier(cfg, self.pool, hp.arch, cache)
         log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = %s",
                  n_slots, self.n_ctx_slot, unified)
 
@@ -112,92 +125,85 @@ class Scheduler:
         waiting = len(self.deferred)
         for _ in range(waiting):
             task, emit = self.deferred.popleft()
-            if waits_for_prefill(self.slots, task):
+            if pending_prefill(self.slots, task) is not None:
                 self.deferred.append((task, emit))
                 continue
-            slot, update_cache = self.get_available_slot(task)
+            slot, update_cache = choose_slot(self.slots, task, self.cfg.slot_prompt_similarity)
             if slot is None or slot.is_processing:
                 self.deferred.append((task, emit))
                 continue
-            # radix: publish the other idle slots first, so this prompt can restore from them
+            # radix: cache the other idle slots first, so this prompt can restore from them
             early = self.host.cache.load_always
             if early:
-                self.host.publish_idle(self.slots, exclude=slot)
+                self.host.cache_idle_slots(self.slots, exclude=slot)
             try:
                 self._launch(slot, task, emit, update_cache)
             except TaskError as e:
                 emit(e)
                 continue
             if not early:
-                self.host.publish_idle(self.slots)
+                self.host.cache_idle_slots(self.slots)
         self.metrics.requests_deferred = len(self.deferred)
         self.metrics.requests_processing = sum(s.is_processing for s in self.slots)
-
-    def get_available_slot(self, task: CompletionTask) -> tuple[Slot | None, bool]:
-        return choose_slot(self.slots, task, self.cfg.slot_prompt_similarity)
 
     def _launch(self, slot: Slot, task: CompletionTask, emit: Emit, update_cache: bool) -> None:
         try:
             sampler = Sampler(task.params, self.tok.n_vocab, task.prompt_tokens)
         except ValueError as e:
             raise TaskError(400, "invalid_request_error", f"Failed to initialize samplers: {e}")
+        prompt = task.prompt_tokens
         if self.pool.unified:  # room for the whole prompt, so a cached prefix can be restored
-            while (self.pool.n_free + len(slot.tokens) < len(task.prompt_tokens)
+            while (self.pool.n_free + len(slot.kv) < len(prompt)
                    and self.try_clear_idle_slots(exclude=slot)):
                 pass
-        self.host.exchange(slot, task.prompt_tokens, update_cache)
-        if task.cache_prompt:
-            share_prefix(self.pool, self.slots, slot, task.prompt_tokens)
-        slot.start(task, sampler, emit)
-        self._pre_decode(slot)
-        log.info("slot %d: task %d, prompt %d tokens, n_past %d", slot.id, task.id,
-                 len(task.prompt_tokens), slot.n_past)
+        if update_cache:
+            self.host.save_before_overwrite(slot)
+        plan = self._take_prefix(slot, task, self.host.consulted(update_cache))
+        if update_cache:
+            self.host.cache.update()
+        slot.start(task, sampler, emit, plan.todo, plan.n_reused)
+        log.info("slot %d: task %d, prompt %d tokens, %d reused", slot.id, task.id,
+                 len(prompt), plan.n_reused)
 
-    def _pre_decode(self, slot: Slot) -> None:
-        task = slot.job
+    def _take_prefix(self, slot: Slot, task: CompletionTask,
+                     host: PromptCache | None) -> PrefixPlan:
+        """Plan where the prompt's prefix comes from and make the slot hold it; a source that
+        fails (restore fault, no room for a copy) is left out and the plan made again."""
         n_reuse = self.cfg.cache_reuse if task.n_cache_reuse is None else task.n_cache_reuse
-        plan = pre_decode(self.pool, slot.id, slot.tokens, slot.prompt, task.cache_prompt, n_reuse)
-        slot.n_past, slot.todo = plan.n_reused, plan.todo
+        donors = self.slots
+        while True:
+            plan = plan_prefix(slot, task.prompt_tokens, donors, host, task.cache_prompt,
+                               n_reuse)
+            if apply_plan(slot.kv, plan, task.prompt_tokens, self.host.cache):
+                return plan
+            if plan.spans[0].source is Source.HOST:
+                host = None
+            else:
+                donors = []
 
-    # -- the loop -------------------------------------------------------------------------
+    # -- the loop: schedule -> run -> postprocess ---------------------------------------------
     def has_active(self) -> bool:
         return any(s.is_processing for s in self.slots)
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Build and run one batch; on out-of-cells free idle slots or shrink, then retry.
-
-        Any other failure fails the requests of this batch (their KV may be half-written, so it
-        is dropped) and nothing else: the server and the other slots carry on.
-        """
-        budget = self.n_budget
-        while True:
-            batch, owners = self._build_batch(budget)
-            if not batch:
-                return
-            try:
-                hidden = self.model.transformer.hidden(self.pool, batch)
-                break
-            except OutOfCells:
-                if self.try_clear_idle_slots():
-                    continue
-                n_prompt = sum(len(b.tokens) for b, s in zip(batch, owners)
-                               if s.state is SlotState.PROCESSING_PROMPT)
-                if n_prompt > 0 and budget > 1:
-                    budget = max(1, budget // 2)
-                    log.warning("no free KV cells, retrying with batch budget %d", budget)
-                    continue
-                for s in owners:
-                    self._fail(s, TaskError(500, "server_error", "Context size has been exceeded."))
-                return
-            except Exception as e:
-                self._fail_batch(owners, e)
-                return
-        self.metrics.on_decode(len(owners))
+        """Run one batch. A failure of the forward or of sampling fails the requests of this
+        batch (their KV may be half-written, so it is dropped) and nothing else: the server and
+        the other slots carry on."""
+        batch = self._schedule()
+        if not batch:
+            return
         try:
-            self._after_forward(batch, owners, hidden)
+            hidden = self.model.transformer.hidden(self.pool.k, self.pool.v,
+                                                   [b for _, b in batch])
         except Exception as e:
-            self._fail_batch([s for s in owners if s.is_processing], e)
+            self._fail_batch([s for s, _ in batch], e)
+            return
+        self.metrics.on_decode(len(batch))
+        try:
+            self._postprocess(batch, hidden)
+        except Exception as e:
+            self._fail_batch([s for s, _ in batch if s.is_processing], e)
         if self.deferred:  # tasks waiting on another slot's prefill may go now
             self.launch_deferred()
 
@@ -206,49 +212,72 @@ class Scheduler:
         for s in owners:
             self._fail(s, TaskError(500, "server_error", f"Compute error: {e}"))
 
-    def _build_batch(self, budget: int) -> tuple[list[BatchSeq], list[Slot]]:
-        batch: list[BatchSeq] = []
-        owners: list[Slot] = []
+    def _reserve(self, s: Slot, pos0: int, n: int) -> SeqStep | None:
+        """Cells for n tokens of `s` at pos0.. (an idle slot is cleared to find them), as the
+        forward's view of the slot; None when even that does not make room."""
+        kv = s.kv
+        while True:
+            try:
+                cells = kv.reserve(pos0, n)
+                break
+            except OutOfCells:
+                if not self.try_clear_idle_slots():
+                    return None
+        view = self.pool.view(kv.seq)
+        return SeqStep(s.prompt[pos0 : pos0 + n] if s.state is SlotState.PROCESSING_PROMPT
+                       else [s.pending], pos0, cells, view.cells, view.positions)
+
+    def _schedule(self) -> list[tuple[Slot, SeqStep]]:
+        """One decode token per generating slot, then prompt chunks while the budget and the
+        free cells last. A generating slot that cannot get a cell fails (its context cannot
+        grow); a prefilling one waits while others run, and fails only when nothing can."""
+        batch: list[tuple[Slot, SeqStep]] = []
         for s in self.slots:
             if s.state is SlotState.GENERATING and s.pending is not None:
-                batch.append(BatchSeq(s.id, [s.pending], len(s.tokens)))
-                owners.append(s)
-        used = len(batch)
+                step = self._reserve(s, len(s.kv), 1)
+                if step is None:
+                    self._fail(s, TaskError(500, "server_error", "Context size has been exceeded."))
+                    continue
+                batch.append((s, step))
+        used, starved = len(batch), []
         for s in self.slots:
-            if s.state is not SlotState.PROCESSING_PROMPT:
+            room = self.n_budget - used
+            if s.state is not SlotState.PROCESSING_PROMPT or room <= 0:
                 continue
             p0, p1 = s.todo[0]
-            take = min(p1 - p0, max(0, budget - used))
-            if take <= 0:
-                break
-            last = p0 + take == len(s.prompt)
-            batch.append(BatchSeq(s.id, s.prompt[p0 : p0 + take], p0, 1 if last else 0))
-            owners.append(s)
+            if s.kv.n_free() == 0 and not batch:  # nothing else can run: clearing alone helps
+                self.try_clear_idle_slots()
+            take = min(p1 - p0, room, s.kv.n_free())
+            step = self._reserve(s, p0, take) if take > 0 else None
+            if step is None:
+                starved.append(s)
+                continue
+            step.n_logits = 1 if p0 + take == len(s.prompt) else 0
+            batch.append((s, step))
             used += take
-        return batch, owners
+        if not batch:
+            for s in starved:
+                self._fail(s, TaskError(500, "server_error", "Context size has been exceeded."))
+        return batch
 
-    def _after_forward(self, batch: list[BatchSeq], owners: list[Slot],
-                       hidden: torch.Tensor) -> None:
+    def _postprocess(self, batch: list[tuple[Slot, SeqStep]], hidden: torch.Tensor) -> None:
         now = time.perf_counter()
         rows: list[int] = []
         to_sample: list[Slot] = []
         row = -1
-        for b, s in zip(batch, owners):
+        for s, b in batch:
             row += 1 if b.n_logits else 0
-            if s.state is SlotState.GENERATING:
-                s.tokens.extend(b.tokens)
-            else:
+            s.kv.commit(b.pos0, b.tokens)
+            if s.state is SlotState.PROCESSING_PROMPT:
                 s.n_prompt_processed += len(b.tokens)
                 p0, p1 = s.todo[0]
                 s.todo[0] = (p0 + len(b.tokens), p1)
                 if s.todo[0][0] == p1:
                     s.todo.pop(0)
-                # tokens = the contiguous prefix with KV; holes later on are still to compute
-                s.tokens = s.prompt[: s.todo[0][0]] if s.todo else list(s.prompt)
                 if s.todo:
                     continue
                 s.state, s.t_first = SlotState.GENERATING, now
-                self.metrics.on_prompt_done(s.n_prompt_processed, s.n_past, now - s.t_start)
+                self.metrics.on_prompt_done(s.n_prompt_processed, s.n_cached, now - s.t_start)
                 if s.job.n_predict == 0:  # prompt only: nothing to sample
                     s.stop_type = "limit"
                     self._finish(s)
@@ -303,7 +332,7 @@ class Scheduler:
 
     def _finish(self, s: Slot, emit_final: bool = True) -> None:
         now = time.perf_counter()
-        self.pool.seq_rm(s.id, len(s.tokens))  # cancelled mid-prompt: drop KV past the prefix
+        s.kv.truncate(len(s.kv))  # cancelled mid-prompt: drop KV past the contiguous prefix
         if emit_final:
             part = s.partial(final=True) if s.job.stream else None
             if part is not None:
@@ -320,27 +349,19 @@ class Scheduler:
     def _fail(self, s: Slot, err: TaskError) -> None:
         """Fail one request and drop its KV (it may be half-written); others carry on."""
         s.send(err)
-        self.pool.seq_rm(s.id)
-        s.tokens = []
+        s.kv.drop()
         s.release()
 
     def try_clear_idle_slots(self, exclude: Slot | None = None) -> bool:
-        """Unified KV only: free the first idle slot holding cells (llama-server's rule).
+        return self.host.clear_idle_slot(self.slots, exclude)
 
-        Unlike llama-server, the slot's KV goes to the host cache first (when there is one), so
-        freeing cells for an active slot loses nothing a later request could reuse.
-        """
-        if not self.pool.unified:
-            return False
+    def check(self) -> None:
+        """Every invariant the engine keeps: the pool's bookkeeping, each slot's KV against
+        its tokens, the host cache's (tests call this after every step)."""
+        self.pool.check()
         for s in self.slots:
-            if not s.is_processing and s.tokens and s is not exclude:
-                log.warning("purging slot %d with %d tokens", s.id, len(s.tokens))
-                if self.host.cache.save(self.pool, s.id, s.tokens):
-                    self.host.cache.update()
-                self.pool.seq_rm(s.id)
-                s.tokens = []
-                return True
-        return False
+            s.kv.check()
+        self.host.cache.check()
 
     @property
     def cache(self) -> PromptCache:

@@ -1,19 +1,21 @@
 """A slot: one sequence of the KV pool serving one task at a time (llama-server's server_slot).
 
-`tokens` are the tokens whose KV the pool holds for this slot's sequence; they survive the task
-(the slot-level prompt cache). The slot also owns the text side of generation: incremental
-UTF-8 decoding and stop strings, holding back text that could still become a stop word.
+Its KV (`kv`, a SlotKV: the tokens the pool holds for this sequence, and the only way to change
+them) survives the task: the slot-level prompt cache. The slot itself keeps the task's side:
+progress through the prompt, generated tokens, and the text (incremental UTF-8 decoding and stop
+strings, holding back text that could still become a stop word).
 """
 
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable
 import enum
+from collections.abc import Callable, Sequence
 import time
 from dataclasses import asdict
 from typing import Any
 
+from radixserve.engine.slot_kv import SlotKV
 from radixserve.model.sampling import Sampler
 from radixserve.engine.task import CompletionTask, FinalResult, PartialResult, Timings, TokenProbs
 
@@ -25,10 +27,9 @@ class SlotState(enum.Enum):
 
 
 class Slot:
-    def __init__(self, id_: int, n_ctx: int) -> None:
-        self.id, self.n_ctx = id_, n_ctx
+    def __init__(self, kv: SlotKV, n_ctx: int) -> None:
+        self.id, self.n_ctx, self.kv = kv.seq, n_ctx, kv
         self.state = SlotState.IDLE
-        self.tokens: list[int] = []  # KV held in the pool for sequence `id`
         self.t_last_used = -1.0
         self.task: CompletionTask | None = None
         self.last_task: CompletionTask | None = None
@@ -38,7 +39,7 @@ class Slot:
     def _reset_task_state(self) -> None:
         self.sampler: Sampler | None = None
         self.prompt: list[int] = []
-        self.n_past = 0  # prompt tokens reused (slot KV, host cache, shifted chunks): cache_n
+        self.n_cached = 0  # prompt tokens reused (any tier, shifted chunks): timings.cache_n
         self.todo: list[tuple[int, int]] = []  # prompt position ranges still to compute
         self.generated: list[int] = []
         self.pending: int | None = None  # sampled, not yet fed back through the model
@@ -52,6 +53,11 @@ class Slot:
         self.t_first = 0.0
         self.stop_type, self.stopping_word, self.truncated = "none", "", False
         self.n_prompt_processed = 0
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        """The tokens whose KV the slot holds (read-only; `kv` changes them)."""
+        return self.kv.tokens
 
     @property
     def job(self) -> CompletionTask:
@@ -73,10 +79,14 @@ class Slot:
     def is_processing(self) -> bool:
         return self.state is not SlotState.IDLE
 
-    def start(self, task: CompletionTask, sampler: Sampler, emit) -> None:
+    def start(self, task: CompletionTask, sampler: Sampler, emit: Callable[[object], None],
+              todo: list[tuple[int, int]], n_cached: int) -> None:
+        """Take `task`, whose prompt's reused part the slot's KV already holds; `todo`: the
+        position ranges still to compute."""
         self._reset_task_state()
         self.task, self.sampler, self.emit = task, sampler, emit
         self.prompt = task.prompt_tokens
+        self.todo, self.n_cached = todo, n_cached
         self.state = SlotState.PROCESSING_PROMPT
         self.t_start = time.perf_counter()
 
@@ -127,7 +137,7 @@ class Slot:
     def timings(self, now: float) -> Timings:
         t_first = self.t_first or now
         return Timings(
-            cache_n=self.n_past,
+            cache_n=self.n_cached,
             prompt_n=self.n_prompt_processed,
             prompt_ms=(t_first - self.t_start) * 1e3,
             predicted_n=len(self.generated),
@@ -171,7 +181,7 @@ class Slot:
             id_task=task.id,
             n_prompt_tokens=len(self.tokens),
             n_prompt_tokens_processed=self.n_prompt_processed,
-            n_prompt_tokens_cache=self.n_past,
+            n_prompt_tokens_cache=self.n_cached,
             params={
                 **asdict(task.params),
                 "n_predict": n_predict,

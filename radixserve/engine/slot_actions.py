@@ -20,7 +20,7 @@ from radixserve.cache.slot_file import (
     resolve_in_dir,
     write_slot_file,
 )
-from radixserve.kv.state import StateError, fingerprint_of, get_state, parse_state, write_rows
+from radixserve.kv.state import StateError, fingerprint_of, get_state, parse_state
 from radixserve.engine.task import TaskError
 
 if TYPE_CHECKING:
@@ -72,9 +72,8 @@ def _check_idle(slot: Slot) -> None:
 
 
 def _erase(sched: Scheduler, slot: Slot) -> dict[str, Any]:
-    n_erased = len(slot.tokens)
-    sched.pool.seq_rm(slot.id)
-    slot.tokens = []
+    n_erased = len(slot.kv)
+    slot.kv.drop()
     log.info("slot %d: erased %d tokens", slot.id, n_erased)
     return {"id_slot": slot.id, "n_erased": n_erased}
 
@@ -129,16 +128,13 @@ def _restore(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str
     if st.positions != list(range(n)):
         raise fail(f"the file's {n} tokens do not match its KV state "
                    f"({len(st.positions)} positions)")
-    own = sum(1 for c in pool.seq_cells(seq) if len(pool.cell_seqs[c]) == 1)
-    if n > pool.n_free_for(seq) + own:
-        raise fail(f"No available space in KV cache (need {n} cells, "
-                   f"{pool.n_free_for(seq) + own} available)")
+    room = slot.kv.n_reclaimable()
+    if n > room:
+        raise fail(f"No available space in KV cache (need {n} cells, {room} available)")
     if sf.checkpoints or sf.draft or sf.speculative:
         log.info("slot %d: %d checkpoints and the draft state in %r are not used (no "
                  "checkpointing or draft model here)", seq, len(sf.checkpoints), filename)
-    pool.seq_rm(seq)
-    write_rows(pool, seq, st.positions, st.k, st.v)
-    slot.tokens = list(sf.tokens)
+    slot.kv.load_rows(list(sf.tokens), st.k, st.v)
     n_read = main_size(sf)  # as llama-server: the bytes its state loader consumed
     ms = (time.perf_counter() - t0) * 1e3
     log.info("slot %d: restored %d tokens from %r (%.1f ms)", seq, n, filename, ms)

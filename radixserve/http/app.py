@@ -1,9 +1,9 @@
-"""The HTTP application: llama-server's routes and OpenAI's, over one `Engine`.
+"""The HTTP application: llama-server's routes and OpenAI's, over one engine (`EngineAPI`).
 
 The app can listen before the model is loaded (llama-server does): give `create_app` a
 factory and it builds the engine in a worker thread at startup, answering 503 "Loading model"
-on every route until it is ready. Handlers only validate, tokenize, talk to the engine through
-`submit`/`call` and shape JSON; they never touch tensors.
+on every route until it is ready. Routes come in families (routes_*.py); handlers only validate,
+tokenize, talk to the engine through its API and shape JSON; they never touch tensors.
 """
 
 from __future__ import annotations
@@ -13,81 +13,38 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI
-from starlette.concurrency import run_in_threadpool
+from fastapi import APIRouter, FastAPI
 
 from radixserve.config import ServerConfig
-from radixserve.model.loader import Model
-from radixserve.http import info
-from radixserve.http.errors import install_error_handlers
+from radixserve.engine.api import EngineAPI
+from radixserve.http import routes_completions, routes_info, routes_slots, routes_tokenize
+from radixserve.http.errors import GuardedRoute, install_error_handlers
 from radixserve.http.middleware import GateMiddleware
-from radixserve.http.parse import ParseContext
-from radixserve.http.routes import build_router
+from radixserve.http.state import AppState
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class AppState:
-    """What the routes share; `engine` is None until the model is loaded."""
-
-    cfg: ServerConfig
-    engine: Any = None
-    load_error: str | None = None
-    parse_ctx: ParseContext | None = None
-    started: int = field(default_factory=lambda: int(time.time()))
-    _facts: info.ModelFacts | None = None
-
-    @property
-    def api_keys(self) -> list[str]:
-        return self.cfg.api_key
-
-    @property
-    def model(self) -> Model:
-        return self.engine.model
-
-    async def facts(self) -> info.ModelFacts:
-        if self._facts is None:
-            self._facts = await run_in_threadpool(info.model_facts, self.model)
-        return self._facts
-
-    def set_engine(self, engine: Any) -> None:
-        m, cfg = engine.model, self.cfg
-        self.parse_ctx = ParseContext(
-            m.tokenizer,
-            m.chat_template,
-            engine.n_ctx_slot,
-            engine.n_slots,
-            default_n_predict=cfg.n_predict,
-            default_cache_prompt=cfg.cache_prompt,
-            default_seed=cfg.seed,
-        )
-        self.engine = engine
-
-
 def _is_engine(obj: Any) -> bool:
-    return hasattr(obj, "submit") and hasattr(obj, "call")
+    return hasattr(obj, "submit")  # an engine; a factory is a plain callable
 
 
 def create_app(
-    engine_or_factory: Any, model: Model | None = None, cfg: ServerConfig | None = None
+    engine_or_factory: EngineAPI | Callable[[], EngineAPI], cfg: ServerConfig | None = None
 ) -> FastAPI:
-    """An app over a ready engine, or over `factory() -> Engine` (started, ready to serve),
-    which runs in a thread at startup; the app stops an engine it built when it shuts down.
-    `model` is accepted for symmetry; the engine's own `model` is what the routes use."""
+    """An app over a ready engine, or over `factory() -> EngineAPI` (started, ready to serve),
+    which runs in a thread at startup; the app stops an engine it built when it shuts down."""
     cfg = cfg or getattr(engine_or_factory, "cfg", None) or ServerConfig()
     state = AppState(cfg)
-    factory: Callable[[], Any] | None = None
+    factory: Callable[[], EngineAPI] | None = None
     if _is_engine(engine_or_factory):
-        state.set_engine(engine_or_factory)
+        state.set_engine(engine_or_factory)  # type: ignore[arg-type]
     elif callable(engine_or_factory):
         factory = engine_or_factory
     else:
-        raise TypeError("create_app needs an Engine or a callable returning one")
-    del model
+        raise TypeError("create_app needs an engine or a callable returning one")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -95,9 +52,8 @@ def create_app(
         yield
         if loader is not None:
             await asyncio.gather(loader, return_exceptions=True)  # never mid-load on exit
-            stop = getattr(state.engine, "stop", None)
-            if stop is not None:
-                await asyncio.to_thread(stop)
+            if state.engine is not None:
+                await asyncio.to_thread(state.engine.stop)
 
     app = FastAPI(
         title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
@@ -105,11 +61,14 @@ def create_app(
     app.state.radixserve = state
     install_error_handlers(app)
     app.add_middleware(GateMiddleware, state=state)
-    app.include_router(build_router(state))
+    router = APIRouter(route_class=GuardedRoute)
+    for family in (routes_info, routes_slots, routes_completions, routes_tokenize):
+        family.add_routes(router, state)
+    app.include_router(router)
     return app
 
 
-async def _load(state: AppState, factory: Callable[[], Any]) -> None:
+async def _load(state: AppState, factory: Callable[[], EngineAPI]) -> None:
     t0 = time.perf_counter()
     try:
         engine = await asyncio.to_thread(factory)

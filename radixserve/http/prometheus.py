@@ -1,82 +1,25 @@
-"""Server counters (bumped by the engine thread) and their Prometheus text for `GET /metrics`.
+"""Prometheus text for `GET /metrics`, from the engine's plain counters (engine/counters.py).
 
 Names, help strings and types follow llama-server's `/metrics` (llamacpp: prefix) so existing
 dashboards and llama.cpp's own tests work unchanged; host-cache figures are added as
-`radixserve:<name>` gauges. Only the engine thread mutates a `ServerMetrics`; the HTTP handler
-takes a copy with `scrape()` through `Engine.call`, so no lock is needed.
+`radixserve:<name>` gauges, the same names whichever cache backend is on (cache.base.STAT_NAMES).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from radixserve.engine.counters import ServerMetrics
+
 log = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-@dataclass(slots=True)
-class ServerMetrics:
-    """llama-server's `server_metrics`: lifetime totals plus a "bucket" reset on every scrape."""
-
-    prompt_tokens_total: int = 0  # prompt tokens computed (cached ones excluded)
-    prompt_tokens_cached_total: int = 0  # prompt tokens reused from a slot or the host cache
-    prompt_seconds_total: float = 0.0
-    tokens_predicted_total: int = 0
-    tokens_predicted_seconds_total: float = 0.0
-    n_decode_total: int = 0  # forward passes
-    n_busy_slots_total: int = 0  # sum over forwards of the slots busy in that forward
-    n_tokens_max: int = 0  # largest sequence (prompt + generation) seen in any slot
-    requests_processing: int = 0  # gauge, set by the engine
-    requests_deferred: int = 0  # gauge, set by the engine
-    # bucket since the last scrape: behind prompt_tokens_seconds / predicted_tokens_seconds
-    bucket_prompt_tokens: int = 0
-    bucket_prompt_seconds: float = 0.0
-    bucket_predicted_tokens: int = 0
-    bucket_predicted_seconds: float = 0.0
-
-    def on_prompt_done(self, n_prompt: int, n_cached: int, seconds: float) -> None:
-        """A slot finished its prompt: `n_prompt` tokens computed, `n_cached` reused."""
-        self.prompt_tokens_total += n_prompt
-        self.prompt_tokens_cached_total += n_cached
-        self.prompt_seconds_total += seconds
-        self.bucket_prompt_tokens += n_prompt
-        self.bucket_prompt_seconds += seconds
-        self.observe_n_tokens(n_prompt + n_cached)
-
-    def on_prediction_done(self, n_tokens: int, seconds: float) -> None:
-        """A slot finished generating (llama-server counts predictions at slot release)."""
-        self.tokens_predicted_total += n_tokens
-        self.tokens_predicted_seconds_total += seconds
-        self.bucket_predicted_tokens += n_tokens
-        self.bucket_predicted_seconds += seconds
-
-    def on_decode(self, n_busy_slots: int, n_tokens_max: int = 0) -> None:
-        """One forward ran with `n_busy_slots` slots in it; `n_tokens_max`: its longest slot."""
-        self.n_decode_total += 1
-        self.n_busy_slots_total += n_busy_slots
-        self.observe_n_tokens(n_tokens_max)
-
-    def observe_n_tokens(self, n_tokens: int) -> None:
-        self.n_tokens_max = max(self.n_tokens_max, n_tokens)
-
-    def scrape(self) -> ServerMetrics:
-        """A copy to render, and reset the throughput bucket (llama-server resets per scrape).
-
-        Call it on the engine thread (`await engine.call(engine.metrics.scrape)`).
-        """
-        snap = dataclasses.replace(self)
-        self.bucket_prompt_tokens = self.bucket_predicted_tokens = 0
-        self.bucket_prompt_seconds = self.bucket_predicted_seconds = 0.0
-        return snap
 
 
 def _rate(n: float, seconds: float) -> float:

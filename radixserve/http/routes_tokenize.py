@@ -1,14 +1,20 @@
-"""POST /tokenize and /detokenize bodies (llama-server's tokenizer endpoints)."""
+"""POST /tokenize, /detokenize and /apply-template (llama-server's tokenizer endpoints)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from radixserve.model.tokenizer import Tokenizer
-from radixserve.http.parse import tokenize_mixed
-from radixserve.http.schemas import DetokenizeRequest, TokenizeRequest, validate_body
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
 from radixserve.engine.task import invalid_request
+from radixserve.http.errors import read_json
+from radixserve.http.parse import render_chat, tokenize_mixed
+from radixserve.http.schemas import ChatRequest, DetokenizeRequest, TokenizeRequest, validate_body
+from radixserve.http.state import AppState
+from radixserve.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -48,3 +54,22 @@ def detokenize(body: Any, tok: Tokenizer) -> dict[str, str]:
     tokens = req.tokens or []
     _check_ids(tokens, tok, "tokens")
     return {"content": tok.decode(tokens)}
+
+
+def add_routes(r: APIRouter, state: AppState) -> None:
+    @r.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        body = await read_json(request)
+        return JSONResponse(await run_in_threadpool(tokenize, body, state.model.tokenizer))
+
+    @r.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        body = await read_json(request)
+        return JSONResponse(await run_in_threadpool(detokenize, body, state.model.tokenizer))
+
+    @r.post("/apply-template")
+    async def apply_template(request: Request) -> Response:
+        req = validate_body(ChatRequest, await read_json(request))
+        m = state.model
+        prompt = await run_in_threadpool(render_chat, req, m.chat_template, m.tokenizer)
+        return JSONResponse({"prompt": prompt})

@@ -292,11 +292,6 @@ class KVPool:
             s.index = torch.tensor(s.order_cell, dtype=torch.long, device=self.device)
         return SeqView(s.index, s.order_pos)
 
-    def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K/V rows [n, n_head_kv, head_dim] of one layer into `cells`."""
-        self.k[layer].index_copy_(1, cells, k.transpose(0, 1).to(self.dtype))
-        self.v[layer].index_copy_(1, cells, v.transpose(0, 1).to(self.dtype))
-
     # -- invariants ------------------------------------------------------------------------
     def check(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests call this often)."""

@@ -9,7 +9,6 @@ rows the caller will sample (the output head is a third of a decode step on CPU)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,17 +18,21 @@ from radixserve.model.kernels import kernels
 from radixserve.model.rope import Rope
 from radixserve.model.weights import ModelWeights
 
-if TYPE_CHECKING:  # the pool lives above the model in the dependency chain
-    from radixserve.kv.pool import KVPool
-
 
 @dataclass(slots=True)
-class BatchSeq:
-    """New tokens of one sequence, at consecutive positions from `pos0`."""
+class SeqStep:
+    """One sequence's part of a forward, with its cells already reserved by the caller.
 
-    seq: int
-    tokens: list[int]
+    The model knows cells only as row indices of the K/V tensors it is given: which cells a
+    sequence owns, and whether there are any left, is the pool's business (kv/), decided
+    before the forward runs, so a forward never runs out of cells half-way.
+    """
+
+    tokens: list[int]  # new tokens, at consecutive positions from pos0
     pos0: int
+    cells: list[int]  # where the new tokens' K/V go, one per token
+    kv_cells: slice | torch.Tensor  # every cell attention reads, in position order (new ones too)
+    kv_positions: list[int]  # their positions
     n_logits: int = 1  # logits for the last n_logits tokens (0: none)
 
 
@@ -51,29 +54,20 @@ class Transformer:
         self.kv_dim = hp.n_head_kv * hp.head_dim
 
     @torch.inference_mode()
-    def forward(self, pool: "KVPool", batch: list[BatchSeq]) -> torch.Tensor:
-        """Run `batch`, storing its K/V in `pool`; returns exact f32 logits [sum n_logits, V]."""
-        return self.w.head.full(self.hidden(pool, batch))
-
-    @torch.inference_mode()
-    def hidden(self, pool: "KVPool", batch: list[BatchSeq]) -> torch.Tensor:
-        """Run `batch`, storing its K/V in `pool`; returns the output-normed f32 hidden states
-        [sum n_logits, n_embd] of the rows to sample (the head turns them into logits).
-
-        Cells are allocated for every sequence before any compute (all or nothing): an
-        OutOfCells error leaves the pool unchanged.
-        """
+    def hidden(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               batch: list[SeqStep]) -> torch.Tensor:
+        """Run `batch`, storing its K/V into `cells` of the caches [n_layer, n_head_kv, n_cells,
+        head_dim]; returns the output-normed f32 hidden states [sum n_logits, n_embd] of the
+        rows to sample (the head turns them into logits)."""
         hp = self.hp
-        cells = pool.alloc_batch(
-            [(b.seq, list(range(b.pos0, b.pos0 + len(b.tokens)))) for b in batch]
-        )
-        device = pool.device
+        cells = [c for b in batch for c in b.cells]
+        device = k_cache.device
         tokens = torch.tensor([t for b in batch for t in b.tokens], dtype=torch.long, device=device)
         pos = torch.tensor(
             [p for b in batch for p in range(b.pos0, b.pos0 + len(b.tokens))], device=device
         )
         cos, sin = self.rope.cos_sin(pos)
-        plans = [self._attn_plan(pool, b, device) for b in batch]
+        plans = [self._attn_plan(b, device) for b in batch]
         d, eps = hp.n_embd, hp.rms_eps
 
         # the residual stream stays in f32: bf16 there flips near-tie greedy choices
@@ -83,7 +77,7 @@ class Transformer:
         step = None
         if (self.kern is not None and self.w.layers[0].q_norm is None
                 and all(len(b.tokens) == 1 and mask is None for b, (_, mask) in zip(batch, plans))):
-            step = self.kern.decode_step(pool.k, pool.v, hp.n_head, [sel for sel, _ in plans],
+            step = self.kern.decode_step(k_cache, v_cache, hp.n_head, [sel for sel, _ in plans],
                                          cells, cos, sin, x, eps, hp.n_ff)
             cell_idx = None
         else:
@@ -96,7 +90,8 @@ class Transformer:
             if step is not None:
                 attn = step.attend(li, qkv)
             else:
-                outs = self._attention(pool, li, batch, plans, qkv, cos, sin, cell_idx)
+                outs = self._attention(k_cache[li], v_cache[li], li, batch, plans, qkv, cos, sin,
+                                       cell_idx)
                 attn = outs[0] if len(outs) == 1 else torch.cat(outs)
             h = glue.norm(x, lw.wo(attn), lw.ffn_norm)
             down = lw.w_down(glue.silu(lw.w_gate_up(h)))
@@ -131,7 +126,7 @@ class Transformer:
             return self.kern.silu_mul(gu)
         return F.silu(gu[:, : self.hp.n_ff]) * gu[:, self.hp.n_ff :]
 
-    def _attention(self, pool: "KVPool", li: int, batch: list[BatchSeq],
+    def _attention(self, kl: torch.Tensor, vl: torch.Tensor, li: int, batch: list[SeqStep],
                    plans: list[tuple[slice | torch.Tensor, torch.Tensor | None]],
                    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    cell_idx: torch.Tensor) -> list[torch.Tensor]:
@@ -145,8 +140,8 @@ class Transformer:
                             rms_norm(qk[:, hp.n_head :], lw.k_norm, hp.rms_eps)], dim=1)
         qk = self.rope.apply(qk, cos, sin)
         q, k = qk[:, : hp.n_head], qk[:, hp.n_head :]
-        pool.write(li, cell_idx, k, v)
-        kl, vl = pool.k[li], pool.v[li]
+        kl.index_copy_(1, cell_idx, k.transpose(0, 1).to(kl.dtype))
+        vl.index_copy_(1, cell_idx, v.transpose(0, 1).to(vl.dtype))
         outs = []
         start = 0
         for b, (sel, mask) in zip(batch, plans):
@@ -159,17 +154,16 @@ class Transformer:
         return outs
 
     def _attn_plan(
-        self, pool: "KVPool", b: BatchSeq, device: torch.device
+        self, b: SeqStep, device: torch.device
     ) -> tuple[slice | torch.Tensor, torch.Tensor | None]:
         """Cells to read for this sequence, and a causal mask unless every key is visible."""
-        view = pool.view(b.seq)
         n = len(b.tokens)
-        if n == 1 and view.positions[-1] == b.pos0:
-            return view.cells, None
-        kp = torch.tensor(view.positions, device=device)
+        if n == 1 and b.kv_positions[-1] == b.pos0:
+            return b.kv_cells, None
+        kp = torch.tensor(b.kv_positions, device=device)
         qp = torch.arange(b.pos0, b.pos0 + n, device=device)
         mask = kp[None, :] <= qp[:, None]
-        return view.cells, mask.repeat(self.hp.n_group, 1)
+        return b.kv_cells, mask.repeat(self.hp.n_group, 1)
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None

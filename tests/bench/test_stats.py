@@ -101,13 +101,14 @@ def test_host_cache_figures_radix_deltas() -> None:
 
 
 def test_host_cache_figures_legacy_and_none() -> None:
-    after = {"radixserve:cache_bytes": float(MIB), "radixserve:cache_tokens": 50.0,
-             "radixserve:cache_saves": 3.0, "radixserve:cache_evicted_fifo": 1.0,
-             "radixserve:cache_evicted_bytes": 1.0, "radixserve:cache_evicted_obsolete": 4.0}
+    # the legacy backend reports under the same names (every entry whole: logical == unique)
+    after = {"radixserve:bytes": float(MIB), "radixserve:unique_tokens": 50.0,
+             "radixserve:logical_tokens": 50.0, "radixserve:saves": 3.0,
+             "radixserve:evictions": 2.0}
     f = host_cache_figures({}, after)
     assert f["host_cache_mib"] == 1.0
     assert f["unique_tokens"] == f["logical_tokens"] == 50
-    assert f["host_saves"] == 3 and f["host_evictions"] == 2  # obsolete entries are not pressure
+    assert f["host_saves"] == 3 and f["host_evictions"] == 2
     empty = host_cache_figures({}, {})  # no-cache, or llama-server without --metrics
     assert all(v is None for v in empty.values())
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixserve.cache.base import STAT_NAMES
 from radixserve.cache.legacy import LegacyPromptCache
 from radixserve.kv.state import fingerprint_of
-from radixserve.model.forward import BatchSeq, Transformer
+from radixserve.kv.batch import BatchSeq, forward
+from radixserve.model.forward import Transformer
 from tests.conftest import make_pool
 
 T = list(range(4000, 4100))
@@ -23,7 +25,7 @@ def env(tiny_tr: Transformer):
 
 def fill(tr: Transformer, pool, seq: int, tokens: list[int]) -> None:
     pool.seq_rm(seq)
-    tr.forward(pool, [BatchSeq(seq, tokens, 0)])
+    forward(tr, pool, [BatchSeq(seq, tokens, 0)])
 
 
 def per_token(pool, fp) -> int:
@@ -78,6 +80,15 @@ def test_fifo_makes_room(env):
     assert [e.tokens[0] for e in c.states] == [U[0], W[0]]  # the oldest went first
     assert c.counters["evicted_fifo"] == 1
     assert c.size() <= c.limit_size
+    # the figures every backend reports, under the same names: evictions are pressure only
+    fill(tr, pool, 0, W[:30])
+    assert c.save(pool, 0, W[:30])  # W[:20] is obsolete now, and U[:20] has to go
+    s = c.stats()
+    assert list(s) == list(STAT_NAMES) and all(isinstance(v, float) for v in s.values())
+    assert s["nodes"] == s["terminal_nodes"] == 1 and s["bytes"] == c.size()
+    assert s["unique_tokens"] == s["logical_tokens"] == 30 and s["saves"] == 4
+    assert c.counters["evicted_obsolete"] == 1
+    assert s["evictions"] == 2 and s["evicted_tokens"] == 40
 
 
 def test_memory_error_shrinks_limit_to_40_percent(env, monkeypatch):
@@ -115,7 +126,7 @@ def test_load_restores_the_entry_and_removes_it(env):
     fill(tr, pool, 0, T[:30])
     cells = pool.seq_cells(0)
     k, v = pool.k[:, :, cells].clone(), pool.v[:, :, cells].clone()
-    expect = tr.forward(pool, [BatchSeq(0, [U[0]], 30)])
+    expect = forward(tr, pool, [BatchSeq(0, [U[0]], 30)])
     pool.seq_rm(0, 30)
     c.save(pool, 0, T[:30])
     pool.seq_rm(0)
@@ -125,7 +136,7 @@ def test_load_restores_the_entry_and_removes_it(env):
     assert len(c.states) == 0 and c.counters["loads"] == 1 and c.counters["hit_tokens"] == 30
     cells1 = pool.seq_cells(1)
     assert torch.equal(pool.k[:, :, cells1], k) and torch.equal(pool.v[:, :, cells1], v)
-    assert torch.equal(tr.forward(pool, [BatchSeq(1, [U[0]], 30)]), expect)
+    assert torch.equal(forward(tr, pool, [BatchSeq(1, [U[0]], 30)]), expect)
     pool.check()
     c.check()
 

@@ -16,11 +16,12 @@ from hypothesis import strategies as st
 from radixserve.cache import radix_tree
 from radixserve.cache.base import PromptCache
 from radixserve.cache.base import common_prefix as common_prefix_len
-from radixserve.cache.radix import FAULT_ENV, RadixPromptCache
+from radixserve.cache.radix import RadixPromptCache
 from radixserve.cache.radix_tree import RadixNode, RadixTree
 from radixserve.kv.pool import KVPool
 from radixserve.kv.state import write_rows
-from radixserve.model.forward import BatchSeq, Transformer
+from radixserve.kv.batch import BatchSeq, forward
+from radixserve.model.forward import Transformer
 from tests.conftest import make_pool
 
 MOD = 16_777_213  # row values stay exact in f32
@@ -392,12 +393,14 @@ def test_stats_and_log_line(caplog: pytest.LogCaptureFixture) -> None:
         "nodes": 3.0,
         "terminal_nodes": 2.0,
         "bytes": 5.0 * BPT,
-        "limit_bytes": -1.0,
+        "limit_bytes": 0.0,
+        "limit_tokens": 0.0,
         "unique_tokens": 5.0,
         "logical_tokens": 7.0,
         "saves": 2.0,
         "loads": 1.0,
         "hit_tokens": 3.0,
+        "skipped": 0.0,
         "evictions": 0.0,
         "evicted_tokens": 0.0,
         "fallbacks": 0.0,
@@ -407,12 +410,17 @@ def test_stats_and_log_line(caplog: pytest.LogCaptureFixture) -> None:
     assert len(caplog.records) == 1 and "unique tokens 5, logical tokens 7" in caplog.text
 
 
-def test_fault_hook_reads_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(FAULT_ENV, "3")
-    assert RadixPromptCache(-1).fault_after_tokens == 3
-    assert RadixPromptCache(-1, fault_after_tokens=5).fault_after_tokens == 5
-    monkeypatch.delenv(FAULT_ENV)
-    assert RadixPromptCache(-1).fault_after_tokens is None
+def test_fault_hook_faults_only_the_first_restores() -> None:
+    """The fault hook comes in through the constructor (no environment read at restore)."""
+    pool = fake_pool()
+    cache = RadixPromptCache(-1, fault_after_tokens=2, fault_restores=1)
+    fill(pool, 0, [1, 2, 3, 4])
+    cache.save(pool, 0, [1, 2, 3, 4])
+    assert cache.load(pool, 1, [], [1, 2, 3, 4, 5]) == [] and pool.seq_len(1) == 0
+    assert cache.load(pool, 1, [], [1, 2, 3, 4, 5]) == [1, 2, 3, 4]
+    assert cache.stats()["fallbacks"] == 1 and cache.stats()["loads"] == 1
+    cache.check()
+    pool.check()
 
 
 # ----- against a naive model -------------------------------------------------------------
@@ -480,18 +488,18 @@ def build(
     of P crosses `n_segments` nodes, all holding slot 0's original rows."""
     pool = make_pool(tr, n_cells=256, n_seq=3)
     cache = RadixPromptCache(-1, fault_after_tokens=fault)
-    tr.forward(pool, [BatchSeq(0, P, 0, n_logits=0)])
+    forward(tr, pool, [BatchSeq(0, P, 0, n_logits=0)])
     assert cache.save(pool, 0, P)
     for s in SPLITS[n_segments]:
         branch = P[:s] + [(P[s] + 1 + j) % 60 for j in range(4)]
         pool.seq_rm(2)
-        tr.forward(pool, [BatchSeq(2, branch, 0, n_logits=0)])
+        forward(tr, pool, [BatchSeq(2, branch, 0, n_logits=0)])
         assert cache.save(pool, 2, branch)
         cache.check()
     pool.seq_rm(2)
     assert len(cache.tree.match(P).path) == n_segments
     # slot 1 holds something else first, so the restore must replace it
-    tr.forward(pool, [BatchSeq(1, P[:3] + [1, 2], 0, n_logits=0)])
+    forward(tr, pool, [BatchSeq(1, P[:3] + [1, 2], 0, n_logits=0)])
     return pool, cache
 
 
@@ -513,8 +521,8 @@ def test_direct_restore_round_trip(tiny_tr: Transformer, n_segments: int) -> Non
             assert as_bytes(pool.k[layer, :, b[i]]) == as_bytes(pool.k[layer, :, a[i]])
             assert as_bytes(pool.v[layer, :, b[i]]) == as_bytes(pool.v[layer, :, a[i]])
     # Same K/V bytes, same single-token forward: the logits must be identical, not just close.
-    la = tiny_tr.forward(pool, [BatchSeq(0, [nxt], len(P))])
-    lb = tiny_tr.forward(pool, [BatchSeq(1, [nxt], len(P))])
+    la = forward(tiny_tr, pool, [BatchSeq(0, [nxt], len(P))])
+    lb = forward(tiny_tr, pool, [BatchSeq(1, [nxt], len(P))])
     assert torch.equal(la, lb)
     assert cache.loads == 1 and cache.hit_tokens == len(P) and cache.fallbacks == 0
 

@@ -23,7 +23,8 @@ from radixserve.cache.slot_file import (
     write_slot_file,
 )
 from radixserve.kv.state import fingerprint_of, get_state, parse_state
-from radixserve.model.forward import BatchSeq, Transformer
+from radixserve.kv.batch import BatchSeq, forward
+from radixserve.model.forward import Transformer
 from tests.conftest import make_pool
 
 TOKENS = [11, 22, 33, 44, 55]
@@ -33,7 +34,7 @@ TOKENS = [11, 22, 33, 44, 55]
 def real_states(tiny_tr: Transformer) -> tuple[bytes, bytes]:
     """Sequence states of the tiny model: 5 tokens, and its first 2 (a checkpoint's target)."""
     pool = make_pool(tiny_tr, n_cells=32, n_seq=2)
-    tiny_tr.forward(pool, [BatchSeq(0, TOKENS, 0), BatchSeq(1, TOKENS[:2], 0)])
+    forward(tiny_tr, pool, [BatchSeq(0, TOKENS, 0), BatchSeq(1, TOKENS[:2], 0)])
     fp = fingerprint_of(pool, tiny_tr.hp.arch)
     return get_state(pool, 0, fp), get_state(pool, 1, fp)
 

@@ -7,7 +7,7 @@ import pytest
 from radixserve.config import ServerConfig
 from radixserve.model.loader import load_model
 from radixserve.model.sampling import SamplingParams
-from radixserve.http.prometheus import ServerMetrics
+from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.task import CompletionTask, FinalResult, TaskError
 
@@ -24,10 +24,10 @@ def run(sched: Scheduler, tasks: list[CompletionTask]) -> list[list]:
     steps = 0
     while sched.has_active() or sched.deferred:
         sched.step()
+        sched.check()
         steps += 1
         assert steps < 10_000
-    sched.pool.check()
-    sched.cache.check()
+    sched.check()
     return outs
 
 

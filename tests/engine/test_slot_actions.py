@@ -21,7 +21,7 @@ from radixserve.config import ServerConfig
 from radixserve.kv.state import fingerprint_of, get_state
 from radixserve.model.loader import Model, load_model
 from radixserve.model.sampling import SamplingParams
-from radixserve.http.prometheus import ServerMetrics
+from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.slot_actions import NOT_SUPPORTED, slot_action
 from radixserve.engine.task import CompletionTask, FinalResult, TaskError

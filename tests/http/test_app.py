@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from radixserve.cache.base import stats_dict
 from radixserve.config import ServerConfig
 from radixserve.model.loader import Model, load_model
 from radixserve.http.app import create_app
-from radixserve.http.prometheus import ServerMetrics
+from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.task import (
     CompletionTask,
     FinalResult,
@@ -55,8 +56,8 @@ class ScriptedStream:
 
 
 class ScriptedEngine:
-    """The Engine interface the app codes against; `call` runs on another thread, as the
-    real engine thread does."""
+    """A double of the engine API the app codes against (radixserve.engine.api.EngineAPI);
+    its queries run on another thread, as the real engine's do."""
 
     def __init__(self, model: Model, cfg: ServerConfig, script: list[Any] | None = None) -> None:
         self.model, self.cfg = model, cfg
@@ -72,20 +73,32 @@ class ScriptedEngine:
         self.streams.append(ScriptedStream(self.script))
         return self.streams[-1]
 
-    async def call(self, fn: Callable[[], Any]) -> Any:
+    async def _call(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.to_thread(fn)
 
-    def slots_json(self) -> list[dict]:
-        return [
+    async def slots_json(self) -> list[dict]:
+        return await self._call(lambda: [
             {"id": i, "n_ctx": self.n_ctx_slot, "speculative": False, "is_processing": False}
             for i in range(self.n_slots)
-        ]
+        ])
 
-    def is_idle_slot_available(self) -> bool:
-        return self.idle
+    async def has_idle_slot(self) -> bool:
+        return await self._call(lambda: self.idle)
 
-    def cache_stats(self) -> dict[str, float]:
-        return {"nodes": 2.0}
+    async def cache_stats(self) -> dict[str, float]:
+        return stats_dict(nodes=2)
+
+    async def scrape(self) -> tuple[ServerMetrics, dict[str, float]]:
+        return await self._call(lambda: (self.metrics.scrape(), stats_dict(nodes=2)))
+
+    async def slot_action(self, id_slot: int, action: str, filename: str | None) -> dict:
+        return await self._call(lambda: self.on_slot_action(id_slot, action, filename))
+
+    def on_slot_action(self, id_slot: int, action: str, filename: str | None) -> dict:
+        raise AssertionError("no slot action expected")
+
+    def stop(self) -> None:
+        pass
 
 
 def final(content: str = "Hello", stop_type: str = "eos") -> FinalResult:
@@ -102,7 +115,7 @@ def model(tiny_path: str) -> Model:
 
 def client(model: Model, script: list[Any] | None = None, **cfg: Any) -> tuple[TestClient, Any]:
     engine = ScriptedEngine(model, ServerConfig(**cfg), script)
-    return TestClient(create_app(engine, model, engine.cfg)), engine
+    return TestClient(create_app(engine, engine.cfg)), engine
 
 
 def assert_error(r: Any, status: int, type_: str, message: str | None = None) -> None:
@@ -257,7 +270,7 @@ def test_slot_action_route(model: Model, tmp_path: Any) -> None:
             raise TaskError(409, "conflict_error", "slot busy")
         return {"id_slot": id_slot, "filename": filename, "n_saved": 3}
 
-    engine.slot_action = slot_action
+    engine.on_slot_action = slot_action  # type: ignore[method-assign]
     assert c.post("/slots/1?action=save", json={"filename": "a.bin"}).json()["n_saved"] == 3
     assert c.post("/slots/0?action=erase").status_code == 200
     assert calls == [(1, "save", "a.bin"), (0, "erase", None)]
@@ -382,7 +395,7 @@ async def _asgi_post(app: Any, path: str, body: dict, disconnect_after_chunks: i
 @pytest.mark.parametrize("path", ["/completion", "/v1/chat/completions"])
 def test_disconnect_mid_stream_cancels_the_task(model: Model, path: str) -> None:
     engine = ScriptedEngine(model, ServerConfig(), [PartialResult("Hel", [10]), HANG])
-    app = create_app(engine, model, engine.cfg)
+    app = create_app(engine, engine.cfg)
     body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     asyncio.run(_asgi_post(app, path, body, disconnect_after_chunks=1))
     assert engine.streams[0].cancelled.is_set()
@@ -390,14 +403,14 @@ def test_disconnect_mid_stream_cancels_the_task(model: Model, path: str) -> None
 
 def test_disconnect_while_waiting_for_first_token_cancels(model: Model) -> None:
     engine = ScriptedEngine(model, ServerConfig(), [HANG])
-    app = create_app(engine, model, engine.cfg)
+    app = create_app(engine, engine.cfg)
     asyncio.run(_asgi_post(app, "/completion", {"prompt": "hi", "stream": True}, 0))
     assert engine.streams[0].cancelled.is_set()
 
 
 def test_disconnect_on_non_stream_request_cancels(model: Model) -> None:
     engine = ScriptedEngine(model, ServerConfig(), [PartialResult("Hel", [10]), HANG])
-    app = create_app(engine, model, engine.cfg)
+    app = create_app(engine, engine.cfg)
     asyncio.run(
         _asgi_post(
             app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 0
@@ -408,7 +421,7 @@ def test_disconnect_on_non_stream_request_cancels(model: Model) -> None:
 
 def test_finished_stream_is_not_cancelled(model: Model) -> None:
     engine = ScriptedEngine(model, ServerConfig(), GOOD)
-    app = create_app(engine, model, engine.cfg)
+    app = create_app(engine, engine.cfg)
     sent = asyncio.run(_asgi_post(app, "/completion", {"prompt": "hi", "stream": True}, 100))
     assert sent[0]["status"] == 200
     assert not engine.streams[0].cancelled.is_set()

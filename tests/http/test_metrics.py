@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixserve.http.prometheus import ServerMetrics, metric_name, render_metrics
+from radixserve.engine.counters import ServerMetrics
+from radixserve.http.prometheus import metric_name, render_metrics
 
 # captured from a real llama-server (copied from shared/reference/llama-server-shapes)
 SHAPES = Path(__file__).resolve().parent / "fixtures/llama-server-shapes"

@@ -8,9 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
+from radixserve.cache.radix import RadixPromptCache
+from radixserve.config import ServerConfig
+from radixserve.engine.engine import Engine
+from radixserve.http.app import create_app
+from radixserve.model.loader import load_model
 from tests.http.harness import running_server
-from tests.http.test_host_cache import metrics, run_convos, convo_schedule
+from tests.http.test_host_cache import convo_schedule, metrics, parse_metrics, run_convos
 
 TINY = ["--dtype", "f32", "--weights", "native", "-c", "2048", "--metrics"]
 
@@ -80,16 +86,34 @@ def test_shared_prefixes_are_computed_once(tiny_path, tmp_path):
 
 
 def test_restore_fault_falls_back_and_the_tree_stays_usable(tiny_path, tmp_path):
+    """A restore that fails mid-way (fault injected through the engine's constructor) falls
+    back to a prefill: right tokens, the server up, the tree usable by the next request."""
     prompts = docs_questions(13, n_docs=1, n_q=3)
-    env = {"RADIXSERVE_RADIX_FAULT_AFTER": "40:1"}  # the first restore fails after 40 tokens
-    with running_server(["-m", tiny_path, *TINY, "-np", "2", "-kvu"], str(tmp_path / "f.log"),
-                        env) as srv:
-        first = complete(srv.url, prompts[0])
-        faulted = complete(srv.url, prompts[1], id_slot=0)  # restoring the doc fails mid-way
-        m1 = metrics(srv.url)
-        hit = complete(srv.url, prompts[2], id_slot=1)  # slot 1 was cleared: from the tree
-        m2 = metrics(srv.url)
-        health = httpx.get(srv.url + "/health")
+    cfg = ServerConfig(model=tiny_path, dtype="f32", weights="native", ctx_size=2048,
+                       n_parallel=2, kv_unified=True, metrics=True)
+    faulty = RadixPromptCache(cfg.cache_ram_mib * 2**20, fault_after_tokens=40, fault_restores=1)
+    engine = Engine(load_model(tiny_path, "f32", weights="native"), cfg, cache=faulty)
+    engine.start()
+    try:
+        with TestClient(create_app(engine, cfg)) as c:
+            def post(prompt: list[int], **kw) -> dict:
+                r = c.post("/completion", json={"prompt": prompt, "n_predict": 6,
+                                                "temperature": 0, "ignore_eos": True,
+                                                "return_tokens": True, **kw})
+                assert r.status_code == 200, r.text
+                return r.json()
+
+            def scrape() -> dict[str, float]:
+                return parse_metrics(c.get("/metrics").text)
+
+            first = post(prompts[0])
+            faulted = post(prompts[1], id_slot=0)  # restoring the doc fails mid-way
+            m1 = scrape()
+            hit = post(prompts[2], id_slot=1)  # slot 1 was cleared: from the tree
+            m2 = scrape()
+            health = c.get("/health")
+    finally:
+        engine.stop()
     with running_server(["-m", tiny_path, *TINY, "-np", "2", "--cache-ram", "0"],
                         str(tmp_path / "r.log")) as ref:
         expect = [complete(ref.url, p, cache_prompt=False)["tokens"] for p in prompts]

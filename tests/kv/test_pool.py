@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from radixserve.kv.pool import KVPool, OutOfCells
-from radixserve.model.forward import BatchSeq, Transformer
+from radixserve.kv.batch import BatchSeq, forward
+from radixserve.model.forward import Transformer
 from tests.conftest import make_pool
 
 A = list(range(1000, 1040))
@@ -16,17 +17,17 @@ B = list(range(2000, 2040))
 
 def fresh_logits(tr: Transformer, ids: list[int], pos0: int = 0) -> torch.Tensor:
     pool = make_pool(tr, n_cells=128, n_seq=1)
-    return tr.forward(pool, [BatchSeq(0, ids, pos0, n_logits=len(ids))])
+    return forward(tr, pool, [BatchSeq(0, ids, pos0, n_logits=len(ids))])
 
 
 @pytest.mark.parametrize("unified", [True, False])
 def test_seq_rm_then_recompute_equals_never_computed(tiny_tr: Transformer, unified: bool):
     pool = make_pool(tiny_tr, n_cells=256, n_seq=2, unified=unified)
-    tiny_tr.forward(pool, [BatchSeq(1, A, 0)])
+    forward(tiny_tr, pool, [BatchSeq(1, A, 0)])
     pool.seq_rm(1, 20)
     pool.check()
     assert pool.seq_len(1) == 20 and pool.seq_pos_max(1) == 19
-    got = tiny_tr.forward(pool, [BatchSeq(1, B[20:], 20, n_logits=20)])
+    got = forward(tiny_tr, pool, [BatchSeq(1, B[20:], 20, n_logits=20)])
     expect = fresh_logits(tiny_tr, A[:20] + B[20:])[20:]
     assert (got - expect).abs().max().item() < 1e-4
 
@@ -34,18 +35,18 @@ def test_seq_rm_then_recompute_equals_never_computed(tiny_tr: Transformer, unifi
 @pytest.mark.parametrize("delta", [7, -3])
 def test_seq_add_equals_computing_at_new_positions(tiny_tr: Transformer, delta: int):
     pool = make_pool(tiny_tr, n_cells=128, n_seq=1)
-    tiny_tr.forward(pool, [BatchSeq(0, A, 10)])
+    forward(tiny_tr, pool, [BatchSeq(0, A, 10)])
     pool.seq_add(0, 0, -1, delta)
     pool.check()
     assert pool.seq_positions(0) == list(range(10 + delta, 10 + delta + len(A)))
-    got = tiny_tr.forward(pool, [BatchSeq(0, [77], 10 + delta + len(A))])
+    got = forward(tiny_tr, pool, [BatchSeq(0, [77], 10 + delta + len(A))])
     expect = fresh_logits(tiny_tr, A + [77], 10 + delta)[-1:]
     assert (got - expect).abs().max().item() < 1e-4  # re-rotated K differs in the last bits
 
 
 def test_seq_add_drops_negative_positions_and_rejects_clashes(tiny_tr: Transformer):
     pool = make_pool(tiny_tr, n_cells=128, n_seq=1)
-    tiny_tr.forward(pool, [BatchSeq(0, A[:10], 0)])
+    forward(tiny_tr, pool, [BatchSeq(0, A[:10], 0)])
     pool.seq_add(0, 0, -1, -3)
     assert pool.seq_positions(0) == list(range(0, 7))
     with pytest.raises(ValueError):
@@ -56,14 +57,14 @@ def test_seq_add_drops_negative_positions_and_rejects_clashes(tiny_tr: Transform
 @pytest.mark.parametrize("unified", [True, False])
 def test_seq_cp_gives_independent_copy(tiny_tr: Transformer, unified: bool):
     pool = make_pool(tiny_tr, n_cells=256, n_seq=2, unified=unified)
-    tiny_tr.forward(pool, [BatchSeq(0, A[:30], 0)])
+    forward(tiny_tr, pool, [BatchSeq(0, A[:30], 0)])
     pool.seq_cp(0, 1)
     pool.check()
     # unified shares cells (no K/V copy); partitioned copies into seq 1's range
     assert pool.n_cells - pool.n_free == (30 if unified else 60)
     pool.seq_rm(0, 15)  # seq 0 diverges; seq 1 must not notice
-    got0 = tiny_tr.forward(pool, [BatchSeq(0, B[15:30], 15, n_logits=15)])
-    got1 = tiny_tr.forward(pool, [BatchSeq(1, A[30:], 30, n_logits=10)])
+    got0 = forward(tiny_tr, pool, [BatchSeq(0, B[15:30], 15, n_logits=15)])
+    got1 = forward(tiny_tr, pool, [BatchSeq(1, A[30:], 30, n_logits=10)])
     pool.check()
     assert (got0 - fresh_logits(tiny_tr, A[:15] + B[15:30])[15:]).abs().max() < 1e-4
     assert (got1 - fresh_logits(tiny_tr, A)[30:]).abs().max() < 1e-4
@@ -75,7 +76,7 @@ def test_seq_cp_gives_independent_copy(tiny_tr: Transformer, unified: bool):
 
 def test_seq_add_on_shared_cells_copies_first(tiny_tr: Transformer):
     pool = make_pool(tiny_tr, n_cells=128, n_seq=2)
-    tiny_tr.forward(pool, [BatchSeq(0, A[:10], 0)])
+    forward(tiny_tr, pool, [BatchSeq(0, A[:10], 0)])
     pool.seq_cp(0, 1)
     k_before = pool.k[:, :, pool.view(0).cells].clone()
     pool.seq_add(1, 0, -1, 4)
@@ -86,7 +87,7 @@ def test_seq_add_on_shared_cells_copies_first(tiny_tr: Transformer):
 
 def test_seq_keep(tiny_tr: Transformer):
     pool = make_pool(tiny_tr, n_cells=128, n_seq=3)
-    tiny_tr.forward(pool, [BatchSeq(0, A[:5], 0), BatchSeq(1, B[:6], 0), BatchSeq(2, A[:7], 0)])
+    forward(tiny_tr, pool, [BatchSeq(0, A[:5], 0), BatchSeq(1, B[:6], 0), BatchSeq(2, A[:7], 0)])
     pool.seq_cp(1, 0, 0, 3)  # 0 now shares 3 of 1's cells
     pool.seq_keep(1)
     pool.check()
@@ -97,11 +98,11 @@ def test_seq_keep(tiny_tr: Transformer):
 @pytest.mark.parametrize("unified", [True, False])
 def test_out_of_cells_leaves_pool_unchanged(tiny_tr: Transformer, unified: bool):
     pool = make_pool(tiny_tr, n_cells=64, n_seq=2, unified=unified)
-    tiny_tr.forward(pool, [BatchSeq(0, A[:20], 0)])
+    forward(tiny_tr, pool, [BatchSeq(0, A[:20], 0)])
     before = (pool.n_free, pool.seq_positions(0), pool.seq_positions(1))
     too_many = 64 - 20 + 1 if unified else 32 - 20 + 1
     with pytest.raises(OutOfCells):
-        tiny_tr.forward(pool, [BatchSeq(1, B[:5], 0), BatchSeq(0, B[:too_many], 20)])
+        forward(tiny_tr, pool, [BatchSeq(1, B[:5], 0), BatchSeq(0, B[:too_many], 20)])
     pool.check()
     assert (pool.n_free, pool.seq_positions(0), pool.seq_positions(1)) == before
 
@@ -109,7 +110,7 @@ def test_out_of_cells_leaves_pool_unchanged(tiny_tr: Transformer, unified: bool)
 def test_partitioned_sequences_stay_in_their_range(tiny_tr: Transformer):
     pool = make_pool(tiny_tr, n_cells=64, n_seq=4, unified=False)
     assert pool.seq_capacity(2) == 16
-    tiny_tr.forward(pool, [BatchSeq(2, A[:16], 0)])
+    forward(tiny_tr, pool, [BatchSeq(2, A[:16], 0)])
     assert all(32 <= c < 48 for c in pool.seq_cells(2))
     with pytest.raises(OutOfCells):
         pool.alloc(2, [16])

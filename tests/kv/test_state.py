@@ -7,7 +7,8 @@ import torch
 
 from radixserve.kv.pool import OutOfCells
 from radixserve.kv.state import StateError, fingerprint_of, get_state, set_state, state_size
-from radixserve.model.forward import BatchSeq, Transformer
+from radixserve.kv.batch import BatchSeq, forward
+from radixserve.model.forward import Transformer
 from tests.conftest import make_pool
 
 IDS = list(range(3000, 3025))
@@ -21,17 +22,17 @@ def snapshot(pool, seq):
 def test_round_trip_restores_identical_kv_and_logits(tiny_tr: Transformer):
     pool = make_pool(tiny_tr, n_cells=128, n_seq=2)
     fp = fingerprint_of(pool, "llama")
-    tiny_tr.forward(pool, [BatchSeq(0, IDS, 0)])
+    forward(tiny_tr, pool, [BatchSeq(0, IDS, 0)])
     pos, k, v = snapshot(pool, 0)
     data = get_state(pool, 0, fp)
     assert len(data) == state_size(pool, 0, fp)
-    expect = tiny_tr.forward(pool, [BatchSeq(0, [7], len(IDS))])
+    expect = forward(tiny_tr, pool, [BatchSeq(0, [7], len(IDS))])
     pool.clear()
     assert set_state(pool, 1, data, fp) == len(IDS)
     pool.check()
     pos1, k1, v1 = snapshot(pool, 1)
     assert pos1 == pos and torch.equal(k1, k) and torch.equal(v1, v)
-    got = tiny_tr.forward(pool, [BatchSeq(1, [7], len(IDS))])
+    got = forward(tiny_tr, pool, [BatchSeq(1, [7], len(IDS))])
     assert torch.equal(got, expect)
 
 
@@ -39,7 +40,7 @@ def test_round_trip_restores_identical_kv_and_logits(tiny_tr: Transformer):
 def test_foreign_or_broken_state_changes_nothing(tiny_tr: Transformer, change: str):
     pool = make_pool(tiny_tr, n_cells=128, n_seq=2)
     fp = fingerprint_of(pool, "llama")
-    tiny_tr.forward(pool, [BatchSeq(0, IDS, 0), BatchSeq(1, IDS[:5], 0)])
+    forward(tiny_tr, pool, [BatchSeq(0, IDS, 0), BatchSeq(1, IDS[:5], 0)])
     data = get_state(pool, 0, fp)
     target_fp = fp
     if change == "arch":
@@ -67,7 +68,7 @@ def test_foreign_or_broken_state_changes_nothing(tiny_tr: Transformer, change: s
 def test_state_too_big_for_free_cells_changes_nothing(tiny_tr: Transformer):
     pool = make_pool(tiny_tr, n_cells=40, n_seq=2)
     fp = fingerprint_of(pool, "llama")
-    tiny_tr.forward(pool, [BatchSeq(0, IDS, 0), BatchSeq(1, IDS[:10], 0)])
+    forward(tiny_tr, pool, [BatchSeq(0, IDS, 0), BatchSeq(1, IDS[:10], 0)])
     data = get_state(pool, 0, fp)  # 25 tokens; seq 1 can reach 10 own + 5 free
     with pytest.raises(OutOfCells):
         set_state(pool, 1, data, fp)

@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from radixserve.model.forward import BatchSeq, Transformer
+from radixserve.kv.batch import BatchSeq, forward, hidden
+from radixserve.model.forward import Transformer
 from radixserve.model.head import RowNeed
 from radixserve.model.loader import load_model
 from radixserve.model import kernels as K
@@ -53,18 +54,18 @@ def load_native(path: str, kernels: bool, monkeypatch) -> Transformer:
 
 def our_logits(tr: Transformer, ids: list[int]) -> torch.Tensor:
     pool = make_pool(tr, n_cells=512, n_seq=1)
-    return tr.forward(pool, [BatchSeq(0, ids, 0, n_logits=len(ids))])
+    return forward(tr, pool, [BatchSeq(0, ids, 0, n_logits=len(ids))])
 
 
 def greedy(tr: Transformer, ids: list[int], n: int) -> list[int]:
     """Greedy tokens through the head as the server samples them (a certified shortlist on
     the native path, the full f32 head on the dequant path)."""
     pool = make_pool(tr, n_cells=512, n_seq=1)
-    h = tr.hidden(pool, [BatchSeq(0, ids, 0)])
+    h = hidden(tr, pool, [BatchSeq(0, ids, 0)])
     out: list[int] = []
     for _ in range(n):
         out.append(int(tr.w.head.logits(h, [RowNeed(1)])[0].argmax()))
-        h = tr.hidden(pool, [BatchSeq(0, [out[-1]], len(ids) + len(out) - 1)])
+        h = hidden(tr, pool, [BatchSeq(0, [out[-1]], len(ids) + len(out) - 1)])
     return out
 
 
@@ -96,7 +97,7 @@ NEAR_TIE = 0.05  # reference logits this close are a coin flip for bf16 activati
 
 
 def f32_step_logits(ref: Transformer, seq: list[int]) -> torch.Tensor:
-    return ref.forward(make_pool(ref, n_cells=512, n_seq=1), [BatchSeq(0, seq, 0)])[0]
+    return forward(ref, make_pool(ref, n_cells=512, n_seq=1), [BatchSeq(0, seq, 0)])[0]
 
 
 @pytest.mark.model
@@ -139,8 +140,8 @@ def test_kernel_path_as_close_to_reference_as_torch_ops(default_path: str,
 
     def logits(t: Transformer, seq: list[int], n0: int) -> torch.Tensor:
         pool = make_pool(t, n_cells=512, n_seq=1)
-        rows = [t.forward(pool, [BatchSeq(0, seq[:n0], 0)])[0]]
-        rows += [t.forward(pool, [BatchSeq(0, [seq[i]], i)])[0] for i in range(n0, len(seq))]
+        rows = [forward(t, pool, [BatchSeq(0, seq[:n0], 0)])[0]]
+        rows += [forward(t, pool, [BatchSeq(0, [seq[i]], i)])[0] for i in range(n0, len(seq))]
         return torch.stack(rows)
 
     for ids in PROMPTS:
@@ -173,7 +174,7 @@ def run_chunked(tr: Transformer, ids: list[int], chunk: int) -> torch.Tensor:
     rows = []
     for s in range(0, len(ids), chunk):
         part = ids[s : s + chunk]
-        rows.append(tr.forward(pool, [BatchSeq(0, part, s, n_logits=len(part))]))
+        rows.append(forward(tr, pool, [BatchSeq(0, part, s, n_logits=len(part))]))
     pool.check()
     return torch.cat(rows)
 
@@ -194,9 +195,9 @@ def test_several_sequences_in_one_batch(tiny_tr: Transformer):
         # first half of each as a prefill batch, then the rest mixed with single-token steps
         half = [len(s) // 2 for s in seqs]
         batch = [BatchSeq(i, s[: h], 0, n_logits=h) for i, (s, h) in enumerate(zip(seqs, half)) if h]
-        first = tiny_tr.forward(pool, batch)
+        first = forward(tiny_tr, pool, batch)
         batch = [BatchSeq(i, s[h:], h, n_logits=len(s) - h) for i, (s, h) in enumerate(zip(seqs, half))]
-        second = tiny_tr.forward(pool, batch)
+        second = forward(tiny_tr, pool, batch)
         pool.check()
         rows_a = torch.split(first, [h for h in half if h])
         rows_b = torch.split(second, [len(s) - h for s, h in zip(seqs, half)])
@@ -232,14 +233,14 @@ def test_bf16_kernels_follow_torch_ops_through_sharing_and_mixed_batches(tiny_pa
         try:
             pool = make_pool(tr, n_cells=256, n_seq=4, unified=unified)
             a, b = list(range(300, 340)), list(range(700, 713))
-            out = [tr.forward(pool, [BatchSeq(0, a, 0), BatchSeq(1, b, 0)])]
+            out = [forward(tr, pool, [BatchSeq(0, a, 0), BatchSeq(1, b, 0)])]
             pool.seq_cp(0, 2, 0, 30)  # sequence 2 starts from a's first 30 tokens
-            out.append(tr.forward(pool, [BatchSeq(2, list(range(900, 905)), 30)]))
+            out.append(forward(tr, pool, [BatchSeq(2, list(range(900, 905)), 30)]))
             for i in range(6):  # decode steps of three sequences at once
-                out.append(tr.forward(pool, [BatchSeq(0, [5 + i], 40 + i), BatchSeq(1, [9], 13 + i),
+                out.append(forward(tr, pool, [BatchSeq(0, [5 + i], 40 + i), BatchSeq(1, [9], 13 + i),
                                              BatchSeq(2, [11 + i], 35 + i)]))
             # a decode token next to a prefill chunk: the general path
-            out.append(tr.forward(pool, [BatchSeq(0, [77], 46), BatchSeq(3, list(range(50, 90)), 0)]))
+            out.append(forward(tr, pool, [BatchSeq(0, [77], 46), BatchSeq(3, list(range(50, 90)), 0)]))
             pool.check()
             return torch.cat(out)
         finally:

@@ -1,0 +1,69 @@
+"""Completion routes: llama-server's /completion and OpenAI's /v1/completions and
+/v1/chat/completions, streamed (SSE) or not.
+
+Parsing and tokenizing run in a worker thread (long prompts must not stall the event loop); from
+`submit` on, every path ends the task (a disconnect cancels it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from radixserve.http import info
+from radixserve.http.errors import read_json
+from radixserve.http.parse import parse_chat, parse_completion
+from radixserve.http.responses import (
+    ResponseContext,
+    chat_completion_json,
+    completion_json,
+    random_id,
+    text_completion_json,
+)
+from radixserve.http.sse import ChatStream, NativeStream, TextStream
+from radixserve.http.state import AppState
+from radixserve.http.streaming import collect_final, stream_response
+
+# endpoint kind -> (parser, non-stream body, stream formatter, id prefix)
+_KINDS: dict[str, tuple[Callable, Callable, type, str]] = {
+    "native": (parse_completion, completion_json, NativeStream, ""),
+    "text": (parse_completion, text_completion_json, TextStream, "cmpl-"),
+    "chat": (parse_chat, chat_completion_json, ChatStream, "chatcmpl-"),
+}
+
+
+def add_routes(r: APIRouter, state: AppState) -> None:
+    async def complete(request: Request, kind: str) -> Response:
+        parse, build, formatter, prefix = _KINDS[kind]
+        body = await read_json(request)
+        req = await run_in_threadpool(parse, body, state.parse_ctx)  # tokenizing off the loop
+        e = state.eng
+        ctx = ResponseContext(
+            info.model_alias(state.model, state.cfg),
+            state.model.tokenizer,
+            e.n_ctx_slot,
+            id=random_id(prefix),
+        )
+        fmt = formatter(req, ctx) if req.stream else None
+        stream = e.submit(req.task)  # from here on, every path must end the task
+        if fmt is not None:
+            return await stream_response(request, stream, fmt)
+        final = await collect_final(request, stream)
+        return JSONResponse(await run_in_threadpool(build, final, req, ctx))
+
+    @r.post("/completion")
+    @r.post("/completions")
+    async def native_completion(request: Request) -> Response:
+        return await complete(request, "native")
+
+    @r.post("/v1/completions")
+    async def oai_completion(request: Request) -> Response:
+        return await complete(request, "text")
+
+    @r.post("/chat/completions")
+    @r.post("/v1/chat/completions")
+    async def chat_completion(request: Request) -> Response:
+        return await complete(request, "chat")

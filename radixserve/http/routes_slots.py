@@ -1,0 +1,47 @@
+"""/slots (GET) and /slots/{id}?action=save|restore|erase (POST): llama-server's slot routes."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from radixserve.engine.task import invalid_request
+from radixserve.http.errors import error_response, read_json
+from radixserve.http.state import AppState
+
+SLOT_ACTIONS = ("save", "restore", "erase")
+
+
+def add_routes(r: APIRouter, state: AppState) -> None:
+    @r.get("/slots")
+    async def slots(request: Request) -> Response:
+        e = state.eng
+        if not state.cfg.slots_endpoint:
+            return error_response(
+                501, "This server does not support slots endpoint. Start it with `--slots`"
+            )
+        fail_on_no_slot = request.query_params.get("fail_on_no_slot", "") not in ("", "0", "false")
+        if fail_on_no_slot and not await e.has_idle_slot():
+            return error_response(503, "no slot available")
+        return JSONResponse(await e.slots_json())
+
+    @r.post("/slots/{id_slot}")
+    async def slot_action(id_slot: str, request: Request) -> Response:
+        if not state.cfg.slot_save_path:
+            return error_response(
+                501, "This server does not support slots action. Start it with `--slot-save-path`"
+            )
+        try:
+            sid = int(id_slot)
+        except ValueError:
+            raise invalid_request("Invalid slot ID") from None
+        action = request.query_params.get("action")
+        if action not in SLOT_ACTIONS:
+            raise invalid_request("Invalid action")
+        filename = None
+        if action != "erase":
+            body = await read_json(request)
+            filename = body.get("filename") if isinstance(body, dict) else None
+            if not isinstance(filename, str):
+                raise invalid_request("Field 'filename' is required and must be a string")
+        return JSONResponse(await state.eng.slot_action(sid, action, filename))

@@ -1,0 +1,120 @@
+"""The prefix planner: the slot's own prefix, --cache-reuse chunks shifted left and right, another
+slot's cells, the host cache; and the KV owner holding exactly what each plan says."""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.cache.radix import RadixPromptCache
+from radixserve.engine.prefix_plan import (
+    SHARE_MIN_TOKENS,
+    Source,
+    apply_plan,
+    plan_prefix,
+)
+from radixserve.engine.slot import Slot
+from radixserve.engine.slot_kv import SlotKV
+from radixserve.kv.pool import KVPool
+
+
+def slots_with(*contents: list[int], n_cells: int = 256) -> list[Slot]:
+    """Slots over one unified pool; slot i holds contents[i] (K row = the token id)."""
+    pool = KVPool(1, 1, 2, n_cells, max(2, len(contents)), True, torch.float32, lambda k, d: k)
+    slots = [Slot(SlotKV(pool, i), n_cells) for i in range(pool.n_seq)]
+    for s, tokens in zip(slots, contents):
+        k = torch.tensor(tokens, dtype=torch.float32).view(1, 1, -1, 1).repeat(1, 1, 1, 2)
+        s.kv.load_rows(list(tokens), k, -k)
+    return slots
+
+
+def run(slot: Slot, prompt: list[int], n_reuse: int = 0, cache_prompt: bool = True,
+        donors: list[Slot] | None = None, host=None):
+    plan = plan_prefix(slot, prompt, donors or [], host, cache_prompt, n_reuse)
+    assert apply_plan(slot.kv, plan, prompt, host)
+    slot.kv.check()
+    slot.kv.pool.check()
+    return plan
+
+
+A, B, X = list(range(100, 110)), list(range(200, 240)), list(range(300, 306))
+
+
+def test_prefix_only_keeps_one_token_to_evaluate():
+    (slot, _) = slots_with(A + B)
+    plan = run(slot, A + B)
+    assert plan.n_reused == len(A + B) - 1 and plan.todo == [(49, 50)]
+    assert list(slot.kv.tokens) == (A + B)[:49] and slot.kv.pool.seq_positions(0) == list(range(49))
+
+
+def test_cache_prompt_false_computes_everything():
+    (slot, _) = slots_with(A + B)
+    plan = run(slot, A + B, n_reuse=16, cache_prompt=False)
+    assert plan.n_reused == 0 and plan.todo == [(0, 50)] and slot.kv.pool.seq_len(0) == 0
+
+
+def test_removed_text_shifts_the_tail_left():
+    (slot, _) = slots_with(A + X + B)
+    pool = slot.kv.pool
+    cells_b = pool.seq_cells(0)[16:]
+    plan = run(slot, A + B, n_reuse=16)
+    # B moves from [16, 56) to [10, 50); its last token is recomputed
+    assert plan.todo == [(49, 50)] and plan.n_reused == 49
+    assert pool.seq_positions(0) == list(range(49))
+    assert pool.seq_cells(0)[10:] == cells_b[:-1]  # the same cells, shifted, not copies
+
+
+def test_inserted_text_shifts_the_tail_right_and_leaves_a_hole():
+    (slot, _) = slots_with(A + B + [7, 8])
+    prompt = A + X + B + [9]
+    plan = run(slot, prompt, n_reuse=16)
+    assert plan.todo == [(10, 16), (56, 57)]  # the inserted text and the last token
+    assert plan.n_reused == 10 + 40
+    assert [s.source for s in plan.spans] == [Source.OWN, Source.COMPUTE, Source.OWN,
+                                              Source.COMPUTE]
+    assert list(slot.kv.tokens) == A  # the contiguous prefix only; B waits ahead of the hole
+    assert slot.kv.n_held == 50
+    assert slot.kv.pool.seq_positions(0) == list(range(10)) + list(range(16, 56))
+    # filling the hole joins the chunk ahead: the slot then holds the contiguous prefix
+    slot.kv.reserve(10, 6)
+    slot.kv.commit(10, X)
+    slot.kv.check()
+    assert list(slot.kv.tokens) == (A + X + B)
+
+
+def test_short_matches_are_not_reused():
+    (slot, _) = slots_with(A + B[:10])
+    plan = run(slot, A + X + B[:10], n_reuse=16)
+    assert plan.todo == [(10, 26)] and slot.kv.pool.seq_positions(0) == list(range(10))
+
+
+def test_another_slots_prefix_is_shared_when_it_is_clearly_longer():
+    doc = list(range(500, 560))
+    mine, donor = slots_with(doc[:30], doc)
+    plan = run(mine, doc + [1, 2], donors=[mine, donor])
+    assert plan.spans[0].source is Source.SLOT and plan.donor is donor
+    assert plan.n_reused == 60 and plan.todo == [(60, 62)]
+    assert mine.kv.pool.seq_cells(0) == donor.kv.pool.seq_cells(1)  # shared cells, no copy
+    donor.kv.check()
+    # less than SHARE_MIN_TOKENS more than the slot's own: not worth it
+    mine2, donor2 = slots_with(doc[: 60 - SHARE_MIN_TOKENS + 1], doc)
+    plan = run(mine2, doc + [1, 2], donors=[mine2, donor2])
+    assert plan.spans[0].source is Source.OWN and plan.donor is None
+
+
+def test_host_cache_wins_when_it_restores_more_and_failure_empties_the_slot():
+    doc = list(range(600, 640))
+    holder, slot = slots_with(doc, doc[:5])
+    cache = RadixPromptCache(-1)
+    assert holder.kv.save_to(cache)
+    plan = run(slot, doc + [3], host=cache)
+    assert plan.spans[0].source is Source.HOST and plan.n_reused == 40
+    assert list(slot.kv.tokens) == doc
+    # a restore that fails leaves nothing behind: the caller plans again without the host
+    faulty = RadixPromptCache(-1, fault_after_tokens=7)
+    assert holder.kv.save_to(faulty)
+    slot.kv.drop()
+    plan = plan_prefix(slot, doc + [3], [], faulty, True, 0)
+    assert plan.spans[0].source is Source.HOST
+    assert not apply_plan(slot.kv, plan, doc + [3], faulty)
+    assert len(slot.kv) == 0 and slot.kv.pool.seq_len(1) == 0
+    slot.kv.check()
