@@ -34,7 +34,7 @@ from radixserve.engine.prefix_plan import (
 )
 from radixserve.engine.slot import Slot, SlotState
 from radixserve.engine.slot_kv import SlotKV
-from radixserve.engine.task import CompletionTask, TaskError, TokenProbs
+from radixserve.engine.task import CompletionTask, TaskError
 from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.model.forward import SeqStep
 from radixserve.model.loader import Model
@@ -116,7 +116,7 @@ class Scheduler:
                 del self.deferred[i]
                 return
         for slot in self.slots:
-            if slot.task is not None and slot.job.id == task_id:
+            if slot.is_processing and slot.task.id == task_id:
                 log.info("slot %d: task %d cancelled", slot.id, task_id)
                 self._finish(slot, emit_final=False)
                 return
@@ -278,7 +278,7 @@ class Scheduler:
                     continue
                 s.state, s.t_first = SlotState.GENERATING, now
                 self.metrics.on_prompt_done(s.n_prompt_processed, s.n_cached, now - s.t_start)
-                if s.job.n_predict == 0:  # prompt only: nothing to sample
+                if s.task.n_predict == 0:  # prompt only: nothing to sample
                     s.stop_type = "limit"
                     self._finish(s)
                     continue
@@ -289,52 +289,22 @@ class Scheduler:
         if len(rows) < hidden.shape[0]:
             hidden = hidden[rows]
         eog = list(self.tok.eog_ids)
-        bans = [eog if s.job.ignore_eos else [] for s in to_sample]
+        bans = [eog if s.task.ignore_eos else [] for s in to_sample]
         logits = self.model.transformer.w.head.logits(
-            hidden, [s.smp.head_need(ban) for s, ban in zip(to_sample, bans)])
+            hidden, [s.sampler.head_need(ban) for s, ban in zip(to_sample, bans)])
         for i, ban in enumerate(bans):
             if ban:
                 logits[i, ban] = -math.inf
-        tokens = sample_batch([s.smp for s in to_sample], logits)
+        tokens = sample_batch([s.sampler for s in to_sample], logits)
         for i, (s, t) in enumerate(zip(to_sample, tokens)):
-            if s.job.n_probs > 0:
-                s.probs.append(self._probs(s, logits[i], t))
-            s.smp.accept(t)
-            self._process_token(s, t)
-
-    def _probs(self, s: Slot, logits: torch.Tensor, t: int) -> TokenProbs:
-        top = s.smp.top_probs(logits, s.job.n_probs)
-        p = dict(top).get(t, 0.0)
-        piece = self.tok.token_to_piece(t, special=False)
-        return TokenProbs(t, piece.decode("utf-8", "replace"), list(piece), p,
-                          [(i, self.tok.token_to_piece(i, special=False).decode("utf-8", "replace"), q)
-                           for i, q in top])
-
-    def _process_token(self, s: Slot, t: int) -> None:
-        task = s.job
-        s.generated.append(t)
-        stop = False
-        if self.tok.is_eog(t) and not task.ignore_eos:
-            s.stop_type, stop = "eos", True
-        else:
-            stop = s.add_text(self.tok.token_to_piece(t, special=False))
-        if not stop and 0 <= task.n_predict <= len(s.generated):
-            s.stop_type, stop = "limit", True
-        if not stop and len(s.tokens) + 1 >= s.n_ctx:
-            s.stop_type, s.truncated, stop = "limit", True, True
-        if stop:
-            self._finish(s)
-            return
-        s.pending = t
-        part = s.partial() if task.stream else None
-        if part is not None:
-            s.send(part)
+            if s.accept(t, logits[i], self.tok):
+                self._finish(s)
 
     def _finish(self, s: Slot, emit_final: bool = True) -> None:
         now = time.perf_counter()
         s.kv.truncate(len(s.kv))  # cancelled mid-prompt: drop KV past the contiguous prefix
         if emit_final:
-            part = s.partial(final=True) if s.job.stream else None
+            part = s.partial(final=True) if s.task.stream else None
             if part is not None:
                 s.send(part)
             s.send(s.final(now))

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import codecs
 import enum
-from collections.abc import Callable, Sequence
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
+import torch
+
 from radixserve.engine.slot_kv import SlotKV
-from radixserve.model.sampling import Sampler
 from radixserve.engine.task import CompletionTask, FinalResult, PartialResult, Timings, TokenProbs
+from radixserve.model.sampling import Sampler
+from radixserve.model.tokenizer import Tokenizer
 
 
 class SlotState(enum.Enum):
@@ -31,13 +34,13 @@ class Slot:
         self.id, self.n_ctx, self.kv = kv.seq, n_ctx, kv
         self.state = SlotState.IDLE
         self.t_last_used = -1.0
-        self.task: CompletionTask | None = None
-        self.last_task: CompletionTask | None = None
+        self._task: CompletionTask | None = None
+        self.last_task: CompletionTask | None = None  # what /slots shows once idle
         self.emit: Callable[[object], None] | None = None  # the running task's consumer
         self._reset_task_state()
 
     def _reset_task_state(self) -> None:
-        self.sampler: Sampler | None = None
+        self._sampler: Sampler | None = None
         self.prompt: list[int] = []
         self.n_cached = 0  # prompt tokens reused (any tier, shifted chunks): timings.cache_n
         self.todo: list[tuple[int, int]] = []  # prompt position ranges still to compute
@@ -60,15 +63,16 @@ class Slot:
         return self.kv.tokens
 
     @property
-    def job(self) -> CompletionTask:
+    def task(self) -> CompletionTask:
         """The running task (only while processing)."""
-        assert self.task is not None, f"slot {self.id} has no task"
-        return self.task
+        assert self._task is not None, f"slot {self.id} has no task"
+        return self._task
 
     @property
-    def smp(self) -> Sampler:
-        assert self.sampler is not None, f"slot {self.id} has no sampler"
-        return self.sampler
+    def sampler(self) -> Sampler:
+        """The running task's sampler (only while processing)."""
+        assert self._sampler is not None, f"slot {self.id} has no sampler"
+        return self._sampler
 
     def send(self, item: object) -> None:
         """Hand a result to the task's consumer (nothing once the task is gone)."""
@@ -84,17 +88,54 @@ class Slot:
         """Take `task`, whose prompt's reused part the slot's KV already holds; `todo`: the
         position ranges still to compute."""
         self._reset_task_state()
-        self.task, self.sampler, self.emit = task, sampler, emit
+        self._task, self._sampler, self.emit = task, sampler, emit
         self.prompt = task.prompt_tokens
         self.todo, self.n_cached = todo, n_cached
         self.state = SlotState.PROCESSING_PROMPT
         self.t_start = time.perf_counter()
 
-    # -- generation text ---------------------------------------------------------------
+    # -- generation ----------------------------------------------------------------------
+    def accept(self, t: int, logits: torch.Tensor, tok: Tokenizer) -> bool:
+        """Take the token sampled from `logits`; True when the task is done (EOS, a stop string,
+        n_predict, or the slot's context full). Otherwise `t` waits to be fed back (`pending`)
+        and a streamed task gets the text released so far."""
+        task = self.task
+        if task.n_probs > 0:
+            self.probs.append(self._token_probs(t, logits, tok))
+        self.sampler.accept(t)
+        self.generated.append(t)
+        if tok.is_eog(t) and not task.ignore_eos:
+            self.stop_type = "eos"
+            return True
+        if self.add_text(tok.token_to_piece(t, special=False)):
+            return True
+        if 0 <= task.n_predict <= len(self.generated):
+            self.stop_type = "limit"
+            return True
+        if len(self.kv) + 1 >= self.n_ctx:
+            self.stop_type, self.truncated = "limit", True
+            return True
+        self.pending = t
+        part = self.partial() if task.stream else None
+        if part is not None:
+            self.send(part)
+        return False
+
+    def _token_probs(self, t: int, logits: torch.Tensor, tok: Tokenizer) -> TokenProbs:
+        top = self.sampler.top_probs(logits, self.task.n_probs)
+
+        def text(i: int) -> str:
+            return tok.token_to_piece(i, special=False).decode("utf-8", "replace")
+
+        piece = tok.token_to_piece(t, special=False)
+        return TokenProbs(t, piece.decode("utf-8", "replace"), list(piece), dict(top).get(t, 0.0),
+                          [(i, text(i), q) for i, q in top])
+
+
     def add_text(self, piece: bytes) -> bool:
         """Append a token's bytes; returns True when a stop string completed."""
         self.text += self._utf8.decode(piece)
-        stops = self.task.stop if self.task else []
+        stops = self._task.stop if self._task else []
         if not stops:
             return False
         longest = max(len(s) for s in stops)
@@ -115,7 +156,7 @@ class Slot:
     def _held_back(self) -> int:
         """Characters at the end of the text that could still start a stop string."""
         hold = 0
-        for s in self.task.stop if self.task else []:
+        for s in self._task.stop if self._task else []:
             for k in range(min(len(s) - 1, len(self.text)), hold, -1):
                 if self.text.endswith(s[:k]):
                     hold = k
@@ -161,8 +202,8 @@ class Slot:
     def release(self) -> None:
         self.state = SlotState.IDLE
         self.t_last_used = time.monotonic()
-        self.last_task = self.task
-        self.task, self.emit, self.sampler = None, None, None
+        self.last_task = self._task
+        self._task, self.emit, self._sampler = None, None, None
 
     # -- /slots --------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -172,11 +213,11 @@ class Slot:
             "speculative": False,
             "is_processing": self.is_processing,
         }
-        task = self.task or self.last_task
+        task = self._task or self.last_task
         if task is None:
             return out
         n_predict = task.n_predict
-        n_decoded = len(self.generated) if self.task else 0
+        n_decoded = len(self.generated) if self._task else 0
         out.update(
             id_task=task.id,
             n_prompt_tokens=len(self.tokens),
@@ -195,7 +236,7 @@ class Slot:
                 {
                     "has_next_token": self.state is SlotState.GENERATING,
                     "has_new_line": "\n" in self.text,
-                    "n_remain": (n_predict - n_decoded) if self.task and n_predict >= 0 else -1,
+                    "n_remain": (n_predict - n_decoded) if self._task and n_predict >= 0 else -1,
                     "n_decoded": n_decoded,
                 }
             ],
