@@ -7,11 +7,11 @@ import sys
 import time
 from collections.abc import Iterator
 
-from radixserve.kv.pool import KVPool
+from radixserve.engine.task import Timings
 from radixserve.kv.batch import BatchSeq, hidden
+from radixserve.kv.pool import KVPool
 from radixserve.model.loader import Model
 from radixserve.model.sampling import Sampler, SamplingParams
-from radixserve.engine.task import Timings
 
 
 def summary(t: Timings) -> str:

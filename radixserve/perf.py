@@ -18,8 +18,8 @@ import time
 import psutil
 import torch
 
-from radixserve.kv.pool import KVPool
 from radixserve.kv.batch import BatchSeq, hidden
+from radixserve.kv.pool import KVPool
 from radixserve.model.head import RowNeed
 from radixserve.model.loader import Model, load_model, resolve_dtype, resolve_weights
 

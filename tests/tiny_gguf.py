@@ -7,8 +7,8 @@ exercised too.
 
 from __future__ import annotations
 
-import numpy as np
 import gguf
+import numpy as np
 
 from radixserve.model.default_model import default_model_path
 

@@ -117,7 +117,7 @@ class RadixPromptCache:
         try:
             pool.seq_rm(seq)
             self._restore(pool, seq, match)
-        except Exception as e:  # noqa: BLE001 - any failure: no partial prefix in the slot
+        except Exception as e:
             pool.seq_rm(seq)
             self.fallbacks += 1
             log.warning(

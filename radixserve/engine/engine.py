@@ -64,7 +64,7 @@ Message = Submit | Cancel | Call | Wake
 class TaskStream:
     """Async iterator over one task's results: PartialResult..., then one FinalResult."""
 
-    def __init__(self, engine: "Engine", task: CompletionTask, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: Engine, task: CompletionTask, loop: asyncio.AbstractEventLoop) -> None:
         self.engine, self.task, self.loop = engine, task, loop
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.done = False
@@ -72,7 +72,7 @@ class TaskStream:
     def emit(self, item: Any) -> None:  # engine thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-    def __aiter__(self) -> "TaskStream":
+    def __aiter__(self) -> TaskStream:
         return self
 
     async def __anext__(self) -> Any:
@@ -103,7 +103,7 @@ class Engine:
         self._stopping = False
 
     @classmethod
-    def boot(cls, cfg: ServerConfig, load: Callable[[], Model]) -> "Engine":
+    def boot(cls, cfg: ServerConfig, load: Callable[[], Model]) -> Engine:
         """Load the model and run the engine loop on one new thread; returns once it is ready
         (or raises what loading raised)."""
         ready: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -113,7 +113,7 @@ class Engine:
                 if cfg.threads > 0:  # per thread in OpenMP: set where the kernels run
                     torch.set_num_threads(cfg.threads)
                 engine = cls(load(), cfg)
-            except BaseException as e:  # handed to the caller
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
                 ready.put(e)
                 return
             engine._thread = threading.current_thread()
@@ -147,7 +147,7 @@ class Engine:
         def run() -> None:
             try:
                 res = fn()
-            except BaseException as e:  # delivered to the awaiting handler
+            except BaseException as e:  # noqa: BLE001 - delivered to the awaiting handler
                 loop.call_soon_threadsafe(_set_exc, fut, e)
             else:
                 loop.call_soon_threadsafe(_set_res, fut, res)

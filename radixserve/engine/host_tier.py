@@ -19,9 +19,9 @@ from radixserve.cache.base import NullPromptCache, PromptCache
 from radixserve.cache.legacy import LegacyPromptCache
 from radixserve.cache.radix import RadixPromptCache
 from radixserve.config import ServerConfig
+from radixserve.engine.slot import Slot
 from radixserve.kv.pool import KVPool
 from radixserve.kv.state import fingerprint_of
-from radixserve.engine.slot import Slot
 
 log = logging.getLogger(__name__)
 STATS_LOG_INTERVAL_S = 30.0

@@ -129,10 +129,10 @@ def plan_prefix(slot: Slot, prompt: list[int], donors: list[Slot], host: PromptC
         if n_host > n_src:
             source, n_src = Source.HOST, n_host
     n_best = 0
-    for s in donors:
-        m = common_prefix(s.kv.tokens, prompt) if s is not slot and len(s.kv) else 0
+    for other in donors:
+        m = common_prefix(other.kv.tokens, prompt) if other is not slot and len(other.kv) else 0
         if m > n_best:
-            donor, n_best = s, m
+            donor, n_best = other, m
     if donor is not None and n_best - n_src >= SHARE_MIN_TOKENS:
         source, n_src = Source.SLOT, n_best
     else:

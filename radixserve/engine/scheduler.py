@@ -190,19 +190,23 @@ class Scheduler:
         """Run one batch. A failure of the forward or of sampling fails the requests of this
         batch (their KV may be half-written, so it is dropped) and nothing else: the server and
         the other slots carry on."""
-        batch = self._schedule()
+        try:
+            batch = self._schedule()
+        except Exception as e:  # noqa: BLE001 - a broken invariant: fail what runs, keep serving
+            self._fail_batch([s for s in self.slots if s.is_processing], e)
+            return
         if not batch:
             return
         try:
             hidden = self.model.transformer.hidden(self.pool.k, self.pool.v,
                                                    [b for _, b in batch])
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any compute failure fails this batch only
             self._fail_batch([s for s, _ in batch], e)
             return
         self.metrics.on_decode(len(batch))
         try:
             self._postprocess(batch, hidden)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - likewise for sampling
             self._fail_batch([s for s, _ in batch if s.is_processing], e)
         if self.deferred:  # tasks waiting on another slot's prefill may go now
             self.launch_deferred()
@@ -224,8 +228,12 @@ class Scheduler:
                 if not self.try_clear_idle_slots():
                     return None
         view = self.pool.view(kv.seq)
-        return SeqStep(s.prompt[pos0 : pos0 + n] if s.state is SlotState.PROCESSING_PROMPT
-                       else [s.pending], pos0, cells, view.cells, view.positions)
+        if s.state is SlotState.PROCESSING_PROMPT:
+            tokens = s.prompt[pos0 : pos0 + n]
+        else:
+            assert s.pending is not None
+            tokens = [s.pending]
+        return SeqStep(tokens, pos0, cells, view.cells, view.positions)
 
     def _schedule(self) -> list[tuple[Slot, SeqStep]]:
         """One decode token per generating slot, then prompt chunks while the budget and the

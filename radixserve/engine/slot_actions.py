@@ -20,8 +20,8 @@ from radixserve.cache.slot_file import (
     resolve_in_dir,
     write_slot_file,
 )
-from radixserve.kv.state import StateError, fingerprint_of, get_state, parse_state
 from radixserve.engine.task import TaskError
+from radixserve.kv.state import StateError, fingerprint_of, get_state, parse_state
 
 if TYPE_CHECKING:
     from radixserve.engine.scheduler import Scheduler

@@ -14,9 +14,9 @@ from typing import Any
 import gguf
 
 from radixserve.config import ServerConfig
+from radixserve.http.responses import BUILD_INFO, params_json
 from radixserve.model.loader import Model
 from radixserve.model.sampling import SamplingParams
-from radixserve.http.responses import BUILD_INFO, params_json
 
 log = logging.getLogger(__name__)
 

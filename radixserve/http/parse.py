@@ -11,9 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.model.chat_template import ChatTemplate, flatten_content
-from radixserve.model.sampling import SamplingParams
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.engine.task import CompletionTask, TaskError, invalid_request
 from radixserve.http.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -21,7 +19,9 @@ from radixserve.http.schemas import (
     range_error,
     validate_body,
 )
-from radixserve.engine.task import CompletionTask, TaskError, invalid_request
+from radixserve.model.chat_template import ChatTemplate, flatten_content
+from radixserve.model.sampling import SamplingParams
+from radixserve.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

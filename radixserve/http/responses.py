@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve import __version__
+from radixserve.engine.task import CompletionTask, FinalResult, TokenProbs
+from radixserve.http.parse import ParsedRequest
 from radixserve.model.sampling import SamplingParams
 from radixserve.model.tokenizer import Tokenizer
-from radixserve.http.parse import ParsedRequest
-from radixserve.engine.task import CompletionTask, FinalResult, TokenProbs
 
 log = logging.getLogger(__name__)
 

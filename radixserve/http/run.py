@@ -12,9 +12,9 @@ import os
 import uvicorn
 
 from radixserve.config import ServerConfig
-from radixserve.model.loader import load_model
-from radixserve.http.app import create_app
 from radixserve.engine.engine import Engine
+from radixserve.http.app import create_app
+from radixserve.model.loader import load_model
 
 log = logging.getLogger(__name__)
 

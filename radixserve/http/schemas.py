@@ -15,8 +15,8 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, field_validator
 
-from radixserve.model.chat_template import flatten_content
 from radixserve.engine.task import TaskError, invalid_request
+from radixserve.model.chat_template import flatten_content
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def _int(v: Any) -> int:
     if isinstance(v, float) and v.is_integer():
         return int(v)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"Value must be an integer, but got {_show(v)}")  # noqa: TRY004
+        raise ValueError(f"Value must be an integer, but got {_show(v)}")
     return v
 
 
@@ -49,13 +49,13 @@ def _float(v: Any) -> float:
 
 def _bool(v: Any) -> bool:
     if not isinstance(v, bool):
-        raise ValueError(f"Value must be a boolean, but got {_show(v)}")  # noqa: TRY004
+        raise ValueError(f"Value must be a boolean, but got {_show(v)}")
     return v
 
 
 def _str(v: Any) -> str:
     if not isinstance(v, str):
-        raise ValueError(f"Value must be a string, but got {_show(v)}")  # noqa: TRY004
+        raise ValueError(f"Value must be a string, but got {_show(v)}")
     return v
 
 

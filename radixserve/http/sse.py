@@ -12,6 +12,7 @@ import json
 import logging
 from typing import Any
 
+from radixserve.engine.task import FinalResult, PartialResult, TaskError, TokenProbs
 from radixserve.http.parse import ParsedRequest
 from radixserve.http.responses import (
     ResponseContext,
@@ -21,7 +22,6 @@ from radixserve.http.responses import (
     probs_json,
     usage_json,
 )
-from radixserve.engine.task import FinalResult, PartialResult, TaskError, TokenProbs
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ class _GenerationTag(jinja2.ext.Extension):
     """Accept HF's `{% generation %}...{% endgeneration %}` marker (used for training masks)
     and render its body unchanged, so templates that use it still compile."""
 
-    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it as an instance attribute)
+    tags = {"generation"}
 
     def parse(self, parser: Any) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -95,7 +95,7 @@ def flatten_content(content: Any) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, Sequence):
-        raise ValueError(  # noqa: TRY004
+        raise ValueError(
             f"message content must be a string or a list of parts, got {type(content).__name__}"
         )
     texts = []
@@ -106,7 +106,7 @@ def flatten_content(content: Any) -> str:
                 f"unsupported content part type {kind!r}: only 'text' parts are supported"
             )
         if not isinstance(part.get("text"), str):
-            raise ValueError("a 'text' content part needs a string 'text' field")  # noqa: TRY004
+            raise ValueError("a 'text' content part needs a string 'text' field")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -149,7 +149,7 @@ class ChatTemplate:
         msgs = []
         for i, message in enumerate(messages):
             if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-                raise ValueError(f"message {i} must be an object with a string 'role'")  # noqa: TRY004
+                raise ValueError(f"message {i} must be an object with a string 'role'")
             msgs.append({**message, "content": flatten_content(message.get("content"))})
         context = {
             "tools": None,

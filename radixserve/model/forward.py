@@ -90,6 +90,7 @@ class Transformer:
             if step is not None:
                 attn = step.attend(li, qkv)
             else:
+                assert cell_idx is not None
                 outs = self._attention(k_cache[li], v_cache[li], li, batch, plans, qkv, cos, sin,
                                        cell_idx)
                 attn = outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -135,7 +136,7 @@ class Transformer:
         qk = qkv[:, : self.q_dim + self.kv_dim].view(-1, hp.n_head + hp.n_head_kv, hp.head_dim)
         v = qkv[:, self.q_dim + self.kv_dim :].view(-1, hp.n_head_kv, hp.head_dim)
         lw = self.w.layers[li]
-        if lw.q_norm is not None:
+        if lw.q_norm is not None and lw.k_norm is not None:
             qk = torch.cat([rms_norm(qk[:, : hp.n_head], lw.q_norm, hp.rms_eps),
                             rms_norm(qk[:, hp.n_head :], lw.k_norm, hp.rms_eps)], dim=1)
         qk = self.rope.apply(qk, cos, sin)

@@ -43,7 +43,7 @@ class HParams:
         return self.n_head // self.n_head_kv
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader) -> "HParams":
+    def from_gguf(cls, reader: gguf.GGUFReader) -> HParams:
         arch = field_value(reader, "general.architecture")
         if arch not in SUPPORTED_ARCHS:
             raise UnsupportedModelError(

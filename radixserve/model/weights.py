@@ -21,7 +21,13 @@ import torch
 from radixserve.model.head import OutputHead
 from radixserve.model.hparams import HParams, UnsupportedModelError
 from radixserve.model.quant import (
-    PACKED_TYPES, Codes, ConcatLinear, DenseLinear, Linear, packed_linear, split_blocks,
+    PACKED_TYPES,
+    Codes,
+    ConcatLinear,
+    DenseLinear,
+    Linear,
+    packed_linear,
+    split_blocks,
 )
 
 log = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ from radixserve.cache.base import PromptCache
 from radixserve.cache.base import common_prefix as common_prefix_len
 from radixserve.cache.radix import RadixPromptCache
 from radixserve.cache.radix_tree import RadixNode, RadixTree
+from radixserve.kv.batch import BatchSeq, forward
 from radixserve.kv.pool import KVPool
 from radixserve.kv.state import write_rows
-from radixserve.kv.batch import BatchSeq, forward
 from radixserve.model.forward import Transformer
 from tests.conftest import make_pool
 

@@ -8,7 +8,8 @@ import struct
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from radixserve.cache.slot_file import (
     Checkpoint,
@@ -22,8 +23,8 @@ from radixserve.cache.slot_file import (
     validate_filename,
     write_slot_file,
 )
-from radixserve.kv.state import fingerprint_of, get_state, parse_state
 from radixserve.kv.batch import BatchSeq, forward
+from radixserve.kv.state import fingerprint_of, get_state, parse_state
 from radixserve.model.forward import Transformer
 from tests.conftest import make_pool
 

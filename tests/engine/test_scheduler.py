@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from radixserve.config import ServerConfig
-from radixserve.model.loader import load_model
-from radixserve.model.sampling import SamplingParams
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.task import CompletionTask, FinalResult, TaskError
+from radixserve.model.loader import load_model
+from radixserve.model.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module", params=["native", "dequant"])

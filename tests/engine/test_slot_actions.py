@@ -18,13 +18,13 @@ from radixserve.cache.slot_file import (
     write_slot_file,
 )
 from radixserve.config import ServerConfig
-from radixserve.kv.state import fingerprint_of, get_state
-from radixserve.model.loader import Model, load_model
-from radixserve.model.sampling import SamplingParams
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.slot_actions import NOT_SUPPORTED, slot_action
 from radixserve.engine.task import CompletionTask, FinalResult, TaskError
+from radixserve.kv.state import fingerprint_of, get_state
+from radixserve.model.loader import Model, load_model
+from radixserve.model.sampling import SamplingParams
 
 PROMPT = [1000 + 7 * i for i in range(12)]
 OTHER = [3000 + 5 * i for i in range(9)]

@@ -20,8 +20,6 @@ from fastapi.testclient import TestClient
 
 from radixserve.cache.base import stats_dict
 from radixserve.config import ServerConfig
-from radixserve.model.loader import Model, load_model
-from radixserve.http.app import create_app
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.task import (
     CompletionTask,
@@ -30,6 +28,8 @@ from radixserve.engine.task import (
     TaskError,
     Timings,
 )
+from radixserve.http.app import create_app
+from radixserve.model.loader import Model, load_model
 
 HANG = object()  # script item: wait until cancelled (a long generation)
 

@@ -16,9 +16,7 @@ from typing import Any
 import pytest
 
 from radixserve.config import ServerConfig
-from radixserve.model.chat_template import ChatTemplate
-from radixserve.model.loader import load_model
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.engine.task import FinalResult, PartialResult, TaskError, Timings, TokenProbs
 from radixserve.http import info
 from radixserve.http.parse import ParseContext, ParsedRequest, parse_chat, parse_completion
 from radixserve.http.responses import (
@@ -33,7 +31,9 @@ from radixserve.http.responses import (
     usage_json,
 )
 from radixserve.http.sse import SSE_DONE, ChatStream, NativeStream, TextStream, sse_event
-from radixserve.engine.task import FinalResult, PartialResult, TaskError, Timings, TokenProbs
+from radixserve.model.chat_template import ChatTemplate
+from radixserve.model.loader import load_model
+from radixserve.model.tokenizer import Tokenizer
 
 # captured from a real llama-server (copied from shared/reference/llama-server-shapes)
 SHAPES = Path(__file__).resolve().parent / "fixtures/llama-server-shapes"

@@ -12,8 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixserve.model.chat_template import ChatTemplate
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.engine.task import TaskError
 from radixserve.http.parse import (
     INT32_MAX,
     ParseContext,
@@ -21,7 +20,8 @@ from radixserve.http.parse import (
     parse_chat,
     parse_completion,
 )
-from radixserve.engine.task import TaskError
+from radixserve.model.chat_template import ChatTemplate
+from radixserve.model.tokenizer import Tokenizer
 
 N_CTX = 64
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.kv.batch import BatchSeq, forward
+from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.model.forward import Transformer
 from tests.conftest import make_pool
 
@@ -48,7 +49,7 @@ def test_seq_add_drops_negative_positions_and_rejects_clashes(tiny_tr: Transform
     pool = make_pool(tiny_tr, n_cells=128, n_seq=1)
     forward(tiny_tr, pool, [BatchSeq(0, A[:10], 0)])
     pool.seq_add(0, 0, -1, -3)
-    assert pool.seq_positions(0) == list(range(0, 7))
+    assert pool.seq_positions(0) == list(range(7))
     with pytest.raises(ValueError):
         pool.seq_add(0, 5, -1, -2)  # 5,6 -> 3,4 which are taken
     pool.check()

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from radixserve.kv.batch import BatchSeq, forward, hidden
+from radixserve.model import kernels as K
 from radixserve.model.forward import Transformer
 from radixserve.model.head import RowNeed
 from radixserve.model.loader import load_model
-from radixserve.model import kernels as K
 from radixserve.model.quant import Int4Linear, Q4Linear
 from tests.conftest import make_pool
 
