@@ -34,10 +34,10 @@ STAT_NAMES = (
     "saves",
     "loads",
     "hit_tokens",  # tokens restored by loads
-    "skipped",  # saves refused (too large, already cached)
+    "skipped",  # saves refused: the entry alone is over the byte limit
     "evictions",  # entries (legacy) or leaves (radix) evicted
     "evicted_tokens",  # tokens they held
-    "fallbacks",  # restores that failed and fell back to a prefill
+    "fallbacks",  # restores that failed (the slot computes what it then lacks)
 )
 
 

@@ -54,7 +54,9 @@ class Span:
 @dataclass(slots=True)
 class PrefixPlan:
     spans: list[Span]  # in order, covering the whole prompt; the last one computes
-    donor: Slot | None = None  # the slot a SLOT span comes from
+    source: Source  # where [0, n_prefix) comes from
+    n_prefix: int = 0
+    donor: Slot | None = None  # the slot a SLOT prefix comes from
 
     @property
     def n_reused(self) -> int:
@@ -65,6 +67,12 @@ class PrefixPlan:
     def todo(self) -> list[tuple[int, int]]:
         """Position ranges to compute, in order."""
         return [(s.p0, s.p1) for s in self.spans if s.source is Source.COMPUTE]
+
+    @property
+    def chunks(self) -> list[tuple[int, int, int]]:
+        """(slot position, prompt position, length) of the own KV to shift past the prefix."""
+        return [(s.src_pos, s.p0, s.p1 - s.p0) for s in self.spans
+                if s.source is Source.OWN and s.p0 >= self.n_prefix]
 
 
 def choose_slot(slots: list[Slot], task: CompletionTask, thold: float) -> tuple[Slot | None, bool]:
@@ -121,7 +129,7 @@ def plan_prefix(slot: Slot, prompt: list[int], donors: list[Slot], host: PromptC
     """
     n = len(prompt)
     if not cache_prompt:
-        return PrefixPlan([Span(0, n, Source.COMPUTE)])
+        return PrefixPlan([Span(0, n, Source.COMPUTE)], Source.COMPUTE)
     kv = slot.kv
     source, n_src, donor = Source.OWN, common_prefix(kv.tokens, prompt), None
     if host is not None:
@@ -138,6 +146,8 @@ def plan_prefix(slot: Slot, prompt: list[int], donors: list[Slot], host: PromptC
     else:
         donor = None
     n_prefix = min(n_src, n - 1)
+    if n_prefix == 0:
+        source = Source.OWN  # nothing reused up front (own chunks may still follow)
     spans = [Span(0, n_prefix, source)] if n_prefix else []
     if source is Source.OWN and n_reuse > 0:
         spans += [Span(p, p + m, Source.OWN, c)
@@ -153,28 +163,51 @@ def plan_prefix(slot: Slot, prompt: list[int], donors: list[Slot], host: PromptC
         out.append(s)
         at = s.p1
     out.append(Span(at, n, Source.COMPUTE))
-    return PrefixPlan(out, donor)
+    return PrefixPlan(out, source, n_prefix, donor if source is Source.SLOT else None)
 
 
-def apply_plan(kv: SlotKV, plan: PrefixPlan, prompt: list[int], host: PromptCache) -> bool:
-    """Make the slot hold what `plan` reuses and nothing else; False when its source failed
-    (the slot then holds nothing: plan again without that source)."""
-    head = plan.spans[0]
-    n_prefix = 0 if head.source is Source.COMPUTE else head.p1
-    if head.source is Source.HOST:
+def apply_plan(kv: SlotKV, plan: PrefixPlan, prompt: list[int],
+               host: PromptCache | None) -> bool:
+    """Carry out `plan` through the slot's KV owner; False when its source failed (the slot
+    then holds nothing; or what it held, for a legacy restore that failed its checks; or its
+    prefix, for a shift without room).
+
+    HOST only restores the cache's entry: a legacy entry may continue past the common prefix
+    with chunks `--cache-reuse` can use, so the rest is planned again from the slot's own KV.
+    """
+    if plan.source is Source.HOST:
+        assert host is not None
         if not kv.restore_from(host, prompt):
             return False
         log.info("slot %d: restored %d tokens from the %s cache", kv.seq, len(kv), host.name)
-    elif head.source is Source.SLOT:
+        return True
+    if plan.source is Source.SLOT:
         assert plan.donor is not None
-        if not kv.share_from(plan.donor.kv, n_prefix):
+        if not kv.share_from(plan.donor.kv, plan.n_prefix):
             return False
-        log.info("slot %d: sharing %d prompt tokens with slot %d", kv.seq, n_prefix,
+        log.info("slot %d: sharing %d prompt tokens with slot %d", kv.seq, plan.n_prefix,
                  plan.donor.id)
-    if head.source is Source.OWN or head.source is Source.COMPUTE:
-        chunks = [(s.src_pos, s.p0, s.p1 - s.p0) for s in plan.spans[1:]
-                  if s.source is Source.OWN]
-        kv.shift_chunks(prompt, n_prefix, chunks)
-    else:
-        kv.truncate(n_prefix)
-    return True
+        return True
+    return kv.shift_chunks(prompt, plan.n_prefix, plan.chunks)
+
+
+def take_prefix(slot: Slot, prompt: list[int], slots: list[Slot], host: PromptCache | None,
+                cache_prompt: bool, n_reuse: int) -> PrefixPlan:
+    """Plan where the prompt's prefix comes from and make the slot hold it. A source that fails
+    (a restore fault, no room for a copy or a shift) is left out and the plan made again; after
+    a restore, the rest is planned from what the slot now holds. Returns the plan carried out."""
+    donors = slots
+    while True:
+        plan = plan_prefix(slot, prompt, donors, host, cache_prompt, n_reuse)
+        done = apply_plan(slot.kv, plan, prompt, host)
+        if plan.source is Source.HOST:
+            host = None
+            if done:
+                donors = []  # decided against them already: what the slot holds now is better
+            continue
+        if done:
+            return plan
+        if plan.source is Source.SLOT:
+            donors = []
+        else:  # a shift ran out of cells: the slot kept its prefix, plan without chunks
+            n_reuse = 0

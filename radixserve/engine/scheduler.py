@@ -24,14 +24,7 @@ from radixserve.cache.base import PromptCache
 from radixserve.config import ServerConfig
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.host_tier import HostTier
-from radixserve.engine.prefix_plan import (
-    PrefixPlan,
-    Source,
-    apply_plan,
-    choose_slot,
-    pending_prefill,
-    plan_prefix,
-)
+from radixserve.engine.prefix_plan import choose_slot, pending_prefill, take_prefix
 from radixserve.engine.slot import Slot, SlotState
 from radixserve.engine.slot_kv import SlotKV
 from radixserve.engine.task import CompletionTask, TaskError
@@ -158,28 +151,14 @@ class Scheduler:
                 pass
         if update_cache:
             self.host.save_before_overwrite(slot)
-        plan = self._take_prefix(slot, task, self.host.consulted(update_cache))
+        n_reuse = self.cfg.cache_reuse if task.n_cache_reuse is None else task.n_cache_reuse
+        plan = take_prefix(slot, prompt, self.slots, self.host.consulted(update_cache),
+                           task.cache_prompt, n_reuse)
         if update_cache:
             self.host.cache.update()
         slot.start(task, sampler, emit, plan.todo, plan.n_reused)
         log.info("slot %d: task %d, prompt %d tokens, %d reused", slot.id, task.id,
                  len(prompt), plan.n_reused)
-
-    def _take_prefix(self, slot: Slot, task: CompletionTask,
-                     host: PromptCache | None) -> PrefixPlan:
-        """Plan where the prompt's prefix comes from and make the slot hold it; a source that
-        fails (restore fault, no room for a copy) is left out and the plan made again."""
-        n_reuse = self.cfg.cache_reuse if task.n_cache_reuse is None else task.n_cache_reuse
-        donors = self.slots
-        while True:
-            plan = plan_prefix(slot, task.prompt_tokens, donors, host, task.cache_prompt,
-                               n_reuse)
-            if apply_plan(slot.kv, plan, task.prompt_tokens, self.host.cache):
-                return plan
-            if plan.spans[0].source is Source.HOST:
-                host = None
-            else:
-                donors = []
 
     # -- the loop: schedule -> run -> postprocess ---------------------------------------------
     def has_active(self) -> bool:
@@ -189,7 +168,15 @@ class Scheduler:
     def step(self) -> None:
         """Run one batch. A failure of the forward or of sampling fails the requests of this
         batch (their KV may be half-written, so it is dropped) and nothing else: the server and
-        the other slots carry on."""
+        the other slots carry on. Tasks waiting (on another slot's prefill, for a busy slot, or
+        for room) are tried again after every step."""
+        try:
+            self._run_batch()
+        finally:
+            if self.deferred:
+                self.launch_deferred()
+
+    def _run_batch(self) -> None:
         try:
             batch = self._schedule()
         except Exception as e:  # noqa: BLE001 - a broken invariant: fail what runs, keep serving
@@ -208,8 +195,6 @@ class Scheduler:
             self._postprocess(batch, hidden)
         except Exception as e:  # noqa: BLE001 - likewise for sampling
             self._fail_batch([s for s, _ in batch if s.is_processing], e)
-        if self.deferred:  # tasks waiting on another slot's prefill may go now
-            self.launch_deferred()
 
     def _fail_batch(self, owners: list[Slot], e: Exception) -> None:
         log.exception("batch failed")
@@ -263,9 +248,10 @@ class Scheduler:
             step.n_logits = 1 if p0 + take == len(s.prompt) else 0
             batch.append((s, step))
             used += take
-        if not batch:
-            for s in starved:
-                self._fail(s, TaskError(500, "server_error", "Context size has been exceeded."))
+        if not batch and starved:  # nothing can run: fail one prompt, its cells go to the rest
+            self._fail(starved[0], TaskError(500, "server_error",
+                                             "Context size has been exceeded."))
+            return self._schedule()
         return batch
 
     def _postprocess(self, batch: list[tuple[Slot, SeqStep]], hidden: torch.Tensor) -> None:

@@ -98,27 +98,34 @@ class SlotKV:
         self._tokens = list(tokens)
 
     def shift_chunks(self, prompt: list[int], n_keep: int,
-                     chunks: list[tuple[int, int, int]]) -> None:
+                     chunks: list[tuple[int, int, int]]) -> bool:
         """Keep [0, n_keep), move each (cache start, prompt start, length) chunk onto its prompt
-        position (`--cache-reuse`), drop every other cell.
+        position (`--cache-reuse`), drop every other cell. False, with only [0, n_keep) kept,
+        when a shifted cell shared with another slot had to be copied and there was no room
+        (shifts only touch positions past n_keep).
 
         Left shifts go left to right and right shifts right to left: no chunk ever lands on a
         position another chunk still occupies.
         """
         pool, seq = self.pool, self.seq
-        at = n_keep
-        for c, _, n in chunks:
-            pool.seq_rm(seq, at, c)
-            at = c + n
-        pool.seq_rm(seq, at)
-        for c, p, n in [ch for ch in chunks if ch[1] <= ch[0]]:
-            pool.seq_add(seq, c, c + n, p - c)
-        for c, p, n in reversed([ch for ch in chunks if ch[1] > ch[0]]):
-            pool.seq_add(seq, c, c + n, p - c)
+        try:
+            at = n_keep
+            for c, _, n in chunks:
+                pool.seq_rm(seq, at, c)
+                at = c + n
+            pool.seq_rm(seq, at)
+            for c, p, n in [ch for ch in chunks if ch[1] <= ch[0]]:
+                pool.seq_add(seq, c, c + n, p - c)
+            for c, p, n in reversed([ch for ch in chunks if ch[1] > ch[0]]):
+                pool.seq_add(seq, c, c + n, p - c)
+        except OutOfCells:
+            self.truncate(n_keep)
+            return False
         self._tokens = list(prompt[:n_keep])
         self._ahead = []
         for _, p, n in chunks:
             self._place(p, prompt[p : p + n])
+        return True
 
     # -- a forward's cells ---------------------------------------------------------------------
     def reserve(self, pos0: int, n: int) -> list[int]:

@@ -2,9 +2,10 @@
 
 Tasks with shared prefixes arrive, steps run, tasks are cancelled, slots are saved to files,
 erased and restored, idle slots are cleared; host caches (radix, legacy, none, or radix with
-every restore faulting part-way) save and restore in between, in unified and partitioned KV. After every step the engine's invariants
-hold (the pool's bookkeeping, each slot's KV owner against the pool, the host cache's), and
-every greedy answer equals the one a no-cache run of that prompt alone gives.
+every restore faulting part-way) save and restore in between, in unified and partitioned KV, with and without `--cache-reuse`. After
+every step the engine's invariants hold (the pool's bookkeeping, each slot's KV owner against
+the pool, the host cache's), and without `--cache-reuse` every greedy answer equals the one a
+no-cache run of that prompt alone gives.
 """
 
 from __future__ import annotations
@@ -52,15 +53,18 @@ class EngineMachine(RuleBasedStateMachine):
     @initialize(unified=st.booleans(),
                 backend=st.sampled_from(["radix", "legacy", "none", "radix-faults"]),
                 idle_slots=st.booleans(), ubatch=st.sampled_from([16, 64, 512]),
-                fault_after=st.integers(1, 50))
+                fault_after=st.integers(1, 50), cache_reuse=st.sampled_from([0, 0, 4]))
     def start(self, unified: bool, backend: str, idle_slots: bool, ubatch: int,
-              fault_after: int) -> None:
+              fault_after: int, cache_reuse: int) -> None:
         self.dir = tempfile.mkdtemp(prefix="rs-stateful-")
         cfg = ServerConfig(ctx_size=1024, n_parallel=N_SLOTS, kv_unified=unified,
                            cache_ram_mib=0 if backend == "none" else 64,
                            cache_radix_prompt=backend.startswith("radix"),
                            cache_idle_slots=idle_slots, ubatch_size=ubatch,
-                           slot_save_path=self.dir)
+                           cache_reuse=cache_reuse, slot_save_path=self.dir)
+        # --cache-reuse shifts KV computed in another context (llama-server's approximation):
+        # answers may then differ from a no-cache run, so only the invariants are checked
+        self.exact = cache_reuse == 0
         # every host restore fails part-way: each falls back to a prefill
         faulty = RadixPromptCache(64 * 2**20, fault_after_tokens=fault_after)
         self.sched = Scheduler(self.model, cfg, ServerMetrics(),
@@ -168,7 +172,8 @@ class EngineMachine(RuleBasedStateMachine):
                 continue
             assert isinstance(final, FinalResult), f"task {tid} failed: {final.message}"
             task = self.tasks[tid]
-            assert final.tokens == self.expected(task), f"task {tid} differs from no-cache"
+            if self.exact:
+                assert final.tokens == self.expected(task), f"task {tid} differs from no-cache"
             if task.stream:
                 assert "".join(p.text for p in out[:-1]) == final.content
             self.checked.add(tid)

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.cache.legacy import LegacyPromptCache
 from radixserve.cache.radix import RadixPromptCache
 from radixserve.engine.prefix_plan import (
     SHARE_MIN_TOKENS,
     Source,
     apply_plan,
     plan_prefix,
+    take_prefix,
 )
 from radixserve.engine.slot import Slot
 from radixserve.engine.slot_kv import SlotKV
 from radixserve.kv.pool import KVPool
+from radixserve.kv.state import fingerprint_of
 
 
 def slots_with(*contents: list[int], n_cells: int = 256) -> list[Slot]:
@@ -27,12 +30,21 @@ def slots_with(*contents: list[int], n_cells: int = 256) -> list[Slot]:
     return slots
 
 
+def held_rows(slot: Slot) -> dict[int, int]:
+    """Position -> the token whose K row the pool holds there (K row = token id)."""
+    pool, seq = slot.kv.pool, slot.kv.seq
+    return {p: round(pool.k[0, 0, c, 0].item())
+            for p, c in zip(pool.seq_positions(seq), pool.seq_cells(seq))}
+
+
 def run(slot: Slot, prompt: list[int], n_reuse: int = 0, cache_prompt: bool = True,
         donors: list[Slot] | None = None, host=None):
-    plan = plan_prefix(slot, prompt, donors or [], host, cache_prompt, n_reuse)
-    assert apply_plan(slot.kv, plan, prompt, host)
+    plan = take_prefix(slot, prompt, donors or [], host, cache_prompt, n_reuse)
     slot.kv.check()
     slot.kv.pool.check()
+    # the KV held is the KV of the prompt's tokens at those positions, not just the positions
+    assert held_rows(slot) == {p: prompt[p] for p in held_rows(slot)}
+    assert sum(p1 - p0 for p0, p1 in plan.todo) + slot.kv.n_held == len(prompt)
     return plan
 
 
@@ -81,6 +93,43 @@ def test_inserted_text_shifts_the_tail_right_and_leaves_a_hole():
     assert list(slot.kv.tokens) == (A + X + B)
 
 
+def test_a_chunk_at_the_start_is_shifted_even_without_a_common_prefix():
+    """No common prefix (no BOS, raw prompts): a chunk found later in the slot moves to
+    position 0 (it must not be kept where it was and labelled with the prompt's tokens)."""
+    (slot, _) = slots_with([9] + B[:20])
+    plan = run(slot, B[:20] + [7], n_reuse=4)
+    assert plan.n_reused == 20 and plan.todo == [(20, 21)]
+    assert held_rows(slot) == {p: B[p] for p in range(20)}
+
+
+def test_legacy_entry_past_the_common_prefix_feeds_cache_reuse():
+    """A legacy entry is restored whole; --cache-reuse then shifts its chunks as for the
+    slot's own KV (A + X + B cached, A + B asked: B is reused, not only A)."""
+    a = list(range(100, 120))  # f_keep = 20 / 66 >= 0.25: the entry qualifies
+    holder, slot = slots_with(a + X + B)
+    pool = holder.kv.pool
+    cache = LegacyPromptCache(0, 10_000, fingerprint_of(pool, "llama"))
+    assert holder.kv.save_to(cache)
+    holder.kv.drop()
+    plan = run(slot, a + B + [1], n_reuse=16, host=cache)
+    assert plan.n_reused == 60 and plan.todo == [(60, 61)]
+    assert list(slot.kv.tokens) == a + B and len(cache.states) == 0  # consumed
+
+
+def test_a_shift_without_room_falls_back_to_computing():
+    """Shifting cells shared with another slot copies them; with no free cell the slot keeps
+    its prefix and computes the rest (not left half-shifted)."""
+    tokens = A + X + B
+    pool = KVPool(1, 1, 2, len(tokens), 2, True, torch.float32, lambda k, d: k)
+    slot, other = (Slot(SlotKV(pool, i), 64) for i in range(2))
+    k = torch.tensor(tokens, dtype=torch.float32).view(1, 1, -1, 1).repeat(1, 1, 1, 2)
+    slot.kv.load_rows(tokens, k, -k)
+    assert other.kv.share_from(slot.kv, len(tokens)) and pool.n_free == 0
+    plan = run(slot, A + B + [1], n_reuse=16)
+    assert plan.todo == [(10, 51)] and plan.n_reused == 10  # A kept, B's shift had no room
+    other.kv.check()
+
+
 def test_short_matches_are_not_reused():
     (slot, _) = slots_with(A + B[:10])
     plan = run(slot, A + X + B[:10], n_reuse=16)
@@ -91,14 +140,14 @@ def test_another_slots_prefix_is_shared_when_it_is_clearly_longer():
     doc = list(range(500, 560))
     mine, donor = slots_with(doc[:30], doc)
     plan = run(mine, doc + [1, 2], donors=[mine, donor])
-    assert plan.spans[0].source is Source.SLOT and plan.donor is donor
+    assert plan.source is Source.SLOT and plan.donor is donor
     assert plan.n_reused == 60 and plan.todo == [(60, 62)]
     assert mine.kv.pool.seq_cells(0) == donor.kv.pool.seq_cells(1)  # shared cells, no copy
     donor.kv.check()
     # less than SHARE_MIN_TOKENS more than the slot's own: not worth it
     mine2, donor2 = slots_with(doc[: 60 - SHARE_MIN_TOKENS + 1], doc)
     plan = run(mine2, doc + [1, 2], donors=[mine2, donor2])
-    assert plan.spans[0].source is Source.OWN and plan.donor is None
+    assert plan.source is Source.OWN and plan.donor is None
 
 
 def test_host_cache_wins_when_it_restores_more_and_failure_empties_the_slot():
@@ -107,14 +156,16 @@ def test_host_cache_wins_when_it_restores_more_and_failure_empties_the_slot():
     cache = RadixPromptCache(-1)
     assert holder.kv.save_to(cache)
     plan = run(slot, doc + [3], host=cache)
-    assert plan.spans[0].source is Source.HOST and plan.n_reused == 40
+    assert plan.n_reused == 40 and cache.stats()["loads"] == 1
     assert list(slot.kv.tokens) == doc
-    # a restore that fails leaves nothing behind: the caller plans again without the host
+    # a restore that fails leaves nothing behind, and the prompt is planned again without it
     faulty = RadixPromptCache(-1, fault_after_tokens=7)
     assert holder.kv.save_to(faulty)
     slot.kv.drop()
     plan = plan_prefix(slot, doc + [3], [], faulty, True, 0)
-    assert plan.spans[0].source is Source.HOST
+    assert plan.source is Source.HOST
     assert not apply_plan(slot.kv, plan, doc + [3], faulty)
     assert len(slot.kv) == 0 and slot.kv.pool.seq_len(1) == 0
     slot.kv.check()
+    plan = run(slot, doc + [3], host=faulty, donors=[holder, slot])
+    assert plan.source is Source.SLOT and plan.n_reused == 40 and faulty.fallbacks == 2

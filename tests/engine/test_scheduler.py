@@ -134,3 +134,21 @@ def test_partials_only_for_streamed_tasks(model):
     assert len(out_s) > 2 and isinstance(out_s[-1], FinalResult)
     assert "".join(p.text for p in out_s[:-1]) == out_s[-1].content
     assert out_q[0].tokens == out_s[-1].tokens and out_q[0].content == out_s[-1].content
+
+
+def test_prompts_that_cannot_all_fit_fail_one_at_a_time(model):
+    """Two prompts filling the pool together: the first that cannot grow fails and frees its
+    cells, the other completes (not both failed)."""
+    cfg = ServerConfig(ctx_size=64, n_parallel=2, kv_unified=True, batch_size=16,
+                       ubatch_size=16, cache_ram_mib=0)
+    sched = Scheduler(model, cfg, ServerMetrics())
+    out1: list = []
+    sched.submit(task(list(range(100, 140)), n=4, id_slot=1), out1.append)
+    sched.step()
+    sched.check()
+    outs = run(sched, [task(list(range(300, 360)), n=4, id_slot=0)])
+    assert isinstance(out1[-1], FinalResult) and len(out1[-1].tokens) == 4
+    err = outs[0][-1]
+    assert isinstance(err, TaskError) and err.status == 500 and "Context size" in err.message
+    ok = run(sched, [task(list(range(500, 530)), n=4, id_slot=0)])  # and the server carries on
+    assert isinstance(ok[0][-1], FinalResult)
