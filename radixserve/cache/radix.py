@@ -91,12 +91,18 @@ class RadixPromptCache:
         return True
 
     def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> int:
+        found = self._restorable(pool, seq, slot_tokens, prompt)
+        return found.length if found is not None else 0
+
+    def _restorable(self, pool: KVPool, seq: int, slot_tokens: list[int],
+                    prompt: list[int]) -> RadixMatch | None:
         """The stored prefix `load` would restore: long enough, better than the slot's own, and
         with room for it."""
-        m = self.tree.match(prompt).length
+        match = self.tree.match(prompt)
+        m = match.length
         if m == 0 or m < self.min_restore_tokens or m <= common_prefix(slot_tokens, prompt):
-            return 0
-        return m if self.can_restore(pool, seq, m) else 0
+            return None
+        return match if self.can_restore(pool, seq, m) else None
 
     def load(
         self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]
@@ -107,10 +113,10 @@ class RadixPromptCache:
         and `seq` now holds nothing. Otherwise the tokens `seq` now holds, `prompt[:m]` (the
         whole match: the scheduler keeps at least one token to evaluate itself).
         """
-        m = self.match(pool, seq, slot_tokens, prompt)
-        if m == 0:
+        match = self._restorable(pool, seq, slot_tokens, prompt)
+        if match is None:
             return None
-        match = self.tree.match(prompt)
+        m = match.length
         end = match.path[-1]
         self.tree.touch(end)
         self.tree.lock(end)  # eviction must not drop the segments while we copy them
@@ -181,8 +187,7 @@ class RadixPromptCache:
     # ##### Internal helpers #####
     def can_restore(self, pool: KVPool, seq: int, n: int) -> bool:
         """Whether `seq` can hold `n` cells once its current ones (only those it alone holds) go."""
-        own = sum(1 for c in pool.seq_cells(seq) if len(pool.cell_seqs[c]) == 1)
-        return n <= pool.n_free_for(seq) + own
+        return n <= pool.n_reclaimable(seq)
 
     def _restore(self, pool: KVPool, seq: int, match: RadixMatch) -> None:
         """Write the matched segments into fresh cells of `seq` at positions 0..match.length-1."""

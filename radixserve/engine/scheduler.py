@@ -28,6 +28,7 @@ from radixserve.engine.prefix_plan import choose_slot, pending_prefill, take_pre
 from radixserve.engine.slot import Slot, SlotState
 from radixserve.engine.slot_kv import SlotKV
 from radixserve.engine.task import CompletionTask, TaskError
+from radixserve.kv.batch import seq_step
 from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.model.forward import SeqStep
 from radixserve.model.loader import Model
@@ -212,13 +213,12 @@ class Scheduler:
             except OutOfCells:
                 if not self.try_clear_idle_slots():
                     return None
-        view = self.pool.view(kv.seq)
         if s.state is SlotState.PROCESSING_PROMPT:
             tokens = s.prompt[pos0 : pos0 + n]
         else:
             assert s.pending is not None
             tokens = [s.pending]
-        return SeqStep(tokens, pos0, cells, view.cells, view.positions)
+        return seq_step(self.pool, kv.seq, tokens, pos0, cells)
 
     def _schedule(self) -> list[tuple[Slot, SeqStep]]:
         """One decode token per generating slot, then prompt chunks while the budget and the

@@ -128,7 +128,7 @@ def _restore(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str
     if st.positions != list(range(n)):
         raise fail(f"the file's {n} tokens do not match its KV state "
                    f"({len(st.positions)} positions)")
-    room = slot.kv.n_reclaimable()
+    room = pool.n_reclaimable(seq)
     if n > room:
         raise fail(f"No available space in KV cache (need {n} cells, {room} available)")
     if sf.checkpoints or sf.draft or sf.speculative:

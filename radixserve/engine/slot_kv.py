@@ -50,12 +50,6 @@ class SlotKV:
         """Cells this sequence could still get from the pool."""
         return self.pool.n_free_for(self.seq)
 
-    def n_reclaimable(self) -> int:
-        """Free cells plus the cells only this sequence holds (what a replacement could use)."""
-        pool = self.pool
-        own = sum(1 for c in pool.seq_cells(self.seq) if len(pool.cell_seqs[c]) == 1)
-        return pool.n_free_for(self.seq) + own
-
     def save_to(self, cache: PromptCache) -> bool:
         """Copy the contiguous prefix into the host cache (the pool is only read)."""
         return bool(self._tokens) and cache.save(self.pool, self.seq, list(self._tokens))

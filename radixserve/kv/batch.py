@@ -25,6 +25,13 @@ class BatchSeq:
     n_logits: int = 1  # logits for the last n_logits tokens (0: none)
 
 
+def seq_step(pool: KVPool, seq: int, tokens: list[int], pos0: int, cells: list[int],
+             n_logits: int = 1) -> SeqStep:
+    """The forward's view of `seq` once `cells` (for `tokens` at pos0..) are allocated to it."""
+    view = pool.view(seq)
+    return SeqStep(tokens, pos0, cells, view.cells, view.positions, n_logits)
+
+
 def place(pool: KVPool, batch: list[BatchSeq]) -> list[SeqStep]:
     """Give every sequence its new cells (all or nothing: OutOfCells leaves the pool as it
     was) and describe what each one attends over."""
@@ -32,10 +39,8 @@ def place(pool: KVPool, batch: list[BatchSeq]) -> list[SeqStep]:
                               for b in batch])
     steps, at = [], 0
     for b in batch:
-        view = pool.view(b.seq)
         n = len(b.tokens)
-        steps.append(SeqStep(b.tokens, b.pos0, cells[at : at + n], view.cells, view.positions,
-                             b.n_logits))
+        steps.append(seq_step(pool, b.seq, b.tokens, b.pos0, cells[at : at + n], b.n_logits))
         at += n
     return steps
 

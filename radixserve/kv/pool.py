@@ -95,6 +95,12 @@ class KVPool:
     def n_free_for(self, seq: int) -> int:
         return len(self._free[self._part(seq)])
 
+    def n_reclaimable(self, seq: int) -> int:
+        """Cells `seq` could hold after dropping its own: the free ones plus those no other
+        sequence shares (what replacing its content with a restored state may use)."""
+        own = sum(1 for c in self.seq_cells(seq) if len(self.cell_seqs[c]) == 1)
+        return self.n_free_for(seq) + own
+
     def seq_len(self, seq: int) -> int:
         return len(self.seqs[seq].by_pos)
 

@@ -138,8 +138,7 @@ def set_state(pool: KVPool, seq: int, data: bytes | memoryview, fp: Fingerprint)
     n = len(st.positions)
     if n > pool.seq_capacity(seq):
         raise OutOfCells(f"state of {n} tokens exceeds the sequence's capacity {pool.seq_capacity(seq)}")
-    own = sum(1 for c in pool.seq_cells(seq) if len(pool.cell_seqs[c]) == 1)
-    if n > pool.n_free_for(seq) + own:
+    if n > pool.n_reclaimable(seq):
         raise OutOfCells(f"state of {n} tokens needs more free cells than available")
     pool.seq_rm(seq)
     write_rows(pool, seq, st.positions, st.k, st.v)
