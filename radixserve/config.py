@@ -6,7 +6,10 @@ the CLI builds a `ServerConfig` and everything below it reads from that object o
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+
+from radixserve.model.sampling import SamplingParams
 
 DTYPES = ("auto", "f32", "bf16", "f16")
 WEIGHTS = ("auto", "native", "dequant")
@@ -15,7 +18,9 @@ WEIGHTS = ("auto", "native", "dequant")
 @dataclass(slots=True)
 class ServerConfig:
     model: str = "default"
-    alias: str | None = None
+    alias: str | None = None  # the name the API reports: the first of `aliases` (sorted)
+    aliases: list[str] = field(default_factory=list)  # -a: every name the model answers to
+    tags: list[str] = field(default_factory=list)
     dtype: str = "auto"
     weights: str = "auto"  # auto: native unless f32 compute; native: 4-bit blocks run packed
     threads: int = -1  # -1: torch's default (all cores)
@@ -34,7 +39,34 @@ class ServerConfig:
     cache_prompt: bool = True
     slots_endpoint: bool = True
     metrics: bool = False
+    props_endpoint: bool = False  # --props: POST /props allowed
     log_verbosity: int = 3
+    log_file: str | None = None
+    log_disable: bool = False
+    log_jsonl: bool = False
+    log_prefix: bool = True
+    log_timestamps: bool = True
+    # HTTP front (llama-server's server params)
+    timeout: int = 3600  # -to: seconds a client may stay silent while sending a request
+    sse_ping_interval: int = 30  # seconds of stream silence before a ":" comment, -1 = never
+    max_body_mib: int = 32  # requests with larger bodies get 413
+    cors_origins: str = "*"
+    cors_methods: str = "GET, POST, DELETE, OPTIONS"
+    cors_headers: str = "*"
+    cors_credentials: bool = True
+    api_prefix: str = ""
+    static_path: str = ""
+    ssl_key_file: str | None = None
+    ssl_cert_file: str | None = None
+    reuse_port: bool = False
+    # chat and text
+    chat_template: str | None = None  # --chat-template(-file): a Jinja template, else the model's
+    chat_template_kwargs: dict[str, object] = field(default_factory=dict)
+    prefill_assistant: bool = True
+    stop: list[str] = field(default_factory=list)  # -r: default stop strings
+    special: bool = False  # -sp: special tokens rendered in the output text
+    escape: bool = True  # -e: process escapes (\n, \t...) in -r
+    ignore_eos: bool = False
     # host tier (issues 4/5)
     cache_ram_mib: int = 8192  # -1 unlimited, 0 off
     cache_idle_slots: bool = True
@@ -42,8 +74,11 @@ class ServerConfig:
     cache_radix_min_restore_tokens: int = 0
     # disk tier (issue 6)
     slot_save_path: str | None = None
-    # default sampling / generation
+    # default sampling / generation (request fields start from these)
     n_predict: int = -1
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # --temp, --top-k, ...
+    n_keep: int = 0  # --keep: prompt tokens a context shift keeps (-1: all)
+    context_shift: bool = False  # --context-shift: generation past n_ctx shifts the context
 
     def validate(self) -> None:
         """Reject settings that cannot work, with a message naming the flag."""
@@ -61,5 +96,19 @@ class ServerConfig:
             raise ValueError("--slot-prompt-similarity must be within [0, 1]")
         if self.cache_reuse < 0:
             raise ValueError("--cache-reuse must be >= 0")
+        if self.timeout < 1:
+            raise ValueError(f"--timeout must be >= 1 second, got {self.timeout}")
+        if self.max_body_mib < 1:
+            raise ValueError(f"--max-body-mib must be >= 1, got {self.max_body_mib}")
+        if (self.ssl_key_file is None) != (self.ssl_cert_file is None):
+            raise ValueError("HTTPS needs both --ssl-key-file and --ssl-cert-file")
+        for path in (self.ssl_key_file, self.ssl_cert_file):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"SSL file not found: {path!r}")
+        if self.static_path and not os.path.isdir(self.static_path):
+            raise ValueError(f"--path: not a directory: {self.static_path!r}")
+        if not 1 <= self.port <= 65535 and not all(
+                h.strip().endswith(".sock") for h in self.host.split(",")):
+            raise ValueError(f"--port must be within 1..65535, got {self.port}")
         if self.cache_ram_mib < -1:
             raise ValueError("--cache-ram must be -1 (no limit), 0 (off) or a size in MiB")

@@ -115,33 +115,38 @@ def pending_prefill(slots: list[Slot], task: CompletionTask) -> Slot | None:
     for s in slots:
         if s.state is SlotState.PROCESSING_PROMPT and s.task is not task:
             n = common_prefix(s.prompt, task.prompt_tokens)
-            if n >= SHARE_MIN_TOKENS and len(s.kv) < n:  # wait until all of it is there
+            # wait until all of it is there (the last prompt token is always computed anyway)
+            if n >= SHARE_MIN_TOKENS and len(s.kv) < min(n, len(task.prompt_tokens) - 1):
                 return s
     return None
 
 
 def plan_prefix(slot: Slot, prompt: list[int], donors: list[Slot], host: PromptCache | None,
-                cache_prompt: bool, n_reuse: int) -> PrefixPlan:
+                cache_prompt: bool, n_reuse: int, prefer: Slot | None = None) -> PrefixPlan:
     """The best source for the prompt's prefix, then `--cache-reuse` chunks, then compute.
 
     The host cache (when given) wins over the slot's own KV when it restores more; another
-    slot wins when it holds SHARE_MIN_TOKENS more than both.
+    slot wins when it holds SHARE_MIN_TOKENS more than both (`prefer`, the slot of an n_cmpl
+    parent: when it holds any more). A slot whose KV was context-shifted is never a source.
     """
     n = len(prompt)
     if not cache_prompt:
         return PrefixPlan([Span(0, n, Source.COMPUTE)], Source.COMPUTE)
     kv = slot.kv
-    source, n_src, donor = Source.OWN, common_prefix(kv.tokens, prompt), None
+    n_own = common_prefix(kv.tokens, prompt) if kv.reusable else 0
+    source, n_src, donor = Source.OWN, n_own, None
     if host is not None:
         n_host = host.match(kv.pool, kv.seq, list(kv.tokens), prompt)
         if n_host > n_src:
             source, n_src = Source.HOST, n_host
     n_best = 0
     for other in donors:
-        m = common_prefix(other.kv.tokens, prompt) if other is not slot and len(other.kv) else 0
-        if m > n_best:
+        ok = other is not slot and len(other.kv) and other.kv.reusable
+        m = common_prefix(other.kv.tokens, prompt) if ok else 0
+        if m > n_best or (m and m == n_best and other is prefer):
             donor, n_best = other, m
-    if donor is not None and n_best - n_src >= SHARE_MIN_TOKENS:
+    min_gain = 1 if donor is not None and donor is prefer else SHARE_MIN_TOKENS
+    if donor is not None and n_best - n_src >= min_gain:
         source, n_src = Source.SLOT, n_best
     else:
         donor = None
@@ -149,7 +154,7 @@ def plan_prefix(slot: Slot, prompt: list[int], donors: list[Slot], host: PromptC
     if n_prefix == 0:
         source = Source.OWN  # nothing reused up front (own chunks may still follow)
     spans = [Span(0, n_prefix, source)] if n_prefix else []
-    if source is Source.OWN and n_reuse > 0:
+    if source is Source.OWN and n_reuse > 0 and kv.reusable:
         spans += [Span(p, p + m, Source.OWN, c)
                   for c, p, m in find_chunks(list(kv.tokens), prompt, n_prefix, n_reuse)]
     if spans and spans[-1].p1 == n:  # the last prompt token is always computed
@@ -192,13 +197,13 @@ def apply_plan(kv: SlotKV, plan: PrefixPlan, prompt: list[int],
 
 
 def take_prefix(slot: Slot, prompt: list[int], slots: list[Slot], host: PromptCache | None,
-                cache_prompt: bool, n_reuse: int) -> PrefixPlan:
+                cache_prompt: bool, n_reuse: int, prefer: Slot | None = None) -> PrefixPlan:
     """Plan where the prompt's prefix comes from and make the slot hold it. A source that fails
     (a restore fault, no room for a copy or a shift) is left out and the plan made again; after
     a restore, the rest is planned from what the slot now holds. Returns the plan carried out."""
     donors = slots
     while True:
-        plan = plan_prefix(slot, prompt, donors, host, cache_prompt, n_reuse)
+        plan = plan_prefix(slot, prompt, donors, host, cache_prompt, n_reuse, prefer)
         done = apply_plan(slot.kv, plan, prompt, host)
         if plan.source is Source.HOST:
             host = None

@@ -7,12 +7,16 @@ reserves cells for a decode token of every generating slot plus prompt chunks of
 slots (up to the batch budget) before anything runs, so a forward never runs out of cells
 half-way; run is one forward; postprocess commits the new KV, samples, and streams results out
 through each task's `emit` callback.
+
+Also llama-server's: `--context-shift` (a generating slot whose context is full keeps n_keep
+tokens, discards n_discard after them and moves the rest left, through SlotKV.shift; the
+shifted KV is dropped when the task ends, never reused), and n_cmpl > 1 children, which wait
+until their parent's prompt is computed and then take its cells (prefix_plan's `prefer`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -68,7 +72,8 @@ class Scheduler:
         n_slots, n_cells, unified, self.n_ctx_slot = slot_layout(cfg, hp.n_ctx_train)
         self.pool = KVPool(hp.n_layer, hp.n_head_kv, hp.head_dim, n_cells, n_slots, unified,
                            model.dtype, model.rope.rotate, model.device)
-        self.slots = [Slot(SlotKV(self.pool, i), self.n_ctx_slot) for i in range(n_slots)]
+        self.slots = [Slot(SlotKV(self.pool, i), self.n_ctx_slot, cfg.context_shift)
+                      for i in range(n_slots)]
         self.deferred: deque[tuple[CompletionTask, Emit]] = deque()
         self.n_budget = max(1, min(cfg.batch_size, cfg.ubatch_size))
         self._next_id = 0
@@ -119,6 +124,9 @@ class Scheduler:
         waiting = len(self.deferred)
         for _ in range(waiting):
             task, emit = self.deferred.popleft()
+            if task.parent is not None and self._prefilling(task.parent):
+                self.deferred.append((task, emit))  # n_cmpl child: wait for the parent's prompt
+                continue
             if pending_prefill(self.slots, task) is not None:
                 self.deferred.append((task, emit))
                 continue
@@ -154,12 +162,56 @@ class Scheduler:
             self.host.save_before_overwrite(slot)
         n_reuse = self.cfg.cache_reuse if task.n_cache_reuse is None else task.n_cache_reuse
         plan = take_prefix(slot, prompt, self.slots, self.host.consulted(update_cache),
-                           task.cache_prompt, n_reuse)
+                           task.cache_prompt, n_reuse, prefer=self._holder(task.parent))
         if update_cache:
             self.host.cache.update()
         slot.start(task, sampler, emit, plan.todo, plan.n_reused)
         log.info("slot %d: task %d, prompt %d tokens, %d reused", slot.id, task.id,
                  len(prompt), plan.n_reused)
+
+    def _prefilling(self, parent: CompletionTask) -> bool:
+        """The parent of an n_cmpl > 1 child is still waiting or computing its prompt."""
+        if any(t is parent for t, _ in self.deferred):
+            return True
+        return any(s.state is SlotState.PROCESSING_PROMPT and s.task is parent
+                   for s in self.slots)
+
+    def _holder(self, parent: CompletionTask | None) -> Slot | None:
+        """The slot that ran (or runs) `parent`: a child takes its prompt cells from there."""
+        if parent is None:
+            return None
+        for s in self.slots:
+            if (s.task if s.is_processing else s.last_task) is parent:
+                return s
+        return None
+
+    def _context_shift(self, s: Slot) -> bool:
+        """llama-server's context shift (server-context.cpp pre_decode): the generating slot's
+        context is full; keep n_keep tokens (-1: the prompt; +1 for BOS; at most n_ctx - 4),
+        discard n_discard after them (0: half of the rest) and move the rest left. False when
+        the task failed instead."""
+        task = s.task
+        if not self.cfg.context_shift:  # unreachable: accept() stops the task first
+            self._fail(s, TaskError(500, "server_error", "context shift is disabled"))
+            return False
+        if task.n_cmpl > 1:
+            self._fail(s, TaskError(500, "server_error",
+                                    "context shift cannot be used for shared prompt"))
+            return False
+        n_keep = len(task.prompt_tokens) if task.n_keep < 0 else task.n_keep
+        if self.tok.add_bos:
+            n_keep += 1
+        n_keep = min(s.n_ctx - 4, n_keep)
+        n_left = len(s.kv) - n_keep
+        n_discard = task.n_discard or int(n_left / 2)
+        n_discard = min(max(n_discard, 0), max(0, n_left - 1))
+        log.warning("slot %d: context shift, n_keep = %d, n_left = %d, n_discard = %d",
+                    s.id, n_keep, n_left, n_discard)
+        if not s.kv.shift(n_keep, n_discard):
+            self._fail(s, TaskError(500, "server_error", "Context size has been exceeded."))
+            return False
+        s.truncated = True
+        return True
 
     # -- the loop: schedule -> run -> postprocess ---------------------------------------------
     def has_active(self) -> bool:
@@ -227,6 +279,8 @@ class Scheduler:
         batch: list[tuple[Slot, SeqStep]] = []
         for s in self.slots:
             if s.state is SlotState.GENERATING and s.pending is not None:
+                if len(s.kv) + 1 >= s.n_ctx and not self._context_shift(s):
+                    continue
                 step = self._reserve(s, len(s.kv), 1)
                 if step is None:
                     self._fail(s, TaskError(500, "server_error", "Context size has been exceeded."))
@@ -286,9 +340,7 @@ class Scheduler:
         bans = [eog if s.task.ignore_eos else [] for s in to_sample]
         logits = self.model.transformer.w.head.logits(
             hidden, [s.sampler.head_need(ban) for s, ban in zip(to_sample, bans)])
-        for i, ban in enumerate(bans):
-            if ban:
-                logits[i, ban] = -math.inf
+        # the rows stay raw (n_probs reports them); bans are -inf biases inside the chain
         tokens = sample_batch([s.sampler for s in to_sample], logits)
         for i, (s, t) in enumerate(zip(to_sample, tokens)):
             if s.accept(t, logits[i], self.tok):
@@ -307,6 +359,8 @@ class Scheduler:
         self.metrics.observe_n_tokens(len(s.tokens))
         log.info("slot %d: stop processing, n_tokens = %d, truncated = %s",
                  s.id, len(s.tokens), s.truncated)
+        if not s.kv.reusable:  # shifted KV is not what its tokens compute to: never reuse it
+            s.kv.drop()
         s.release()
         self.launch_deferred()
 

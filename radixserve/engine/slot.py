@@ -12,7 +12,6 @@ import codecs
 import enum
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -30,8 +29,9 @@ class SlotState(enum.Enum):
 
 
 class Slot:
-    def __init__(self, kv: SlotKV, n_ctx: int) -> None:
+    def __init__(self, kv: SlotKV, n_ctx: int, context_shift: bool = False) -> None:
         self.id, self.n_ctx, self.kv = kv.seq, n_ctx, kv
+        self.context_shift = context_shift  # --context-shift: a full context shifts, not stops
         self.state = SlotState.IDLE
         self.t_last_used = -1.0
         self._task: CompletionTask | None = None
@@ -56,6 +56,9 @@ class Slot:
         self.t_first = 0.0
         self.stop_type, self.stopping_word, self.truncated = "none", "", False
         self.n_prompt_processed = 0
+        self.has_new_line = False  # a released piece contained "\n" (llama-server's flag)
+        self.last_nl_pos = 0  # n_indent: start of the line being checked
+        self._piece = ""  # text the last token added
 
     @property
     def tokens(self) -> Sequence[int]:
@@ -97,8 +100,10 @@ class Slot:
     # -- generation ----------------------------------------------------------------------
     def accept(self, t: int, logits: torch.Tensor, tok: Tokenizer) -> bool:
         """Take the token sampled from `logits`; True when the task is done (EOS, a stop string,
-        n_predict, or the slot's context full). Otherwise `t` waits to be fed back (`pending`)
-        and a streamed task gets the text released so far."""
+        n_predict, the slot's context full without --context-shift, n_indent,
+        t_max_predict_ms). Otherwise `t` waits to be fed back (`pending`) and a streamed task
+        gets the text released so far. The checks and their order are llama-server's
+        (server-context.cpp process_token)."""
         task = self.task
         if task.n_probs > 0:
             self.probs.append(self._token_probs(t, logits, tok))
@@ -107,13 +112,20 @@ class Slot:
         if tok.is_eog(t) and not task.ignore_eos:
             self.stop_type = "eos"
             return True
-        if self.add_text(tok.token_to_piece(t, special=False)):
-            return True
-        if 0 <= task.n_predict <= len(self.generated):
-            self.stop_type = "limit"
-            return True
-        if len(self.kv) + 1 >= self.n_ctx:
-            self.stop_type, self.truncated = "limit", True
+        done = self.add_text(tok.token_to_piece(t, special=task.special))
+        if not self.context_shift and len(self.kv) + 1 >= self.n_ctx:
+            self.stop_type, self.truncated, done = "limit", True, True
+        if not done and 0 <= task.n_predict <= len(self.generated):
+            self.stop_type, done = "limit", True
+        if self.has_new_line and task.n_indent > 0:
+            done = self._check_indent(task.n_indent) or done
+        if "\n" in self._piece:
+            self.has_new_line = True
+            # after a newline, stop on time (measured from the first token) at the next one
+            ms = (time.perf_counter() - self.t_first) * 1e3
+            if task.t_max_predict_ms > 0 and ms > task.t_max_predict_ms:
+                self.stop_type, done = "limit", True
+        if done:
             return True
         self.pending = t
         part = self.partial() if task.stream else None
@@ -122,19 +134,38 @@ class Slot:
         return False
 
     def _token_probs(self, t: int, logits: torch.Tensor, tok: Tokenizer) -> TokenProbs:
-        top = self.sampler.top_probs(logits, self.task.n_probs)
+        # llama-server's populate_token_probs: raw softmax, or the chain's with post_sampling
+        prob, top = self.sampler.token_probs(t, logits, self.task.n_probs)
 
         def text(i: int) -> str:
-            return tok.token_to_piece(i, special=False).decode("utf-8", "replace")
+            return tok.token_to_piece(i, special=self.task.special).decode("utf-8", "replace")
 
-        piece = tok.token_to_piece(t, special=False)
-        return TokenProbs(t, piece.decode("utf-8", "replace"), list(piece), dict(top).get(t, 0.0),
+        piece = tok.token_to_piece(t, special=self.task.special)
+        return TokenProbs(t, piece.decode("utf-8", "replace"), list(piece), prob,
                           [(i, text(i), q) for i, q in top])
 
+    def _check_indent(self, n_indent: int) -> bool:
+        """llama-server's n_indent rule: once the line after the last newline has a character
+        that is not a space or tab, and its indentation is below n_indent, stop and cut the
+        text after the indentation. Advances to the next line (one line per token, as there)."""
+        stop = False
+        text = self.text
+        if self.last_nl_pos > 0:
+            pos = self.last_nl_pos
+            while pos < len(text) and text[pos] in " \t":
+                pos += 1
+            if pos < len(text) and pos - self.last_nl_pos < n_indent:
+                self.stop_type, stop = "limit", True
+                self.text = text[:pos]
+        nl = self.text.find("\n", self.last_nl_pos)
+        if nl >= 0:
+            self.last_nl_pos = nl + 1
+        return stop
 
     def add_text(self, piece: bytes) -> bool:
         """Append a token's bytes; returns True when a stop string completed."""
-        self.text += self._utf8.decode(piece)
+        self._piece = self._utf8.decode(piece)
+        self.text += self._piece
         stops = self._task.stop if self._task else []
         if not stops:
             return False
@@ -173,7 +204,8 @@ class Slot:
         self.n_probs_sent = len(self.probs)
         tokens = self.generated[self.n_tokens_sent :]
         self.n_tokens_sent = len(self.generated)
-        return PartialResult(text, tokens, new_probs)
+        timings = self.timings(time.perf_counter()) if self.task.timings_per_token else None
+        return PartialResult(text, tokens, new_probs, timings)
 
     def timings(self, now: float) -> Timings:
         t_first = self.t_first or now
@@ -197,6 +229,7 @@ class Slot:
             id_slot=self.id,
             timings=self.timings(now),
             probs=list(self.probs),
+            has_new_line=self.has_new_line,
         )
 
     def release(self) -> None:
@@ -224,7 +257,7 @@ class Slot:
             n_prompt_tokens_processed=self.n_prompt_processed,
             n_prompt_tokens_cache=self.n_cached,
             params={
-                **asdict(task.params),
+                **task.params.llama_fields(),
                 "n_predict": n_predict,
                 "max_tokens": n_predict,
                 "ignore_eos": task.ignore_eos,
@@ -235,7 +268,7 @@ class Slot:
             next_token=[
                 {
                     "has_next_token": self.state is SlotState.GENERATING,
-                    "has_new_line": "\n" in self.text,
+                    "has_new_line": self.has_new_line,
                     "n_remain": (n_predict - n_decoded) if self._task and n_predict >= 0 else -1,
                     "n_decoded": n_decoded,
                 }

@@ -10,6 +10,15 @@ only writer of a block table), so the rule holds by construction and `check` can
 
 Cells reserved for a forward (`reserve`) are the one transient exception: they are committed
 (`commit`) when the forward succeeded or dropped with the rest when it failed.
+
+Context shift (`shift`, `--context-shift`): when a generating slot's context is full, the tokens
+after the first n_keep are partly discarded and the rest moved left with K re-rotated, as
+llama-server does. The KV that results is NOT the KV a fresh computation of the new token list
+would give (the kept tokens attended to the discarded ones), and the project promises cached ==
+uncached, so the rule is: a shifted slot's KV is never reused. `reusable` is False from the
+shift on; `save_to` refuses it, `share_from` refuses it as a donor (the prefix planner does not
+offer it), and the scheduler drops it when the task ends (so no later request, host-cache save,
+idle-slot save or slot file ever sees it). `drop` makes the slot reusable again.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ class SlotKV:
         self.pool, self.seq = pool, seq
         self._tokens: list[int] = []
         self._ahead: list[tuple[int, list[int]]] = []  # (pos0, tokens), ascending, past tokens
+        self.shifted = False  # a context shift ran: the KV must not be reused (docstring)
 
     # -- reading ---------------------------------------------------------------------------
     @property
@@ -46,18 +56,26 @@ class SlotKV:
         """Tokens held: the contiguous prefix plus the chunks placed ahead of it."""
         return len(self._tokens) + sum(len(t) for _, t in self._ahead)
 
+    @property
+    def reusable(self) -> bool:
+        """Whether another request, tier or file may take this KV as that of its tokens."""
+        return not self.shifted
+
     def n_free(self) -> int:
         """Cells this sequence could still get from the pool."""
         return self.pool.n_free_for(self.seq)
 
     def save_to(self, cache: PromptCache) -> bool:
         """Copy the contiguous prefix into the host cache (the pool is only read)."""
+        if self.shifted:
+            return False
         return bool(self._tokens) and cache.save(self.pool, self.seq, list(self._tokens))
 
     # -- replacing the content ---------------------------------------------------------------
     def drop(self) -> None:
         self.pool.seq_rm(self.seq)
         self._tokens, self._ahead = [], []
+        self.shifted = False
 
     def truncate(self, n: int) -> None:
         """Keep the first `n` tokens; everything past them (chunks ahead included) goes."""
@@ -68,6 +86,7 @@ class SlotKV:
     def share_from(self, donor: SlotKV, n: int) -> bool:
         """Take the donor's first `n` cells (shared in unified KV, copied in a partition);
         False, with this slot emptied, when a partition has no room for the copy."""
+        assert donor.reusable, f"slot {donor.seq}: shifted KV cannot be shared"
         self.drop()
         try:
             self.pool.seq_cp(donor.seq, self.seq, 0, n)
@@ -119,6 +138,24 @@ class SlotKV:
         self._ahead = []
         for _, p, n in chunks:
             self._place(p, prompt[p : p + n])
+        return True
+
+    def shift(self, n_keep: int, n_discard: int) -> bool:
+        """Context shift: drop positions [n_keep, n_keep + n_discard), move the rest left by
+        n_discard (K re-rotated); the tokens follow. Marks the KV shifted (never reused). False,
+        with the slot emptied, when a moved cell shared with another slot had to be copied and
+        there was no room."""
+        assert not self._ahead, f"slot {self.seq}: shift with chunks ahead"
+        n = len(self._tokens)
+        assert 0 <= n_keep and 0 <= n_discard and n_keep + n_discard <= n
+        self.shifted = True
+        try:
+            self.pool.seq_rm(self.seq, n_keep, n_keep + n_discard)
+            self.pool.seq_add(self.seq, n_keep + n_discard, n, -n_discard)
+        except OutOfCells:
+            self.drop()
+            return False
+        del self._tokens[n_keep : n_keep + n_discard]
         return True
 
     # -- a forward's cells ---------------------------------------------------------------------

@@ -38,10 +38,23 @@ class CompletionTask:
     cache_prompt: bool = True
     n_cache_reuse: int | None = None  # None: the server's --cache-reuse
     ignore_eos: bool = False
+    special: bool = False  # -sp: special tokens (EOS, <|im_end|>...) appear in the text
+    timings_per_token: bool = False  # every partial result carries the timings so far
     n_probs: int = 0
     # partial results per token; off for a non-streamed request, whose consumer only reads the
     # final result (each partial wakes the HTTP thread: ~10% of decode speed on 2 cores)
     stream: bool = True
+    # context shift (--context-shift): prompt tokens kept (-1: all; BOS is added on top, as in
+    # llama-server) and tokens discarded after them (0: half of the rest)
+    n_keep: int = 0
+    n_discard: int = 0
+    n_indent: int = 0  # >0: stop at a line indented less than this (llama-server's FIM rule)
+    t_max_predict_ms: int = -1  # >0: stop at a newline once generation took longer than this
+    index: int = 0  # position of this result in a multi-prompt / n_cmpl > 1 response
+    n_cmpl: int = 1  # completions of this prompt in the request (>1: a parent or a child)
+    # n_cmpl > 1: the first completion of the same prompt; this task waits until that one's
+    # prompt is computed and takes its cells instead of computing them again
+    parent: CompletionTask | None = None
     id: int = -1  # assigned by the engine
 
 
@@ -89,6 +102,7 @@ class PartialResult:
     text: str
     tokens: list[int]
     probs: list[TokenProbs] = field(default_factory=list)
+    timings: Timings | None = None  # with timings_per_token
 
 
 @dataclass(slots=True)
@@ -103,3 +117,4 @@ class FinalResult:
     id_slot: int
     timings: Timings
     probs: list[TokenProbs] = field(default_factory=list)
+    has_new_line: bool = False  # a newline was generated (llama-server's has_new_line)

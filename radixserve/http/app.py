@@ -16,12 +16,14 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
+from fastapi.staticfiles import StaticFiles
+from starlette.middleware.cors import CORSMiddleware
 
 from radixserve.config import ServerConfig
 from radixserve.engine.api import EngineAPI
 from radixserve.http import routes_completions, routes_info, routes_slots, routes_tokenize
 from radixserve.http.errors import GuardedRoute, install_error_handlers
-from radixserve.http.middleware import GateMiddleware
+from radixserve.http.middleware import BodyGuard, GateMiddleware
 from radixserve.http.state import AppState
 
 log = logging.getLogger(__name__)
@@ -60,12 +62,36 @@ def create_app(
     )
     app.state.radixserve = state
     install_error_handlers(app)
+    app.add_middleware(BodyGuard, max_bytes=cfg.max_body_mib << 20, timeout_s=cfg.timeout)
     app.add_middleware(GateMiddleware, state=state)
+    app.add_middleware(CORSMiddleware, **cors_options(cfg))
     router = APIRouter(route_class=GuardedRoute)
     for family in (routes_info, routes_slots, routes_completions, routes_tokenize):
         family.add_routes(router, state)
-    app.include_router(router)
+    app.include_router(router, prefix=cfg.api_prefix)
+    if cfg.static_path:  # --path: files for the routes the API does not answer
+        app.mount(cfg.api_prefix or "/", StaticFiles(directory=cfg.static_path, html=True))
     return app
+
+
+LOCAL_ORIGIN = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+
+
+def cors_options(cfg: ServerConfig) -> dict[str, Any]:
+    """llama-server's CORS flags: '*' with credentials echoes the request's Origin; 'localhost'
+    echoes local origins only; otherwise the listed origins."""
+    origins = [o.strip() for o in cfg.cors_origins.split(",") if o.strip()]
+    opts: dict[str, Any] = {
+        "allow_methods": [m.strip() for m in cfg.cors_methods.split(",") if m.strip()],
+        "allow_headers": [h.strip() for h in cfg.cors_headers.split(",") if h.strip()],
+        "allow_credentials": cfg.cors_credentials,
+    }
+    if origins == ["localhost"]:
+        return {**opts, "allow_origin_regex": LOCAL_ORIGIN}
+    if "*" in origins:
+        return {**opts, "allow_origin_regex": ".*"} if cfg.cors_credentials else {
+            **opts, "allow_origins": ["*"]}
+    return {**opts, "allow_origins": origins}
 
 
 async def _load(state: AppState, factory: Callable[[], EngineAPI]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import gguf
@@ -16,7 +16,6 @@ import gguf
 from radixserve.config import ServerConfig
 from radixserve.http.responses import BUILD_INFO, params_json
 from radixserve.model.loader import Model
-from radixserve.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +74,7 @@ def model_facts(model: Model) -> ModelFacts:
 
 def default_params_json(cfg: ServerConfig) -> dict[str, Any]:
     """The generation settings a request gets when it sets nothing."""
-    return params_json(SamplingParams(seed=cfg.seed), cfg.n_predict)
+    return params_json(replace(cfg.sampling, seed=cfg.seed), cfg.n_predict)
 
 
 def props_json(
@@ -97,7 +96,7 @@ def props_json(
         "modalities": {"vision": False, "video": False, "audio": False},
         "media_marker": "<__media__>",  # llama.cpp's default; no media input here
         "endpoint_slots": cfg.slots_endpoint,
-        "endpoint_props": False,
+        "endpoint_props": cfg.props_endpoint,
         "endpoint_metrics": cfg.metrics,
         "ui": False,
         "ui_settings": {},
@@ -171,8 +170,8 @@ def models_json(
     }
     data = {
         "id": name,
-        "aliases": [name],
-        "tags": [],
+        "aliases": cfg.aliases or [name],
+        "tags": cfg.tags,
         "object": "model",
         "created": created,
         "owned_by": "llamacpp",

@@ -1,4 +1,5 @@
-"""The checks llama-server runs before routing: "still loading" (503) and the API key (401).
+"""The checks llama-server runs before routing: "still loading" (503), the API key (401), and
+the request body's size (413) and arrival (408, --timeout).
 
 A plain ASGI middleware (not BaseHTTPMiddleware) so streamed responses and disconnect
 detection pass through untouched.
@@ -6,23 +7,28 @@ detection pass through untouched.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from typing import Any, Protocol
 
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from radixserve.engine.task import TaskError
 from radixserve.http.errors import error_response
 
 log = logging.getLogger(__name__)
 
-PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+PUBLIC_PATHS = ("/health", "/v1/health")
 
 
 class GateState(Protocol):
     engine: Any  # None while the model loads
     load_error: str | None
+
+    @property
+    def api_prefix(self) -> str: ...
 
     @property
     def api_keys(self) -> list[str]: ...
@@ -56,7 +62,8 @@ class GateMiddleware:
                 resp = error_response(503, "Loading model")
             await resp(scope, receive, send)
             return
-        guarded = scope["method"] != "OPTIONS" and scope["path"] not in PUBLIC_PATHS
+        path = scope["path"].removeprefix(state.api_prefix)
+        guarded = scope["method"] != "OPTIONS" and path not in PUBLIC_PATHS
         if (
             state.api_keys
             and guarded
@@ -65,3 +72,50 @@ class GateMiddleware:
             await error_response(401, "Invalid API Key")(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class BodyGuard:
+    """llama-server's limits on reading a request: a body larger than `max_bytes` is a 413
+    (refused from Content-Length before reading, or as soon as a chunked body passes it), and
+    a client silent for `timeout_s` while sending its body is a 408 (--timeout). Raised as
+    TaskError from `receive`, so the route's error handling shapes the answer."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await self._too_large()(scope, receive, send)
+            return
+        seen, done = 0, False
+
+        async def guarded() -> Message:
+            nonlocal seen, done
+            if done:  # the body is read: later receives wait for a disconnect, untimed
+                return await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise TaskError(408, "invalid_request_error",
+                                f"request body not received within {self.timeout_s:g} s "
+                                "(--timeout)") from None
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                done = not msg.get("more_body", False)
+                if seen > self.max_bytes:
+                    raise TaskError(413, "invalid_request_error", self._message())
+            else:
+                done = True
+            return msg
+
+        await self.app(scope, guarded, send)
+
+    def _message(self) -> str:
+        return f"request body larger than {self.max_bytes} bytes (--max-body-mib)"
+
+    def _too_large(self) -> Any:
+        return error_response(413, self._message(), "invalid_request_error")

@@ -7,11 +7,13 @@ n_predict aliases, soft limits clamped silently and hard limits rejected, OpenAI
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.engine.task import CompletionTask, TaskError, invalid_request
+from radixserve.http.fields import reject_unimplemented
 from radixserve.http.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -20,7 +22,13 @@ from radixserve.http.schemas import (
     validate_body,
 )
 from radixserve.model.chat_template import ChatTemplate, flatten_content
-from radixserve.model.sampling import SamplingParams
+from radixserve.model.sampling import (
+    SamplingParams,
+    dry_breakers_for,
+    parse_logit_bias,
+    samplers_from_chars,
+    samplers_from_names,
+)
 from radixserve.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -28,6 +36,7 @@ log = logging.getLogger(__name__)
 INT32_MAX = 2**31 - 1  # n_predict is capped by the context anyway; keep it a sane int
 MAX_N_PROBS = 100
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's "random seed" value
+FLT_MAX = 3.4028234663852886e38
 
 
 @dataclass(slots=True)
@@ -41,17 +50,33 @@ class ParseContext:
     default_n_predict: int = -1  # --n-predict; also a cap on what requests may ask for
     default_cache_prompt: bool = True
     default_seed: int = -1
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # the server's defaults
+    default_n_keep: int = 0  # --keep
+    default_stop: list[str] = field(default_factory=list)  # -r
+    default_ignore_eos: bool = False  # --ignore-eos
+    special: bool = False  # -sp: special tokens appear in the text
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # --chat-template-kwargs
+    prefill_assistant: bool = True  # --no-prefill-assistant: a last assistant turn is complete
 
 
 @dataclass(slots=True)
 class ParsedRequest:
     """A task plus how the response must be shaped (nothing here reaches the engine)."""
 
-    task: CompletionTask
+    task: CompletionTask  # the first of `tasks` (the one of a single-prompt, n=1 request)
     stream: bool = False
     include_usage: bool = False
     return_tokens: bool = False
     post_sampling_probs: bool = False
+    # every task of the request, in llama-server's result order: per prompt, the task and then
+    # its n_cmpl - 1 children (`CompletionTask.index` is the position here)
+    tasks: list[CompletionTask] = field(default_factory=list)
+    response_fields: list[str] = field(default_factory=list)  # /completion: fields to return
+    sse_ping_interval: int | None = None  # None: the server's --sse-ping-interval
+
+    def __post_init__(self) -> None:
+        if not self.tasks:
+            self.tasks = [self.task]
 
 
 def tokenize_mixed(
@@ -74,24 +99,34 @@ def tokenize_mixed(
     return out
 
 
-def prompt_tokens(prompt: Any, tok: Tokenizer) -> list[int]:
-    """Tokens of a /completion `prompt`: a string, token ids, a mixed list, `{prompt_string}`,
-    or a one-element list of those. Several prompts in one request are rejected (400)."""
+def prompt_list(prompt: Any, tok: Tokenizer) -> list[list[int]]:
+    """The prompts of a /completion `prompt` (llama-server's tokenize_input_prompts): a list
+    holding no token id is a list of prompts, each a string, token ids, a mixed list or a
+    `{prompt_string}`; anything else is one prompt."""
     if prompt is None:
         raise invalid_request('"prompt" is required')
+    if isinstance(prompt, list) and prompt and not any(
+        isinstance(p, int) and not isinstance(p, bool) for p in prompt
+    ):
+        return [_one_prompt(p, tok) for p in prompt]
+    return [_one_prompt(prompt, tok)]
+
+
+def prompt_tokens(prompt: Any, tok: Tokenizer) -> list[int]:
+    """Tokens of a /completion `prompt` holding one prompt (400 for several)."""
+    prompts = prompt_list(prompt, tok)
+    if len(prompts) > 1:
+        raise invalid_request("multiple prompts are not supported here")
+    return prompts[0]
+
+
+def _one_prompt(prompt: Any, tok: Tokenizer) -> list[int]:
     if isinstance(prompt, dict):
         if prompt.get("multimodal_data"):
             raise invalid_request("multimodal prompts are not supported")
         if not isinstance(prompt.get("prompt_string"), str):
             raise invalid_request("a prompt object needs a string 'prompt_string'")
         return tok.encode(prompt["prompt_string"])
-    if isinstance(prompt, list) and prompt:
-        has_str = any(isinstance(p, str) for p in prompt)
-        has_int = any(isinstance(p, int) and not isinstance(p, bool) for p in prompt)
-        if not (has_int or (has_str and len(prompt) == 1)):  # a list of prompts
-            if len(prompt) > 1:
-                raise invalid_request("multiple prompts are not supported")
-            return prompt_tokens(prompt[0], tok)
     return tokenize_mixed(prompt, tok, add_special=True, parse_special=True)
 
 
@@ -133,60 +168,147 @@ def _n_predict(req: GenerationRequest, ctx: ParseContext) -> int:
 
 
 def _sampling(req: GenerationRequest, n_probs: int, ctx: ParseContext) -> SamplingParams:
-    """SamplingParams with llama-server's soft limits clamped and hard limits enforced."""
-    d = SamplingParams()
-    seed = ctx.default_seed if req.seed is None else req.seed
+    """SamplingParams from the server's defaults (`ctx.sampling`) and the request, with
+    llama-server's limits (tools/server/server-schema.cpp): soft limits clamped silently,
+    hard limits rejected with a 400 naming the field."""
+    d = ctx.sampling
+    tok = ctx.tokenizer
+    default_seed = ctx.default_seed if ctx.default_seed != -1 else d.seed
+    seed = default_seed if req.seed is None else req.seed
     if seed == LLAMA_DEFAULT_SEED:
         seed = -1
     if seed != -1 and not 0 <= seed < 2**64:
         raise range_error("seed", seed, -1, 2**64 - 1)
     repeat_last_n = d.repeat_last_n if req.repeat_last_n is None else req.repeat_last_n
-    if repeat_last_n < -1:
-        raise range_error("repeat_last_n", repeat_last_n, -1)
+    if repeat_last_n < 0:  # llama-server's hard limits [0, INT32_MAX]; -1 is a CLI-only value
+        raise range_error("repeat_last_n", repeat_last_n, 0, INT32_MAX)
     repeat_penalty = d.repeat_penalty if req.repeat_penalty is None else req.repeat_penalty
     if repeat_penalty <= 0:
         raise invalid_request(f"Field 'repeat_penalty': Value must be > 0, got {repeat_penalty}")
 
-    def pick(value: float | None, default: float, lo: float, hi: float = float("inf")) -> Any:
+    def pick(value: float | None, default: float, lo: float = float("-inf"),
+             hi: float = float("inf")) -> Any:
         return default if value is None else type(default)(min(max(value, lo), hi))
+
+    def hard(name: str, value: float | None, default: float, lo: float, hi: float) -> Any:
+        if value is None:
+            return default
+        if not lo <= value <= hi:
+            raise range_error(name, value, lo, hi)
+        return type(default)(value)
+
+    dry_base = d.dry_base if req.dry_base is None or req.dry_base < 1.0 else req.dry_base
+    samplers = list(d.samplers)
+    if isinstance(req.samplers, list):
+        if not all(isinstance(x, str) for x in req.samplers):
+            raise invalid_request("Field 'samplers': must be an array of sampler names or a "
+                                  "string of sampler chars")
+        samplers = samplers_from_names(req.samplers, strict=False)  # unknown: skipped
+    elif isinstance(req.samplers, str):
+        samplers = samplers_from_chars(req.samplers, strict=False)
+    breakers = list(d.dry_sequence_breakers)
+    if req.dry_sequence_breakers is not None:
+        b = req.dry_sequence_breakers
+        if not (isinstance(b, list) and b and all(isinstance(x, str) for x in b)):
+            raise invalid_request("Field 'dry_sequence_breakers': Error: dry_sequence_breakers "
+                                  "must be a non-empty array of strings")
+        breakers = list(b)
+    if req.logit_bias is None:
+        logit_bias = list(d.logit_bias)
+    else:
+        logit_bias = parse_logit_bias(
+            req.logit_bias, tok.n_vocab,
+            lambda text: tok.encode(text, add_special=False, parse_special=False))
+    ignore_eos = ctx.default_ignore_eos if req.ignore_eos is None else req.ignore_eos
+    if ignore_eos:  # llama-server: ignore_eos appends -inf biases for the EOG tokens
+        logit_bias += [(t, float("-inf")) for t in sorted(tok.eog_ids)]
 
     params = SamplingParams(
         temperature=pick(req.temperature, d.temperature, 0.0),
         top_k=pick(req.top_k, d.top_k, 0, INT32_MAX),
         top_p=pick(req.top_p, d.top_p, 0.0, 1.0),
         min_p=pick(req.min_p, d.min_p, 0.0, 1.0),
+        typical_p=pick(req.typical_p, d.typical_p),
+        top_n_sigma=pick(req.top_n_sigma, d.top_n_sigma),
+        xtc_probability=pick(req.xtc_probability, d.xtc_probability, 0.0, 1.0),
+        xtc_threshold=pick(req.xtc_threshold, d.xtc_threshold, 0.0, 1.0),
+        dynatemp_range=pick(req.dynatemp_range, d.dynatemp_range),
+        dynatemp_exponent=pick(req.dynatemp_exponent, d.dynatemp_exponent),
         repeat_penalty=repeat_penalty,
         repeat_last_n=min(repeat_last_n, INT32_MAX),  # a window longer than any context
-        presence_penalty=pick(req.presence_penalty, d.presence_penalty, float("-inf")),
-        frequency_penalty=pick(req.frequency_penalty, d.frequency_penalty, float("-inf")),
+        presence_penalty=pick(req.presence_penalty, d.presence_penalty),
+        frequency_penalty=pick(req.frequency_penalty, d.frequency_penalty),
+        dry_multiplier=pick(req.dry_multiplier, d.dry_multiplier),
+        dry_base=float(dry_base),
+        dry_allowed_length=hard("dry_allowed_length", req.dry_allowed_length,
+                                d.dry_allowed_length, 0, INT32_MAX),
+        dry_penalty_last_n=hard("dry_penalty_last_n", req.dry_penalty_last_n,
+                                d.dry_penalty_last_n, 0, INT32_MAX),
+        dry_sequence_breakers=breakers,
+        mirostat=pick(req.mirostat, d.mirostat, 0, 2),
+        mirostat_tau=pick(req.mirostat_tau, d.mirostat_tau),
+        mirostat_eta=pick(req.mirostat_eta, d.mirostat_eta),
+        adaptive_target=pick(req.adaptive_target, d.adaptive_target, -FLT_MAX, 1.0),
+        adaptive_decay=hard("adaptive_decay", req.adaptive_decay, d.adaptive_decay, 0.0, 0.99),
+        logit_bias=logit_bias,
+        min_keep=hard("min_keep", req.min_keep, d.min_keep, 0, INT32_MAX),
         seed=seed,
         n_probs=n_probs,
+        post_sampling_probs=bool(req.post_sampling_probs),
+        samplers=samplers,
     )
     try:
         params.validate()
-    except ValueError as e:  # a rule added to SamplingParams later: still a 400, not a 500
+    except ValueError as e:  # a rule of SamplingParams: still a 400, not a 500
         raise invalid_request(str(e)) from None
+    if (params.mirostat == 0 and "dry" in params.samplers and params.dry_multiplier != 0.0
+            and params.dry_base >= 1.0 and params.dry_penalty_last_n != 0):
+        params.dry_breaker_tokens = dry_breakers_for(tok, params.dry_sequence_breakers)
     return params
 
 
-def _reject_unsupported(req: GenerationRequest) -> None:
-    for name in ("grammar", "json_schema", "logit_bias", "tools"):
-        if getattr(req, name):
-            raise invalid_request(f"Field '{name}' is not supported by this server")
-    rf = req.response_format
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type", "text") == "text"):
-        raise invalid_request('Field \'response_format\': only {"type": "text"} is supported')
-    name, n = _first(req, "n_cmpl", "n")
-    if n is not None and n != 1:
-        raise invalid_request(f"Field '{name}': only 1 completion per request is supported")
+def _limit(req: GenerationRequest, name: str, default: int, lo: int, hi: int) -> int:
+    """An integer field with llama-server's hard limits (400 outside [lo, hi])."""
+    value = getattr(req, name)
+    if value is None:
+        return default
+    if not lo <= value <= hi:
+        raise range_error(name, value, lo, hi)
+    return int(value)
+
+
+def _response_fields(value: Any) -> list[str]:
+    """llama-server reads a list of strings; any other value is ignored (json_value)."""
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    return []
+
+
+def _child_seed(seed: int, j: int) -> int:
+    """Seed of the j-th extra completion (llama-server's add_child: seed + j, as uint32)."""
+    if seed == -1:
+        return -1
+    return (seed + j) % 2**32 if seed < 2**32 else seed + j
 
 
 def build_task(
-    req: GenerationRequest, tokens: list[int], n_probs: tuple[str, int], ctx: ParseContext
+    req: GenerationRequest, tokens: list[int], n_probs: tuple[str, int], ctx: ParseContext,
+    prompts: list[list[int]] | None = None,
 ) -> ParsedRequest:
-    """The task for validated fields `req`, a tokenized prompt and (field name, n_probs)."""
-    _reject_unsupported(req)
-    check_prompt(tokens, ctx)
+    """The tasks for validated fields `req`, a tokenized prompt (or several: `prompts`) and
+    (field name, n_probs): per prompt one task and n_cmpl - 1 children."""
+    reject_unimplemented(req)
+    prompts = [tokens] if prompts is None else prompts
+    for p in prompts:
+        check_prompt(p, ctx)
+    n_name, n_cmpl = _first(req, "n_cmpl", "n")
+    n_cmpl = 1 if n_cmpl is None else n_cmpl
+    if not 1 <= n_cmpl <= ctx.n_slots:
+        raise range_error(n_name, n_cmpl, 1, ctx.n_slots)
+    n_keep = _limit(req, "n_keep", ctx.default_n_keep, -1, INT32_MAX)
+    n_discard = _limit(req, "n_discard", 0, 0, INT32_MAX)
+    n_indent = _limit(req, "n_indent", 0, 0, INT32_MAX)
+    t_max_predict_ms = _limit(req, "t_max_predict_ms", -1, -1, 2**63 - 1)
     probs_field, n_probs_value = n_probs
     if not 0 <= n_probs_value <= MAX_N_PROBS:
         raise range_error(probs_field, n_probs_value, 0, MAX_N_PROBS)
@@ -196,24 +318,43 @@ def build_task(
     if req.n_cache_reuse is not None and req.n_cache_reuse < 0:
         raise range_error("n_cache_reuse", req.n_cache_reuse, 0)
     task = CompletionTask(
-        prompt_tokens=tokens,
+        prompt_tokens=prompts[0],
         params=_sampling(req, n_probs_value, ctx),
         n_predict=_n_predict(req, ctx),
-        stop=req.stop or [],
+        stop=req.stop or list(ctx.default_stop),  # none given: the server's -r strings
         id_slot=id_slot,
         cache_prompt=ctx.default_cache_prompt if req.cache_prompt is None else req.cache_prompt,
         n_cache_reuse=req.n_cache_reuse,
-        ignore_eos=bool(req.ignore_eos),
+        ignore_eos=ctx.default_ignore_eos if req.ignore_eos is None else req.ignore_eos,
+        special=ctx.special,
+        timings_per_token=bool(req.timings_per_token),
         n_probs=n_probs_value,
         stream=bool(req.stream),
+        n_keep=n_keep,
+        n_discard=n_discard,
+        n_indent=n_indent,
+        t_max_predict_ms=t_max_predict_ms,
+        n_cmpl=n_cmpl,
     )
+    tasks: list[CompletionTask] = []
+    for p in prompts:
+        first = dataclasses.replace(task, prompt_tokens=p, index=len(tasks))
+        tasks.append(first)
+        for j in range(1, n_cmpl):  # children: no id_slot, their own seed (add_child)
+            params = dataclasses.replace(task.params, seed=_child_seed(task.params.seed, j))
+            tasks.append(dataclasses.replace(first, params=params, id_slot=-1, parent=first,
+                                             index=len(tasks)))
     opts = req.stream_options
     return ParsedRequest(
-        task=task,
+        task=tasks[0],
+        tasks=tasks,
+        response_fields=_response_fields(req.response_fields),
         stream=bool(req.stream),
         include_usage=bool(opts and opts.include_usage),
         return_tokens=bool(req.return_tokens),
         post_sampling_probs=bool(req.post_sampling_probs),
+        sse_ping_interval=None if req.sse_ping_interval is None
+        else _limit(req, "sse_ping_interval", -1, -1, INT32_MAX),
     )
 
 
@@ -221,11 +362,15 @@ def parse_completion(body: Any, ctx: ParseContext) -> ParsedRequest:
     """/completion, /completions and /v1/completions bodies."""
     req = validate_body(CompletionRequest, body)
     field, n_probs = _first(req, "n_probs", "logprobs")
-    tokens = prompt_tokens(req.prompt, ctx.tokenizer)
-    return build_task(req, tokens, (field, n_probs or 0), ctx)
+    prompts = prompt_list(req.prompt, ctx.tokenizer)
+    return build_task(req, prompts[0], (field, n_probs or 0), ctx, prompts)
 
 
-def render_chat(req: ChatRequest, template: ChatTemplate, tok: Tokenizer) -> str:
+RESERVED_TEMPLATE_VARS = ("messages", "add_generation_prompt")
+
+
+def render_chat(req: ChatRequest, template: ChatTemplate, tok: Tokenizer,
+                ctx: ParseContext | None = None) -> str:
     """The prompt text for a chat request, as llama-server builds it.
 
     A trailing assistant message is a prefill: the reply continues its text. The template's
@@ -239,10 +384,14 @@ def render_chat(req: ChatRequest, template: ChatTemplate, tok: Tokenizer) -> str
             raise invalid_request(f"Field 'messages[{i}].content' is required")
     add_gen = True if req.add_generation_prompt is None else req.add_generation_prompt
     prefill = ""
-    if add_gen and msgs[-1]["role"] == "assistant":
+    if add_gen and msgs[-1]["role"] == "assistant" and (ctx is None or ctx.prefill_assistant):
         prefill = flatten_content(msgs.pop()["content"])
+    extra = {**(ctx.chat_template_kwargs if ctx else {}), **(req.chat_template_kwargs or {})}
+    for name in RESERVED_TEMPLATE_VARS:
+        if name in extra:
+            raise invalid_request(f"Field 'chat_template_kwargs': '{name}' is set by the "
+                                  "request itself and cannot be overridden")
     try:
-        extra = req.chat_template_kwargs or {}
         text = template.render(msgs, add_generation_prompt=add_gen, **extra)
     except ValueError as e:
         raise invalid_request(str(e)) from None
@@ -266,6 +415,6 @@ def parse_chat(body: Any, ctx: ParseContext) -> ParsedRequest:
     """/chat/completions and /v1/chat/completions bodies."""
     req = validate_body(ChatRequest, body)
     n_probs = chat_n_probs(req)
-    text = render_chat(req, ctx.chat_template, ctx.tokenizer)
+    text = render_chat(req, ctx.chat_template, ctx.tokenizer, ctx)
     tokens = ctx.tokenizer.encode(text, add_special=True, parse_special=True)
     return build_task(req, tokens, n_probs, ctx)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve import __version__
-from radixserve.engine.task import CompletionTask, FinalResult, TokenProbs
+from radixserve.engine.task import FinalResult, TokenProbs
 from radixserve.http.parse import ParsedRequest
 from radixserve.model.sampling import SamplingParams
 from radixserve.model.tokenizer import Tokenizer
@@ -24,7 +24,6 @@ from radixserve.model.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 BUILD_INFO = f"b{__version__}-radixserve"  # llama-server's system_fingerprint starts with "b"
-SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]  # our chain, in order
 LOGPROB_FLOOR = -9999.0  # log(0) has no JSON form; OpenAI uses -9999.0 for "never"
 _ALNUM = string.ascii_letters + string.digits
 
@@ -101,46 +100,22 @@ def params_json(
     stop: list[str] | None = None,
     post_sampling_probs: bool = False,
 ) -> dict[str, Any]:
-    """llama-server's task `params` object (props, /slots, generation_settings). Samplers we
-    do not implement are reported at their disabled values so clients see the truth."""
+    """llama-server's task `params` object (to_json(only_metrics), as /props and
+    generation_settings show it): the sampling chain's settings as they are, plus the fields
+    of features this server does not have at their off values (chat parsing, speculative
+    decoding, LoRA)."""
     return {
-        "seed": 0xFFFFFFFF if params.seed == -1 else params.seed,
-        "temperature": params.temperature,
-        "dynatemp_range": 0.0,
-        "dynatemp_exponent": 1.0,
-        "top_k": params.top_k,
-        "top_p": params.top_p,
-        "min_p": params.min_p,
-        "top_n_sigma": -1.0,
-        "xtc_probability": 0.0,
-        "xtc_threshold": 0.1,
-        "typical_p": 1.0,
-        "repeat_last_n": params.repeat_last_n,
-        "repeat_penalty": params.repeat_penalty,
-        "presence_penalty": params.presence_penalty,
-        "frequency_penalty": params.frequency_penalty,
-        "dry_multiplier": 0.0,
-        "dry_base": 1.75,
-        "dry_allowed_length": 2,
-        "dry_penalty_last_n": 64,
-        "mirostat": 0,
-        "mirostat_tau": 5.0,
-        "mirostat_eta": 0.1,
-        "adaptive_target": -1.0,
-        "adaptive_decay": 0.9,
+        **params.llama_fields(),
         "max_tokens": n_predict,
         "n_predict": n_predict,
         "n_keep": 0,
         "n_discard": 0,
         "ignore_eos": ignore_eos,
         "stream": stream,
-        "n_probs": params.n_probs,
-        "min_keep": 0,
         "chat_format": "Content-only",
         "reasoning_format": "none",
         "reasoning_in_content": False,
         "generation_prompt": "",
-        "samplers": list(SAMPLERS),
         "speculative.types": "none",
         "timings_per_token": False,
         "post_sampling_probs": post_sampling_probs,
@@ -150,20 +125,13 @@ def params_json(
     }
 
 
-def task_params_json(task: CompletionTask, stream: bool = False) -> dict[str, Any]:
-    """`params_json` of a task (what /slots shows for a slot's current or last task)."""
-    return params_json(
-        task.params, task.n_predict, ignore_eos=task.ignore_eos, stream=stream, stop=task.stop
-    )
-
-
 def completion_json(
     final: FinalResult, req: ParsedRequest, ctx: ResponseContext, streamed: bool = False
 ) -> dict[str, Any]:
     """Native /completion final object; `streamed`: the SSE last chunk (content already sent)."""
     task = req.task
     out: dict[str, Any] = {
-        "index": 0,
+        "index": task.index,
         "content": "" if streamed else final.content,
         "tokens": final.tokens if req.return_tokens and not streamed else [],
         "id_slot": final.id_slot,
@@ -179,9 +147,9 @@ def completion_json(
             stop=task.stop,
             post_sampling_probs=req.post_sampling_probs,
         )
-        | {"n_ctx": ctx.n_ctx_slot},
+        | {"n_ctx": ctx.n_ctx_slot, "n_keep": task.n_keep, "n_discard": task.n_discard},
         "prompt": ctx.tokenizer.decode(task.prompt_tokens),
-        "has_new_line": "\n" in final.content,
+        "has_new_line": final.has_new_line,
         "truncated": final.truncated,
         "stop_type": final.stop_type,
         "stopping_word": final.stopping_word,
@@ -192,6 +160,22 @@ def completion_json(
         out["completion_probabilities"] = probs_json(
             final.probs, ctx.tokenizer, req.post_sampling_probs
         )
+    return select_fields(out, req.response_fields) if req.response_fields else out
+
+
+def select_fields(obj: dict[str, Any], paths: list[str]) -> dict[str, Any]:
+    """`response_fields` (llama-server's json_get_nested_values): for each path, "a/b" walks
+    into nested objects and the value goes to the root under the path as written; a path
+    that does not resolve is left out without error."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        cur: Any = obj
+        for key in path.split("/"):
+            if not (isinstance(cur, dict) and key in cur):
+                break
+            cur = cur[key]
+        else:
+            out[path] = cur
     return out
 
 
@@ -210,7 +194,7 @@ def text_completion_json(
     """/v1/completions, stream false."""
     choice = {
         "text": final.content,
-        "index": 0,
+        "index": req.task.index,
         "logprobs": oai_logprobs(final.probs, req, ctx.tokenizer),
         "finish_reason": finish_reason(final),
     }
@@ -232,7 +216,7 @@ def chat_completion_json(
     """/v1/chat/completions, stream false (chat_nonstream.json)."""
     choice: dict[str, Any] = {
         "finish_reason": finish_reason(final),
-        "index": 0,
+        "index": req.task.index,
         "message": {"role": "assistant", "content": final.content},
     }
     logprobs = oai_logprobs(final.probs, req, ctx.tokenizer)

@@ -8,6 +8,7 @@ Parsing and tokenizing run in a worker thread (long prompts must not stall the e
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -15,7 +16,8 @@ from starlette.concurrency import run_in_threadpool
 
 from radixserve.http import info
 from radixserve.http.errors import read_json
-from radixserve.http.parse import parse_chat, parse_completion
+from radixserve.http.multi_task import collect_all, per_task, stream_all
+from radixserve.http.parse import ParsedRequest, parse_chat, parse_completion
 from radixserve.http.responses import (
     ResponseContext,
     chat_completion_json,
@@ -36,6 +38,11 @@ _KINDS: dict[str, tuple[Callable, Callable, type, str]] = {
 
 
 def add_routes(r: APIRouter, state: AppState) -> None:
+    def ping_s(req: ParsedRequest) -> int:
+        """Seconds of silence before an SSE ping: the request's, else --sse-ping-interval."""
+        return state.cfg.sse_ping_interval if req.sse_ping_interval is None \
+            else req.sse_ping_interval
+
     async def complete(request: Request, kind: str) -> Response:
         parse, build, formatter, prefix = _KINDS[kind]
         body = await read_json(request)
@@ -47,12 +54,37 @@ def add_routes(r: APIRouter, state: AppState) -> None:
             e.n_ctx_slot,
             id=random_id(prefix),
         )
+        if len(req.tasks) > 1:
+            return await complete_many(request, kind, req, ctx)
         fmt = formatter(req, ctx) if req.stream else None
         stream = e.submit(req.task)  # from here on, every path must end the task
         if fmt is not None:
-            return await stream_response(request, stream, fmt)
+            return await stream_response(request, stream, fmt, ping_s(req))
         final = await collect_final(request, stream)
         return JSONResponse(await run_in_threadpool(build, final, req, ctx))
+
+    async def complete_many(request: Request, kind: str, req: ParsedRequest,
+                            ctx: ResponseContext) -> Response:
+        """Several prompts and/or n_cmpl > 1: all tasks at once (parents before their
+        children), results by `index`: /completion an array, OpenAI one object whose
+        `choices` are every task's (usage and timings of the first, as llama-server)."""
+        _, build, formatter, _ = _KINDS[kind]
+        subs = per_task(req)
+        fmts = [formatter(sub, ctx) for sub in subs] if req.stream else []
+        streams = [state.eng.submit(sub.task) for sub in subs]  # every path ends them all
+        if req.stream:
+            return await stream_all(request, streams, fmts, ping_s(req))
+        finals = await collect_all(request, streams)
+
+        def shape() -> Any:
+            bodies = [build(f, sub, ctx) for f, sub in zip(finals, subs)]
+            if kind == "native":
+                return bodies
+            for b in bodies[1:]:
+                bodies[0]["choices"].append(b["choices"][0])
+            return bodies[0]
+
+        return JSONResponse(await run_in_threadpool(shape))
 
     @r.post("/completion")
     @r.post("/completions")

@@ -27,7 +27,10 @@ def add_routes(r: APIRouter, state: AppState) -> None:
 
     @r.post("/props")
     async def set_props() -> Response:
-        return error_response(501, "This server does not support changing global properties.")
+        if not state.cfg.props_endpoint:
+            return error_response(501, "This server does not support changing global "
+                                  "properties. Start it with `--props`")
+        return JSONResponse({"success": True})  # llama-server changes nothing either
 
     @r.get("/models")
     @r.get("/v1/models")

@@ -71,5 +71,6 @@ def add_routes(r: APIRouter, state: AppState) -> None:
     async def apply_template(request: Request) -> Response:
         req = validate_body(ChatRequest, await read_json(request))
         m = state.model
-        prompt = await run_in_threadpool(render_chat, req, m.chat_template, m.tokenizer)
+        prompt = await run_in_threadpool(render_chat, req, m.chat_template, m.tokenizer,
+                                         state.parse_ctx)
         return JSONResponse({"prompt": prompt})

@@ -8,19 +8,55 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 import uvicorn
 
 from radixserve.config import ServerConfig
 from radixserve.engine.engine import Engine
 from radixserve.http.app import create_app
-from radixserve.model.loader import load_model
+from radixserve.model.chat_template import ChatTemplate
+from radixserve.model.loader import Model, load_model
 
 log = logging.getLogger(__name__)
 
 
+def load(cfg: ServerConfig) -> Model:
+    """The model, with --chat-template(-file) replacing the GGUF's template."""
+    model = load_model(cfg.model, cfg.dtype, weights=cfg.weights)
+    if cfg.chat_template is not None:
+        t = model.chat_template
+        model.chat_template = ChatTemplate(cfg.chat_template, t.bos_token, t.eos_token)
+    return model
+
+
 def build_engine(cfg: ServerConfig) -> Engine:
-    return Engine.boot(cfg, lambda: load_model(cfg.model, cfg.dtype, weights=cfg.weights))
+    return Engine.boot(cfg, lambda: load(cfg))
+
+
+def bind(cfg: ServerConfig) -> list[socket.socket]:
+    """llama-server's --host: comma-separated addresses, a path ending in .sock being a UNIX
+    socket; an IPv6 address binds IPv6 only; --reuse-port sets SO_REUSEPORT."""
+    socks: list[socket.socket] = []
+    for host in [h.strip() for h in cfg.host.split(",") if h.strip()]:
+        if host.endswith(".sock"):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            if os.path.exists(host):
+                os.unlink(host)
+            s.bind(host)
+        else:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            s = socket.socket(family, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if cfg.reuse_port:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind((host.strip("[]"), cfg.port))
+        s.listen(2048)
+        s.set_inheritable(True)
+        socks.append(s)
+    return socks
 
 
 def serve(cfg: ServerConfig) -> int:
@@ -40,9 +76,16 @@ def serve(cfg: ServerConfig) -> int:
                 server.should_exit = True
             raise
 
+    try:
+        socks = bind(cfg)
+    except OSError as e:
+        log.error("cannot listen on %s port %d: %s", cfg.host, cfg.port, e)
+        return 1
     app = create_app(factory, cfg=cfg)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
-                                           access_log=False))
-    log.info("HTTP server listening on http://%s:%d", cfg.host, cfg.port)
-    server.run()
+    server = uvicorn.Server(uvicorn.Config(
+        app, log_level="warning", access_log=False, ssl_keyfile=cfg.ssl_key_file,
+        ssl_certfile=cfg.ssl_cert_file))
+    scheme = "https" if cfg.ssl_cert_file else "http"
+    log.info("HTTP server listening on %s://%s:%d", scheme, cfg.host, cfg.port)
+    server.run(sockets=socks)
     return 1 if failed else 0

@@ -92,34 +92,87 @@ class GenerationRequest(_Body):
     n_predict: Int | None = None
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
+    stream: Bool | None = None
+    stream_options: StreamOptions | None = None
+    cache_prompt: Bool | None = None
+    return_tokens: Bool | None = None
+    id_slot: Int | None = None
+    n_cache_reuse: Int | None = None
+    model: Str | None = None  # accepted and ignored: one model per server
+    # -- sampling (model/sampling.py; llama.cpp's common_params_sampling) --
     temperature: Float | None = None
     top_k: Int | None = None
     top_p: Float | None = None
     min_p: Float | None = None
+    top_n_sigma: Float | None = None
+    xtc_probability: Float | None = None
+    xtc_threshold: Float | None = None
+    typical_p: Float | None = None
+    dynatemp_range: Float | None = None
+    dynatemp_exponent: Float | None = None
     repeat_penalty: Float | None = None
     repeat_last_n: Int | None = None
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
+    dry_multiplier: Float | None = None
+    dry_base: Float | None = None
+    dry_allowed_length: Int | None = None
+    dry_penalty_last_n: Int | None = None
+    dry_sequence_breakers: Any = None
+    mirostat: Int | None = None
+    mirostat_tau: Float | None = None
+    mirostat_eta: Float | None = None
+    adaptive_target: Float | None = None
+    adaptive_decay: Float | None = None
     seed: Int | None = None
+    min_keep: Int | None = None
+    logit_bias: Any = None
+    samplers: Any = None
+    ignore_eos: Bool | None = None
     n_probs: Int | None = None
     post_sampling_probs: Bool | None = None
     stop: Stop | None = None
-    id_slot: Int | None = None
-    cache_prompt: Bool | None = None
-    n_cache_reuse: Int | None = None
-    ignore_eos: Bool | None = None
-    stream: Bool | None = None
-    stream_options: StreamOptions | None = None
-    return_tokens: Bool | None = None
+    # -- generation limits and context (engine) --
+    n_keep: Int | None = None
+    n_discard: Int | None = None
+    n_indent: Int | None = None
+    t_max_predict_ms: Int | None = None
+    response_fields: Any = None
     n: Int | None = None
     n_cmpl: Int | None = None
-    model: Str | None = None  # accepted and ignored: one model per server
-    # Features we do not implement; a non-empty value is rejected rather than ignored.
+    # -- accepted: only shape llama-server's output in ways that do not apply here --
+    timings_per_token: Bool | None = None
+    return_progress: Bool | None = None
+    verbose: Bool | None = None
+    backend_sampling: Bool | None = None
+    sse_ping_interval: Int | None = None
+    # Fields llama-server honors that this server does not implement: a value other than
+    # null is refused with a 400 naming the field (parse.py), never silently ignored.
     grammar: Any = None
     json_schema: Any = None
-    logit_bias: Any = None
+    grammar_lazy: Any = None
+    grammar_triggers: Any = None
+    preserved_tokens: Any = None
     response_format: Any = None
     tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    lora: Any = None
+    chat_format: Any = None
+    reasoning_format: Any = None
+    generation_prompt: Any = None
+    parse_tool_calls: Any = None
+    chat_parser: Any = None
+    continue_final_message: Any = None
+    echo: Any = None
+    reasoning_control: Any = None
+    reasoning_budget_tokens: Any = None
+    reasoning_budget_start_tag: Any = None
+    reasoning_budget_end_tags: Any = None
+    reasoning_budget_end_tag: Any = None
+    reasoning_budget_message: Any = None
+    image_data: Any = None
+    multimodal_data: Any = None
 
 
 class CompletionRequest(GenerationRequest):

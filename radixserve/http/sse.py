@@ -55,7 +55,10 @@ class StreamFormatter:
 
     def partial(self, p: PartialResult) -> list[dict[str, Any]]:
         self.n_tokens += len(p.tokens)
-        return self._delta(p.text, p.tokens, p.probs) if p.text or p.probs else []
+        chunks = self._delta(p.text, p.tokens, p.probs) if p.text or p.probs else []
+        if chunks and p.timings is not None:  # timings_per_token, as llama-server's chunks
+            chunks[-1]["timings"] = p.timings.to_json()
+        return chunks
 
     def final(self, f: FinalResult) -> list[dict[str, Any]]:
         """Any text not streamed yet, then the closing chunk(s)."""
@@ -84,7 +87,7 @@ class NativeStream(StreamFormatter):
 
     def _chunk(self, text: str, tokens: list[int], probs: list[TokenProbs]) -> dict[str, Any]:
         chunk: dict[str, Any] = {
-            "index": 0,
+            "index": self.req.task.index,
             "content": text,
             "tokens": tokens,
             "stop": False,
@@ -136,17 +139,19 @@ class ChatStream(_OAIStream):
 
     def start(self) -> list[dict[str, Any]]:
         role = {"role": "assistant", "content": None}
-        return [self._envelope([{"finish_reason": None, "index": 0, "delta": role}])]
+        choice = {"finish_reason": None, "index": self.req.task.index, "delta": role}
+        return [self._envelope([choice])]
 
     def _chunk(self, text: str, tokens: list[int], probs: list[TokenProbs]) -> dict[str, Any]:
-        choice: dict[str, Any] = {"finish_reason": None, "index": 0, "delta": {"content": text}}
+        choice: dict[str, Any] = {"finish_reason": None, "index": self.req.task.index,
+                                  "delta": {"content": text}}
         logprobs = oai_logprobs(probs, self.req, self.ctx.tokenizer)
         if logprobs is not None:
             choice["logprobs"] = logprobs
         return self._envelope([choice])
 
     def _finish_choice(self, f: FinalResult) -> dict[str, Any]:
-        return {"finish_reason": finish_reason(f), "index": 0, "delta": {}}
+        return {"finish_reason": finish_reason(f), "index": self.req.task.index, "delta": {}}
 
 
 class TextStream(_OAIStream):
@@ -156,8 +161,10 @@ class TextStream(_OAIStream):
 
     def _chunk(self, text: str, tokens: list[int], probs: list[TokenProbs]) -> dict[str, Any]:
         logprobs = oai_logprobs(probs, self.req, self.ctx.tokenizer)
-        choice = {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": None}
+        choice = {"text": text, "index": self.req.task.index, "logprobs": logprobs,
+                  "finish_reason": None}
         return self._envelope([choice])
 
     def _finish_choice(self, f: FinalResult) -> dict[str, Any]:
-        return {"text": "", "index": 0, "logprobs": None, "finish_reason": finish_reason(f)}
+        return {"text": "", "index": self.req.task.index, "logprobs": None,
+                "finish_reason": finish_reason(f)}

@@ -31,6 +31,10 @@ class AppState:
         return self.cfg.api_key
 
     @property
+    def api_prefix(self) -> str:
+        return self.cfg.api_prefix
+
+    @property
     def eng(self) -> EngineAPI:
         assert self.engine is not None, "a route ran before the engine was ready"
         return self.engine
@@ -54,5 +58,12 @@ class AppState:
             default_n_predict=cfg.n_predict,
             default_cache_prompt=cfg.cache_prompt,
             default_seed=cfg.seed,
+            sampling=cfg.sampling,
+            default_n_keep=cfg.n_keep,
+            default_stop=cfg.stop,
+            default_ignore_eos=cfg.ignore_eos,
+            special=cfg.special,
+            chat_template_kwargs=cfg.chat_template_kwargs,
+            prefill_assistant=cfg.prefill_assistant,
         )
         self.engine = engine

@@ -119,8 +119,12 @@ class GuardedStreamingResponse(StreamingResponse):
                 await aclose()
 
 
+SSE_PING = b":\n\n"  # an SSE comment: keeps idle-timeout clients (undici) connected
+
+
 async def _events(
-    first: PartialResult | FinalResult, guard: StreamGuard, fmt: StreamFormatter
+    first: PartialResult | FinalResult, guard: StreamGuard, fmt: StreamFormatter,
+    ping_s: float = -1,
 ) -> AsyncIterator[bytes]:
     try:
         for chunk in fmt.start():
@@ -129,11 +133,17 @@ async def _events(
         while not isinstance(item, FinalResult):
             for chunk in fmt.partial(item):
                 yield sse_event(chunk)
+            nxt = asyncio.ensure_future(guard.next())
             try:
-                item = await guard.next()
+                # --sse-ping-interval: a ping each time the engine stays silent that long
+                while not (await asyncio.wait({nxt}, timeout=ping_s if ping_s > 0 else None))[0]:
+                    yield SSE_PING
+                item = nxt.result()
             except TaskError as e:
                 yield sse_error(e)
                 return
+            finally:
+                nxt.cancel()
         for chunk in fmt.final(item):
             yield sse_event(chunk)
         if fmt.done:
@@ -146,7 +156,7 @@ async def _events(
 
 
 async def stream_response(
-    request: Request, stream: TaskStreamLike, fmt: StreamFormatter
+    request: Request, stream: TaskStreamLike, fmt: StreamFormatter, ping_s: float = -1
 ) -> StreamingResponse:
     """SSE response; waits for the first result so an early error is a plain HTTP error."""
     guard = StreamGuard(stream)
@@ -155,4 +165,4 @@ async def stream_response(
     except BaseException:
         guard.close()
         raise
-    return GuardedStreamingResponse(_events(first, guard, fmt), guard)
+    return GuardedStreamingResponse(_events(first, guard, fmt, ping_s), guard)

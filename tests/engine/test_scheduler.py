@@ -17,7 +17,9 @@ def model(tiny_path, request):
     return load_model(tiny_path, "f32", weights=request.param)
 
 
-def run(sched: Scheduler, tasks: list[CompletionTask]) -> list[list]:
+def run(sched: Scheduler, tasks: list[CompletionTask], each_step=None) -> list[list]:
+    """Submit `tasks`, step until all are done (checking every invariant after each step,
+    then calling `each_step`); the results each task received."""
     outs: list[list] = [[] for _ in tasks]
     for t, out in zip(tasks, outs):
         sched.submit(t, out.append)
@@ -25,6 +27,8 @@ def run(sched: Scheduler, tasks: list[CompletionTask]) -> list[list]:
     while sched.has_active() or sched.deferred:
         sched.step()
         sched.check()
+        if each_step is not None:
+            each_step()
         steps += 1
         assert steps < 10_000
     sched.check()

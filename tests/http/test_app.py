@@ -29,7 +29,7 @@ from radixserve.engine.task import (
     Timings,
 )
 from radixserve.http.app import create_app
-from radixserve.model.loader import Model, load_model
+from radixserve.model.loader import Model
 
 HANG = object()  # script item: wait until cancelled (a long generation)
 
@@ -45,6 +45,9 @@ class ScriptedStream:
         if not self.items:
             raise StopAsyncIteration
         item = self.items.pop(0)
+        if isinstance(item, float):  # script item: the engine stays silent this many seconds
+            await asyncio.sleep(item)
+            item = self.items.pop(0)
         if item is HANG:
             await asyncio.Event().wait()
         if isinstance(item, TaskError):
@@ -106,11 +109,6 @@ def final(content: str = "Hello", stop_type: str = "eos") -> FinalResult:
 
 
 GOOD = [PartialResult("Hel", [10]), PartialResult("lo", [11]), final()]
-
-
-@pytest.fixture(scope="module")
-def model(tiny_path: str) -> Model:
-    return load_model(tiny_path, dtype="f32")
 
 
 def client(model: Model, script: list[Any] | None = None, **cfg: Any) -> tuple[TestClient, Any]:

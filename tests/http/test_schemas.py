@@ -91,8 +91,38 @@ def test_one_element_lists_and_prompt_object(ctx: ParseContext, tok: Tokenizer) 
 
 
 @pytest.mark.parametrize("prompt", [["a", "b"], [[1, 2], [3]], [{"prompt_string": "a"}] * 2])
-def test_multiple_prompts_are_rejected(ctx: ParseContext, prompt: Any) -> None:
-    assert bad_request(cmpl, ctx, prompt=prompt) == "multiple prompts are not supported"
+def test_multiple_prompts_are_one_task_each(ctx: ParseContext, prompt: Any,
+                                            tok: Tokenizer) -> None:
+    r = cmpl(ctx, prompt=prompt)
+    assert [t.index for t in r.tasks] == [0, 1] and r.task is r.tasks[0]
+    want = [cmpl(ctx, prompt=p).task.prompt_tokens for p in prompt]
+    assert [t.prompt_tokens for t in r.tasks] == want
+    assert all(t.parent is None and t.n_cmpl == 1 for t in r.tasks)
+
+
+def test_n_cmpl_children_follow_their_prompt_with_llama_server_seeds(ctx: ParseContext) -> None:
+    r = cmpl(ctx, prompt=[[1, 2], [3, 4]], n=2, seed=7, id_slot=1)
+    assert [t.index for t in r.tasks] == [0, 1, 2, 3]
+    p0, c0, p1, c1 = r.tasks
+    assert c0.parent is p0 and c1.parent is p1 and p0.parent is None and p1.parent is None
+    assert [t.prompt_tokens for t in r.tasks] == [[1, 2], [1, 2], [3, 4], [3, 4]]
+    assert [t.params.seed for t in r.tasks] == [7, 8, 7, 8]  # server-task.h add_child
+    assert [t.id_slot for t in r.tasks] == [1, -1, 1, -1]  # children cannot pick a slot
+    assert all(t.n_cmpl == 2 for t in r.tasks)
+    assert cmpl(ctx, prompt="a", n_cmpl=2, n=1, seed=0xFFFFFFFE).tasks[1].params.seed == 0xFFFFFFFF
+    assert [t.params.seed for t in cmpl(ctx, prompt="a", n=2).tasks] == [-1, -1]
+
+
+def test_context_and_limit_fields(ctx: ParseContext) -> None:
+    t = cmpl(ctx, prompt="a", n_keep=-1, n_discard=5, n_indent=2, t_max_predict_ms=30).task
+    assert (t.n_keep, t.n_discard, t.n_indent, t.t_max_predict_ms) == (-1, 5, 2, 30)
+    t = cmpl(ctx, prompt="a").task
+    assert (t.n_keep, t.n_discard, t.n_indent, t.t_max_predict_ms) == (0, 0, 0, -1)
+    ctx.default_n_keep = 9
+    assert cmpl(ctx, prompt="a").task.n_keep == 9
+    assert cmpl(ctx, prompt="a", response_fields=["content", "a/b"]).response_fields == [
+        "content", "a/b"]
+    assert cmpl(ctx, prompt="a", response_fields="content").response_fields == []
 
 
 def test_bos_rules_when_the_vocab_adds_bos(ctx: ParseContext, bos_tok: Tokenizer) -> None:
@@ -207,13 +237,17 @@ def test_server_n_predict_caps_requests(ctx: ParseContext) -> None:
         ("n_probs", 101, "Field 'n_probs': Value must be between 0 <= value <= 100"),
         ("logprobs", -1, "Field 'logprobs': Value must be between 0 <= value <= 100"),
         ("seed", -5, "Field 'seed': Value must be between -1 <= value"),
-        ("repeat_last_n", -2, "Field 'repeat_last_n': Value must be >= -1"),
+        ("repeat_last_n", -1, "Field 'repeat_last_n': Value must be between 0 <= value"),
         ("repeat_penalty", 0, "Field 'repeat_penalty': Value must be > 0"),
-        ("n", 2, "Field 'n': only 1 completion per request is supported"),
-        ("grammar", 'root ::= "a"', "Field 'grammar' is not supported"),
-        ("json_schema", {"type": "object"}, "Field 'json_schema' is not supported"),
-        ("logit_bias", {"5": 1.0}, "Field 'logit_bias' is not supported"),
-        ("response_format", {"type": "json_object"}, "Field 'response_format': only"),
+        ("n", 3, "Field 'n': Value must be between 1 <= value <= 2, but got 3"),
+        ("n_cmpl", 0, "Field 'n_cmpl': Value must be between 1 <= value <= 2, but got 0"),
+        ("n_keep", -2, "Field 'n_keep': Value must be between -1 <= value"),
+        ("n_discard", -1, "Field 'n_discard': Value must be between 0 <= value"),
+        ("n_indent", -1, "Field 'n_indent': Value must be between 0 <= value"),
+        ("t_max_predict_ms", -2, "Field 't_max_predict_ms': Value must be between -1 <= value"),
+        ("grammar", 'root ::= "a"', "Field 'grammar': grammar-constrained decoding is not"),
+        ("json_schema", {"type": "object"}, "Field 'json_schema': JSON-schema-constrained"),
+        ("response_format", {"type": "json_object"}, "Field 'response_format': structured"),
     ],
 )
 def test_field_errors_name_the_field(
@@ -403,9 +437,10 @@ def test_chat_passes_native_fields_through(ctx: ParseContext) -> None:
 
 
 def test_chat_rejects_n_and_tools(ctx: ParseContext) -> None:
-    assert "only 1 completion" in bad_request(chat, ctx, n=3)
+    assert "Field 'n': Value must be between 1 <= value <= 2" in bad_request(chat, ctx, n=3)
+    assert [t.index for t in chat(ctx, n=2).tasks] == [0, 1]
     tools = [{"type": "function", "function": {"name": "f"}}]
-    assert "Field 'tools' is not supported" in bad_request(chat, ctx, tools=tools)
+    assert "Field 'tools': tool calling is not supported" in bad_request(chat, ctx, tools=tools)
 
 
 def test_chat_trailing_assistant_message_is_a_prefill(ctx: ParseContext, tok: Tokenizer) -> None:

@@ -333,7 +333,9 @@ def test_chain_matches_naive_reference(
 ) -> None:
     params = plain(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     got = Sampler(params, len(logits)).top_probs(torch.tensor(logits), len(logits))
-    want = reference_chain(logits, params)
+    # post-sampling lists stop at probabilities that are 0 in float32 (llama-server drops them)
+    got = [(t, x) for t, x in got if x > 1e-30]
+    want = [(t, x) for t, x in reference_chain(logits, params) if x > 1e-30]
     assert [t for t, _ in got] == [t for t, _ in want]
     assert [x for _, x in got] == pytest.approx([x for _, x in want], abs=1e-5)
 

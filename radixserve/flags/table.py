@@ -1,0 +1,715 @@
+"""Every flag of llama-server's --help (tests/fixtures/llama-server-help.txt) and what it does
+here, plus radixserve's own. The spellings, value placeholders and environment variables are
+llama-server's, so its command lines and deployments carry over unchanged."""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+from radixserve.flags.spec import (
+    ACTION,
+    HONORED,
+    NOT_APPLICABLE,
+    REFUSED,
+    Flag,
+    FlagError,
+    FlagExit,
+    Handler,
+    Parsed,
+    parse_bool,
+)
+from radixserve.model import sampling
+
+GPU = "radixserve runs on the CPU: there is no GPU offload"
+PLACEMENT = "threads are placed by the OS and PyTorch"
+NO_MULTIMODAL = "no multimodal input without a projector"
+NO_DRAFT = "speculative decoding is off (no draft model)"
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+def _spellings(spec: str) -> tuple[tuple[str, ...], str | None]:
+    """'-c,    --ctx-size N' -> (('-c', '--ctx-size'), 'N')."""
+    names: list[str] = []
+    rest = spec.strip()
+    while rest.startswith("-"):
+        m = re.match(r"(-[^\s,]+)(,\s*|\s+|$)", rest)
+        assert m, spec
+        names.append(m.group(1))
+        rest = rest[m.end():]
+        if not m.group(2).startswith(","):
+            break
+    return tuple(names), (rest or None)
+
+
+def flag(spec: str, outcome: str, help: str, handler: Handler | None = None, *,
+         env: str | None = None, neg: str = "", n_values: int = 1) -> Flag:
+    names, hint = _spellings(spec)
+    return Flag(names, _spellings(neg)[0] if neg else (), hint, env, outcome, help, handler,
+                n_values)
+
+
+# -- handlers ------------------------------------------------------------------------------
+def _int(v: str) -> int:
+    try:
+        return int(v.strip(), 10)
+    except ValueError:
+        raise FlagError(f"expected an integer, got {v!r}") from None
+
+
+def _float(v: str) -> float:
+    try:
+        return float(v.strip())
+    except ValueError:
+        raise FlagError(f"expected a number, got {v!r}") from None
+
+
+def _csv(v: str) -> list[str]:
+    return [x.strip() for x in v.split(",") if x.strip()]
+
+
+def set_(attr: str, conv: Callable[[Any], Any] = lambda v: v) -> Handler:
+    """Store the converted value in the config (`sampling.x`: the default sampling params)."""
+    obj_name, _, name = attr.rpartition(".")
+
+    def h(p: Parsed, v: Any) -> None:
+        obj = getattr(p.cfg, obj_name) if obj_name else p.cfg
+        if not hasattr(obj, name):
+            raise FlagError(f"no setting {attr!r} (a bug: the flag table is out of date)")
+        setattr(obj, name, conv(v))
+
+    h.attr = attr  # type: ignore[attr-defined]  # --help shows the setting's default
+    return h
+
+
+def check(conv: Callable[[str], Any]) -> Handler:
+    """Not applicable, but a malformed value is still an error (as llama-server's)."""
+
+    def h(p: Parsed, v: Any) -> None:
+        if not isinstance(v, bool):
+            conv(v)
+
+    return h
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def conv(v: str) -> str:
+        if v not in allowed:
+            raise FlagError(f"expected one of {', '.join(allowed)}, got {v!r}")
+        return v
+
+    return conv
+
+
+def _gpu_layers(v: str) -> int:
+    return 0 if v in ("auto", "all") else _int(v)
+
+
+def _kv_type(p: Parsed, v: str) -> None:
+    if v not in KV_TYPES:
+        raise FlagError(f"Unsupported cache type: {v} (allowed: {', '.join(KV_TYPES)})")
+    if v not in ("f32", "f16", "bf16"):
+        raise FlagError(f"quantized KV caches ({v}) are not supported; KV is kept in the "
+                        "compute dtype (--dtype)")
+    p.note(f"-ctk/-ctv {v}: not applicable here (KV is kept in the compute dtype, --dtype); "
+           "ignored")
+
+
+def _api_key(p: Parsed, v: str) -> None:
+    p.cfg.api_key += _csv(v)
+
+
+def _api_key_file(p: Parsed, v: str) -> None:
+    try:
+        with open(v, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise FlagError(f"failed to open file '{v}': {e.strerror}") from None
+    p.cfg.api_key += [k for k in lines if k and not k.startswith("#")]
+
+
+def _alias(p: Parsed, v: str) -> None:
+    names = sorted(set(_csv(v)))  # llama-server keeps a std::set: the first sorted name leads
+    p.cfg.aliases, p.cfg.alias = names, (names[0] if names else None)
+
+
+def _logit_bias(p: Parsed, v: str) -> None:
+    m = re.fullmatch(r"\s*(\d+)\s*([+-])\s*(\S+)", v)
+    if not m:
+        raise FlagError("expected TOKEN_ID(+/-)BIAS, e.g. 15043+1")
+    bias = _float(m.group(3)) * (1 if m.group(2) == "+" else -1)
+    p.cfg.sampling.logit_bias = [*p.cfg.sampling.logit_bias, (int(m.group(1)), bias)]
+
+
+def _dry_breaker(p: Parsed, v: str) -> None:
+    s = p.cfg.sampling
+    if "dry-breakers" not in p.once:  # the first one clears llama.cpp's defaults
+        p.once.add("dry-breakers")
+        s.dry_sequence_breakers = []
+    s.dry_sequence_breakers = [] if v == "none" else [*s.dry_sequence_breakers, v]
+
+
+def _samplers(p: Parsed, v: str) -> None:
+    p.cfg.sampling.samplers = sampling.samplers_from_names(v.split(";"))
+
+
+def _sampling_seq(p: Parsed, v: str) -> None:
+    p.cfg.sampling.samplers = sampling.samplers_from_chars(v)
+
+
+def _reverse_prompt(p: Parsed, v: str) -> None:
+    p.cfg.stop = [*p.cfg.stop, v]
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise FlagError(f"cannot read {path!r}: {e.strerror}") from None
+
+
+def _chat_template(p: Parsed, v: str) -> None:
+    from radixserve.model.chat_template import CHATML_TEMPLATE, ChatTemplate
+
+    if "{{" in v or "{%" in v:
+        ChatTemplate(v)  # ValueError (-> exit 1) naming the syntax error, before loading
+        p.cfg.chat_template = v
+    elif v == "chatml":
+        p.cfg.chat_template = CHATML_TEMPLATE
+    else:
+        raise FlagError(f"built-in chat template {v!r} is not available here: give a Jinja "
+                        "template (or 'chatml'), or --chat-template-file")
+
+
+def _chat_template_kwargs(p: Parsed, v: str) -> None:
+    try:
+        obj = json.loads(v)
+    except json.JSONDecodeError as e:
+        raise FlagError(f"not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise FlagError("must be a JSON object")
+    p.cfg.chat_template_kwargs = {**p.cfg.chat_template_kwargs, **obj}
+
+
+def _reasoning_format(p: Parsed, v: str) -> None:
+    if v in ("deepseek", "deepseek-legacy"):
+        raise FlagError("extracting reasoning into `reasoning_content` is not implemented "
+                        "(thoughts stay in the content, as with 'none')")
+    _choice("none", "auto")(v)
+
+
+def _reasoning(p: Parsed, v: str) -> None:
+    v = _choice("on", "off", "auto")(v)
+    if v == "on":
+        raise FlagError("forcing reasoning on is not implemented (no thinking control)")
+
+
+def _reasoning_budget(p: Parsed, v: str) -> None:
+    if _int(v) != -1:
+        raise FlagError("a reasoning token budget is not implemented")
+
+
+def _reasoning_effort(p: Parsed, v: str) -> None:
+    if v != "default":  # llama-server hands the level to the chat template
+        p.cfg.chat_template_kwargs = {**p.cfg.chat_template_kwargs, "reasoning_effort": v}
+
+
+def _spec_type(p: Parsed, v: str) -> None:
+    if _csv(v) != ["none"]:
+        raise FlagError("speculative decoding is not implemented")
+
+
+def _verbose(p: Parsed, on: bool) -> None:
+    p.cfg.log_verbosity = 5
+
+
+def _escape(p: Parsed, on: bool) -> None:
+    p.cfg.escape = on
+
+
+def _no_op(p: Parsed, v: Any) -> None:
+    return None
+
+
+def _exit(text: Callable[[], str]) -> Handler:
+    def h(p: Parsed, v: Any) -> None:
+        raise FlagExit(text())
+
+    return h
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return f"radixserve {version('radixserve')} (llama-server compatible command line)\n"
+
+
+def _help() -> str:
+    from radixserve.flags.spec import render_help
+
+    return render_help(ALL_FLAGS, "radixserve serve")
+
+
+def _completion_bash() -> str:
+    words = " ".join(n for f in ALL_FLAGS for n in f.spellings)
+    return ("_radixserve_serve() {\n"
+            f'  COMPREPLY=( $(compgen -W "{words}" -- "${{COMP_WORDS[COMP_CWORD]}}") )\n'
+            "}\ncomplete -F _radixserve_serve radixserve\n")
+
+
+def _cache_list() -> str:
+    from radixserve.model.default_model import default_model_path
+
+    try:
+        return f"models available offline:\n  default: {default_model_path()}\n"
+    except FileNotFoundError as e:
+        return f"no models available offline ({e})\n"
+
+
+def process_escapes(s: str) -> str:
+    """llama.cpp's string_process_escapes for -r values (\\n, \\t, \\', \\", \\\\)."""
+    return codecs.decode(s.encode("latin-1", "backslashreplace"), "unicode_escape")
+
+
+H, NA, NO, ACT = HONORED, NOT_APPLICABLE, REFUSED, ACTION
+I, F = _int, _float
+
+SERVE_FLAGS: list[Flag] = [
+    # ----- common params -----
+    flag("-h, --help, --usage", ACT, "print usage and exit", _exit(_help)),
+    flag("--version", ACT, "print version and exit", _exit(_version)),
+    flag("-cl, --cache-list", ACT, "list the models available offline and exit",
+         _exit(_cache_list)),
+    flag("--completion-bash", ACT, "print a source-able bash completion script",
+         _exit(_completion_bash)),
+    flag("-t, --threads N", H, "CPU threads for compute, -1 = all cores", set_("threads", I),
+         env="LLAMA_ARG_THREADS"),
+    flag("-tb, --threads-batch N", NA, "one thread count (-t) serves prompts and decoding",
+         check(I)),
+    flag("-C, --cpu-mask M", NA, PLACEMENT),
+    flag("-Cr, --cpu-range lo-hi", NA, PLACEMENT),
+    flag("--cpu-strict <0|1>", NA, PLACEMENT, check(I)),
+    flag("--prio N", NA, PLACEMENT, check(I)),
+    flag("--poll <0...100>", NA, PLACEMENT, check(I)),
+    flag("-Cb, --cpu-mask-batch M", NA, PLACEMENT),
+    flag("-Crb, --cpu-range-batch lo-hi", NA, PLACEMENT),
+    flag("--cpu-strict-batch <0|1>", NA, PLACEMENT, check(I)),
+    flag("--prio-batch N", NA, PLACEMENT, check(I)),
+    flag("--poll-batch <0|1>", NA, PLACEMENT, check(I)),
+    flag("-c, --ctx-size N", H, "KV cells in total, 0 = the model's training context",
+         set_("ctx_size", I), env="LLAMA_ARG_CTX_SIZE"),
+    flag("-n, --predict, --n-predict N", H, "default and maximum tokens per request, -1 = no limit",
+         set_("n_predict", I), env="LLAMA_ARG_N_PREDICT"),
+    flag("-b, --batch-size N", H, "logical batch size; a step holds at most min(-b, -ub) tokens",
+         set_("batch_size", I), env="LLAMA_ARG_BATCH"),
+    flag("-ub, --ubatch-size N", H, "tokens per forward step (prefill chunk + decode tokens)",
+         set_("ubatch_size", I), env="LLAMA_ARG_UBATCH"),
+    flag("--keep N", H, "prompt tokens a context shift keeps (-1 = all); request `n_keep`",
+         set_("n_keep", I)),
+    flag("--swa-full", NA, "no sliding-window model is supported yet", env="LLAMA_ARG_SWA_FULL"),
+    flag("-fa, --flash-attn [on|off|auto]", NA, "attention uses PyTorch's SDPA kernels",
+         check(_choice("on", "off", "auto")), env="LLAMA_ARG_FLASH_ATTN"),
+    flag("--perf", NA, "libllama's internal timings; see timings and /metrics",
+         neg="--no-perf", env="LLAMA_ARG_PERF"),
+    flag("-e, --escape", H, "process escapes (\\n, \\t...) in -r stop strings", _escape,
+         neg="--no-escape"),
+    flag("--rope-scaling {none,linear,yarn}", NO, "RoPE scaling overrides are not implemented",
+         env="LLAMA_ARG_ROPE_SCALING_TYPE"),
+    flag("--rope-scale N", NO, "RoPE scaling overrides are not implemented",
+         env="LLAMA_ARG_ROPE_SCALE"),
+    flag("--rope-freq-base N", NO, "RoPE base overrides are not implemented",
+         env="LLAMA_ARG_ROPE_FREQ_BASE"),
+    flag("--rope-freq-scale N", NO, "RoPE scaling overrides are not implemented",
+         env="LLAMA_ARG_ROPE_FREQ_SCALE"),
+    flag("--yarn-orig-ctx N", NO, "YaRN RoPE scaling is not implemented",
+         env="LLAMA_ARG_YARN_ORIG_CTX"),
+    flag("--yarn-ext-factor N", NO, "YaRN RoPE scaling is not implemented",
+         env="LLAMA_ARG_YARN_EXT_FACTOR"),
+    flag("--yarn-attn-factor N", NO, "YaRN RoPE scaling is not implemented",
+         env="LLAMA_ARG_YARN_ATTN_FACTOR"),
+    flag("--yarn-beta-slow N", NO, "YaRN RoPE scaling is not implemented",
+         env="LLAMA_ARG_YARN_BETA_SLOW"),
+    flag("--yarn-beta-fast N", NO, "YaRN RoPE scaling is not implemented",
+         env="LLAMA_ARG_YARN_BETA_FAST"),
+    flag("-kvo, --kv-offload", NA, GPU, neg="-nkvo, --no-kv-offload", env="LLAMA_ARG_KV_OFFLOAD"),
+    flag("--repack", NA, "weights are packed by radixserve's own loader (--weights)",
+         neg="-nr, --no-repack", env="LLAMA_ARG_REPACK"),
+    flag("--no-host", NA, GPU, env="LLAMA_ARG_NO_HOST"),
+    flag("-ctk, --cache-type-k TYPE", H, "f32/f16/bf16: KV is kept in the compute dtype "
+         "(logged); quantized types refused", _kv_type, env="LLAMA_ARG_CACHE_TYPE_K"),
+    flag("-ctv, --cache-type-v TYPE", H, "f32/f16/bf16: KV is kept in the compute dtype "
+         "(logged); quantized types refused", _kv_type, env="LLAMA_ARG_CACHE_TYPE_V"),
+    flag("-dt, --defrag-thold N", NA, "deprecated in llama-server; the KV pool never fragments "
+         "a sequence's reads", check(F), env="LLAMA_ARG_DEFRAG_THOLD"),
+    flag("--rpc SERVERS", NO, "RPC backends (model split over machines) are not implemented",
+         env="LLAMA_ARG_RPC"),
+    flag("-lm, --load-mode MODE", NA, "the GGUF is read once into PyTorch tensors",
+         check(_choice("auto", "none", "mmap", "mlock", "mmap+mlock", "dio")),
+         env="LLAMA_ARG_LOAD_MODE"),
+    flag("-lzm, --lazy-mode MODE", NA, "every tensor is kept resident",
+         check(_choice("on", "off", "auto")), env="LLAMA_ARG_LAZY_MODE"),
+    flag("--numa TYPE", NA, PLACEMENT, check(_choice("distribute", "isolate", "numactl")),
+         env="LLAMA_ARG_NUMA"),
+    flag("-dev, --device <dev1,dev2,..>", NA, GPU, env="LLAMA_ARG_DEVICE"),
+    flag("--list-devices", ACT, "print the devices (the CPU) and exit",
+         _exit(lambda: "Available devices:\n  CPU (PyTorch)\n")),
+    flag("-ot, --override-tensor <tensor name pattern>=<buffer type>,...", NA, GPU,
+         env="LLAMA_ARG_OVERRIDE_TENSOR"),
+    flag("-cmoe, --cpu-moe", NA, GPU, env="LLAMA_ARG_CPU_MOE"),
+    flag("-ncmoe, --n-cpu-moe N", NA, GPU, check(I), env="LLAMA_ARG_N_CPU_MOE"),
+    flag("-ncffn, --n-cpu-ffn N", NA, GPU, check(I), env="LLAMA_ARG_N_CPU_FFN"),
+    flag("-ngl, --gpu-layers, --n-gpu-layers N", NA, GPU, check(_gpu_layers),
+         env="LLAMA_ARG_N_GPU_LAYERS"),
+    flag("-sm, --split-mode {none,layer,row,tensor}", NA, GPU,
+         check(_choice("none", "layer", "row", "tensor")), env="LLAMA_ARG_SPLIT_MODE"),
+    flag("-ts, --tensor-split N0,N1,N2,...", NA, GPU, env="LLAMA_ARG_TENSOR_SPLIT"),
+    flag("-mg, --main-gpu INDEX", NA, GPU, check(I), env="LLAMA_ARG_MAIN_GPU"),
+    flag("-fit, --fit [on|off]", NA, GPU, check(parse_bool), env="LLAMA_ARG_FIT"),
+    flag("-fitt, --fit-target MiB0,MiB1,MiB2,...", NA, GPU, env="LLAMA_ARG_FIT_TARGET"),
+    flag("-fitc, --fit-ctx N", NA, GPU, check(I), env="LLAMA_ARG_FIT_CTX"),
+    flag("--check-tensors", NA, "tensor data is checked by the GGUF reader's sizes only"),
+    flag("--override-kv KEY=TYPE:VALUE,...", NO, "overriding model metadata is not implemented"),
+    flag("--op-offload", NA, GPU, neg="--no-op-offload"),
+    flag("--lora FNAME", NO, "LoRA adapters are not implemented"),
+    flag("--lora-scaled FNAME:SCALE,...", NO, "LoRA adapters are not implemented"),
+    flag("--control-vector FNAME", NO, "control vectors are not implemented"),
+    flag("--control-vector-scaled FNAME:SCALE,...", NO, "control vectors are not implemented"),
+    flag("--control-vector-layer-range START END", NO, "control vectors are not implemented",
+         n_values=2),
+    flag("-m, --model FNAME", H, "GGUF file, or 'default' for the bundled SmolLM2-135M",
+         set_("model"), env="LLAMA_ARG_MODEL"),
+    flag("-mu, --model-url MODEL_URL", NO, "downloading models is not implemented (offline "
+         "server: give a local GGUF with -m)", env="LLAMA_ARG_MODEL_URL"),
+    flag("-dr, --docker-repo [<repo>/]<model>[:quant]", NO, "downloading models is not "
+         "implemented (give a local GGUF with -m)", env="LLAMA_ARG_DOCKER_REPO"),
+    flag("-hf, -hfr, --hf-repo <user>/<model>[:quant]", NO, "downloading models from Hugging "
+         "Face is not implemented (give a local GGUF with -m)", env="LLAMA_ARG_HF_REPO"),
+    flag("-hff, --hf-file FILE", NO, "downloading models from Hugging Face is not implemented",
+         env="LLAMA_ARG_HF_FILE"),
+    flag("-hft, --hf-token TOKEN", NA, "nothing is downloaded", env="HF_TOKEN"),
+    flag("--log-disable", H, "no log output", set_("log_disable", bool)),
+    flag("--log-file FNAME", H, "log to this file too", set_("log_file"),
+         env="LLAMA_ARG_LOG_FILE"),
+    flag("--log-jsonl", H, "log as one JSON object per line", set_("log_jsonl", bool),
+         neg="--no-log-jsonl", env="LLAMA_ARG_LOG_JSONL"),
+    flag("--log-colors [on|off|auto]", NA, "logs are never coloured",
+         check(_choice("on", "off", "auto")), env="LLAMA_ARG_LOG_COLORS"),
+    flag("-v, --verbose, --log-verbose", H, "log everything (verbosity 5)", _verbose),
+    flag("--offline", H, "no network access (radixserve never downloads)", _no_op,
+         env="LLAMA_ARG_OFFLINE"),
+    flag("-lv, --verbosity, --log-verbosity N", H, "0 output .. 1 errors .. 3 info .. 5 debug",
+         set_("log_verbosity", I), env="LLAMA_ARG_LOG_VERBOSITY"),
+    flag("--log-prefix", H, "level and logger name in log lines", set_("log_prefix", bool),
+         neg="--no-log-prefix", env="LLAMA_ARG_LOG_PREFIX"),
+    flag("--log-timestamps", H, "timestamps in log lines", set_("log_timestamps", bool),
+         neg="--no-log-timestamps", env="LLAMA_ARG_LOG_TIMESTAMPS"),
+    flag("--spec-draft-type-k, -ctkd, --cache-type-k-draft TYPE", NA, NO_DRAFT,
+         env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K"),
+    flag("--spec-draft-type-v, -ctvd, --cache-type-v-draft TYPE", NA, NO_DRAFT,
+         env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V"),
+    # ----- sampling params (the defaults of every request) -----
+    flag("--samplers SAMPLERS", H, "sampler order, names separated by ';'", _samplers),
+    flag("-s, --seed SEED", H, "default sampling seed, -1 = random", set_("seed", I)),
+    flag("--sampler-seq, --sampling-seq SEQUENCE", H, "sampler order as letters (edskypmxt)",
+         _sampling_seq),
+    flag("--ignore-eos", H, "keep generating past end-of-stream tokens",
+         set_("ignore_eos", bool)),
+    flag("--temp, --temperature N", H, "temperature, 0 = greedy",
+         set_("sampling.temperature", lambda v: max(F(v), 0.0)), env="LLAMA_ARG_TEMPERATURE"),
+    flag("--top-k N", H, "top-k, 0 = off", set_("sampling.top_k", I), env="LLAMA_ARG_TOP_K"),
+    flag("--top-p N", H, "top-p, 1.0 = off", set_("sampling.top_p", F), env="LLAMA_ARG_TOP_P"),
+    flag("--min-p N", H, "min-p, 0.0 = off", set_("sampling.min_p", F), env="LLAMA_ARG_MIN_P"),
+    flag("--top-nsigma, --top-n-sigma N", H, "top-n-sigma, -1 = off",
+         set_("sampling.top_n_sigma", F)),
+    flag("--xtc-probability N", H, "XTC probability, 0 = off",
+         set_("sampling.xtc_probability", F)),
+    flag("--xtc-threshold N", H, "XTC threshold", set_("sampling.xtc_threshold", F)),
+    flag("--typical, --typical-p N", H, "locally typical p, 1.0 = off",
+         set_("sampling.typical_p", F)),
+    flag("--repeat-last-n N", H, "tokens the penalties look at, 0 = off, -1 = context",
+         set_("sampling.repeat_last_n", I)),
+    flag("--repeat-penalty N", H, "repeat penalty, 1.0 = off", set_("sampling.repeat_penalty", F),
+         env="LLAMA_ARG_REPEAT_PENALTY"),
+    flag("--presence-penalty N", H, "presence penalty, 0 = off",
+         set_("sampling.presence_penalty", F), env="LLAMA_ARG_PRESENCE_PENALTY"),
+    flag("--frequency-penalty N", H, "frequency penalty, 0 = off",
+         set_("sampling.frequency_penalty", F), env="LLAMA_ARG_FREQUENCY_PENALTY"),
+    flag("--dry-multiplier N", H, "DRY multiplier, 0 = off", set_("sampling.dry_multiplier", F)),
+    flag("--dry-base N", H, "DRY base", set_("sampling.dry_base", F)),
+    flag("--dry-allowed-length N", H, "DRY allowed length",
+         set_("sampling.dry_allowed_length", I)),
+    flag("--dry-penalty-last-n N", H, "DRY window, 0 = off, -1 = context",
+         set_("sampling.dry_penalty_last_n", I)),
+    flag("--dry-sequence-breaker STRING", H, "add a DRY sequence breaker (the first clears the "
+         "defaults; 'none' = no breakers)", _dry_breaker),
+    flag("--adaptive-target N", H, "adaptive-p target, negative = off",
+         set_("sampling.adaptive_target", F)),
+    flag("--adaptive-decay N", H, "adaptive-p decay", set_("sampling.adaptive_decay", F)),
+    flag("--dynatemp-range N", H, "dynamic temperature range, 0 = off",
+         set_("sampling.dynatemp_range", F)),
+    flag("--dynatemp-exp N", H, "dynamic temperature exponent",
+         set_("sampling.dynatemp_exponent", F)),
+    flag("--mirostat N", H, "0 = off, 1 = Mirostat, 2 = Mirostat 2.0",
+         set_("sampling.mirostat", I)),
+    flag("--mirostat-lr N", H, "Mirostat eta", set_("sampling.mirostat_eta", F)),
+    flag("--mirostat-ent N", H, "Mirostat tau", set_("sampling.mirostat_tau", F)),
+    flag("-l, --logit-bias TOKEN_ID(+/-)BIAS", H, "add a logit bias, e.g. 15043+1", _logit_bias),
+    flag("--grammar GRAMMAR", NO, "grammar-constrained decoding is not implemented yet"),
+    flag("--grammar-file FNAME", NO, "grammar-constrained decoding is not implemented yet"),
+    flag("-j, --json-schema SCHEMA", NO, "JSON-schema-constrained decoding is not implemented "
+         "yet"),
+    flag("-jf, --json-schema-file FILE", NO, "JSON-schema-constrained decoding is not "
+         "implemented yet"),
+    flag("-bs, --backend-sampling", NA, "sampling always runs in PyTorch",
+         env="LLAMA_ARG_BACKEND_SAMPLING"),
+    # ----- speculative params -----
+    flag("--spec-draft-hf, -hfd, -hfrd, --hf-repo-draft <user>/<model>[:quant]", NO,
+         "speculative decoding is not implemented", env="LLAMA_ARG_SPEC_DRAFT_HF_REPO"),
+    flag("--spec-draft-threads, -td, --threads-draft N", NA, NO_DRAFT, check(I)),
+    flag("--spec-draft-threads-batch, -tbd, --threads-batch-draft N", NA, NO_DRAFT, check(I)),
+    flag("--spec-draft-cpu-mask, -Cd, --cpu-mask-draft M", NA, NO_DRAFT),
+    flag("--spec-draft-cpu-range, -Crd, --cpu-range-draft lo-hi", NA, NO_DRAFT),
+    flag("--spec-draft-cpu-strict, --cpu-strict-draft <0|1>", NA, NO_DRAFT, check(I)),
+    flag("--spec-draft-prio, --prio-draft N", NA, NO_DRAFT, check(I)),
+    flag("--spec-draft-poll, --poll-draft <0|1>", NA, NO_DRAFT, check(I)),
+    flag("--spec-draft-cpu-mask-batch, -Cbd, --cpu-mask-batch-draft M", NA, NO_DRAFT),
+    flag("--spec-draft-cpu-strict-batch, --cpu-strict-batch-draft <0|1>", NA, NO_DRAFT,
+         check(I)),
+    flag("--spec-draft-prio-batch, --prio-batch-draft N", NA, NO_DRAFT, check(I)),
+    flag("--spec-draft-poll-batch, --poll-batch-draft <0|1>", NA, NO_DRAFT, check(I)),
+    flag("--spec-draft-override-tensor, -otd, --override-tensor-draft "
+         "<tensor name pattern>=<buffer type>,...", NA, NO_DRAFT),
+    flag("--spec-draft-cpu-moe, -cmoed, --cpu-moe-draft", NA, NO_DRAFT,
+         env="LLAMA_ARG_SPEC_DRAFT_CPU_MOE"),
+    flag("--spec-draft-n-cpu-moe, --spec-draft-ncmoe, -ncmoed, --n-cpu-moe-draft N", NA,
+         NO_DRAFT, check(I), env="LLAMA_ARG_SPEC_DRAFT_N_CPU_MOE"),
+    flag("--spec-draft-n-max N", NA, NO_DRAFT, check(I), env="LLAMA_ARG_SPEC_DRAFT_N_MAX"),
+    flag("--spec-draft-n-min N", NA, NO_DRAFT, check(I), env="LLAMA_ARG_SPEC_DRAFT_N_MIN"),
+    flag("--spec-synth-len L", NA, NO_DRAFT, env="LLAMA_ARG_SPEC_SYNTH_LEN"),
+    flag("--spec-synth-rates P0,P1,...", NA, NO_DRAFT, env="LLAMA_ARG_SPEC_SYNTH_RATES"),
+    flag("--spec-draft-p-split, --draft-p-split P", NA, NO_DRAFT, check(F),
+         env="LLAMA_ARG_SPEC_DRAFT_P_SPLIT"),
+    flag("--spec-draft-p-min, --draft-p-min P", NA, NO_DRAFT, check(F),
+         env="LLAMA_ARG_SPEC_DRAFT_P_MIN"),
+    flag("--spec-draft-backend-sampling", NA, NO_DRAFT, neg="--no-spec-draft-backend-sampling",
+         env="LLAMA_ARG_SPEC_DRAFT_BACKEND_SAMPLING"),
+    flag("--spec-draft-device, -devd, --device-draft <dev1,dev2,..>", NA, NO_DRAFT),
+    flag("--spec-draft-ngl, -ngld, --gpu-layers-draft, --n-gpu-layers-draft N", NA, NO_DRAFT,
+         check(_gpu_layers), env="LLAMA_ARG_N_GPU_LAYERS_DRAFT"),
+    flag("--spec-draft-model, -md, --model-draft FNAME", NO,
+         "speculative decoding (draft model) is not implemented",
+         env="LLAMA_ARG_SPEC_DRAFT_MODEL"),
+    flag("--spec-type none,draft-simple,draft-eagle3,draft-mtp,draft-dflash,draft-dspark,"
+         "ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,ngram-cache", H,
+         "'none' only: other types (speculative decoding) are refused", _spec_type,
+         env="LLAMA_ARG_SPEC_TYPE"),
+    *(flag(f"--spec-ngram-{n} N", NA, NO_DRAFT, check(I)) for n in (
+        "mod-n-min", "mod-n-max", "mod-n-match", "simple-size-n", "simple-size-m",
+        "simple-min-hits", "map-k-size-n", "map-k-size-m", "map-k-min-hits", "map-k4v-size-n",
+        "map-k4v-size-m", "map-k4v-min-hits")),
+    flag("--draft, --draft-n, --draft-max N", NO, "the argument has been removed; use "
+         "--spec-draft-n-max or --spec-ngram-mod-n-max", env="LLAMA_ARG_DRAFT_MAX"),
+    flag("--draft-min, --draft-n-min N", NO, "the argument has been removed; use "
+         "--spec-draft-n-min or --spec-ngram-mod-n-min", env="LLAMA_ARG_DRAFT_MIN"),
+    flag("--spec-ngram-size-n N", NO, "the argument has been removed; use the respective "
+         "--spec-ngram-*-size-n or --spec-ngram-mod-n-match"),
+    flag("--spec-ngram-size-m N", NO, "the argument has been removed; use the respective "
+         "--spec-ngram-*-size-m"),
+    flag("--spec-ngram-min-hits N", NO, "the argument has been removed; use the respective "
+         "--spec-ngram-*-min-hits"),
+    # ----- example-specific params -----
+    flag("-lcs, --lookup-cache-static FNAME", NA, "lookup decoding belongs to llama.cpp's "
+         "lookup example"),
+    flag("-lcd, --lookup-cache-dynamic FNAME", NA, "lookup decoding belongs to llama.cpp's "
+         "lookup example"),
+    flag("--kv-unified-per-slot N", H, "with --kv-unified: cap of one slot's context",
+         set_("kv_unified_per_slot", I), env="LLAMA_ARG_KV_UNIFIED_PER_SLOT"),
+    flag("-ctxcp, --ctx-checkpoints, --swa-checkpoints N", NA, "checkpoints serve sliding-"
+         "window and recurrent models; every supported model has full attention", check(I),
+         env="LLAMA_ARG_CTX_CHECKPOINTS"),
+    flag("-cms, --checkpoint-min-step N", NA, "checkpoints serve sliding-window and recurrent "
+         "models; every supported model has full attention", check(I),
+         env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT"),
+    flag("-cram, --cache-ram N", H, "host prompt cache size in MiB, -1 = no limit, 0 = off",
+         set_("cache_ram_mib", I), env="LLAMA_ARG_CACHE_RAM"),
+    flag("-kvu, --kv-unified", H, "all slots draw KV cells from one shared pool",
+         set_("kv_unified", bool), neg="-no-kvu, --no-kv-unified", env="LLAMA_ARG_KV_UNIFIED"),
+    flag("--cache-idle-slots", H, "save idle slots to the host cache when a new task starts",
+         set_("cache_idle_slots", bool), neg="--no-cache-idle-slots",
+         env="LLAMA_ARG_CACHE_IDLE_SLOTS"),
+    flag("--context-shift", H, "generation past the slot's context shifts it (keep n_keep, "
+         "drop half the rest)", set_("context_shift", bool), neg="--no-context-shift",
+         env="LLAMA_ARG_CONTEXT_SHIFT"),
+    flag("-r, --reverse-prompt PROMPT", H, "a default stop string of every request",
+         _reverse_prompt),
+    flag("-sp, --special", H, "special tokens appear in the output text", set_("special", bool)),
+    flag("--warmup", NA, "no warm-up run is needed", neg="--no-warmup"),
+    flag("--spm-infill", NO, "the /infill route (fill-in-the-middle) is not implemented"),
+    flag("--pooling {none,mean,cls,last,rank}", NO, "embeddings are not implemented",
+         env="LLAMA_ARG_POOLING"),
+    flag("-np, --parallel N", H, "number of slots, -1 = auto (4 slots, unified KV)",
+         set_("n_parallel", I), env="LLAMA_ARG_N_PARALLEL"),
+    flag("-cb, --cont-batching", H, "continuous batching (always on; -nocb is not applicable)",
+         lambda p, on: None if on else p.note(
+             "-nocb: not applicable here (batching is always continuous); ignored"),
+         neg="-nocb, --no-cont-batching", env="LLAMA_ARG_CONT_BATCHING"),
+    flag("-mm, --mmproj FILE", NO, "multimodal projectors (image/audio input) are not "
+         "implemented", env="LLAMA_ARG_MMPROJ"),
+    flag("-mmu, --mmproj-url URL", NO, "multimodal projectors (image/audio input) are not "
+         "implemented", env="LLAMA_ARG_MMPROJ_URL"),
+    flag("--mmproj-auto", NA, NO_MULTIMODAL, neg="--no-mmproj, --no-mmproj-auto",
+         env="LLAMA_ARG_MMPROJ_AUTO"),
+    flag("--mmproj-offload", NA, NO_MULTIMODAL, neg="--no-mmproj-offload",
+         env="LLAMA_ARG_MMPROJ_OFFLOAD"),
+    flag("-mmdev, --mmproj-device DEVICE", NA, NO_MULTIMODAL, env="MTMD_BACKEND_DEVICE"),
+    flag("--image-min-tokens N", NA, NO_MULTIMODAL, check(I), env="LLAMA_ARG_IMAGE_MIN_TOKENS"),
+    flag("--image-max-tokens N", NA, NO_MULTIMODAL, check(I), env="LLAMA_ARG_IMAGE_MAX_TOKENS"),
+    flag("--mtmd-batch-max-tokens N", NA, NO_MULTIMODAL, check(I),
+         env="LLAMA_ARG_MTMD_BATCH_MAX_TOKENS"),
+    flag("--video-fps N", NA, NO_MULTIMODAL, check(F), env="LLAMA_ARG_VIDEO_FPS"),
+    flag("--video-timestamp-interval N", NA, NO_MULTIMODAL, check(I),
+         env="LLAMA_ARG_VIDEO_TIMESTAMP_INTERVAL"),
+    flag("--video-ffmpeg-dir DIR", NA, NO_MULTIMODAL, env="LLAMA_ARG_VIDEO_FFMPEG_DIR"),
+    flag("-a, --alias STRING", H, "model names for the API, comma separated", _alias,
+         env="LLAMA_ARG_ALIAS"),
+    flag("--tags STRING", H, "model tags, comma separated (informational)",
+         set_("tags", _csv), env="LLAMA_ARG_TAGS"),
+    flag("--embd-normalize N", NO, "embeddings are not implemented"),
+    flag("--host HOST", H, "addresses to listen on, comma separated; a path ending in .sock "
+         "is a UNIX socket", set_("host"), env="LLAMA_ARG_HOST"),
+    flag("--port PORT", H, "port to listen on", set_("port", I), env="LLAMA_ARG_PORT"),
+    flag("--reuse-port", H, "let several servers bind the same port (SO_REUSEPORT)",
+         set_("reuse_port", bool), env="LLAMA_ARG_REUSE_PORT"),
+    flag("--path PATH", H, "serve static files from this directory at /", set_("static_path"),
+         env="LLAMA_ARG_STATIC_PATH"),
+    flag("--cors-origins ORIGINS", H, "allowed CORS origins, comma separated; 'localhost' "
+         "reflects local origins only", set_("cors_origins"), env="LLAMA_ARG_CORS_ORIGINS"),
+    flag("--cors-methods METHODS", H, "allowed CORS methods", set_("cors_methods"),
+         env="LLAMA_ARG_CORS_METHODS"),
+    flag("--cors-headers HEADERS", H, "allowed CORS headers", set_("cors_headers"),
+         env="LLAMA_ARG_CORS_HEADERS"),
+    flag("--cors-credentials", H, "allow credentials in CORS requests",
+         set_("cors_credentials", bool), neg="--no-cors-credentials",
+         env="LLAMA_ARG_CORS_CREDENTIALS"),
+    flag("--api-prefix PREFIX", H, "path prefix of every route, without a trailing slash",
+         set_("api_prefix", lambda v: v.rstrip("/")), env="LLAMA_ARG_API_PREFIX"),
+    flag("--ui-config, --webui-config JSON", NA, "there is no web UI yet",
+         env="LLAMA_ARG_UI_CONFIG"),
+    flag("--ui-config-file, --webui-config-file PATH", NA, "there is no web UI yet",
+         env="LLAMA_ARG_UI_CONFIG_FILE"),
+    flag("--ui-mcp-proxy, --webui-mcp-proxy", NO, "the MCP CORS proxy is not implemented",
+         lambda p, on: None, neg="--no-ui-mcp-proxy, --no-webui-mcp-proxy",
+         env="LLAMA_ARG_UI_MCP_PROXY"),
+    flag("--tools TOOL1,TOOL2,...", NO, "built-in agent tools are not implemented",
+         env="LLAMA_ARG_TOOLS"),
+    flag("--tools-runtime OPTION", NO, "built-in agent tools are not implemented",
+         env="LLAMA_ARG_TOOLS_RUNTIME"),
+    flag("--mcp-servers-config PATH", NO, "MCP servers are not implemented",
+         env="LLAMA_ARG_MCP_SERVERS_CONFIG"),
+    flag("--mcp-servers-json JSON", NO, "MCP servers are not implemented",
+         env="LLAMA_ARG_MCP_SERVERS_JSON"),
+    flag("-ag, --agent", NO, "the agent mode (CORS proxy, built-in tools) is not implemented",
+         lambda p, on: None, neg="-no-ag, --no-agent", env="LLAMA_ARG_AGENT"),
+    flag("--ui, --webui", NA, "there is no web UI yet", neg="--no-ui, --no-webui",
+         env="LLAMA_ARG_UI"),
+    flag("--embedding, --embeddings", NO, "embeddings are not implemented",
+         env="LLAMA_ARG_EMBEDDINGS"),
+    flag("--rerank, --reranking", NO, "reranking is not implemented", env="LLAMA_ARG_RERANKING"),
+    flag("--api-key KEY", H, "API keys, comma separated", _api_key, env="LLAMA_API_KEY"),
+    flag("--api-key-file FNAME", H, "file of API keys, one per line, # starts a comment",
+         _api_key_file, env="LLAMA_ARG_API_KEY_FILE"),
+    flag("--ssl-key-file FNAME", H, "PEM private key: serve HTTPS", set_("ssl_key_file"),
+         env="LLAMA_ARG_SSL_KEY_FILE"),
+    flag("--ssl-cert-file FNAME", H, "PEM certificate: serve HTTPS", set_("ssl_cert_file"),
+         env="LLAMA_ARG_SSL_CERT_FILE"),
+    flag("--chat-template-kwargs STRING", H, "JSON object of extra chat template variables",
+         _chat_template_kwargs, env="LLAMA_ARG_CHAT_TEMPLATE_KWARGS"),
+    flag("-to, --timeout N", H, "seconds a client may stay silent while sending a request",
+         set_("timeout", I), env="LLAMA_ARG_TIMEOUT"),
+    flag("--sse-ping-interval N", H, "seconds of stream silence before an SSE ping, -1 = off",
+         set_("sse_ping_interval", I), env="LLAMA_ARG_SSE_PING_INTERVAL"),
+    flag("--threads-http N", NA, "HTTP runs on one asyncio loop; tokenizing uses its thread "
+         "pool", check(I), env="LLAMA_ARG_THREADS_HTTP"),
+    flag("--cache-prompt", H, "requests default to cache_prompt=true", set_("cache_prompt", bool),
+         neg="--no-cache-prompt", env="LLAMA_ARG_CACHE_PROMPT"),
+    flag("--cache-reuse N", H, "min chunk size to reuse from the slot's KV via shifting, 0 = off",
+         set_("cache_reuse", I), env="LLAMA_ARG_CACHE_REUSE"),
+    flag("--metrics", H, "enable GET /metrics", set_("metrics", bool),
+         env="LLAMA_ARG_ENDPOINT_METRICS"),
+    flag("--props", H, "enable POST /props", set_("props_endpoint", bool),
+         env="LLAMA_ARG_ENDPOINT_PROPS"),
+    flag("--slots", H, "enable GET /slots", set_("slots_endpoint", bool), neg="--no-slots",
+         env="LLAMA_ARG_ENDPOINT_SLOTS"),
+    flag("--slot-save-path PATH", H, "directory for slot save/restore files",
+         set_("slot_save_path")),
+    flag("--media-path PATH", NA, NO_MULTIMODAL),
+    flag("--models-dir PATH", NO, "router mode (several models) is not implemented",
+         env="LLAMA_ARG_MODELS_DIR"),
+    flag("--models-preset PATH", NO, "router mode (several models) is not implemented",
+         env="LLAMA_ARG_MODELS_PRESET"),
+    flag("--models-max N", NA, "router mode only", check(I), env="LLAMA_ARG_MODELS_MAX"),
+    flag("--models-autoload", NA, "router mode only", neg="--no-models-autoload",
+         env="LLAMA_ARG_MODELS_AUTOLOAD"),
+    flag("--jinja", H, "chat templates are rendered with Jinja (always; --no-jinja is not "
+         "applicable)", lambda p, on: None if on else p.note(
+             "--no-jinja: not applicable here (templates are always rendered with Jinja); "
+             "ignored"), neg="--no-jinja", env="LLAMA_ARG_JINJA"),
+    flag("--reasoning-format FORMAT", H, "none/auto: thoughts stay in the content; deepseek "
+         "formats refused", _reasoning_format, env="LLAMA_ARG_THINK"),
+    flag("-rea, --reasoning [on|off|auto]", H, "off/auto (the template decides); on refused",
+         _reasoning, env="LLAMA_ARG_REASONING"),
+    flag("--reasoning-effort LEVEL", H, "given to the chat template as reasoning_effort",
+         _reasoning_effort, env="LLAMA_ARG_REASONING_EFFORT"),
+    flag("--reasoning-budget N", H, "-1 only (no budget); a budget is refused",
+         _reasoning_budget, env="LLAMA_ARG_THINK_BUDGET"),
+    flag("--reasoning-budget-message MESSAGE", NA, "there is no reasoning budget",
+         env="LLAMA_ARG_THINK_BUDGET_MESSAGE"),
+    flag("--reasoning-preserve", NA, "the template renders the history it is given",
+         neg="--no-reasoning-preserve", env="LLAMA_ARG_REASONING_PRESERVE"),
+    flag("--chat-template JINJA_TEMPLATE", H, "a Jinja chat template (or 'chatml') instead of "
+         "the model's", _chat_template, env="LLAMA_ARG_CHAT_TEMPLATE"),
+    flag("--chat-template-file JINJA_TEMPLATE_FILE", H, "read the chat template from a file",
+         lambda p, v: _chat_template(p, _read_text(v)), env="LLAMA_ARG_CHAT_TEMPLATE_FILE"),
+    flag("--skip-chat-parsing", H, "output is always parsed as pure content",
+         lambda p, on: None, neg="--no-skip-chat-parsing", env="LLAMA_ARG_SKIP_CHAT_PARSING"),
+    flag("--prefill-assistant", H, "a trailing assistant message is continued (prefilled)",
+         set_("prefill_assistant", bool), neg="--no-prefill-assistant",
+         env="LLAMA_ARG_PREFILL_ASSISTANT"),
+    flag("-sps, --slot-prompt-similarity SIMILARITY", H, "reuse an idle slot whose prompt "
+         "shares more than this fraction, 0 = off", set_("slot_prompt_similarity", F)),
+    flag("--lora-init-without-apply", NA, "there are no LoRA adapters"),
+    flag("--sleep-idle-seconds SECONDS", NA, "the model stays loaded", check(I)),
+    flag("--log-prompts-dir PATH", NO, "logging prompts to a directory is not implemented"),
+    *(flag(f"--{name}", NO, "preset models are downloaded from the internet: not available "
+           "(give a local GGUF with -m)") for name in (
+        "embd-gemma-default", "fim-qwen-1.5b-default", "fim-qwen-3b-default",
+        "fim-qwen-7b-default", "fim-qwen-7b-spec", "fim-qwen-14b-spec",
+        "fim-qwen-30b-default", "gpt-oss-20b-default", "gpt-oss-120b-default",
+        "vision-gemma-4b-default", "vision-gemma-12b-default")),
+    flag("--spec-default", NO, "speculative decoding is not implemented"),
+]
+
+OWN_FLAGS: list[Flag] = [
+    flag("--dtype TYPE", H, "compute dtype: auto (bf16 where the CPU runs it fast), f32, bf16, "
+         "f16", set_("dtype")),
+    flag("--weights MODE", H, "native: 4-bit blocks run packed; dequant: dense; auto: native "
+         "unless --dtype f32", set_("weights")),
+    flag("--cache-radix-prompt on|off", H, "radix-tree backend for the host prompt cache",
+         set_("cache_radix_prompt", parse_bool)),
+    flag("--cache-radix-min-restore-tokens N", H, "restore from the radix cache only when at "
+         "least this many tokens match", set_("cache_radix_min_restore_tokens", I)),
+    flag("--max-body-mib N", H, "largest request body in MiB (413 beyond)",
+         set_("max_body_mib", I)),
+]
+
+ALL_FLAGS = SERVE_FLAGS + OWN_FLAGS
+
+
+def finish(p: Parsed) -> None:
+    """Rules that need every flag seen: -e applies to the -r strings."""
+    if p.cfg.escape:
+        p.cfg.stop = [process_escapes(s) for s in p.cfg.stop]

@@ -1,0 +1,257 @@
+"""llama-server's command line, table-driven from its real --help (tests/fixtures/
+llama-server-help.txt, the help of the llama-server built from llama-cpp-python 0.3.36's
+llama.cpp): every flag and alias parses with exact tokens; honored flags reach the config,
+not-applicable ones are noted for the log, refused ones raise naming the missing feature; each
+LLAMA_ARG_* variable sets what its flag sets."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from radixserve.config import ServerConfig
+from radixserve.flags import SERVE_FLAGS, FlagError, FlagExit, parse_serve
+from radixserve.flags.spec import ACTION, HONORED, NOT_APPLICABLE, REFUSED, Flag
+
+HELP = Path(__file__).parent / "fixtures" / "llama-server-help.txt"
+
+
+@dataclass
+class HelpEntry:
+    spellings: tuple[str, ...]
+    hint: str | None
+    env: str | None
+
+
+def help_entries() -> list[HelpEntry]:
+    """Each flag of the help: its spellings, value placeholder and environment variable.
+    Flag lines start at column 0; descriptions start at column 40 (or on the next line)."""
+    out: list[HelpEntry] = []
+    for line in HELP.read_text().splitlines():
+        if line.startswith("-") and not line.startswith("-----"):
+            head = line[:40] if len(line) > 40 and line[38:40] == "  " else line
+            names: list[str] = []
+            rest = head.strip()
+            while rest.startswith("-"):
+                m = re.match(r"(-[^\s,]+)(,\s*|\s+|$)", rest)
+                assert m is not None
+                names.append(m.group(1))
+                rest = rest[m.end():]
+                if not m.group(2).startswith(","):
+                    break
+            out.append(HelpEntry(tuple(names), rest.strip() or None, None))
+        elif out and "(env: " in line:
+            out[-1].env = re.search(r"\(env: (\S+)\)", line).group(1)  # type: ignore[union-attr]
+    return out
+
+
+ENTRIES = help_entries()
+BY_NAME = {f.spellings[0]: f for f in SERVE_FLAGS}
+
+
+def flag_for(entry: HelpEntry) -> Flag:
+    for f in SERVE_FLAGS:
+        if set(entry.spellings) <= set(f.spellings):
+            return f
+    raise AssertionError(f"no flag in the table for {entry.spellings}")
+
+
+def test_the_help_fixture_is_read_whole() -> None:
+    assert len(ENTRIES) > 240
+    assert any(e.spellings == ("-ngl", "--gpu-layers", "--n-gpu-layers") for e in ENTRIES)
+
+
+def test_the_table_has_exactly_llama_servers_flags_with_their_env_and_arity() -> None:
+    table = {n for f in SERVE_FLAGS for n in f.spellings}
+    helped = {n for e in ENTRIES for n in e.spellings}
+    assert table == helped, (table - helped, helped - table)
+    for e in ENTRIES:
+        f = flag_for(e)
+        assert f.env == e.env, e.spellings
+        if f.neg:  # "--slots, --no-slots": one help line lists both ways of a boolean flag
+            assert e.hint is None, e.spellings
+        else:
+            assert (f.hint is None) == (e.hint is None), e.spellings
+
+
+def sample(f: Flag, tmp: Path) -> list[str]:
+    """A value that exercises the flag (non-default where the flag is honored)."""
+    file = tmp / "file.txt"
+    file.write_text("k1\n# comment\n\nk2\n")
+    tmpl = tmp / "tmpl.jinja"
+    tmpl.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    special = {
+        "-ctk": "f16", "-ctv": "bf16", "-fa": "on", "-lm": "mmap", "-lzm": "on",
+        "--numa": "distribute", "-sm": "row", "-fit": "off", "--log-colors": "off",
+        "-ngl": "99", "--spec-draft-ngl": "all", "-rea": "off", "--reasoning-format": "none",
+        "--reasoning-budget": "-1", "--reasoning-effort": "high", "--spec-type": "none",
+        "--samplers": "top_k;temperature", "--sampler-seq": "kt", "-l": "15043+1",
+        "--chat-template": "chatml", "--chat-template-file": str(tmpl),
+        "--chat-template-kwargs": '{"a": 1}', "--api-key-file": str(file),
+        "--host": "0.0.0.0", "-m": "x.gguf", "--tags": "a,b", "-a": "y,x",
+        "--api-prefix": "/api", "--path": str(tmp), "--ssl-key-file": str(file),
+        "--ssl-cert-file": str(file), "--cors-origins": "localhost", "--cors-methods": "GET",
+        "--cors-headers": "X-A", "-r": "STOP", "--dry-sequence-breaker": "x", "-s": "7",
+        "--slot-save-path": str(tmp), "--log-file": str(tmp / "log.txt"), "--temp": "0.5",
+        "-C": "ff", "-Cb": "ff", "--spec-draft-cpu-mask": "ff", "--spec-draft-cpu-mask-batch": "ff",
+        "-Cr": "0-1", "-Crb": "0-1", "--spec-draft-cpu-range": "0-1", "-dev": "none",
+        "--spec-draft-device": "none", "--api-key": "k", "-c": "512", "--port": "9000", "-lv": "4",
+    }
+    name = f.spellings[0]
+    if f.hint is None:
+        return [name]
+    if f.n_values == 2:
+        return [name, "1", "2"]
+    return [name, special.get(name, "3")]
+
+
+# honored flags whose meaning is what radixserve always does: the config cannot change
+ALWAYS_SO = {
+    "--offline": "radixserve never downloads",
+    "--skip-chat-parsing": "output is always plain content",
+    "--spec-type": "'none' is the only type",
+    "--jinja": "templates are always Jinja",
+    "-cb": "batching is always continuous",
+    "--reasoning-format": "thoughts stay in the content ('none')",
+    "-rea": "'off'/'auto': no reasoning control",
+    "--reasoning-budget": "-1: no budget",
+}
+
+
+@pytest.mark.parametrize("f", SERVE_FLAGS, ids=lambda f: f.spellings[0])
+def test_every_flag_has_its_outcome(f: Flag, tmp_path: Path) -> None:
+    argv = sample(f, tmp_path)
+    default = ServerConfig()
+    if f.outcome == ACTION:
+        with pytest.raises(FlagExit):
+            parse_serve(argv, {})
+    elif f.outcome == REFUSED:
+        with pytest.raises(FlagError) as e:
+            parse_serve(argv, {})
+        assert argv[0] in str(e.value) and f.help in str(e.value)
+    elif f.outcome == NOT_APPLICABLE:
+        p = parse_serve(argv, {})
+        assert p.cfg == default
+        assert any(n.startswith(f"{argv[0]}: not applicable") for n in p.notes), p.notes
+    else:
+        assert f.outcome == HONORED
+        p = parse_serve(argv, {})
+        if f.neg:  # both ways of a boolean flag parse, and they mean different things
+            q = parse_serve([f.neg[-1]], {})
+            changed = p.cfg != q.cfg or bool(q.notes)
+        else:
+            changed = p.cfg != default or bool(p.notes)
+        assert changed or f.spellings[0] in ALWAYS_SO, "the flag does not reach the config"
+        if f.spellings[0] in ALWAYS_SO:
+            assert p.cfg == default
+
+
+@pytest.mark.parametrize("f", [f for f in SERVE_FLAGS if f.env and f.outcome != ACTION],
+                         ids=lambda f: f.env)
+def test_each_environment_variable_sets_what_its_flag_sets(f: Flag, tmp_path: Path) -> None:
+    argv = sample(f, tmp_path)
+    value = "1" if f.hint is None else argv[1]
+    env = {f.env: value}
+    assert f.env is not None
+    if f.outcome == REFUSED:
+        with pytest.raises(FlagError, match=f.env):
+            parse_serve([], env)
+        return
+    by_env, by_flag = parse_serve([], env), parse_serve(argv, {})
+    assert by_env.cfg == by_flag.cfg
+    assert bool(by_env.notes) == bool(by_flag.notes)
+    if f.neg:  # "0", or LLAMA_ARG_NO_X set to anything, is the negative spelling
+        off_flag = parse_serve([f.neg[-1]], {})
+        assert parse_serve([], {f.env: "0"}).cfg == off_flag.cfg
+        no_env = f.env.replace("LLAMA_ARG_", "LLAMA_ARG_NO_")
+        assert parse_serve([], {no_env: "1"}).cfg == off_flag.cfg
+
+
+def test_exact_tokens_never_prefixes() -> None:
+    p = parse_serve(["-m", "model.gguf", "-ngl", "99", "-n", "5", "--jinja", "-fa", "on"], {})
+    assert (p.cfg.model, p.cfg.n_predict) == ("model.gguf", 5)
+    assert len(p.notes) == 2  # -ngl and -fa: not applicable, logged
+    with pytest.raises(FlagError, match="invalid argument: --ctx"):
+        parse_serve(["--ctx", "512"], {})  # argparse would have taken it for --ctx-size
+    with pytest.raises(FlagError, match="expected an integer"):
+        parse_serve(["-n", "gl"], {})
+    assert parse_serve(["--ctx_size", "512"], {}).cfg.ctx_size == 512  # llama.cpp's _ -> -
+
+
+def test_command_line_overrides_environment_and_last_value_wins() -> None:
+    p = parse_serve(["-c", "256", "-c", "384"], {"LLAMA_ARG_CTX_SIZE": "128"})
+    assert p.cfg.ctx_size == 384
+    assert parse_serve([], {"LLAMA_ARG_CTX_SIZE": "128"}).cfg.ctx_size == 128
+
+
+def test_list_flags_append_and_values_are_converted(tmp_path: Path) -> None:
+    p = parse_serve(["-l", "15043+1", "-l", "12-2.5", "-r", "a\\nb", "-r", "END",
+                     "--dry-sequence-breaker", "x", "--dry-sequence-breaker", "y",
+                     "-a", "zeta,alpha", "--api-key", "k1,k2"],
+                    {"LLAMA_API_KEY": "ignored-by-cli-order"})
+    s = p.cfg.sampling
+    assert s.logit_bias == [(15043, 1.0), (12, -2.5)]
+    assert p.cfg.stop == ["a\nb", "END"]  # -e (on by default) processes escapes
+    assert s.dry_sequence_breakers == ["x", "y"]  # the first clears llama.cpp's defaults
+    assert (p.cfg.alias, p.cfg.aliases) == ("alpha", ["alpha", "zeta"])
+    assert p.cfg.api_key == ["ignored-by-cli-order", "k1", "k2"]  # env first, then flags add
+    assert parse_serve(["--no-escape", "-r", "a\\nb"], {}).cfg.stop == ["a\\nb"]
+    assert parse_serve(["--dry-sequence-breaker", "none"], {}).cfg.sampling \
+        .dry_sequence_breakers == []
+
+
+def test_api_key_sources(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# operators\nalpha\n\nbeta\n")
+    assert parse_serve(["--api-key-file", str(keys)], {}).cfg.api_key == ["alpha", "beta"]
+    assert parse_serve([], {"LLAMA_API_KEY": "a,b"}).cfg.api_key == ["a", "b"]
+    with pytest.raises(FlagError, match="failed to open"):
+        parse_serve(["--api-key-file", str(tmp_path / "missing")], {})
+
+
+@pytest.mark.parametrize("argv, feature", [
+    (["-ctk", "q8_0"], "quantized KV caches"),
+    (["-ctv", "q9"], "Unsupported cache type"),
+    (["--spec-type", "ngram-simple"], "speculative decoding"),
+    (["-rea", "on"], "reasoning"),
+    (["--reasoning-format", "deepseek"], "reasoning_content"),
+    (["--chat-template", "llama3"], "built-in chat template"),
+    (["--chat-template", "{% for %}"], "chat template"),
+    (["--chat-template-kwargs", "[1]"], "JSON object"),
+    (["--mmproj", "x.gguf"], "multimodal"),
+    (["-fa", "maybe"], "expected one of"),
+    (["-ngl"], "expected 1 value"),
+    (["--draft-max", "4"], "has been removed"),
+])
+def test_refused_values_name_the_feature(argv: list[str], feature: str) -> None:
+    with pytest.raises(FlagError, match=re.escape(argv[0]) + ".*" + re.escape(feature)):
+        parse_serve(argv, {})
+
+
+def test_negative_spelling_of_a_refused_feature_is_fine() -> None:
+    assert parse_serve(["--no-agent", "-no-ag", "--no-ui-mcp-proxy"], {}).cfg == ServerConfig()
+
+
+def test_sampling_defaults_reach_the_config() -> None:
+    p = parse_serve(["--temp", "0", "--top-k", "5", "--top-p", "0.5", "--min-p", "0.1",
+                     "--mirostat", "2", "--mirostat-ent", "3", "--mirostat-lr", "0.2",
+                     "--samplers", "min_p;temperature", "--ignore-eos", "-s", "42"], {})
+    s = p.cfg.sampling
+    assert (s.temperature, s.top_k, s.top_p, s.min_p) == (0.0, 5, 0.5, 0.1)
+    assert (s.mirostat, s.mirostat_tau, s.mirostat_eta) == (2, 3.0, 0.2)
+    assert s.samplers == ["min_p", "temperature"]
+    assert p.cfg.ignore_eos and p.cfg.seed == 42
+    assert parse_serve(["--temp", "-1"], {}).cfg.sampling.temperature == 0.0  # clamped
+
+
+def test_help_lists_every_flag_with_its_outcome() -> None:
+    with pytest.raises(FlagExit) as e:
+        parse_serve(["--help"], {})
+    text = e.value.text
+    for f in SERVE_FLAGS:
+        assert f.spellings[0] in text
+    assert "[refused] multimodal projectors" in text
+    assert "[not applicable] radixserve runs on the CPU" in text
