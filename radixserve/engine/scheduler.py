@@ -150,7 +150,9 @@ class Scheduler:
 
     def _launch(self, slot: Slot, task: CompletionTask, emit: Emit, update_cache: bool) -> None:
         try:
-            sampler = Sampler(task.params, self.tok.n_vocab, task.prompt_tokens)
+            # ignore_eos: -inf biases on the EOG tokens, appended to logit_bias as llama-server
+            sampler = Sampler(task.params, self.tok.n_vocab, task.prompt_tokens,
+                              banned=sorted(self.tok.eog_ids) if task.ignore_eos else ())
         except ValueError as e:
             raise TaskError(400, "invalid_request_error", f"Failed to initialize samplers: {e}")
         prompt = task.prompt_tokens
@@ -336,11 +338,9 @@ class Scheduler:
             return
         if len(rows) < hidden.shape[0]:
             hidden = hidden[rows]
-        eog = list(self.tok.eog_ids)
-        bans = [eog if s.task.ignore_eos else [] for s in to_sample]
         logits = self.model.transformer.w.head.logits(
-            hidden, [s.sampler.head_need(ban) for s, ban in zip(to_sample, bans)])
-        # the rows stay raw (n_probs reports them); bans are -inf biases inside the chain
+            hidden, [s.sampler.head_need() for s in to_sample])
+        # the rows stay raw (n_probs reports them); ignore_eos bans are biases in the chain
         tokens = sample_batch([s.sampler for s in to_sample], logits)
         for i, (s, t) in enumerate(zip(to_sample, tokens)):
             if s.accept(t, logits[i], self.tok):

@@ -78,6 +78,12 @@ class ParsedRequest:
         if not self.tasks:
             self.tasks = [self.task]
 
+    def per_task(self) -> list[ParsedRequest]:
+        """One ParsedRequest per task (same response options), for formatting its result."""
+        if len(self.tasks) == 1:
+            return [self]
+        return [dataclasses.replace(self, task=t, tasks=[t]) for t in self.tasks]
+
 
 def tokenize_mixed(
     content: Any, tok: Tokenizer, add_special: bool, parse_special: bool
@@ -219,9 +225,6 @@ def _sampling(req: GenerationRequest, n_probs: int, ctx: ParseContext) -> Sampli
         logit_bias = parse_logit_bias(
             req.logit_bias, tok.n_vocab,
             lambda text: tok.encode(text, add_special=False, parse_special=False))
-    ignore_eos = ctx.default_ignore_eos if req.ignore_eos is None else req.ignore_eos
-    if ignore_eos:  # llama-server: ignore_eos appends -inf biases for the EOG tokens
-        logit_bias += [(t, float("-inf")) for t in sorted(tok.eog_ids)]
 
     params = SamplingParams(
         temperature=pick(req.temperature, d.temperature, 0.0),

@@ -16,7 +16,6 @@ from starlette.concurrency import run_in_threadpool
 
 from radixserve.http import info
 from radixserve.http.errors import read_json
-from radixserve.http.multi_task import collect_all, per_task, stream_all
 from radixserve.http.parse import ParsedRequest, parse_chat, parse_completion
 from radixserve.http.responses import (
     ResponseContext,
@@ -27,7 +26,7 @@ from radixserve.http.responses import (
 )
 from radixserve.http.sse import ChatStream, NativeStream, TextStream
 from radixserve.http.state import AppState
-from radixserve.http.streaming import collect_final, stream_response
+from radixserve.http.streaming import collect_all, stream_all
 
 # endpoint kind -> (parser, non-stream body, stream formatter, id prefix)
 _KINDS: dict[str, tuple[Callable, Callable, type, str]] = {
@@ -54,30 +53,19 @@ def add_routes(r: APIRouter, state: AppState) -> None:
             e.n_ctx_slot,
             id=random_id(prefix),
         )
-        if len(req.tasks) > 1:
-            return await complete_many(request, kind, req, ctx)
-        fmt = formatter(req, ctx) if req.stream else None
-        stream = e.submit(req.task)  # from here on, every path must end the task
-        if fmt is not None:
-            return await stream_response(request, stream, fmt, ping_s(req))
-        final = await collect_final(request, stream)
-        return JSONResponse(await run_in_threadpool(build, final, req, ctx))
-
-    async def complete_many(request: Request, kind: str, req: ParsedRequest,
-                            ctx: ResponseContext) -> Response:
-        """Several prompts and/or n_cmpl > 1: all tasks at once (parents before their
-        children), results by `index`: /completion an array, OpenAI one object whose
-        `choices` are every task's (usage and timings of the first, as llama-server)."""
-        _, build, formatter, _ = _KINDS[kind]
-        subs = per_task(req)
+        subs = req.per_task()  # several prompts and/or n_cmpl > 1: parents before children
         fmts = [formatter(sub, ctx) for sub in subs] if req.stream else []
-        streams = [state.eng.submit(sub.task) for sub in subs]  # every path ends them all
+        streams = [e.submit(sub.task) for sub in subs]  # from here on, every path ends them
         if req.stream:
             return await stream_all(request, streams, fmts, ping_s(req))
         finals = await collect_all(request, streams)
 
         def shape() -> Any:
+            """One task: its body. Several: /completion an array, OpenAI one object whose
+            `choices` are every task's (usage and timings of the first, as llama-server)."""
             bodies = [build(f, sub, ctx) for f, sub in zip(finals, subs)]
+            if len(bodies) == 1:
+                return bodies[0]
             if kind == "native":
                 return bodies
             for b in bodies[1:]:

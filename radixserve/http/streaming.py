@@ -1,17 +1,21 @@
-"""Driving a `TaskStream` for one HTTP request: SSE or one JSON, cancelling on disconnect.
+"""Driving the task streams of one HTTP request: SSE or JSON, cancelling on disconnect.
 
-A slot generating for a client that has gone away wastes the whole engine, so every path
-that can lose the client (waiting for the first token, mid-stream, waiting for a
-non-streamed result) ends in `StreamGuard.close()`, which cancels the task unless it already
-finished. Errors before the first result become normal HTTP errors; later ones are sent as
-one `data: {"error": ...}` event, as llama-server does.
+A request runs one task, or several (an array of prompts, `n`/`n_cmpl` > 1: llama-server's
+server_response_reader over post_tasks / wait_for_all), all submitted at once. A slot
+generating for a client that has gone away wastes the whole engine, so every path that can
+lose the client (waiting for the first token, mid-stream, waiting for non-streamed results)
+ends in `StreamGuard.close()` for every task, which cancels it unless it already finished.
+Without streaming the handler waits for every final result (the first error fails the request
+and cancels the rest). With streaming each task's chunks go out as they come, carrying its
+`index`; OpenAI streams end with one `[DONE]`. Errors before the first result become normal
+HTTP errors; later ones are sent as one `data: {"error": ...}` event, as llama-server does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from starlette.requests import Request
@@ -82,22 +86,6 @@ async def until_disconnect(request: Request, aw: Awaitable[T]) -> T:
                 t.cancel()
 
 
-async def collect_final(request: Request, stream: TaskStreamLike) -> FinalResult:
-    """Non-streamed request: the FinalResult; the task is cancelled if the client leaves."""
-    guard = StreamGuard(stream)
-
-    async def drain() -> FinalResult:
-        while True:
-            item = await guard.next()
-            if isinstance(item, FinalResult):
-                return item
-
-    try:
-        return await until_disconnect(request, drain())
-    finally:
-        guard.close()
-
-
 class GuardedStreamingResponse(StreamingResponse):
     """A StreamingResponse that closes its generator and guard however sending ends.
 
@@ -105,7 +93,7 @@ class GuardedStreamingResponse(StreamingResponse):
     then only be finalized by the garbage collector, leaving the slot busy until then.
     """
 
-    def __init__(self, body: AsyncIterator[bytes], guard: StreamGuard) -> None:
+    def __init__(self, body: AsyncIterator[bytes], guard: StreamGuard | _Guards) -> None:
         super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
         self.guard = guard
 
@@ -122,47 +110,110 @@ class GuardedStreamingResponse(StreamingResponse):
 SSE_PING = b":\n\n"  # an SSE comment: keeps idle-timeout clients (undici) connected
 
 
-async def _events(
-    first: PartialResult | FinalResult, guard: StreamGuard, fmt: StreamFormatter,
-    ping_s: float = -1,
-) -> AsyncIterator[bytes]:
+class _Guards:
+    """Closes (cancels unless finished) every task of the request, and its pumps."""
+
+    def __init__(self, streams: Sequence[TaskStreamLike]) -> None:
+        self.guards = [StreamGuard(s) for s in streams]
+        self.pumps: list[asyncio.Future[Any]] = []
+
+    def close(self) -> None:
+        for p in self.pumps:
+            if not p.done():
+                p.cancel()
+        for g in self.guards:
+            g.close()
+
+
+async def collect_all(request: Request, streams: Sequence[TaskStreamLike]) -> list[FinalResult]:
+    """Every task's FinalResult, in task order; the first error is raised (the others are
+    cancelled), as is a disconnect."""
+    gs = _Guards(streams)
+
+    async def drain(g: StreamGuard) -> FinalResult:
+        while True:
+            item = await g.next()
+            if isinstance(item, FinalResult):
+                return item
+
+    async def all_done() -> list[FinalResult]:
+        gs.pumps = [asyncio.ensure_future(drain(g)) for g in gs.guards]
+        pending = set(gs.pumps)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            for f in done:
+                if f.exception() is not None:
+                    raise f.exception()  # type: ignore[misc]
+        return [p.result() for p in gs.pumps]
+
     try:
-        for chunk in fmt.start():
-            yield sse_event(chunk)
-        item = first
-        while not isinstance(item, FinalResult):
-            for chunk in fmt.partial(item):
-                yield sse_event(chunk)
-            nxt = asyncio.ensure_future(guard.next())
-            try:
-                # --sse-ping-interval: a ping each time the engine stays silent that long
-                while not (await asyncio.wait({nxt}, timeout=ping_s if ping_s > 0 else None))[0]:
-                    yield SSE_PING
-                item = nxt.result()
-            except TaskError as e:
-                yield sse_error(e)
-                return
-            finally:
-                nxt.cancel()
-        for chunk in fmt.final(item):
-            yield sse_event(chunk)
-        if fmt.done:
-            yield fmt.done
-    except Exception as e:  # a bug in formatting must not leave the slot busy or hang up silently
-        log.exception("streaming failed")
-        yield sse_error(TaskError(500, "server_error", f"{type(e).__name__}: {e}"))
+        return await until_disconnect(request, all_done())
     finally:
-        guard.close()
+        gs.close()
 
 
-async def stream_response(
-    request: Request, stream: TaskStreamLike, fmt: StreamFormatter, ping_s: float = -1
-) -> StreamingResponse:
-    """SSE response; waits for the first result so an early error is a plain HTTP error."""
-    guard = StreamGuard(stream)
+async def stream_all(request: Request, streams: Sequence[TaskStreamLike],
+                     fmts: list[StreamFormatter], ping_s: float = -1) -> StreamingResponse:
+    """SSE of several tasks, interleaved as results arrive. An error before the first result
+    is a plain HTTP error; later, one error event ends the stream (the rest is cancelled)."""
+    gs = _Guards(streams)
+    q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, g: StreamGuard) -> None:
+        try:
+            while True:
+                item = await g.next()
+                q.put_nowait((i, item))
+                if isinstance(item, FinalResult):
+                    return
+        except TaskError as e:
+            q.put_nowait((i, e))
+
+    gs.pumps = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gs.guards)]
     try:
-        first = await until_disconnect(request, guard.next())
+        first = await until_disconnect(request, q.get())
     except BaseException:
-        guard.close()
+        gs.close()
         raise
-    return GuardedStreamingResponse(_events(first, guard, fmt, ping_s), guard)
+    if isinstance(first[1], TaskError):
+        gs.close()
+        raise first[1]
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            started: set[int] = set()
+            n_final, item = 0, first
+            while True:
+                i, res = item
+                if isinstance(res, TaskError):
+                    yield sse_error(res)
+                    return
+                fmt = fmts[i]
+                if i not in started:
+                    started.add(i)
+                    for chunk in fmt.start():
+                        yield sse_event(chunk)
+                if isinstance(res, FinalResult):
+                    n_final += 1
+                    chunks = fmt.final(res)
+                else:
+                    chunks = fmt.partial(res)
+                for chunk in chunks:
+                    yield sse_event(chunk)
+                if n_final == len(fmts):
+                    break
+                while True:  # --sse-ping-interval: a ping per silence that long
+                    try:
+                        item = await asyncio.wait_for(q.get(), ping_s if ping_s > 0 else None)
+                        break
+                    except asyncio.TimeoutError:
+                        yield SSE_PING
+            if fmts[0].done:
+                yield fmts[0].done
+        except Exception as e:  # noqa: BLE001 - never leave tasks running or hang up silently
+            log.exception("streaming failed")
+            yield sse_error(TaskError(500, "server_error", f"{type(e).__name__}: {e}"))
+        finally:
+            gs.close()
+
+    return GuardedStreamingResponse(events(), gs)

@@ -333,7 +333,8 @@ class Sampler:
     """
 
     def __init__(
-        self, params: SamplingParams, vocab_size: int, prompt_tokens: Sequence[int] = ()
+        self, params: SamplingParams, vocab_size: int, prompt_tokens: Sequence[int] = (),
+        banned: Sequence[int] = (),
     ) -> None:
         params.validate()
         if vocab_size <= 0:
@@ -370,10 +371,9 @@ class Sampler:
         self._dry_cache: tuple[int, dict[int, float] | None] | None = None
         self._n_accepted = 0
         self._user_bias = [(int(t), float(b)) for t, b in p.logit_bias if 0 <= t < vocab_size]
-        self._banned: tuple[int, ...] = ()
-        self._bias: tuple[np.ndarray, np.ndarray] | None = None
+        self._bias: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, _F32))
         self._bias_t: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._set_bias(())
+        self._set_bias(banned)
         self._last: ops.Candidates | None = None  # the last draw's (post-sampling probs)
         # greedy with a fast path (argmax of the biased/penalized row); a greedy chain
         # without one runs in full (the temperature step keeps only the best token)
@@ -413,13 +413,11 @@ class Sampler:
 
     # -- the steps before top_k that only touch some tokens -------------------------------
     def _set_bias(self, banned: Sequence[int]) -> None:
-        banned = tuple(int(t) for t in banned if 0 <= t < self.vocab_size)
-        if self._bias is not None and banned == self._banned:
-            return
-        self._banned = banned
-        pairs = self._user_bias + [(t, -math.inf) for t in banned]
+        """logit_bias: the user's, then -inf for `banned` (the EOG tokens with ignore_eos),
+        as llama-server appends them."""
+        pairs = self._user_bias + [(int(t), -math.inf) for t in banned
+                                   if 0 <= t < self.vocab_size]
         if not pairs:
-            self._bias, self._bias_t = (np.zeros(0, np.int64), np.zeros(0, _F32)), None
             return
         ids = np.array([t for t, _ in pairs], dtype=np.int64)
         self._bias = (ids, np.array([b for _, b in pairs], dtype=_F32))
@@ -506,7 +504,7 @@ class Sampler:
     def _apply_step(self, cur: ops.Candidates, name: str, st: _State) -> None:
         p = self.params
         if name == "bias":
-            ids, vals = self._bias  # type: ignore[misc]
+            ids, vals = self._bias
             if ids.size:
                 pos, k = cur.positions(ids)
                 cur.logit = cur.logit.copy()  # never write into the caller's row
@@ -614,7 +612,7 @@ class Sampler:
 
     def _run(self, logits: torch.Tensor, st: _State) -> ops.Candidates:
         cur = ops.Candidates(self._row(logits))
-        if self._bias is not None and self._bias[0].size:
+        if self._bias[0].size:
             self._apply_step(cur, "bias", st)
         steps, p, i = self._steps, self.params, 0
         while i < len(steps):
@@ -636,7 +634,7 @@ class Sampler:
         provided no penalty comes after such a filter. None: no fast path."""
         if upto not in self._steps:
             return None
-        out = ["bias"] if self._bias is not None and self._bias[0].size else []
+        out = ["bias"] if self._bias[0].size else []
         filtered = False
         for name in self._steps:
             if name == upto:
@@ -672,7 +670,7 @@ class Sampler:
         """Tokens the token-wise `steps` change; `exact`: only those whose exact logit
         matters (a -inf bias bans a token whatever its logit, so the head need not score it)."""
         ids: set[int] = set()
-        if "bias" in steps and self._bias is not None:
+        if "bias" in steps:
             b_ids, b_vals = self._bias
             ids.update((b_ids[np.isfinite(b_vals)] if exact else b_ids).tolist())
         if "penalties" in steps:
@@ -681,12 +679,10 @@ class Sampler:
             ids.update(self._dry_penalties() or ())
         return sorted(t for t in ids if 0 <= t < self.vocab_size)
 
-    def head_need(self, banned: Sequence[int] = ()) -> RowNeed:
+    def head_need(self) -> RowNeed:
         """What the chain reads of a logits row (model/head.py computes only that exactly):
         greedy the best token, a chain starting (after bias/penalties/DRY) with top_k <= 256
-        the best k, else the whole vocabulary; pre-sampling n_probs always the whole row.
-        `banned` tokens get a -inf bias (ignore_eos) for this and the following draws."""
-        self._set_bias(banned)
+        the best k, else the whole vocabulary; pre-sampling n_probs always the whole row."""
         p = self.params
         if p.n_probs > 0 and not p.post_sampling_probs:
             return RowNeed(0)

@@ -77,9 +77,9 @@ def test_samplers_with_penalties_and_bans_draw_what_the_full_head_gives(vnni):
     ):
         for r in range(len(h)):
             banned = torch.topk(full[r], 2).indices.tolist()[1:]  # ignore_eos-like ban
-            a = Sampler(params, V, history)
-            b = Sampler(params, V, history)
-            need = a.head_need(banned)
+            a = Sampler(params, V, history, banned=banned)
+            b = Sampler(params, V, history, banned=banned)
+            need = a.head_need()
             row = head.logits(h[r : r + 1], [need])[0]
             want = full[r].clone()
             row[banned] = -torch.inf

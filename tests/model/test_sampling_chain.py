@@ -264,8 +264,7 @@ def test_head_need_by_chain() -> None:
 
 def test_ignore_eos_ban_leaves_raw_row_and_n_probs_alone() -> None:
     x = torch.tensor([5.0, 1.0, 0.0, -1.0])
-    s = Sampler(SamplingParams(temperature=0, n_probs=2), 4)
-    s.head_need(banned=[0])
+    s = Sampler(SamplingParams(temperature=0, n_probs=2), 4, banned=[0])
     assert sample_batch([s], x[None])[0] == 1
     prob, top = s.token_probs(1, x, 2)
     assert [t for t, _ in top] == [0, 1] and prob == pytest.approx(
