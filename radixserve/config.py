@@ -63,10 +63,13 @@ class ServerConfig:
     chat_template: str | None = None  # --chat-template(-file): a Jinja template, else the model's
     chat_template_kwargs: dict[str, object] = field(default_factory=dict)
     prefill_assistant: bool = True
+    reasoning_format: str = "auto"  # none | auto | deepseek | deepseek-legacy
+    skip_chat_parsing: bool = False  # replies stay plain content (no tool calls, no reasoning)
     stop: list[str] = field(default_factory=list)  # -r: default stop strings
     special: bool = False  # -sp: special tokens rendered in the output text
     escape: bool = True  # -e: process escapes (\n, \t...) in -r
     ignore_eos: bool = False
+    grammar: str = ""  # --grammar/-j (and their -file forms), compiled for llguidance
     # host tier (issues 4/5)
     cache_ram_mib: int = 8192  # -1 unlimited, 0 off
     cache_idle_slots: bool = True

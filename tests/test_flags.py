@@ -83,6 +83,8 @@ def sample(f: Flag, tmp: Path) -> list[str]:
     file.write_text("k1\n# comment\n\nk2\n")
     tmpl = tmp / "tmpl.jinja"
     tmpl.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (tmp / "g.gbnf").write_text('root ::= "yes" | "no"\n')
+    (tmp / "s.json").write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
     special = {
         "-ctk": "f16", "-ctv": "bf16", "-fa": "on", "-lm": "mmap", "-lzm": "on",
         "--numa": "distribute", "-sm": "row", "-fit": "off", "--log-colors": "off",
@@ -99,6 +101,8 @@ def sample(f: Flag, tmp: Path) -> list[str]:
         "-C": "ff", "-Cb": "ff", "--spec-draft-cpu-mask": "ff", "--spec-draft-cpu-mask-batch": "ff",
         "-Cr": "0-1", "-Crb": "0-1", "--spec-draft-cpu-range": "0-1", "-dev": "none",
         "--spec-draft-device": "none", "--api-key": "k", "-c": "512", "--port": "9000", "-lv": "4",
+        "--grammar": 'root ::= "a" | "b"', "--grammar-file": str(tmp / "g.gbnf"),
+        "-j": '{"type": "array"}', "-jf": str(tmp / "s.json"),
     }
     name = f.spellings[0]
     if f.hint is None:
@@ -111,11 +115,9 @@ def sample(f: Flag, tmp: Path) -> list[str]:
 # honored flags whose meaning is what radixserve always does: the config cannot change
 ALWAYS_SO = {
     "--offline": "radixserve never downloads",
-    "--skip-chat-parsing": "output is always plain content",
     "--spec-type": "'none' is the only type",
     "--jinja": "templates are always Jinja",
     "-cb": "batching is always continuous",
-    "--reasoning-format": "thoughts stay in the content ('none')",
     "-rea": "'off'/'auto': no reasoning control",
     "--reasoning-budget": "-1: no budget",
 }
@@ -217,7 +219,7 @@ def test_api_key_sources(tmp_path: Path) -> None:
     (["-ctv", "q9"], "Unsupported cache type"),
     (["--spec-type", "ngram-simple"], "speculative decoding"),
     (["-rea", "on"], "reasoning"),
-    (["--reasoning-format", "deepseek"], "reasoning_content"),
+    (["--reasoning-format", "deepseek-new"], "expected one of"),
     (["--chat-template", "llama3"], "built-in chat template"),
     (["--chat-template", "{% for %}"], "chat template"),
     (["--chat-template-kwargs", "[1]"], "JSON object"),

@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -31,6 +31,7 @@ class RequestOptions:
     n_predict: int
     cache_prompt: bool = True  # false: the server must not reuse any prompt KV (strict no-cache)
     model: str = "bench"
+    fields: dict[str, Any] = field(default_factory=dict)  # the scenario's request_fields
 
 
 def chat_body(messages: list[dict[str, str]], opt: RequestOptions) -> dict[str, Any]:
@@ -45,6 +46,7 @@ def chat_body(messages: list[dict[str, str]], opt: RequestOptions) -> dict[str, 
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
         "cache_prompt": opt.cache_prompt,
+        **opt.fields,
     }
 
 

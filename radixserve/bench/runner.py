@@ -96,6 +96,7 @@ async def _phases(url: str, s: Scenario, mode: Mode, pid: int | None,
     if warm:
         await run_sessions(url, warm, min(s.concurrency, len(warm)), opt)
     await run_sessions(url, [cleanup_session(s)], 1, opt)
+    opt = dataclasses.replace(opt, fields=s.request_fields)
     before = await _scrape(url)
     sampler = RssSampler(pid) if pid is not None else None
     rss_start = sampler.rss_bytes() / MIB if sampler else None

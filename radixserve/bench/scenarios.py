@@ -50,6 +50,8 @@ class Scenario:
     # false: every request recomputes its whole prompt in every mode (engine yardsticks), so
     # an external server measured repeatedly cannot answer from what an earlier run cached
     cache_prompt: bool = True
+    # more body fields for every measured request (e.g. a `json_schema` constraint)
+    request_fields: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Scenario:

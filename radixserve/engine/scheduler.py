@@ -35,6 +35,7 @@ from radixserve.engine.task import CompletionTask, TaskError
 from radixserve.kv.batch import seq_step
 from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.model.forward import SeqStep
+from radixserve.model.grammar import Constraint
 from radixserve.model.loader import Model
 from radixserve.model.sampling import Sampler, sample_batch
 
@@ -151,8 +152,10 @@ class Scheduler:
     def _launch(self, slot: Slot, task: CompletionTask, emit: Emit, update_cache: bool) -> None:
         try:
             # ignore_eos: -inf biases on the EOG tokens, appended to logit_bias as llama-server
+            constraint = None if task.grammar is None else Constraint(task.grammar, self.tok)
             sampler = Sampler(task.params, self.tok.n_vocab, task.prompt_tokens,
-                              banned=sorted(self.tok.eog_ids) if task.ignore_eos else ())
+                              banned=sorted(self.tok.eog_ids) if task.ignore_eos else (),
+                              constraint=constraint)
         except ValueError as e:
             raise TaskError(400, "invalid_request_error", f"Failed to initialize samplers: {e}")
         prompt = task.prompt_tokens

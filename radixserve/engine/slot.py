@@ -117,6 +117,9 @@ class Slot:
             self.stop_type, self.truncated, done = "limit", True, True
         if not done and 0 <= task.n_predict <= len(self.generated):
             self.stop_type, done = "limit", True
+        constraint = self.sampler.constraint
+        if not done and constraint is not None and constraint.done:
+            self.stop_type, done = "eos", True  # complete: only end-of-generation is left
         if self.has_new_line and task.n_indent > 0:
             done = self._check_indent(task.n_indent) or done
         if "\n" in self._piece:

@@ -55,6 +55,8 @@ class CompletionTask:
     # n_cmpl > 1: the first completion of the same prompt; this task waits until that one's
     # prompt is computed and takes its cells instead of computing them again
     parent: CompletionTask | None = None
+    # a compiled llguidance grammar (model/grammar.py) constraining the output, or None
+    grammar: str | None = None
     id: int = -1  # assigned by the engine
 
 

@@ -172,6 +172,18 @@ def _read_text(path: str) -> str:
         raise FlagError(f"cannot read {path!r}: {e.strerror}") from None
 
 
+def _grammar(p: Parsed, v: str, kind: str) -> None:
+    """The default grammar, compiled and checked now (a bad one stops start-up); the last of
+    --grammar/-j wins, as they set one parameter in llama.cpp."""
+    from radixserve.model import grammar
+
+    try:
+        g = grammar.from_gbnf(v) if kind == "gbnf" else grammar.from_json_schema(v)
+        p.cfg.grammar = grammar.check(g, None, "grammar" if kind == "gbnf" else "JSON schema")
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+
+
 def _chat_template(p: Parsed, v: str) -> None:
     from radixserve.model.chat_template import CHATML_TEMPLATE, ChatTemplate
 
@@ -196,10 +208,7 @@ def _chat_template_kwargs(p: Parsed, v: str) -> None:
 
 
 def _reasoning_format(p: Parsed, v: str) -> None:
-    if v in ("deepseek", "deepseek-legacy"):
-        raise FlagError("extracting reasoning into `reasoning_content` is not implemented "
-                        "(thoughts stay in the content, as with 'none')")
-    _choice("none", "auto")(v)
+    p.cfg.reasoning_format = _choice("none", "auto", "deepseek", "deepseek-legacy")(v)
 
 
 def _reasoning(p: Parsed, v: str) -> None:
@@ -458,12 +467,14 @@ SERVE_FLAGS: list[Flag] = [
     flag("--mirostat-lr N", H, "Mirostat eta", set_("sampling.mirostat_eta", F)),
     flag("--mirostat-ent N", H, "Mirostat tau", set_("sampling.mirostat_tau", F)),
     flag("-l, --logit-bias TOKEN_ID(+/-)BIAS", H, "add a logit bias, e.g. 15043+1", _logit_bias),
-    flag("--grammar GRAMMAR", NO, "grammar-constrained decoding is not implemented yet"),
-    flag("--grammar-file FNAME", NO, "grammar-constrained decoding is not implemented yet"),
-    flag("-j, --json-schema SCHEMA", NO, "JSON-schema-constrained decoding is not implemented "
-         "yet"),
-    flag("-jf, --json-schema-file FILE", NO, "JSON-schema-constrained decoding is not "
-         "implemented yet"),
+    flag("--grammar GRAMMAR", H, "default GBNF grammar (or %llguidance Lark) for requests "
+         "that set none", lambda p, v: _grammar(p, v, "gbnf")),
+    flag("--grammar-file FNAME", H, "--grammar read from a file",
+         lambda p, v: _grammar(p, _read_text(v), "gbnf")),
+    flag("-j, --json-schema SCHEMA", H, "default JSON schema for requests that set no grammar",
+         lambda p, v: _grammar(p, v, "json")),
+    flag("-jf, --json-schema-file FILE", H, "-j read from a file",
+         lambda p, v: _grammar(p, _read_text(v), "json")),
     flag("-bs, --backend-sampling", NA, "sampling always runs in PyTorch",
          env="LLAMA_ARG_BACKEND_SAMPLING"),
     # ----- speculative params -----
@@ -658,8 +669,9 @@ SERVE_FLAGS: list[Flag] = [
          "applicable)", lambda p, on: None if on else p.note(
              "--no-jinja: not applicable here (templates are always rendered with Jinja); "
              "ignored"), neg="--no-jinja", env="LLAMA_ARG_JINJA"),
-    flag("--reasoning-format FORMAT", H, "none/auto: thoughts stay in the content; deepseek "
-         "formats refused", _reasoning_format, env="LLAMA_ARG_THINK"),
+    flag("--reasoning-format FORMAT", H, "a leading <think>...</think> of templates that think "
+         "goes to reasoning_content (auto, deepseek; deepseek-legacy: kept in the content too); "
+         "none: it stays in the content", _reasoning_format, env="LLAMA_ARG_THINK"),
     flag("-rea, --reasoning [on|off|auto]", H, "off/auto (the template decides); on refused",
          _reasoning, env="LLAMA_ARG_REASONING"),
     flag("--reasoning-effort LEVEL", H, "given to the chat template as reasoning_effort",
@@ -674,8 +686,9 @@ SERVE_FLAGS: list[Flag] = [
          "the model's", _chat_template, env="LLAMA_ARG_CHAT_TEMPLATE"),
     flag("--chat-template-file JINJA_TEMPLATE_FILE", H, "read the chat template from a file",
          lambda p, v: _chat_template(p, _read_text(v)), env="LLAMA_ARG_CHAT_TEMPLATE_FILE"),
-    flag("--skip-chat-parsing", H, "output is always parsed as pure content",
-         lambda p, on: None, neg="--no-skip-chat-parsing", env="LLAMA_ARG_SKIP_CHAT_PARSING"),
+    flag("--skip-chat-parsing", H, "replies stay pure content: no tool calls or reasoning "
+         "parsed out of them", set_("skip_chat_parsing", bool), neg="--no-skip-chat-parsing",
+         env="LLAMA_ARG_SKIP_CHAT_PARSING"),
     flag("--prefill-assistant", H, "a trailing assistant message is continued (prefilled)",
          set_("prefill_assistant", bool), neg="--no-prefill-assistant",
          env="LLAMA_ARG_PREFILL_ASSISTANT"),

@@ -15,20 +15,16 @@ from radixserve.http.schemas import GenerationRequest
 
 # field -> (values that ask for nothing, the feature a real value needs)
 _UNIMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "grammar": (("",), "grammar-constrained decoding"),
-    "json_schema": ((), "JSON-schema-constrained decoding"),
     "grammar_lazy": ((False,), "lazy grammars"),
     "grammar_triggers": (([],), "lazy grammars"),
     "preserved_tokens": (([],), "lazy grammars"),
-    "tools": (([],), "tool calling"),
-    "tool_choice": (("none", "auto"), "tool calling"),
-    "parallel_tool_calls": ((True, False), "tool calling"),
-    "parse_tool_calls": ((False,), "tool calling"),
+    # llama-server's internal switch (its chat front-end sets it): chat requests with `tools`
+    # are parsed anyway, and raw /completion text is never parsed into tool calls here
+    "parse_tool_calls": ((False,), "tool-call parsing set by the client"),
     "lora": (([],), "LoRA adapters"),
     "chat_format": ((), "chat output parsers"),
     "chat_parser": ((), "chat output parsers"),
     "generation_prompt": (("",), "chat output parsers"),
-    "reasoning_format": (("none", "auto"), "reasoning extraction (reasoning_content)"),
     "reasoning_control": ((False,), "reasoning control"),
     "reasoning_budget_tokens": ((-1,), "reasoning budgets"),
     "reasoning_budget_start_tag": ((), "reasoning budgets"),
@@ -51,7 +47,3 @@ def reject_unimplemented(req: GenerationRequest) -> None:
         if value is None or any(value == h and type(value) is type(h) for h in harmless):
             continue
         raise invalid_request(f"Field '{name}': {feature} is not supported by this server")
-    rf = req.response_format
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type", "text") == "text"):
-        raise invalid_request("Field 'response_format': structured output is not supported by "
-                              'this server (only {"type": "text"})')

@@ -15,6 +15,7 @@ import gguf
 
 from radixserve.config import ServerConfig
 from radixserve.http.responses import BUILD_INFO, params_json
+from radixserve.model.chat_caps import template_caps
 from radixserve.model.loader import Model
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ def props_json(
 ) -> dict[str, Any]:
     """GET /props (props.json), plus `prompt_cache`: the host cache figures (ours)."""
     tmpl = model.chat_template
+    caps = template_caps(tmpl)
     return {
         "default_generation_settings": {"params": default_params_json(cfg), "n_ctx": n_ctx_slot},
         "total_slots": n_slots,
@@ -103,9 +105,9 @@ def props_json(
         "chat_template": tmpl.source,
         "chat_template_caps": {
             "supports_string_content": True,
-            "supports_system_role": True,
-            "supports_tool_calls": False,
-            "supports_tools": False,
+            "supports_system_role": caps.supports_system_role,
+            "supports_tool_calls": caps.supports_tool_calls,
+            "supports_tools": caps.supports_tools,
             "supports_typed_content": False,
         },
         "bos_token": tmpl.bos_token,

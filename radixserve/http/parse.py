@@ -21,6 +21,9 @@ from radixserve.http.schemas import (
     range_error,
     validate_body,
 )
+from radixserve.model import grammar as grammars
+from radixserve.model.chat_format import ChatInputs, ChatPlan, plan_chat
+from radixserve.model.chat_parse import OutputFormat
 from radixserve.model.chat_template import ChatTemplate, flatten_content
 from radixserve.model.sampling import (
     SamplingParams,
@@ -57,6 +60,9 @@ class ParseContext:
     special: bool = False  # -sp: special tokens appear in the text
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # --chat-template-kwargs
     prefill_assistant: bool = True  # --no-prefill-assistant: a last assistant turn is complete
+    default_grammar: str | None = None  # --grammar/--grammar-file/-j/-jf, compiled (llguidance)
+    reasoning_format: str = "auto"  # --reasoning-format: requests may choose their own
+    skip_chat_parsing: bool = False  # --skip-chat-parsing: replies stay plain content
 
 
 @dataclass(slots=True)
@@ -73,6 +79,9 @@ class ParsedRequest:
     tasks: list[CompletionTask] = field(default_factory=list)
     response_fields: list[str] = field(default_factory=list)  # /completion: fields to return
     sse_ping_interval: int | None = None  # None: the server's --sse-ping-interval
+    # chat: how a reply's text becomes content, reasoning and tool calls (None: all content);
+    # shared by the tasks, each formatting its result takes its own parser from it
+    chat_output: OutputFormat | None = None
 
     def __post_init__(self) -> None:
         if not self.tasks:
@@ -270,6 +279,54 @@ def _sampling(req: GenerationRequest, n_probs: int, ctx: ParseContext) -> Sampli
     return params
 
 
+def response_schema(req: GenerationRequest) -> Any:
+    """The JSON schema a request asks for: `json_schema`, or `response_format` as OpenAI
+    shapes it (`json_object`, optionally with `schema`; `json_schema` with
+    `json_schema.schema`), as llama-server reads them; None for none (or `text`)."""
+    schema = req.json_schema
+    rf = req.response_format
+    if rf is None:
+        return schema
+    if not isinstance(rf, dict):
+        raise invalid_request("Field 'response_format': must be an object")
+    kind = rf.get("type", "")
+    if kind == "json_object":
+        if "schema" in rf or schema is None:
+            schema = rf.get("schema") or {}
+    elif kind == "json_schema":
+        wrapper = rf.get("json_schema")
+        if not isinstance(wrapper, dict) or not isinstance(wrapper.get("schema", {}), dict):
+            raise invalid_request("Field 'response_format': 'json_schema' must be an object "
+                                  "with an object 'schema'")
+        schema = wrapper.get("schema", {})
+    elif kind not in ("", "text"):
+        raise invalid_request('response_format type must be one of "text", "json_object" or '
+                              f'"json_schema", but got: {kind}')
+    return schema
+
+
+def request_grammar(req: GenerationRequest, ctx: ParseContext, chat: bool = False) -> str | None:
+    """The compiled grammar constraining a request's output: its `grammar` (GBNF, or a
+    `%llguidance` Lark grammar), else its JSON schema, else the server's default. As
+    llama-server: the grammar wins over a schema (chat: both is an error). Errors are 400s
+    naming the field, raised before any slot is touched."""
+    schema = response_schema(req)
+    text = req.grammar
+    if text is not None and not isinstance(text, str):
+        raise invalid_request("Field 'grammar': must be a string")
+    if chat and schema is not None and text:
+        raise invalid_request("Cannot use both json_schema and grammar")
+    try:
+        if text:
+            return grammars.check(grammars.from_gbnf(text), ctx.tokenizer)
+        if schema is not None:
+            return grammars.check(grammars.from_json_schema(schema), ctx.tokenizer,
+                                  "JSON schema")
+    except ValueError as e:
+        raise invalid_request(f"Field '{'grammar' if text else 'json_schema'}': {e}") from None
+    return ctx.default_grammar
+
+
 def _limit(req: GenerationRequest, name: str, default: int, lo: int, hi: int) -> int:
     """An integer field with llama-server's hard limits (400 outside [lo, hi])."""
     value = getattr(req, name)
@@ -296,10 +353,11 @@ def _child_seed(seed: int, j: int) -> int:
 
 def build_task(
     req: GenerationRequest, tokens: list[int], n_probs: tuple[str, int], ctx: ParseContext,
-    prompts: list[list[int]] | None = None,
+    prompts: list[list[int]] | None = None, grammar: str | None = None,
 ) -> ParsedRequest:
-    """The tasks for validated fields `req`, a tokenized prompt (or several: `prompts`) and
-    (field name, n_probs): per prompt one task and n_cmpl - 1 children."""
+    """The tasks for validated fields `req`, a tokenized prompt (or several: `prompts`),
+    (field name, n_probs) and the compiled grammar constraining the output (`grammar`):
+    per prompt one task and n_cmpl - 1 children."""
     reject_unimplemented(req)
     prompts = [tokens] if prompts is None else prompts
     for p in prompts:
@@ -338,6 +396,7 @@ def build_task(
         n_indent=n_indent,
         t_max_predict_ms=t_max_predict_ms,
         n_cmpl=n_cmpl,
+        grammar=grammar,
     )
     tasks: list[CompletionTask] = []
     for p in prompts:
@@ -366,15 +425,17 @@ def parse_completion(body: Any, ctx: ParseContext) -> ParsedRequest:
     req = validate_body(CompletionRequest, body)
     field, n_probs = _first(req, "n_probs", "logprobs")
     prompts = prompt_list(req.prompt, ctx.tokenizer)
-    return build_task(req, prompts[0], (field, n_probs or 0), ctx, prompts)
+    return build_task(req, prompts[0], (field, n_probs or 0), ctx, prompts,
+                      grammar=request_grammar(req, ctx))
 
 
 RESERVED_TEMPLATE_VARS = ("messages", "add_generation_prompt")
 
 
-def render_chat(req: ChatRequest, template: ChatTemplate, tok: Tokenizer,
-                ctx: ParseContext | None = None) -> str:
-    """The prompt text for a chat request, as llama-server builds it.
+def chat_plan(req: ChatRequest, template: ChatTemplate, tok: Tokenizer,
+              ctx: ParseContext | None = None) -> ChatPlan:
+    """The prompt text for a chat request, as llama-server builds it, with its tools' grammar
+    and reply format (model/chat_format.py).
 
     A trailing assistant message is a prefill: the reply continues its text. The template's
     leading BOS text is dropped when the tokenizer adds BOS itself (no double BOS).
@@ -394,15 +455,24 @@ def render_chat(req: ChatRequest, template: ChatTemplate, tok: Tokenizer,
         if name in extra:
             raise invalid_request(f"Field 'chat_template_kwargs': '{name}' is set by the "
                                   "request itself and cannot be overridden")
+    inputs = ChatInputs(
+        msgs, add_gen, extra, tools=req.tools, tool_choice=req.tool_choice,
+        parallel_tool_calls=req.parallel_tool_calls, json_schema=response_schema(req),
+        reasoning_format=req.reasoning_format if req.reasoning_format is not None
+        else ctx.reasoning_format if ctx else "auto",
+        custom_grammar=req.grammar is not None, parse_output=not (ctx and ctx.skip_chat_parsing),
+        prefill=prefill, bos=template.bos_token if tok.add_bos else "",
+        eos=template.eos_token if tok.add_eos else "")
     try:
-        text = template.render(msgs, add_generation_prompt=add_gen, **extra)
+        return plan_chat(template, inputs)
     except ValueError as e:
         raise invalid_request(str(e)) from None
-    if tok.add_bos and template.bos_token and text.startswith(template.bos_token):
-        text = text[len(template.bos_token) :]
-    if tok.add_eos and template.eos_token and text.endswith(template.eos_token) and not prefill:
-        text = text[: -len(template.eos_token)]
-    return text + prefill
+
+
+def render_chat(req: ChatRequest, template: ChatTemplate, tok: Tokenizer,
+                ctx: ParseContext | None = None) -> str:
+    """The prompt text of a chat request (/apply-template shows it)."""
+    return chat_plan(req, template, tok, ctx).prompt
 
 
 def chat_n_probs(req: ChatRequest) -> tuple[str, int]:
@@ -418,6 +488,15 @@ def parse_chat(body: Any, ctx: ParseContext) -> ParsedRequest:
     """/chat/completions and /v1/chat/completions bodies."""
     req = validate_body(ChatRequest, body)
     n_probs = chat_n_probs(req)
-    text = render_chat(req, ctx.chat_template, ctx.tokenizer, ctx)
-    tokens = ctx.tokenizer.encode(text, add_special=True, parse_special=True)
-    return build_task(req, tokens, n_probs, ctx)
+    plan = chat_plan(req, ctx.chat_template, ctx.tokenizer, ctx)
+    tokens = ctx.tokenizer.encode(plan.prompt, add_special=True, parse_special=True)
+    if plan.grammar is None:
+        grammar = request_grammar(req, ctx, chat=True)
+    else:  # the tools' grammar (a request's own grammar or schema is part of it, or refused)
+        try:
+            grammar = grammars.check(plan.grammar, ctx.tokenizer)
+        except ValueError as e:
+            raise invalid_request(f"Field 'tools': {e}") from None
+    parsed = build_task(req, tokens, n_probs, ctx, grammar=grammar)
+    parsed.chat_output = plan.output
+    return parsed

@@ -18,6 +18,7 @@ from typing import Any
 from radixserve import __version__
 from radixserve.engine.task import FinalResult, TokenProbs
 from radixserve.http.parse import ParsedRequest
+from radixserve.model.chat_parse import ParsedMessage, message_json
 from radixserve.model.sampling import SamplingParams
 from radixserve.model.tokenizer import Tokenizer
 
@@ -45,9 +46,12 @@ class ResponseContext:
     fingerprint: str = BUILD_INFO
 
 
-def finish_reason(final: FinalResult) -> str:
-    """llama-server: "stop" for EOS or a stop word, else (n_predict, context) "length"."""
-    return "stop" if final.stop_type in ("eos", "word") else "length"
+def finish_reason(final: FinalResult, msg: ParsedMessage | None = None) -> str:
+    """llama-server: "stop" for EOS or a stop word ("tool_calls" when the parsed message
+    `msg` has calls), else (n_predict, context) "length"."""
+    if final.stop_type not in ("eos", "word"):
+        return "length"
+    return "tool_calls" if msg is not None and msg.tool_calls else "stop"
 
 
 def usage_json(final: FinalResult) -> dict[str, Any]:
@@ -213,11 +217,14 @@ def text_completion_json(
 def chat_completion_json(
     final: FinalResult, req: ParsedRequest, ctx: ResponseContext
 ) -> dict[str, Any]:
-    """/v1/chat/completions, stream false (chat_nonstream.json)."""
+    """/v1/chat/completions, stream false (chat_nonstream.json); with tools or reasoning the
+    text is parsed into content, reasoning_content and tool_calls."""
+    msg = None if req.chat_output is None else req.chat_output.parser().parse(final.content)
     choice: dict[str, Any] = {
-        "finish_reason": finish_reason(final),
+        "finish_reason": finish_reason(final, msg),
         "index": req.task.index,
-        "message": {"role": "assistant", "content": final.content},
+        "message": {"role": "assistant", "content": final.content} if msg is None
+        else message_json(msg),
     }
     logprobs = oai_logprobs(final.probs, req, ctx.tokenizer)
     if logprobs is not None:

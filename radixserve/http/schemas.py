@@ -146,22 +146,23 @@ class GenerationRequest(_Body):
     verbose: Bool | None = None
     backend_sampling: Bool | None = None
     sse_ping_interval: Int | None = None
-    # Fields llama-server honors that this server does not implement: a value other than
-    # null is refused with a 400 naming the field (parse.py), never silently ignored.
+    # -- constraints and tools: checked in parse.py / model/chat_format.py --
     grammar: Any = None
     json_schema: Any = None
-    grammar_lazy: Any = None
-    grammar_triggers: Any = None
-    preserved_tokens: Any = None
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
+    reasoning_format: Any = None
+    parse_tool_calls: Any = None
+    # Fields llama-server honors that this server does not implement: a value other than
+    # null is refused with a 400 naming the field (fields.py), never silently ignored.
+    grammar_lazy: Any = None
+    grammar_triggers: Any = None
+    preserved_tokens: Any = None
     lora: Any = None
     chat_format: Any = None
-    reasoning_format: Any = None
     generation_prompt: Any = None
-    parse_tool_calls: Any = None
     chat_parser: Any = None
     continue_final_message: Any = None
     echo: Any = None

@@ -22,6 +22,7 @@ from radixserve.http.responses import (
     probs_json,
     usage_json,
 )
+from radixserve.model.chat_parse import ParsedMessage, message_deltas
 
 log = logging.getLogger(__name__)
 
@@ -133,9 +134,58 @@ class _OAIStream(StreamFormatter):
 
 
 class ChatStream(_OAIStream):
-    """chat.completion.chunk events (chat_stream.sse, chat_stream_usage.sse)."""
+    """chat.completion.chunk events (chat_stream.sse, chat_stream_usage.sse).
+
+    With tools or reasoning (`req.chat_output`) the text so far is parsed at each result and
+    the deltas from what the client already has are sent (llama-server's msg diffs): the
+    parser holds back what is not decided yet, so the deltas add up to the final message.
+    Logprobs wait for the next chunk that goes out."""
 
     object = "chat.completion.chunk"
+
+    def __init__(self, req: ParsedRequest, ctx: ResponseContext) -> None:
+        super().__init__(req, ctx)
+        self.parser = None if req.chat_output is None else req.chat_output.parser()
+        self.sent = ParsedMessage()  # what the client has
+        self.raw = ""  # the reply's text so far
+        self.msg: ParsedMessage | None = None  # the final parse
+        self.held_probs: list[TokenProbs] = []
+
+    def partial(self, p: PartialResult) -> list[dict[str, Any]]:
+        if self.parser is None:
+            return super().partial(p)
+        self.n_tokens += len(p.tokens)
+        self.raw += p.text
+        self.held_probs += p.probs
+        chunks = self._parsed(self.parser.parse(self.raw, partial=True), flush=False)
+        if chunks and p.timings is not None:
+            chunks[-1]["timings"] = p.timings.to_json()
+        return chunks
+
+    def final(self, f: FinalResult) -> list[dict[str, Any]]:
+        if self.parser is None:
+            return super().final(f)
+        self.msg = self.parser.parse(f.content)
+        self.held_probs = f.probs[self.n_probs_sent :] if self.req.task.n_probs > 0 else []
+        self.n_tokens = len(f.tokens)
+        return self._parsed(self.msg, flush=True) + self._close(f)
+
+    def _parsed(self, msg: ParsedMessage, flush: bool) -> list[dict[str, Any]]:
+        """Chunks for the deltas up to `msg`; held logprobs go with the first (`flush`: in a
+        chunk of their own when there is no delta)."""
+        deltas = message_deltas(self.sent, msg)
+        if not deltas and flush and self.held_probs:
+            deltas = [{}]
+        chunks = []
+        for delta in deltas:
+            choice: dict[str, Any] = {"finish_reason": None, "index": self.req.task.index,
+                                      "delta": delta}
+            if self.held_probs:
+                choice["logprobs"] = oai_logprobs(self.held_probs, self.req, self.ctx.tokenizer)
+                self.n_probs_sent += len(self.held_probs)
+                self.held_probs = []
+            chunks.append(self._envelope([choice]))
+        return chunks
 
     def start(self) -> list[dict[str, Any]]:
         role = {"role": "assistant", "content": None}
@@ -151,7 +201,8 @@ class ChatStream(_OAIStream):
         return self._envelope([choice])
 
     def _finish_choice(self, f: FinalResult) -> dict[str, Any]:
-        return {"finish_reason": finish_reason(f), "index": self.req.task.index, "delta": {}}
+        return {"finish_reason": finish_reason(f, self.msg), "index": self.req.task.index,
+                "delta": {}}
 
 
 class TextStream(_OAIStream):

@@ -11,6 +11,7 @@ from radixserve.config import ServerConfig
 from radixserve.engine.api import EngineAPI
 from radixserve.http import info
 from radixserve.http.parse import ParseContext
+from radixserve.model.grammar import check as check_grammar
 from radixserve.model.loader import Model
 
 
@@ -65,5 +66,8 @@ class AppState:
             special=cfg.special,
             chat_template_kwargs=cfg.chat_template_kwargs,
             prefill_assistant=cfg.prefill_assistant,
+            reasoning_format=cfg.reasoning_format,
+            skip_chat_parsing=cfg.skip_chat_parsing,
+            default_grammar=check_grammar(cfg.grammar, m.tokenizer) if cfg.grammar else None,
         )
         self.engine = engine

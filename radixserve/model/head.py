@@ -42,6 +42,10 @@ class RowNeed:
     top: int  # that many best tokens must be exact (0: the whole vocabulary)
     extra: Sequence[int] = ()  # tokens whose exact logit is needed too (penalized history)
     adjust: Callable[[torch.Tensor], torch.Tensor] | None = None  # penalties / bans, as sampled
+    # a grammar's mask [V] bool: the best `top` allowed tokens are exact too (and, with
+    # allowed_only, only those: a greedy pick under a grammar needs nothing else)
+    allowed: torch.Tensor | None = None
+    allowed_only: bool = False
 
 
 @dataclass(slots=True)
@@ -114,9 +118,15 @@ class OutputHead:
         upper, lower = y + bound, y - bound
         for j, (nd, r) in enumerate(zip(needs, rows)):
             row, up = out[r], upper[j]
-            # <= the true k-th best logit
-            floor = lower[j].max() if nd.top == 1 else torch.topk(lower[j], nd.top).values[-1]
-            ids = self._rescore(h[j], row, (up >= floor).nonzero().squeeze(1), nd.extra)
+            if nd.allowed is None:
+                keep = self._candidates(lower[j], up, nd.top).nonzero().squeeze(1)
+            else:  # ranked among the allowed tokens (a grammar's few, or most of them)
+                ok = nd.allowed.nonzero().squeeze(1)
+                keep = ok[self._candidates(lower[j][ok], up[ok], nd.top)] if ok.numel() else ok
+                if not nd.allowed_only:
+                    keep = torch.unique(torch.cat([
+                        keep, self._candidates(lower[j], up, nd.top).nonzero().squeeze(1)]))
+            ids = self._rescore(h[j], row, keep, nd.extra)
             if nd.adjust is None:
                 continue
             seen = nd.adjust(row)
@@ -125,6 +135,13 @@ class OutputHead:
             if more.numel():  # penalties or bans lowered the k-th value: widen the window
                 self.stats.widened += 1
                 self._rescore(h[j], row, more, ())
+
+    @staticmethod
+    def _candidates(lower: torch.Tensor, upper: torch.Tensor, top: int) -> torch.Tensor:
+        """Tokens that could be among the best `top`: upper bound >= a floor that is <= the
+        true top-th best logit."""
+        floor = lower.max() if top == 1 else torch.topk(lower, min(top, lower.numel())).values[-1]
+        return upper >= floor
 
     def _approx(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Approximate logits y [n, V] of the int8 copy, the input term c_a [n, 1] of the

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from radixserve.model import sampler_ops as ops
+from radixserve.model.grammar import Constraint
 from radixserve.model.head import MAX_TOP, RowNeed
 
 _MAX_N_PROBS = 100
@@ -334,9 +335,10 @@ class Sampler:
 
     def __init__(
         self, params: SamplingParams, vocab_size: int, prompt_tokens: Sequence[int] = (),
-        banned: Sequence[int] = (),
+        banned: Sequence[int] = (), constraint: Constraint | None = None,
     ) -> None:
         params.validate()
+        self.constraint = constraint  # a grammar: llama.cpp's grammar sampler
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be > 0, got {vocab_size}")
         p = self.params = params
@@ -410,6 +412,8 @@ class Sampler:
                 st.ap_weight = float(_F32(1.0) + _F32(self._decay) * _F32(st.ap_weight))
             st.ap_pending, st.ap_idx = -1, -1
         self._accept_history(int(token))
+        if self.constraint is not None:
+            self.constraint.accept(int(token))
 
     # -- the steps before top_k that only touch some tokens -------------------------------
     def _set_bias(self, banned: Sequence[int]) -> None:
@@ -686,6 +690,8 @@ class Sampler:
         p = self.params
         if p.n_probs > 0 and not p.post_sampling_probs:
             return RowNeed(0)
+        if self.constraint is not None:
+            return self._constrained_need()
         if self.greedy:
             top, steps = 1, self._pre_steps("temperature")
         else:
@@ -700,12 +706,40 @@ class Sampler:
 
         return RowNeed(top, self._touched(steps, exact=True), adjust)
 
+    def _constrained_need(self) -> RowNeed:
+        """With a grammar the head ranks the allowed tokens too: a greedy pick needs only the
+        best allowed one (the unconstrained best, when allowed, is that same token); sampling
+        needs both the unconstrained top k (llama.cpp samples first) and the allowed top k
+        (its resample after a rejection). Rows with bias/penalty steps get the whole row."""
+        assert self.constraint is not None
+        top, steps = (1, self._pre_steps("temperature")) if self.greedy else (
+            self.params.top_k, self._pre_steps("top_k"))
+        if steps is None or not 0 < top <= MAX_TOP:
+            return RowNeed(0)
+        allowed = self.constraint.mask()
+        ids, vals = self._bias
+        # greedy with bans only (ignore_eos): a banned token is just one more unallowed one
+        if self.greedy and steps == ["bias"] and bool(np.isneginf(vals).all()):
+            allowed = allowed.clone()
+            allowed[torch.from_numpy(ids)] = False
+        elif steps:
+            return RowNeed(0)
+        return RowNeed(top, allowed=allowed, allowed_only=self.greedy)
+
     def greedy_row(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """The row a greedy chain takes the argmax of, or None when that is `logits`."""
+        """The row a greedy chain takes the argmax of (after bias/penalties), or None when
+        that is `logits`."""
         steps = self._pre_steps("temperature") or []
-        if not steps:
-            return None
-        return self._adjusted(logits, steps)
+        return self._adjusted(logits, steps) if steps else None
+
+    def _greedy_allowed(self, token: int, row: torch.Tensor) -> int:
+        """A greedy pick `token` of `row`, or with a grammar that rejects it the best allowed
+        token (llama.cpp's resample; a shortlist row under a grammar holds allowed tokens
+        only, so the full-row mask is rarely needed)."""
+        c = self.constraint
+        if c is None or c.allows(token):
+            return token
+        return int(torch.argmax(row.masked_fill(~c.mask(), -math.inf)))
 
     def penalize(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` with only the repetition penalties applied (llama.cpp's penalties
@@ -722,11 +756,20 @@ class Sampler:
         return token
 
     def sample(self, logits: torch.Tensor) -> int:
-        """Pick the next token from 1-D `logits` [vocab]; deterministic given seed + history."""
+        """Pick the next token from 1-D `logits` [vocab]; deterministic given seed + history.
+
+        A grammar joins where llama.cpp's common_sampler_sample puts it: the chain samples
+        first; a token the grammar rejects is resampled from the logits with the disallowed
+        tokens at -inf (the chain's RNG continues). Greedy: the best allowed token, which is
+        what that reject-and-resample gives."""
+        c = self.constraint
         if self.greedy:
             row = self.greedy_row(logits)
-            return self._greedy_pick(int(torch.argmax(logits if row is None else row)))
+            row = logits if row is None else row
+            return self._greedy_pick(self._greedy_allowed(int(torch.argmax(row)), row))
         cur = self._run(logits, self._state)
+        if c is not None and not c.allows(int(cur.ids[cur.selected])):
+            cur = self._run(logits.masked_fill(~c.mask(), -math.inf), self._state)
         self._last = cur
         return int(cur.ids[cur.selected])
 
@@ -766,7 +809,8 @@ class Sampler:
             return []
         if self.greedy:
             row = self.greedy_row(logits)
-            return [(int(torch.argmax(logits if row is None else row)), 1.0)]
+            row = logits if row is None else row
+            return [(self._greedy_allowed(int(torch.argmax(row)), row), 1.0)]
         cur = self._run(logits, self._state.copy())
         order = np.argsort(-cur.p, kind="stable")[:n]
         return [(int(cur.ids[i]), float(cur.p[i])) for i in order if cur.p[i] > 0.0]
@@ -788,8 +832,8 @@ def sample_batch(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
             adj = samplers[i].greedy_row(logits[i])
             if adj is not None:  # per-row bias/penalties, still one argmax for all rows
                 rows[j] = adj.to(rows.dtype)
-        for i, tok in zip(greedy, rows.argmax(dim=-1).tolist()):
-            out[i] = samplers[i]._greedy_pick(tok)
+        for j, (i, tok) in enumerate(zip(greedy, rows.argmax(dim=-1).tolist())):
+            out[i] = samplers[i]._greedy_pick(samplers[i]._greedy_allowed(tok, rows[j]))
     for i, s in enumerate(samplers):
         if not s.greedy:
             out[i] = s.sample(logits[i])

@@ -78,3 +78,12 @@ def test_chat_body_sets_strict_no_cache_and_fixed_length() -> None:
     b = chat_body([{"role": "user", "content": "x"}], RequestOptions(7, cache_prompt=False))
     assert b["cache_prompt"] is False and b["max_tokens"] == 7 and b["ignore_eos"] is True
     assert b["stream"] is True and b["temperature"] == 0.0
+
+
+def test_a_scenarios_request_fields_reach_every_measured_body() -> None:
+    from radixserve.bench.scenarios import load_scenario
+
+    s = load_scenario("decode-4-json")
+    assert s.request_fields["json_schema"]["minItems"] >= s.n_predict  # cannot end early
+    b = chat_body([{"role": "user", "content": "x"}], RequestOptions(7, fields=s.request_fields))
+    assert b["json_schema"] == s.request_fields["json_schema"] and b["ignore_eos"] is True

@@ -70,14 +70,49 @@ def test_unimplemented_fields_are_refused_naming_them(model: Model, name: str) -
     assert len(engine.tasks) == 2 * (2 if name in HARMLESS else 1)
 
 
-def test_response_format_other_than_text_is_refused(model: Model) -> None:
-    c, _ = client(model, GOOD)
-    body = {"messages": [{"role": "user", "content": "hi"}]}
-    r = c.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}})
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("path, body, fields", [
+    ("/completion", {"prompt": "hi"}, {"grammar": 'root ::= "a" | "b"'}),
+    ("/completion", {"prompt": "hi"}, {"grammar": '%llguidance {}\nstart: "a"'}),
+    ("/completion", {"prompt": "hi"}, {"json_schema": SCHEMA}),
+    ("/completion", {"prompt": "hi"}, {"json_schema": {}}),
+    ("/v1/chat/completions", CHAT, {"response_format": {"type": "json_object"}}),
+    ("/v1/chat/completions", CHAT, {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": SCHEMA, "strict": True}}}),
+])
+def test_grammar_fields_reach_the_task(model: Model, path: str, body: dict, fields: dict) -> None:
+    c, engine = client(model, GOOD)
+    assert c.post(path, json={**body, **fields}).status_code == 200
+    assert engine.tasks[-1].grammar
+    assert c.post(path, json=body).status_code == 200
+    assert engine.tasks[-1].grammar is None
+    ok = c.post("/v1/chat/completions", json={**CHAT, "response_format": {"type": "text"}})
+    assert ok.status_code == 200 and engine.tasks[-1].grammar is None
+
+
+@pytest.mark.parametrize("path, body, fields, message", [
+    ("/completion", {"prompt": "hi"}, {"grammar": "root ::= foo"}, "Rule 'foo' not found"),
+    ("/completion", {"prompt": "hi"}, {"grammar": 'root = "a"'}, "Field 'grammar'"),
+    ("/completion", {"prompt": "hi"}, {"grammar": 5}, "must be a string"),
+    ("/completion", {"prompt": "hi"}, {"json_schema": {"type": "objekt"}}, "objekt"),
+    ("/completion", {"prompt": "hi"}, {"json_schema": [1]}, "must be an object"),
+    ("/v1/chat/completions", CHAT, {"response_format": {"type": "xml"}}, "xml"),
+    ("/v1/chat/completions", CHAT, {"response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "strin"}}}}, "invalid JSON schema"),
+    ("/v1/chat/completions", CHAT, {"grammar": 'root ::= "a"', "json_schema": SCHEMA},
+     "Cannot use both json_schema and grammar"),
+])
+def test_bad_grammars_are_400_before_the_engine(model: Model, path: str, body: dict,
+                                                fields: dict, message: str) -> None:
+    c, engine = client(model, GOOD)
+    r = c.post(path, json={**body, **fields})
     assert_error(r, 400, "invalid_request_error")
-    assert "response_format" in r.json()["error"]["message"]
-    ok = c.post("/v1/chat/completions", json={**body, "response_format": {"type": "text"}})
-    assert ok.status_code == 200
+    assert message in r.json()["error"]["message"]
+    assert not engine.tasks  # nothing reached the engine: no slot was touched
+    assert c.post(path, json=body).status_code == 200
 
 
 def test_unknown_fields_are_ignored(model: Model) -> None:

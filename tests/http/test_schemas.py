@@ -245,9 +245,9 @@ def test_server_n_predict_caps_requests(ctx: ParseContext) -> None:
         ("n_discard", -1, "Field 'n_discard': Value must be between 0 <= value"),
         ("n_indent", -1, "Field 'n_indent': Value must be between 0 <= value"),
         ("t_max_predict_ms", -2, "Field 't_max_predict_ms': Value must be between -1 <= value"),
-        ("grammar", 'root ::= "a"', "Field 'grammar': grammar-constrained decoding is not"),
-        ("json_schema", {"type": "object"}, "Field 'json_schema': JSON-schema-constrained"),
-        ("response_format", {"type": "json_object"}, "Field 'response_format': structured"),
+        ("grammar", "root ::= x", "Field 'grammar': invalid grammar"),
+        ("json_schema", {"type": "objekt"}, "Field 'json_schema': invalid JSON schema"),
+        ("response_format", {"type": "xml"}, "response_format type must be one of"),
     ],
 )
 def test_field_errors_name_the_field(
@@ -436,11 +436,15 @@ def test_chat_passes_native_fields_through(ctx: ParseContext) -> None:
     assert r.stream and r.include_usage
 
 
-def test_chat_rejects_n_and_tools(ctx: ParseContext) -> None:
+def test_chat_n_and_tools(ctx: ParseContext) -> None:
     assert "Field 'n': Value must be between 1 <= value <= 2" in bad_request(chat, ctx, n=3)
     assert [t.index for t in chat(ctx, n=2).tasks] == [0, 1]
     tools = [{"type": "function", "function": {"name": "f"}}]
-    assert "Field 'tools': tool calling is not supported" in bad_request(chat, ctx, tools=tools)
+    ctx.n_ctx_slot = 2048  # the tools' description is in the prompt
+    r = chat(ctx, tools=tools, n=2)  # the default template has no tools: the generic format
+    assert r.chat_output is not None and r.chat_output.kind == "generic"
+    assert all(t.grammar for t in r.tasks)
+    assert "Field 'tools[0]'" in bad_request(chat, ctx, tools=[{"type": "retrieval"}])
 
 
 def test_chat_trailing_assistant_message_is_a_prefill(ctx: ParseContext, tok: Tokenizer) -> None:
@@ -487,7 +491,8 @@ _json = st.recursive(
 _KEYS = ["prompt", "n_predict", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
          "stop", "id_slot", "cache_prompt", "n_cache_reuse", "stream", "stream_options",
          "n_probs", "logprobs", "top_logprobs", "repeat_penalty", "repeat_last_n", "n",
-         "response_format", "messages", "chat_template_kwargs"]  # fmt: skip
+         "response_format", "messages", "chat_template_kwargs", "tools", "tool_choice",
+         "parallel_tool_calls", "reasoning_format"]  # fmt: skip
 _bodies = st.dictionaries(st.sampled_from(_KEYS), _json, max_size=6)
 
 
