@@ -690,14 +690,14 @@ class Sampler:
         p = self.params
         if p.n_probs > 0 and not p.post_sampling_probs:
             return RowNeed(0)
-        if self.constraint is not None:
-            return self._constrained_need()
         if self.greedy:
             top, steps = 1, self._pre_steps("temperature")
         else:
             top, steps = p.top_k, self._pre_steps("top_k")
         if steps is None or not 0 < top <= MAX_TOP:
             return RowNeed(0)
+        if self.constraint is not None:
+            return self._constrained_need(top, steps)
         if not steps:
             return RowNeed(top)
 
@@ -706,16 +706,12 @@ class Sampler:
 
         return RowNeed(top, self._touched(steps, exact=True), adjust)
 
-    def _constrained_need(self) -> RowNeed:
+    def _constrained_need(self, top: int, steps: list[str]) -> RowNeed:
         """With a grammar the head ranks the allowed tokens too: a greedy pick needs only the
         best allowed one (the unconstrained best, when allowed, is that same token); sampling
         needs both the unconstrained top k (llama.cpp samples first) and the allowed top k
         (its resample after a rejection). Rows with bias/penalty steps get the whole row."""
         assert self.constraint is not None
-        top, steps = (1, self._pre_steps("temperature")) if self.greedy else (
-            self.params.top_k, self._pre_steps("top_k"))
-        if steps is None or not 0 < top <= MAX_TOP:
-            return RowNeed(0)
         allowed = self.constraint.mask()
         ids, vals = self._bias
         # greedy with bans only (ignore_eos): a banned token is just one more unallowed one
