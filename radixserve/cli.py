@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="weight paths to measure, comma separated")
     pf.add_argument("--ctx", type=int, default=512, help="context of the decode figures")
     pf.add_argument("--repeats", type=int, default=3)
+    pf.add_argument("--deterministic", default="auto",
+                    help="deterministic modes to measure, comma separated (auto, on, off); "
+                         "they take turns in one process")
 
     b = sub.add_parser("bench", help="HTTP benchmark scenarios (see radixserve.bench)",
                        add_help=False)
@@ -129,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "perf":
         from radixserve.perf import main as perf_main
 
-        return perf_main(a.model, a.dtypes.split(","), a.weights.split(","), a.repeats, a.ctx)
+        return perf_main(a.model, a.dtypes.split(","), a.weights.split(","), a.repeats, a.ctx,
+                         tuple(a.deterministic.split(",")))
     if a.cmd == "generate":
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         from radixserve.generate import run_generate

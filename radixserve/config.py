@@ -13,6 +13,7 @@ from radixserve.model.sampling import SamplingParams
 
 DTYPES = ("auto", "f32", "bf16", "f16")
 WEIGHTS = ("auto", "native", "dequant")
+DETERMINISTIC = ("auto", "on", "off")
 
 
 @dataclass(slots=True)
@@ -23,6 +24,7 @@ class ServerConfig:
     tags: list[str] = field(default_factory=list)
     dtype: str = "auto"
     weights: str = "auto"  # auto: native unless f32 compute; native: 4-bit blocks run packed
+    deterministic: str = "auto"  # auto: on wherever the compute path supports it (bf16 kernels)
     threads: int = -1  # -1: torch's default (all cores)
     seed: int = -1
     host: str = "127.0.0.1"
@@ -89,6 +91,9 @@ class ServerConfig:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"--weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.deterministic not in DETERMINISTIC:
+            raise ValueError(f"--deterministic must be one of {', '.join(DETERMINISTIC)}, "
+                             f"got {self.deterministic!r}")
         if self.n_parallel == 0 or self.n_parallel < -1:
             raise ValueError(f"--parallel must be >= 1 (or -1 for auto), got {self.n_parallel}")
         if self.ctx_size < 0:

@@ -14,12 +14,14 @@ import platform
 import resource
 import statistics
 import time
+from dataclasses import replace
 
 import psutil
 import torch
 
 from radixserve.kv.batch import BatchSeq, hidden
 from radixserve.kv.pool import KVPool
+from radixserve.model.forward import Transformer
 from radixserve.model.head import RowNeed
 from radixserve.model.loader import Model, load_model, resolve_dtype, resolve_weights
 
@@ -63,22 +65,35 @@ def decode_tps(model: Model, batch: int, ctx: int = 512, steps: int = 32) -> flo
     return batch * steps / (time.perf_counter() - t)
 
 
-def run(model_path: str, dtype: str, weights: str, repeats: int, ctx: int) -> dict:
-    model = load_model(model_path, dtype, weights=weights)
+def run(model_path: str, dtype: str, weights: str, repeats: int, ctx: int,
+        modes: tuple[str, ...] = ("auto",)) -> list[dict]:
+    """One figure set per deterministic mode; the modes share the loaded weights and take
+    turns within each repeat, so their ratios come from the same minutes of this machine."""
+    model = load_model(model_path, dtype, weights=weights, deterministic=modes[0])
     rss_load = psutil.Process().memory_info().rss / 2**20
-    fig: dict[str, list[float]] = {}
+    models = [model] + [
+        replace(model, transformer=Transformer(model.hp, model.transformer.w, model.dtype,
+                                               deterministic=m)) for m in modes[1:]]
+    figs: list[dict[str, list[float]]] = [{} for _ in models]
     for _ in range(repeats):
-        for name, fn in (
-            ("prefill_512_tok_s", lambda: prefill_tps(model, 512)),
-            ("prefill_2048_tok_s", lambda: prefill_tps(model, 2048)),
-            (f"decode_b1_tok_s_ctx{ctx}", lambda: decode_tps(model, 1, ctx)),
-            (f"decode_b4_tok_s_ctx{ctx}", lambda: decode_tps(model, 4, ctx)),
-        ):
-            fig.setdefault(name, []).append(fn())
+        for m, fig in zip(models, figs):
+            for name, fn in (
+                ("prefill_512_tok_s", lambda: prefill_tps(m, 512)),
+                ("prefill_2048_tok_s", lambda: prefill_tps(m, 2048)),
+                (f"decode_b1_tok_s_ctx{ctx}", lambda: decode_tps(m, 1, ctx)),
+                (f"decode_b4_tok_s_ctx{ctx}", lambda: decode_tps(m, 4, ctx)),
+            ):
+                fig.setdefault(name, []).append(fn())
+    return [_figures(m, dtype, fig, rss_load, repeats) for m, fig in zip(models, figs)]
+
+
+def _figures(model: Model, dtype: str, fig: dict[str, list[float]], rss_load: float,
+             repeats: int) -> dict:
     return {
         "model": model.name,
         "dtype": dtype,
         "weights": model.weights,
+        "deterministic": model.deterministic,
         # our C step kernels (model/csrc/); RADIXSERVE_KERNELS=0 measures torch's ops instead
         "kernels": model.transformer.kern is not None,
         "threads": torch.get_num_threads(),
@@ -98,7 +113,7 @@ def _run_in_child(args: tuple, out: multiprocessing.Queue) -> None:
 
 
 def main(model_path: str, dtypes: list[str], weights: list[str], repeats: int,
-         ctx: int = 512) -> int:
+         ctx: int = 512, modes: tuple[str, ...] = ("auto",)) -> int:
     ctx_mp = multiprocessing.get_context("spawn")
     seen = set()
     for dt in dtypes:
@@ -109,8 +124,10 @@ def main(model_path: str, dtypes: list[str], weights: list[str], repeats: int,
             seen.add(key)
             q: multiprocessing.Queue = ctx_mp.Queue()
             p = ctx_mp.Process(target=_run_in_child,
-                               args=((model_path, *key, repeats, ctx, torch.get_num_threads()), q))
+                               args=((model_path, *key, repeats, ctx, modes,
+                                      torch.get_num_threads()), q))
             p.start()
-            print(json.dumps(q.get()), flush=True)
+            for fig in q.get():
+                print(json.dumps(fig), flush=True)
             p.join()
     return 0

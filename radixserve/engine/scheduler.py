@@ -81,6 +81,10 @@ class Scheduler:
         self.host = HostTier(cfg, self.pool, hp.arch, cache)
         log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = %s",
                  n_slots, self.n_ctx_slot, unified)
+        if model.deterministic and cfg.cache_reuse > 0:
+            log.warning("--cache-reuse %d: shifted chunks keep KV computed for other text, so "
+                        "deterministic mode never shifts them (--deterministic off to allow it)",
+                        cfg.cache_reuse)
 
     # -- tasks in ---------------------------------------------------------------------------
     def submit(self, task: CompletionTask, emit: Emit) -> None:
@@ -166,6 +170,11 @@ class Scheduler:
         if update_cache:
             self.host.save_before_overwrite(slot)
         n_reuse = self.cfg.cache_reuse if task.n_cache_reuse is None else task.n_cache_reuse
+        if n_reuse > 0 and self.model.deterministic:
+            if task.n_cache_reuse:  # llama-server's words where it cannot shift the cache
+                log.warning("cache reuse is not supported - ignoring n_cache_reuse = %d",
+                            n_reuse)
+            n_reuse = 0
         plan = take_prefix(slot, prompt, self.slots, self.host.consulted(update_cache),
                            task.cache_prompt, n_reuse, prefer=self._holder(task.parent))
         if update_cache:

@@ -711,6 +711,9 @@ OWN_FLAGS: list[Flag] = [
          "f16", set_("dtype")),
     flag("--weights MODE", H, "native: 4-bit blocks run packed; dequant: dense; auto: native "
          "unless --dtype f32", set_("weights")),
+    flag("--deterministic auto|on|off", H, "batch-invariant compute: a token's logits depend "
+         "only on the token sequence (auto: on where the bf16 kernels run)",
+         set_("deterministic")),
     flag("--cache-radix-prompt on|off", H, "radix-tree backend for the host prompt cache",
          set_("cache_radix_prompt", parse_bool)),
     flag("--cache-radix-min-restore-tokens N", H, "restore from the radix cache only when at "

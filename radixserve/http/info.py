@@ -115,13 +115,17 @@ def props_json(
         "build_info": BUILD_INFO,
         "is_sleeping": False,
         "cors_proxy_enabled": False,
+        # ours: whether a token's logits depend only on the token sequence (docs/PERFORMANCE.md)
+        "deterministic": model.deterministic,
         "prompt_cache": {
             "backend": "none" if cfg.cache_ram_mib == 0
             else ("radix" if cfg.cache_radix_prompt else "legacy"),
             "cache_ram_mib": cfg.cache_ram_mib,
             "cache_idle_slots": cfg.cache_idle_slots and cfg.cache_ram_mib != 0,
             "cache_radix_min_restore_tokens": cfg.cache_radix_min_restore_tokens,
-            "cache_reuse": cfg.cache_reuse,
+            # chunks shifted by --cache-reuse carry KV computed for other text: not in
+            # deterministic mode
+            "cache_reuse": 0 if model.deterministic else cfg.cache_reuse,
             **cache_stats,
         },
     }

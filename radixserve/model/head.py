@@ -62,6 +62,9 @@ class OutputHead:
         self.stats = HeadStats()
         self.q8: torch.Tensor | None = None
         self.kern: Kernels | None = None
+        # exact logits by our fixed-order dot products when the kernels build: torch's f32
+        # matmul gives other last bits for other row or token counts (csrc/f32_head.c)
+        self.dots = kernels()
         if not shortlist:
             return
         n = self.w.shape[0]
@@ -90,6 +93,8 @@ class OutputHead:
 
     def full(self, h: torch.Tensor) -> torch.Tensor:
         """Exact f32 logits [n, V] for normed hidden states h [n, D] f32."""
+        if self.dots is not None:
+            return self.dots.head_dots(self.w, h.contiguous())
         return F.linear(h, self.w)
 
     def logits(self, h: torch.Tensor, needs: list[RowNeed]) -> torch.Tensor:
@@ -164,7 +169,10 @@ class OutputHead:
                  extra: Sequence[int]) -> torch.Tensor:
         if extra:
             ids = torch.unique(torch.cat([ids, torch.tensor(list(extra), dtype=torch.long)]))
-        row[ids] = F.linear(h, self.w[ids])
+        if self.dots is not None:
+            row[ids] = self.dots.head_dots(self.w, h[None].contiguous(), ids)[0]
+        else:
+            row[ids] = F.linear(h, self.w[ids])
         self.stats.rescored += ids.numel()
         return ids
 

@@ -22,6 +22,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -102,23 +103,25 @@ def _cells_arg(cells: slice | torch.Tensor, n_cells: int) -> tuple[int | None, i
 
 
 class Kernels:
-    """The bf16 kernels (csrc/): the 4-bit matmul and its unpack, decode attention reading K/V in
-    place from the pool (alone, or fused with RoPE and the K/V store for a whole decode step),
+    """The bf16 kernels (csrc/): the 4-bit matmul and its unpack, the row-invariant bf16
+    matmul, causal attention reading K/V in place from the pool in fixed blocks (alone, or fused
+    with RoPE and the K/V store for a whole step of decode tokens and prefill chunks),
     the residual add fused with RMSNorm-to-bf16, the SiLU gate and the head's int8 pass.
     Pointers go to C unchecked, so every entry point checks dtype and layout first (cheaply, or
     once per step)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        self._attn = lib.decode_attn_bf16
+        seqs: list[Any] = [i32, p, p, p, p, i32, i32, i32, f32, p, p, i64]  # n_seq .. work
+        self._attn = lib.attn_causal_bf16
         self._attn.restype = i32
-        self._attn.argtypes = [p, p, p, i64, p, i64, i64, i32, i32, i32, f32, p, p]
-        self._step_attn = lib.decode_step_attn_bf16
+        self._attn.argtypes = [p, p, p, i64, *seqs]
+        self._step_attn = lib.attn_step_bf16
         self._step_attn.restype = i32
-        self._step_attn.argtypes = [p, p, p, p, p, i64, p, p, p, p, i32, i32, i32, i32, f32, p, p]
-        self._work_floats = lib.decode_attn_work_floats
+        self._step_attn.argtypes = [p, p, p, p, p, i64, p, *seqs]
+        self._work_floats = lib.attn_work_floats
         self._work_floats.restype = i64
-        self._work_floats.argtypes = [i64, i32, i32, i32]
+        self._work_floats.argtypes = [i64, i64, i32, i32, i32]
         self._norm = lib.add_rms_norm_bf16
         self._norm.restype = None
         self._norm.argtypes = [p, i64, p, p, i64, i32, f32, p]
@@ -136,55 +139,84 @@ class Kernels:
         self._q4_dequant.restype = i32
         self._q4_dequant.argtypes = [p, i64, i64, p]
         self.has_q4 = bool(lib.q4_available())  # needs AVX512-BF16
+        self._bf16_mm = lib.bf16_matmul
+        self._bf16_mm.restype = i32
+        self._bf16_mm.argtypes = [p, p, i64, i64, i64, p]
+        self.has_bf16_gemm = bool(lib.bf16_gemm_available())  # needs AVX512-BF16
+        self._dots = lib.f32_head_dots
+        self._dots.restype = i32
+        self._dots.argtypes = [p, i64, i64, p, i64, p, i64, p]
         self._work = torch.empty(0)
-        self._need: dict[tuple[int, ...], int] = {}
 
     def _pool_args(self, k: torch.Tensor, v: torch.Tensor, n_head: int) -> tuple[int, ...]:
-        """(n_kv, n_cells, d, g) of pool K/V [..., n_kv, n_cells, d]; sizes the scratch."""
+        """(n_kv, n_cells, d, g) of pool K/V [..., n_kv, n_cells, d]."""
         n_kv, n_cells, d = k.shape[-3:]
         if not (k.dtype == v.dtype == torch.bfloat16 and k.stride() == v.stride()
                 and k.is_contiguous() and n_head % n_kv == 0):
-            raise ValueError("decode attention needs bf16 K/V in the pool's layout")
-        g = n_head // n_kv
-        shape = (n_cells, n_kv, g, d, torch.get_num_threads())
-        need = self._need.get(shape)
-        if need is None:  # scratch sized for the longest sequence the pool can hold
-            need = self._need[shape] = self._work_floats(n_cells, n_kv, g, d)
+            raise ValueError("attention needs bf16 K/V in the pool's layout")
+        return n_kv, n_cells, d, n_head // n_kv
+
+    def _scratch(self, longest: int, n_tok: int, n_kv: int, g: int, d: int) -> torch.Tensor:
+        """The attention scratch, grown (never shrunk) to fit a call: it is sized by the
+        longest cell list, the query count and the thread count."""
+        need = self._work_floats(longest, n_tok, n_kv, g, d)
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=torch.float32)
-        return n_kv, n_cells, d, g
+        return self._work
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cells: slice | torch.Tensor) -> torch.Tensor:
         """q [1, n_head, d]; k, v one layer of the pool [n_head_kv, n_cells, d]; cells the
-        sequence's cells in position order (a run or an int64 index) -> [1, n_head * d]."""
-        if q.dtype != torch.bfloat16 or not q.is_contiguous():
-            raise ValueError("decode attention needs a contiguous bf16 query")
+        sequence's cells in position order (a run or an int64 index) -> [1, n_head * d].
+        attend_causal for a single query, which sees every cell."""
+        return self.attend_causal(q, k, v, cells)
+
+    def attend_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cells: slice | torch.Tensor) -> torch.Tensor:
+        """q [n, n_head, d] rotated queries of a sequence's last n cells, whose K/V are already
+        in k, v (one layer of the pool [n_head_kv, n_cells, d]); cells the sequence's cells in
+        position order (a run or an int64 index); query i sees the first len - n + i + 1 of
+        them -> [n, n_head * d]. Bitwise the same whatever n is (decode_attn.c's blocks)."""
         n_kv, n_cells, d, g = self._pool_args(k, v, q.shape[1])
-        idx, c0, n = _cells_arg(cells, n_cells)
-        out = torch.empty(1, q.shape[1] * d, dtype=torch.bfloat16)
-        rc = self._attn(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), idx, c0, n, n_kv,
-                        g, d, d**-0.5, out.data_ptr(), self._work.data_ptr())
+        idx, c0, length = _cells_arg(cells, n_cells)
+        n = q.shape[0]
+        if not (q.dtype == torch.bfloat16 and q.is_contiguous() and q.dim() == 3
+                and q.shape[2] == d and 1 <= n <= length):
+            raise ValueError("attention needs contiguous bf16 queries [n <= cells, n_head, d]")
+        work = self._scratch(max(length, n_cells), n, n_kv, g, d)
+        out = torch.empty(n, q.shape[1] * d, dtype=torch.bfloat16)
+        arr = ctypes.c_int64 * 1
+        rc = self._attn(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), 1,
+                        (ctypes.c_void_p * 1)(idx), arr(c0), arr(length), arr(n), n_kv, g, d,
+                        d**-0.5, out.data_ptr(), work.data_ptr(), work.numel())
         if rc != 0:
-            raise ValueError(f"decode attention kernel refused g={g} d={d} n={n}")
+            raise ValueError(f"attention kernel refused g={g} d={d} n={n} of {length} (rc {rc})")
         return out
 
     def decode_step(self, k: torch.Tensor, v: torch.Tensor, n_head: int,
                     cells: list[slice | torch.Tensor], dst: list[int], cos: torch.Tensor,
-                    sin: torch.Tensor, x: torch.Tensor, eps: float, n_ff: int) -> DecodeStep:
-        """A step of single decode tokens, one per sequence: k, v the whole pool [n_layer,
-        n_head_kv, n_cells, d]; per sequence its cells (including the new one) and its new
-        cell `dst`; cos/sin the tokens' Rope.cos_sin tables [n, 1, d]; x the f32 residual
-        rows [n, n_embd]."""
+                    sin: torch.Tensor, x: torch.Tensor, eps: float, n_ff: int,
+                    n_new: list[int] | None = None) -> DecodeStep:
+        """A step of T new tokens, n_new[i] >= 1 of them (default 1) for sequence i: decode
+        tokens and prefill chunks mixed. k, v the whole pool [n_layer, n_head_kv, n_cells, d];
+        per sequence its cells in position order, its new tokens' cells the last n_new[i];
+        dst the T new cells, sequence by sequence; cos/sin the tokens' Rope.cos_sin tables
+        [T, 1, d]; x the f32 residual rows [T, n_embd]."""
         n_kv, n_cells, d, g = self._pool_args(k, v, n_head)
-        if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous()
-                and sin.is_contiguous() and cos.numel() == sin.numel() == len(dst) * d
-                and len(cells) == len(dst) and all(0 <= c < n_cells for c in dst)
-                and x.dtype == torch.float32 and x.is_contiguous() and x.shape[0] == len(dst)):
-            raise ValueError("decode_step: bad rope tables, cells or residual rows")
+        n_new = [1] * len(cells) if n_new is None else list(n_new)
         args = [_cells_arg(c, n_cells) for c in cells]
-        return DecodeStep(self, k, v, (n_kv, g, d, n_head), args, dst, cos, sin, cells, x, eps,
-                          n_ff)
+        n_tok = len(dst)
+        if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous()
+                and sin.is_contiguous() and cos.numel() == sin.numel() == n_tok * d
+                and len(cells) == len(n_new) > 0 and sum(n_new) == n_tok
+                and all(1 <= m <= a[2] for m, a in zip(n_new, args))
+                and all(0 <= c < n_cells for c in dst)
+                and x.dtype == torch.float32 and x.is_contiguous() and x.shape[0] == n_tok):
+            raise ValueError("decode_step: bad rope tables, cells, new-token counts or rows")
+        longest = max(n_cells, *(a[2] for a in args))
+        work = self._scratch(longest, n_tok, n_kv, g, d)
+        return DecodeStep(self, k, v, (n_kv, g, d, n_head), args, n_new, dst, cos, sin, cells,
+                          x, eps, n_ff, work)
 
     def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor,
                      eps: float) -> torch.Tensor:
@@ -230,6 +262,26 @@ class Kernels:
             raise ValueError("int8_head kernel refused the shape")
         return y
 
+    def head_dots(self, w: torch.Tensor, h: torch.Tensor,
+                  ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Exact f32 logits [n, m]: w[ids] . h row by row (every row of w when ids is None),
+        each one dot product in a fixed order (csrc/f32_head.c), so a logit never depends on
+        which rows or tokens share the call."""
+        if not (w.dtype == h.dtype == torch.float32 and w.is_contiguous() and h.is_contiguous()
+                and h.dim() == 2 and w.dim() == 2 and h.shape[1] == w.shape[1]):
+            raise ValueError("head_dots needs contiguous f32 rows of the head's width")
+        m = w.shape[0]
+        if ids is not None:
+            if not (ids.dtype == torch.int64 and ids.is_contiguous() and ids.dim() == 1):
+                raise ValueError("head_dots needs a contiguous int64 token index")
+            m = ids.numel()
+        out = torch.empty(h.shape[0], m)
+        if m and h.shape[0] and self._dots(
+                w.data_ptr(), w.shape[0], w.shape[1], None if ids is None else ids.data_ptr(),
+                m, h.data_ptr(), h.shape[0], out.data_ptr()) != 0:
+            raise IndexError("head_dots: token id outside the head")
+        return out
+
     def q4(self, tiles: torch.Tensor, n: int, k: int) -> Q4Matrix:
         """The 4-bit matrix W [n, k] held in q4_gemv.c's tiles (uint8 [n / 16, k / 32, 320],
         quant.py's pack_q4), checked once here so each product only checks its input."""
@@ -237,6 +289,16 @@ class Kernels:
                 and n % 16 == 0 and k % 32 == 0 and tiles.shape == (n // 16, k // 32, 320)):
             raise ValueError("q4 kernels need uint8 tiles [n / 16, k / 32, 320]")
         return Q4Matrix(self, tiles, n, k)
+
+    def bf16(self, panels: torch.Tensor, n: int, k: int) -> Bf16Matrix:
+        """The bf16 matrix W [n, k] held in bf16_gemm.c's panels (bf16 [ceil(n / 32),
+        ceil(k / 32) * 16, 32, 2], quant.py's pack_bf16), checked once here so each product only
+        checks its input."""
+        shape = (-(-n // BF16_PANEL), -(-k // 32) * 16, BF16_PANEL, 2)
+        if not (self.has_bf16_gemm and panels.dtype == torch.bfloat16 and n > 0 and k > 0
+                and panels.is_contiguous() and panels.shape == shape):
+            raise ValueError(f"bf16 kernel needs bf16 panels {list(shape)}")
+        return Bf16Matrix(self, panels, n, k)
 
 
 class Q4Matrix:
@@ -268,47 +330,82 @@ class Q4Matrix:
         return wt.t()
 
 
+BF16_PANEL = 32  # output rows per panel of bf16_gemm.c's layout
+
+
+class Bf16Matrix:
+    """A bf16 matrix in bf16_gemm.c's panels: products with bf16 rows, each row's bits the same
+    whatever the rows and threads sharing the call."""
+
+    def __init__(self, kern: Kernels, panels: torch.Tensor, n: int, k: int) -> None:
+        self.panels, self.n, self.k = panels, n, k
+        self._ptr, self._mm = panels.data_ptr(), kern._bf16_mm
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, k] bf16 (contiguous) times W^T -> [rows, n] bf16."""
+        if not (x.dtype == torch.bfloat16 and x.is_contiguous() and x.dim() == 2
+                and x.shape[1] == self.k):
+            raise ValueError(f"bf16 matmul needs contiguous bf16 rows of {self.k}")
+        y = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16)
+        rc = self._mm(self._ptr, x.data_ptr(), x.shape[0], self.n, self.k, y.data_ptr())
+        if rc == 2:
+            raise MemoryError("bf16 matmul: no memory for padded rows")
+        if rc != 0:
+            raise ValueError("bf16 matmul kernel refused the shape")
+        return y
+
+    def weight(self) -> torch.Tensor:
+        """W [n, k] bf16, unpacked (a copy)."""
+        p, half = self.panels.shape[:2]
+        w = self.panels.permute(0, 2, 1, 3).reshape(p * BF16_PANEL, 2 * half)
+        return w[: self.n, : self.k].contiguous()
+
+
 class DecodeStep:
-    """One decode step's glue, layer by layer: everything that is the same in every layer
-    (cells, new cells, rope rows, the residual rows, output buffers, pointers) is checked and
-    marshalled once, so a layer costs four C calls: attention (RoPE, the K/V store and
-    attention for every sequence), two add + norms and the SiLU gate. The norm and gate outputs
-    are buffers reused every layer: each is consumed by the next matmul before it is rewritten."""
+    """One step's glue, layer by layer: everything that is the same in every layer (cells, new
+    cells, rope rows, the residual rows, output buffers, pointers) is checked and marshalled
+    once, so a layer costs four C calls: attention (RoPE, the K/V store and attention for every
+    sequence, decode tokens and prefill chunks alike), two add + norms and the SiLU gate. The
+    norm and gate outputs are buffers reused every layer: each is consumed by the next matmul
+    before it is rewritten."""
 
     def __init__(self, kern: Kernels, k: torch.Tensor, v: torch.Tensor,
                  shape: tuple[int, int, int, int], cells: list[tuple[int | None, int, int]],
-                 dst: list[int], cos: torch.Tensor, sin: torch.Tensor, keep: object,
-                 x: torch.Tensor, eps: float, n_ff: int) -> None:
-        n_seq = len(dst)
+                 n_new: list[int], dst: list[int], cos: torch.Tensor, sin: torch.Tensor,
+                 keep: object, x: torch.Tensor, eps: float, n_ff: int,
+                 work: torch.Tensor) -> None:
+        n_seq, n_tok = len(cells), len(dst)
         arr = ctypes.c_int64 * n_seq
         self.n_layer = k.shape[0]
         self._call, self._norm, self._silu = kern._step_attn, kern._norm, kern._silu
         n_kv, g, d, n_head = shape
-        self.n_seq, self.width, self.row = n_seq, n_head * d, (n_head + 2 * n_kv) * d
+        self.n_tok, self.width, self.row = n_tok, n_head * d, (n_head + 2 * n_kv) * d
         layer = k.stride(0) * k.element_size()
         self._k0, self._v0, self._layer = k.data_ptr(), v.data_ptr(), layer
-        self._fixed = (k.stride(1), arr(*dst), (ctypes.c_void_p * n_seq)(*(c[0] for c in cells)),
-                       arr(*(c[1] for c in cells)), arr(*(c[2] for c in cells)), n_seq, n_kv,
-                       g, d, d**-0.5)
-        self._cos, self._sin, self._work = cos.data_ptr(), sin.data_ptr(), kern._work.data_ptr()
+        self._fixed = (k.stride(1), (ctypes.c_int64 * n_tok)(*dst), n_seq,
+                       (ctypes.c_void_p * n_seq)(*(c[0] for c in cells)),
+                       arr(*(c[1] for c in cells)), arr(*(c[2] for c in cells)), arr(*n_new),
+                       n_kv, g, d, d**-0.5)
+        self._cos, self._sin = cos.data_ptr(), sin.data_ptr()
+        self._work = (work.data_ptr(), work.numel())
         self.x, self.n_embd, self.n_ff, self._eps = x, x.shape[1], n_ff, eps
-        self.h = torch.empty(n_seq, x.shape[1], dtype=torch.bfloat16)
-        self.act = torch.empty(n_seq, n_ff, dtype=torch.bfloat16)
+        self.h = torch.empty(n_tok, x.shape[1], dtype=torch.bfloat16)
+        self.act = torch.empty(n_tok, n_ff, dtype=torch.bfloat16)
         # the pointers above stay valid while we live
-        self._keep = (k, v, cos, sin, keep, kern._work)
+        self._keep = (k, v, cos, sin, keep, work)
 
     def attend(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv [n_seq, (n_head + 2 n_head_kv) * d] bf16, this layer's fused projections ->
-        attention outputs [n_seq, n_head * d]; K/V stored in the pool on the way."""
+        """qkv [T, (n_head + 2 n_head_kv) * d] bf16, this layer's fused projections ->
+        attention outputs [T, n_head * d]; K/V stored in the pool on the way."""
         if not (qkv.dtype == torch.bfloat16 and qkv.is_contiguous()
-                and qkv.shape == (self.n_seq, self.row) and 0 <= layer < self.n_layer):
+                and qkv.shape == (self.n_tok, self.row) and 0 <= layer < self.n_layer):
             raise ValueError("decode step: bad qkv rows or layer")
-        out = torch.empty(self.n_seq, self.width, dtype=torch.bfloat16)
+        out = torch.empty(self.n_tok, self.width, dtype=torch.bfloat16)
         off = layer * self._layer
         rc = self._call(qkv.data_ptr(), self._cos, self._sin, self._k0 + off, self._v0 + off,
-                        *self._fixed, out.data_ptr(), self._work)
+                        *self._fixed, out.data_ptr(), *self._work)
         if rc != 0:
-            raise ValueError("decode attention kernel refused the shape")
+            raise ValueError(f"step attention kernel refused the shape (rc {rc})")
         return out
 
     def norm(self, x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
@@ -317,18 +414,18 @@ class DecodeStep:
         if x is not self.x or not (
                 w.dtype == torch.float32 and w.is_contiguous() and w.numel() == self.n_embd
                 and (y is None or (y.dtype == torch.bfloat16 and y.is_contiguous()
-                                   and y.shape == (self.n_seq, self.n_embd)))):
+                                   and y.shape == (self.n_tok, self.n_embd)))):
             raise ValueError("decode step: not this step's residual, an f32 norm or bf16 rows")
         self._norm(x.data_ptr(), self.n_embd, None if y is None else y.data_ptr(), w.data_ptr(),
-                   self.n_seq, self.n_embd, self._eps, self.h.data_ptr())
+                   self.n_tok, self.n_embd, self._eps, self.h.data_ptr())
         return self.h
 
     def silu(self, gu: torch.Tensor) -> torch.Tensor:
         """Transformer.silu into the step's reused buffer."""
         if not (gu.dtype == torch.bfloat16 and gu.is_contiguous()
-                and gu.shape == (self.n_seq, 2 * self.n_ff)):
+                and gu.shape == (self.n_tok, 2 * self.n_ff)):
             raise ValueError("decode step: bad [gate | up] rows")
-        self._silu(gu.data_ptr(), self.n_seq, self.n_ff, self.act.data_ptr())
+        self._silu(gu.data_ptr(), self.n_tok, self.n_ff, self.act.data_ptr())
         return self.act
 
 

@@ -58,6 +58,10 @@ class Model:
     weights: str  # "native" (4-bit blocks packed) or "dequant" (every weight dense)
 
     @property
+    def deterministic(self) -> bool:
+        return self.transformer.deterministic
+
+    @property
     def rope(self) -> Rope:
         return self.transformer.rope
 
@@ -78,7 +82,7 @@ def resolve_weights(name: str, dtype: torch.dtype) -> str:
 
 
 def load_model(path: str | None = "default", dtype: str = "auto", device: str = "cpu",
-               weights: str = "auto") -> Model:
+               weights: str = "auto", deterministic: str = "auto") -> Model:
     t0 = time.perf_counter()
     path = resolve_model_path(path)
     dev = torch.device(device)
@@ -92,6 +96,8 @@ def load_model(path: str | None = "default", dtype: str = "auto", device: str = 
     tok = Tokenizer.from_gguf(reader)
     template = ChatTemplate.from_gguf(reader, tok)
     load_s = time.perf_counter() - t0
-    log.info("loaded %s (%s, %d layers, %s, %s weights, %.1f MiB) in %.2f s", path, hp.arch,
-             hp.n_layer, dt, mode, w.nbytes / 2**20, load_s)
-    return Model(path, hp, tok, template, Transformer(hp, w, dt), dt, dev, load_s, mode)
+    tr = Transformer(hp, w, dt, deterministic=deterministic)
+    log.info("loaded %s (%s, %d layers, %s, %s weights, %.1f MiB, deterministic %s) in %.2f s",
+             path, hp.arch, hp.n_layer, dt, mode, w.nbytes / 2**20,
+             "on" if tr.deterministic else "off", load_s)
+    return Model(path, hp, tok, template, tr, dt, dev, load_s, mode)

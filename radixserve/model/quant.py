@@ -17,7 +17,8 @@ Two executions of that form, picked at load (`packed_linear`):
   exact but ~10x slower than a dense f32 matmul (cpu-perf-notes.md), so `--weights auto` packs
   only for bf16/f16 compute.
 Other types (Q5_*, Q6_K, Q8_0, F16...) stay dense in the compute dtype, because torch's int8
-kernel takes one scale per row and re-quantizing those blocks to it would change the weights.
+kernel takes one scale per row and re-quantizing those blocks to it would change the weights;
+dense bf16 runs our row-invariant kernel (csrc/bf16_gemm.c, DenseLinear).
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from radixserve.model.kernels import Kernels, kernels
+from radixserve.model.kernels import BF16_PANEL, Bf16Matrix, Kernels, kernels
 
 GROUP = 32
 Q = gguf.GGMLQuantizationType
 PACKED_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
-# chunks of this many rows or more run as a dense bf16 matmul on weights unpacked for that
-# call: both 4-bit kernels are compute-bound there and lose to a bf16 GEMM on large prefill
-# chunks (docs/PERFORMANCE.md, "packed vs dense by batch size")
+# torch's int4 kernel: chunks of this many rows or more run as a dense bf16 matmul on weights
+# unpacked for that call, as it is compute-bound there and loses to a bf16 GEMM (except in
+# deterministic mode: other bits). Our Q4 kernel keeps up with the GEMM at every size
+# (docs/PERFORMANCE.md, "packed vs dense by batch size") and never switches.
 DENSE_FROM_ROWS = 96
 TILE = 16  # Q4Linear: rows per tile (q4_gemv.c)
 F16_MAX = float(np.finfo(np.float16).max)
@@ -98,12 +100,16 @@ def split_blocks(t: gguf.ReaderTensor) -> Codes:
 
 
 class Linear:
-    """y = x W^T (+ b) for x [M, K] in the compute dtype."""
+    """y = x W^T (+ b) for x [M, K] in the compute dtype. `invariant`: each row's result must
+    not depend on M (deterministic mode), so no switching kernels by the number of rows."""
 
     n_out: int
     bias: torch.Tensor | None
+    # whether `invariant=True` holds: checked row by row for each kernel (tests/model/
+    # test_quant.py); deterministic mode needs it of every layer matrix
+    row_invariant: bool = False
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         raise NotImplementedError
 
     def weight(self) -> torch.Tensor:
@@ -115,19 +121,53 @@ class Linear:
         raise NotImplementedError
 
 
-class DenseLinear(Linear):
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.w, self.bias, self.n_out = w, bias, w.shape[0]
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """bf16 W [N, K] -> bf16_gemm.c's panels [ceil(N / 32), ceil(K / 32) * 16, 32, 2] (its
+    header has the layout), zero-padded."""
+    n, k = w.shape
+    npad, kpad = -(-n // BF16_PANEL) * BF16_PANEL, -(-k // GROUP) * GROUP
+    full = torch.zeros(npad, kpad, dtype=torch.bfloat16)
+    full[:n, :k] = w
+    return full.view(npad // BF16_PANEL, BF16_PANEL, kpad // 2, 2).permute(0, 2, 1, 3).contiguous()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.w, self.bias)
+
+class DenseLinear(Linear):
+    """Dense weights. bf16 ones run our kernel (csrc/bf16_gemm.c, needs AVX512-BF16) and are
+    kept only in its panels: each row's bits are the same at any row count, which torch's bf16
+    GEMM does not give (tests/model/test_quant.py), and it kept up with that GEMM or beat it at
+    every row count measured (1 to 512, the default model's shapes; ~3x at decode), so it runs
+    in every mode. Other dtypes, or no kernels: F.linear (f32 has no deterministic mode)."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.bias, self.n_out = bias, w.shape[0]
+        kern = kernels()
+        self.mat: Bf16Matrix | None = None
+        self.w: torch.Tensor | None = w
+        if (w.dtype == torch.bfloat16 and w.dim() == 2 and w.numel() and kern is not None
+                and kern.has_bf16_gemm):
+            self.mat, self.w = kern.bf16(pack_bf16(w), *w.shape), None
+        self.row_invariant = self.mat is not None
+
+    def __call__(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        if self.mat is None:
+            assert self.w is not None
+            return F.linear(x, self.w, self.bias)
+        lead = x.shape[:-1]
+        y = self.mat.matmul(x.reshape(-1, self.mat.k).contiguous()).view(*lead, self.n_out)
+        return y if self.bias is None else y + self.bias
 
     def weight(self) -> torch.Tensor:
+        """W [N, K]; unpacked from the panels (a copy) when the kernel holds them."""
+        if self.mat is not None:
+            return self.mat.weight()
+        assert self.w is not None
         return self.w
 
     @property
     def nbytes(self) -> int:
-        return self.w.nbytes + (self.bias.nbytes if self.bias is not None else 0)
+        w = self.w if self.mat is None else self.mat.panels
+        assert w is not None
+        return w.nbytes + (self.bias.nbytes if self.bias is not None else 0)
 
 
 def _unpack_tiles(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -149,12 +189,15 @@ def tile_layout_known() -> bool:
 
 
 class PackedLinear(Linear):
-    """4-bit weights: few rows (decode) run a 4-bit kernel; chunks of DENSE_FROM_ROWS rows or
-    more (prefill) unpack the weights for that call and run a bf16 GEMM, faster there even with
-    the unpacking (docs/PERFORMANCE.md); no dense copy is kept."""
+    """4-bit weights run a 4-bit kernel; from `dense_from` rows on (prefill chunks, where that
+    kernel is slower) they are unpacked for the call and run a bf16 GEMM; no dense copy is
+    kept."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= DENSE_FROM_ROWS:
+    dense_from: int | None = DENSE_FROM_ROWS
+    row_invariant = True  # both 4-bit kernels, as long as they do not switch to the GEMM
+
+    def __call__(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        if self.dense_from is not None and x.shape[0] >= self.dense_from and not invariant:
             return F.linear(x, self.weight(), self.bias)
         y = self.kernel(x)
         return y if self.bias is None else y + self.bias
@@ -204,9 +247,10 @@ class ConcatLinear(Linear):
     def __init__(self, parts: list[Linear]) -> None:
         self.parts, self.bias = parts, None
         self.n_out = sum(p.n_out for p in parts)
+        self.row_invariant = all(p.row_invariant for p in parts)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p(x) for p in self.parts], dim=-1)
+    def __call__(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        return torch.cat([p(x, invariant) for p in self.parts], dim=-1)
 
     def weight(self) -> torch.Tensor:
         return torch.cat([p.weight() for p in self.parts])
@@ -235,7 +279,10 @@ def pack_q4(codes: Codes) -> torch.Tensor:
 
 class Q4Linear(PackedLinear):
     """4-bit codes in our kernel's tiles (csrc/q4_gemv.c) with f16 scale and offset, for bf16
-    activations."""
+    activations; each row's bits are the same at any row count, and it is as fast as the
+    unpack + GEMM path at 512 rows (faster below), so it never switches."""
+
+    dense_from = None
 
     def __init__(self, codes: Codes, bias: torch.Tensor | None, kern: Kernels) -> None:
         self.n_out, self.n_in = codes.q.shape

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from radixserve.model.loader import Model
-from tests.http.harness import running_server
+from tests.http.harness import free_port, running_server
 from tests.http.test_app import GOOD, PartialResult, assert_error, client, final
 
 
@@ -199,3 +199,23 @@ def test_seed_command_line_starts_a_server(tmp_path: Path) -> None:
     text = log_file.read_text()
     assert "engine ready" in text
     assert text.count("--n-gpu-layers: not applicable here") == 1
+
+
+@pytest.mark.parametrize("mode, on", [("auto", True), ("off", False)])
+def test_deterministic_mode_is_reported_by_props(mode: str, on: bool) -> None:
+    """The default model in bf16: auto turns the mode on; /props says which, and with it on
+    --cache-reuse is reported as 0 (the mode never shifts chunks)."""
+    args = ["-c", "512", "--cache-reuse", "16", "--deterministic", mode]
+    with running_server(args) as srv:
+        props = httpx.get(srv.url + "/props").json()
+    assert props["deterministic"] is on
+    assert props["prompt_cache"]["cache_reuse"] == (0 if on else 16)
+
+
+def test_deterministic_on_where_it_cannot_hold_stops_startup() -> None:
+    """f32 compute has no batch-invariant path: `on` is an error naming why, not a mode that
+    silently is not one; `auto` there means off."""
+    r = cli("serve", "--dtype", "f32", "--deterministic", "on", "--port", str(free_port()))
+    assert r.returncode == 1 and "--deterministic on needs bf16 compute" in r.stderr
+    r = cli("serve", "--deterministic", "sometimes")
+    assert r.returncode == 1 and "--deterministic" in r.stderr

@@ -120,3 +120,20 @@ def test_vnni_pass_is_within_its_bound(vnni):
         a, sc, approx, _ = split_int8(h)
         assert a.dtype == torch.uint8 and a.shape == (18, D)
         assert ((approx - h).abs() <= h.abs().amax(1, keepdim=True) / 64516 * 1.01).all()
+
+
+def test_head_passes_are_row_invariant(vnni):
+    """The head's kernels checked row by row: the int8 pass and the exact f32 logits give a row
+    the same bits whatever rows share the call, and an exact logit is the same whichever
+    tokens are re-scored with it (torch's f32 matmul fails both)."""
+    head = make_head(6, vnni)
+    h = hidden(9, 7)
+    y_alone = torch.cat([head._approx(h[i : i + 1])[0] for i in range(len(h))])
+    full_alone = torch.cat([head.full(h[i : i + 1]) for i in range(len(h))])
+    for m in (2, 3, 4, 9):
+        assert torch.equal(head._approx(h[:m])[0], y_alone[:m])
+        assert torch.equal(head.full(h[:m]), full_alone[:m])
+    for top in (1, 40):
+        short = head.logits(h, [RowNeed(top)] * len(h))
+        seen = torch.isfinite(short)
+        assert torch.equal(short[seen], full_alone[seen])

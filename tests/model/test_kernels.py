@@ -102,13 +102,181 @@ def test_decode_step_equals_torch_path(kern, threads):
         v = qkv[:, nq + nk :].view(3, hp.n_head_kv, 64)
         pk2[layer].index_copy_(1, torch.tensor(dst), k.transpose(0, 1))
         pv2[layer].index_copy_(1, torch.tensor(dst), v.transpose(0, 1))
-        assert torch.equal(pv[layer], pv2[layer])
-        # K: the same f32 rotation rounded once to bf16 (an FMA may move the last bit)
-        assert (pk[layer].float() - pk2[layer].float()).abs().max() <= 2**-7 * pk2.abs().max()
+        # K: the same f32 rotation with Rope.apply's roundings (its addcmul is one FMA)
+        assert torch.equal(pv[layer], pv2[layer]) and torch.equal(pk[layer], pk2[layer])
         for i, c in enumerate(cells):
             ref = sdpa(q[i : i + 1], pk2[layer][:, c].float(), pv2[layer][:, c].float(),
                        torch.float32)
             assert (out[i : i + 1] - ref).abs().max() < 2**-6 * ref.abs().max() + 1e-3
+
+
+def causal_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Reference: q [n, H, d] the last n of the keys k/v [n_kv, L, d]; query i sees the first
+    L - n + i + 1 -> [n, H * d] in float64."""
+    n, heads, d = q.shape
+    n_kv, length, _ = k.shape
+    kk, vv = k.double().repeat_interleave(heads // n_kv, 0), v.double()
+    vv = vv.repeat_interleave(heads // n_kv, 0)
+    s = torch.einsum("nhd,hld->hnl", q.double(), kk) * d**-0.5
+    seen = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]
+    p = torch.softmax(s.masked_fill(~seen, -torch.inf), -1)
+    return torch.einsum("hnl,hld->nhd", p, vv).reshape(n, -1)
+
+
+@pytest.mark.parametrize("n_kv,g,d", [(3, 3, 64), (2, 4, 32), (2, 2, 128)])
+def test_attend_causal_matches_float64(kern, threads, n_kv, g, d):
+    """Chunks of queries over contexts that cross several 256-key blocks, through the AVX-512
+    path (d 64) and the generic one, are within two bf16 steps of the largest output."""
+    gen = torch.Generator().manual_seed(d + n_kv)
+    n_cells = 900
+    pk = (torch.randn(n_kv, n_cells, d, generator=gen) * 2).to(BF)
+    pv = torch.randn(n_kv, n_cells, d, generator=gen).to(BF)
+    for length, n in ((1, 1), (700, 1), (700, 300), (513, 513), (260, 7)):
+        q = (torch.randn(n, n_kv * g, d, generator=gen) * 2).to(BF)
+        perm = torch.randperm(n_cells, generator=gen)[:length]
+        for cells in (slice(100, 100 + length), perm):
+            ref = causal_f64(q, pk[:, cells], pv[:, cells])
+            err = (kern.attend_causal(q, pk, pv, cells).double() - ref).abs().max().item()
+            assert err <= 2**-7 * ref.abs().max().item(), (length, n, err)
+
+
+@pytest.mark.parametrize("d", [32, 128])
+def test_attend_causal_generic_path_is_bitwise_invariant(kern, threads, d):
+    """The generic path (head_dim not 64) keeps the same blocks: each query of a chunk equals
+    itself alone over its prefix, computed with the other thread count."""
+    gen = torch.Generator().manual_seed(d)
+    n_kv, g, n_cells, length, n = 2, 3, 800, 700, 300
+    pk = torch.randn(n_kv, n_cells, d, generator=gen).to(BF)
+    pv = torch.randn(n_kv, n_cells, d, generator=gen).to(BF)
+    q = (torch.randn(n, n_kv * g, d, generator=gen) * 2).to(BF)
+    cells = torch.randperm(n_cells, generator=gen)[:length]
+    chunk = kern.attend_causal(q, pk, pv, cells)
+    torch.set_num_threads(3 - threads)
+    try:
+        alone = torch.cat([kern.attend_causal(q[i : i + 1], pk, pv, cells[: length - n + i + 1])
+                           for i in range(n)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(chunk, alone)
+
+
+HP = HParams(arch="llama", n_layer=2, n_embd=64, n_ff=64, n_head=9, n_head_kv=3, head_dim=64,
+             n_vocab=100, n_ctx_train=4096, rms_eps=1e-5, rope_base=10000.0, rope_neox=True,
+             rope_scale_linear=1.0, name="t")
+
+
+class Stream:
+    """A sequence fed to steps: its fused qkv rows, one per position, and its cells (a run or
+    an index) in a pool; `done` tokens already stored."""
+
+    def __init__(self, qkv: torch.Tensor, cells: slice | torch.Tensor) -> None:
+        self.qkv, self.cells, self.done = qkv, cells, 0
+        self.out = torch.zeros(qkv.shape[0], HP.n_head * HP.head_dim, dtype=BF)
+
+    def cell_list(self, upto: int) -> slice | torch.Tensor:
+        if isinstance(self.cells, slice):
+            return slice(self.cells.start, self.cells.start + upto)
+        return self.cells[:upto]
+
+    def cell_ids(self, lo: int, hi: int) -> list[int]:
+        if isinstance(self.cells, slice):
+            return list(range(self.cells.start + lo, self.cells.start + hi))
+        return self.cells[lo:hi].tolist()
+
+
+def run_step(kern: K.Kernels, pk: torch.Tensor, pv: torch.Tensor, layer: int,
+             parts: list[tuple[Stream, int]]) -> None:
+    """One fused step: each stream in `parts` advances by its count of new tokens."""
+    rope = Rope(HP)
+    cells, dst, pos, rows, n_new = [], [], [], [], []
+    for s, n in parts:
+        cells.append(s.cell_list(s.done + n))
+        dst += s.cell_ids(s.done, s.done + n)
+        pos += range(s.done, s.done + n)
+        rows.append(s.qkv[s.done : s.done + n])
+        n_new.append(n)
+    cos, sin = rope.cos_sin(torch.tensor(pos))
+    x = torch.zeros(len(dst), HP.n_embd)
+    step = kern.decode_step(pk, pv, HP.n_head, cells, dst, cos, sin, x, 1e-5, HP.n_ff, n_new)
+    out = step.attend(layer, torch.cat(rows))
+    at = 0
+    for s, n in parts:
+        s.out[s.done : s.done + n] = out[at : at + n]
+        s.done, at = s.done + n, at + n
+
+
+def pool(n_cells: int) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (HP.n_layer, HP.n_head_kv, n_cells, HP.head_dim)
+    return torch.zeros(shape, dtype=BF), torch.zeros(shape, dtype=BF)
+
+
+def one_at_a_time(kern: K.Kernels, qkv: torch.Tensor, cells: slice | torch.Tensor,
+                  n_cells: int, layer: int) -> tuple[Stream, torch.Tensor, torch.Tensor]:
+    """The reference: every token a decode step of its own (n_new = 1) over its prefix."""
+    pk, pv = pool(n_cells)
+    s = Stream(qkv, cells)
+    while s.done < qkv.shape[0]:
+        run_step(kern, pk, pv, layer, [(s, 1)])
+    return s, pk, pv
+
+
+def qkv_rows(n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    row = (HP.n_head + 2 * HP.n_head_kv) * HP.head_dim
+    return (torch.randn(n, row, generator=gen) * 2).to(BF)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 7, 64, 300])
+def test_step_chunks_equal_single_tokens_bitwise(kern, threads, chunk):
+    """Deterministic mode's core: a token's attention output, and the K/V the step stores for
+    it, are the same bits whether it came in a prefill chunk of any size or as a decode step
+    of its own, with the other thread count, and with its cells a run instead of an index."""
+    n_cells, length = 1024, 700  # 700 keys: blocks of 256 end inside the chunks
+    qkv = qkv_rows(length, 11)
+    cells = torch.randperm(n_cells, generator=torch.Generator().manual_seed(5))[:length]
+    torch.set_num_threads(3 - threads)
+    try:
+        ref, rk, rv = one_at_a_time(kern, qkv, cells, n_cells, 1)
+    finally:
+        torch.set_num_threads(threads)
+    for as_run in (False, True):
+        pk, pv = pool(n_cells)
+        s = Stream(qkv, slice(200, 200 + length) if as_run else cells)
+        while s.done < length:
+            run_step(kern, pk, pv, 1, [(s, min(chunk, length - s.done))])
+        assert torch.equal(s.out, ref.out), (chunk, as_run)
+        mine = s.cell_list(length)
+        assert torch.equal(pk[:, :, mine], rk[:, :, cells]) and torch.equal(pv[:, :, mine],
+                                                                            rv[:, :, cells])
+        assert not pk[0].any()  # layer 0 untouched
+
+
+def test_mixed_steps_are_batch_invariant(kern, threads):
+    """Decode tokens and prefill chunks of several sequences in one step, in varying order and
+    company (and sharing a prefix), give each token the bits it gets alone."""
+    n_cells = 2048
+    lens = (600, 330, 40)
+    qkv = [qkv_rows(n, 20 + i) for i, n in enumerate(lens)]
+    perm = torch.randperm(1000, generator=torch.Generator().manual_seed(9))  # cells < 1000
+    cells: list[slice | torch.Tensor] = [perm[:600].clone(), slice(1000, 1330), perm[600:640]]
+    refs = [one_at_a_time(kern, q, c, n_cells, 0)[0].out for q, c in zip(qkv, cells)]
+    pk, pv = pool(n_cells)
+    a, b, c = (Stream(q, cl) for q, cl in zip(qkv, cells))
+    schedule = [[(a, 300), (b, 1), (c, 7)], [(c, 1), (b, 300), (a, 1)], [(a, 1)],
+                [(b, 1), (a, 257), (c, 30)], [(c, 1), (a, 1), (b, 28)],
+                [(a, 40), (c, 1)]]
+    for parts in schedule:
+        run_step(kern, pk, pv, 0, parts)
+    for s, ref in zip((a, b, c), refs):
+        assert s.done == s.qkv.shape[0] and torch.equal(s.out, ref)
+    # attend_causal (the q/k-norm path) over the stored K/V agrees with the fused step
+    rope = Rope(HP)
+    q = qkv[0][:, : HP.n_head * HP.head_dim].view(-1, HP.n_head, HP.head_dim)
+    q = rope.apply(q, *rope.cos_sin(torch.arange(600))).contiguous()
+    for lo, hi in ((0, 600), (599, 600), (100, 357)):
+        got = kern.attend_causal(q[lo:hi].contiguous(), pk[0], pv[0], cells[0][:hi])
+        assert torch.equal(got, refs[0][lo:hi]), (lo, hi)
+    assert torch.equal(kern.attend(q[599:].contiguous(), pk[0], pv[0], cells[0]), refs[0][599:])
 
 
 def test_add_rms_norm_and_silu_match_torch(kern, threads):
@@ -152,6 +320,15 @@ def test_kernels_refuse_what_they_cannot_read(kern):
         kern.decode_step(pool, pool, 9, [slice(0, 4)], [32], cos, sin, x, 1e-5, 64)
     with pytest.raises(ValueError):  # residual rows not f32
         kern.decode_step(pool, pool, 9, [slice(0, 4)], [3], cos, sin, x.to(BF), 1e-5, 64)
+    with pytest.raises(ValueError):  # new-token counts that do not add up to the rows
+        kern.decode_step(pool, pool, 9, [slice(0, 4)], [3], cos, sin, x, 1e-5, 64, [2])
+    with pytest.raises(ValueError):  # more new tokens than cells
+        kern.decode_step(pool, pool, 9, [slice(0, 1)], [0, 1], cos.repeat(2, 1, 1),
+                         sin.repeat(2, 1, 1), x.repeat(2, 1), 1e-5, 64, [2])
+    with pytest.raises(ValueError):
+        kern.attend_causal(torch.zeros(5, 9, 64, dtype=BF), pk, pk, slice(0, 4))
+    with pytest.raises(ValueError):  # head_dim not the pool's
+        kern.attend_causal(torch.zeros(1, 9, 32, dtype=BF), pk, pk, slice(0, 4))
     step = kern.decode_step(pool, pool, 9, [slice(0, 4)], [3], cos, sin, x, 1e-5, 64)
     with pytest.raises(ValueError):
         step.attend(2, torch.zeros(1, 15 * 64, dtype=BF))  # no layer 2
@@ -241,3 +418,17 @@ def test_kernels_can_be_switched_off(monkeypatch):
         K.kernels.cache_clear()
     monkeypatch.delenv("RADIXSERVE_KERNELS")
     assert K.kernels() is not None and os.environ.get("RADIXSERVE_KERNELS") is None
+
+
+def test_head_dots_are_exact_dots_and_refuse_ids_outside_the_head(kern):
+    g = torch.Generator().manual_seed(3)
+    w, h = torch.randn(300, 64, generator=g), torch.randn(3, 64, generator=g)
+    full = kern.head_dots(w, h)
+    assert torch.allclose(full, (h.double() @ w.double().T).float(), rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([299, 0, 17])
+    assert torch.equal(kern.head_dots(w, h, ids), full[:, ids])
+    for bad in ([300], [-1], [5, 1000]):
+        with pytest.raises(IndexError):
+            kern.head_dots(w, h, torch.tensor(bad))
+    with pytest.raises(ValueError):
+        kern.head_dots(w, h.double())

@@ -14,7 +14,7 @@ import torch
 
 from radixserve.model.kernels import kernels
 from radixserve.model.quant import (
-    DENSE_FROM_ROWS, PACKED_TYPES, ConcatLinear, DenseLinear, Int4Linear, Q4Linear,
+    DENSE_FROM_ROWS, PACKED_TYPES, Codes, ConcatLinear, DenseLinear, Int4Linear, Linear, Q4Linear,
     packed_linear, split_blocks, tile_layout_known,
 )
 
@@ -123,8 +123,10 @@ def test_small_and_large_batches_use_the_same_weights(kind: str):
     lin = q4_or_int4(kind, split_blocks(t), torch.randn(N).to(torch.bfloat16))
     assert isinstance(lin, Int4Linear if kind == "int4" else Q4Linear)
     x = torch.randn(DENSE_FROM_ROWS + 5, K).to(torch.bfloat16)
-    big = lin(x)  # dense GEMM on unpacked weights
+    big = lin(x)  # int4: dense GEMM on unpacked weights; q4: the kernel's many-rows path
     small = torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])])  # the 4-bit kernel
+    if kind == "q4":  # every row the same bits however many rows share the call
+        assert torch.equal(big, small)
     xw = torch.nn.functional.linear(x.float(), lin.weight().float())
     ref = xw + lin.bias.float()
     for y in (big, small):
@@ -152,3 +154,168 @@ def test_other_types_are_rejected_by_the_packer():
     t.tensor_type = Q.Q8_0
     with pytest.raises(ValueError, match="not a packed 4-bit type"):
         split_blocks(t)
+
+
+# the default model's matrices, and k of one or two groups (no group loop to speak of)
+Q4_SHAPES = [(960, 576), (3072, 576), (576, 1536), (48, 64), (32, 32)]
+# every remainder of the kernel's rows in flight, both sides of its many-rows switch and of
+# quant.py's DENSE_FROM_ROWS, and more rows than one of the kernel's row blocks
+Q4_ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 63, 64, 95, 96, 97, 128, 200, 513]
+
+
+def random_q4(n: int, k: int, seed: int) -> tuple[Q4Linear, torch.Tensor, torch.Tensor]:
+    """A Q4Linear of random codes, its weights in f64 (exact: its scales and offsets are f16
+    already), and bf16 rows of varied magnitudes for it."""
+    require_q4()
+    g = torch.Generator().manual_seed(seed)
+    codes = Codes(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8).numpy(),
+                  (torch.rand(n, k // 32, generator=g) * 0.02).half().float().numpy(),
+                  (torch.randn(n, k // 32, generator=g) * 0.05).half().float().numpy())
+    scale = torch.exp2(torch.randint(-6, 7, (max(Q4_ROWS), 1), generator=g).float())
+    x = (torch.randn(max(Q4_ROWS), k, generator=g) * scale).to(torch.bfloat16)
+    w = (torch.from_numpy(codes.q).double() * torch.from_numpy(codes.scale).double()
+         .repeat_interleave(32, 1) + torch.from_numpy(codes.offset).double()
+         .repeat_interleave(32, 1))
+    return Q4Linear(codes, None, kernels()), w, x
+
+
+@pytest.mark.parametrize("n,k", Q4_SHAPES, ids=lambda v: str(v))
+def test_q4_many_rows_equal_each_row_alone_bitwise(n: int, k: int):
+    """Deterministic mode's premise: a row's product through the 4-bit kernel is the same bits
+    whatever the number of rows multiplied with it (the kernel's few- and many-rows paths) and
+    the number of threads."""
+    lin, _, x = random_q4(n, k, seed=n + k)
+    assert_rows_alone(lin.kernel, x, Q4_ROWS)
+
+
+def assert_rows_alone(mul, x: torch.Tensor, row_counts) -> None:
+    """Every row of mul(x[:rows]) is bitwise mul(x[i:i+1]), for each row count, on 1 and 2
+    threads."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([mul(x[i : i + 1]) for i in range(max(row_counts))])
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in row_counts:
+                y = mul(x[:rows])
+                assert y.shape == (rows, alone.shape[1])
+                assert torch.equal(y.view(torch.int16), alone[:rows].view(torch.int16)), (
+                    f"{rows} rows, {threads} threads")
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("n,k", Q4_SHAPES, ids=lambda v: str(v))
+def test_q4_many_rows_within_bf16_of_f64(n: int, k: int):
+    """The many-rows product against f64 with the kernel's own weights: bf16 output rounding,
+    plus f32 sums relative to the products' magnitudes (outputs near 0)."""
+    lin, w, x = random_q4(n, k, seed=2 * n + k)
+    y = lin.kernel(x).double()
+    ref = x.double() @ w.T
+    mag = x.double().abs() @ w.abs().T
+    assert ((y - ref).abs() <= ref.abs() * 2.0**-8 + mag * 2.0**-16).all()
+    assert (y - ref).abs().max() > 0  # bf16 really rounds: the tolerance is not vacuous
+
+
+
+ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 16, 63, 64, 95, 96, 97, 128, 200, 513)
+
+
+@pytest.mark.parametrize("kind", ["int4", "dense"])
+def test_torch_kernels_deterministic_mode_keeps_are_row_invariant(kind: str):
+    """The other kernels deterministic mode runs, checked row by row on this build: torch's
+    int4 kernel without its dense switch, and DenseLinear's bf16 path, our kernel
+    (csrc/bf16_gemm.c; torch's bf16 GEMM fails this on torch 2.13, as does its f32 GEMM: f32 has
+    no deterministic mode), on shapes of the default model's layers: every row of an M-row
+    product equals the row alone, bitwise."""
+    g = torch.Generator().manual_seed(5)
+    for n, k in ((960, 576), (576, 1536)):
+        if kind == "int4":
+            rng = np.random.default_rng(n)
+            codes = Codes(rng.integers(0, 16, (n, k)).astype(np.uint8),
+                          (rng.random((n, k // 32)) * 0.01).astype(np.float32),
+                          (-rng.random((n, k // 32)) * 0.08).astype(np.float32))
+            lin: Linear = Int4Linear(codes, None, torch.bfloat16)
+        else:
+            require_bf16()
+            lin = DenseLinear((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16))
+            assert lin.mat is not None  # our kernel, not F.linear
+        x = torch.randn(max(ROW_COUNTS), k, generator=g).to(torch.bfloat16)
+        assert_rows_alone(lambda a, lin=lin: lin(a, invariant=True), x, ROW_COUNTS)
+
+
+def require_bf16() -> None:
+    """Our bf16 kernel, like the Q4 one, needs a C compiler and AVX512-BF16 (require_q4)."""
+    kern = kernels()
+    assert kern is not None and kern.has_bf16_gemm, "bf16 kernel unavailable"
+
+
+# the default model's matrices, n and k off the 32-row panels and 32-weight padding (odd k:
+# a pair half-padded), and a single weight
+BF16_SHAPES = [(960, 576), (576, 1536), (48, 64), (40, 40), (100, 33), (17, 7), (1, 1)]
+
+
+def random_dense(n: int, k: int, seed: int) -> tuple[DenseLinear, torch.Tensor, torch.Tensor]:
+    """A bf16 DenseLinear on our kernel, its weights, and bf16 rows of varied magnitudes."""
+    require_bf16()
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    scale = torch.exp2(torch.randint(-6, 7, (max(ROW_COUNTS), 1), generator=g).float())
+    x = (torch.randn(max(ROW_COUNTS), k, generator=g) * scale).to(torch.bfloat16)
+    lin = DenseLinear(w)
+    assert lin.mat is not None and lin.w is None  # the panels are the only copy kept
+    return lin, w, x
+
+
+@pytest.mark.parametrize("n,k", BF16_SHAPES, ids=lambda v: str(v))
+def test_bf16_many_rows_equal_each_row_alone_bitwise(n: int, k: int):
+    """Deterministic mode's premise for dense weights: a row's product through the bf16 kernel
+    is the same bits whatever the number of rows multiplied with it (its few- and many-rows
+    paths, every remainder of its row blocks) and the number of threads."""
+    lin, _, x = random_dense(n, k, seed=n + k)
+    assert_rows_alone(lambda a: lin(a, invariant=True), x, ROW_COUNTS)
+
+
+@pytest.mark.parametrize("n,k", BF16_SHAPES, ids=lambda v: str(v))
+def test_bf16_within_bf16_of_f64(n: int, k: int):
+    """Against f64: the bf16 output rounding, plus f32 sums (at most one rounding per product,
+    relative to the products' magnitudes: outputs near 0). The same weights with the two halves
+    of every pair swapped (a layout slip) fail that tolerance."""
+    lin, w, x = random_dense(n, k, seed=2 * n + k)
+    ref = x.double() @ w.double().T
+    mag = x.double().abs() @ w.double().abs().T
+    tol = ref.abs() * 2.0**-8 + mag * (k + 1) * 2.0**-24
+    for rows in (3, x.shape[0]):  # both paths
+        y = lin(x[:rows]).double()
+        assert ((y - ref[:rows]).abs() <= tol[:rows]).all()
+    assert (y - ref).abs().max() > 0  # bf16 really rounds: the tolerance is not vacuous
+    if k > 1:
+        swapped = w.clone()
+        swapped[:, : k // 2 * 2] = w[:, : k // 2 * 2].view(n, -1, 2).flip(-1).reshape(n, -1)
+        wrong = DenseLinear(swapped)(x).double()
+        assert ((wrong - ref).abs() > tol).any()
+
+
+def test_dense_linear_paths():
+    """bf16: our kernel, W unpacked bit for bit, the bias added after, any leading dims; f32
+    (and f16): torch's F.linear on the weights as given."""
+    require_bf16()
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(70, 45, generator=g).to(torch.bfloat16)
+    b = torch.randn(70, generator=g).to(torch.bfloat16)
+    lin = DenseLinear(w, b)
+    assert lin.mat is not None and torch.equal(lin.weight(), w)
+    assert lin.nbytes == lin.mat.panels.nbytes + b.nbytes
+    x = torch.randn(2, 5, 45, generator=g).to(torch.bfloat16)
+    y = lin(x)
+    assert y.shape == (2, 5, 70) and y.dtype == torch.bfloat16
+    assert torch.equal(y, DenseLinear(w)(x.view(10, 45)).view(2, 5, 70) + b)
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    assert ((y.float() - ref).abs() <= ref.abs() * 2.0**-7 + 1e-2).all()
+    for dtype in (torch.float32, torch.float16):
+        wd = w.to(dtype)
+        plain = DenseLinear(wd, b.to(dtype))
+        assert plain.mat is None and plain.weight() is wd
+        assert torch.equal(plain(x.to(dtype)),
+                           torch.nn.functional.linear(x.to(dtype), wd, b.to(dtype)))

@@ -1,20 +1,28 @@
-/* Decode attention for one sequence over bf16 K/V held in the KV pool (radixserve/kv/pool.py).
+/* Causal attention over bf16 K/V held in the KV pool (radixserve/kv/pool.py), computed the same
+ * way whatever shares the call, so that a token's output depends on its tokens alone.
  *
- * Why a kernel of our own: a decode step attends one query row per head over the whole
- * context. torch's SDPA CPU kernel parallelises over (batch x kv-head) only, so the default
- * model's 3 KV heads leave 2 threads with 2 and 1 tasks, and it spends ~170 us a layer on
- * ~1.2 MB of K/V at 1.6k context. Here the context is split across the threads instead
- * (flash-decoding): each thread scores its share of keys for every query head of a KV group
- * (one K/V row load serves the whole group), keeps its own max / sum / accumulator, and the
- * partial results are merged exactly at the end.
+ * Why fixed blocks: a query's keys (its sequence's cells in position order, up to itself) are
+ * cut into blocks of BLOCK list entries counted from the start of the list. Each (query, KV
+ * head, block) gives one partial softmax (max, sum, acc[d]) for the g query heads of that KV
+ * head (one K/V row load serves the whole group), and the partials are merged in block order.
+ * The blocks, and so every rounding, depend only on the query's position in its list: not on
+ * the thread count (the old kernel split the context across the threads), not on how many
+ * tokens share the chunk (a prefill chunk's queries and a decode step's query run this same
+ * code), not on the batch. Which thread computes an item changes nothing, so the work is
+ * spread over (query, KV head, block) when there are few queries (a decode step: the context is
+ * what is long) and over (query, KV head) with the blocks in turn when there are many.
+ *
+ * A step (attn_step_bf16) also rotates every new token's q and k (NeoX halves) and stores its k
+ * and v in the pool before any query reads them, one C call a layer.
  *
  * Built by radixserve/model/kernels.py with the system C compiler; OpenMP calls resolve to the
  * libgomp torch has already loaded, so the kernel shares torch's thread pool.
  *
- * Layout: q [n_kv * g, d] bf16 (query heads of KV head h are rows h*g .. h*g+g-1);
+ * Layout: q [T, n_kv * g, d] bf16 (query heads of KV head h are rows h*g .. h*g+g-1);
  * k, v: KV head h starts at h * head_stride elements, cell c at row c (d elements);
- * cells: n cell indices, or NULL for the run c0 .. c0+n-1; out [n_kv * g, d] bf16;
- * work: decode_attn_work_floats(n, n_kv, g, d) floats of scratch.
+ * a sequence's cells: len cell indices, or NULL for the run c0 .. c0+len-1, its n_new queries
+ * being the last n_new of them (rows of q in sequence order); out [T, n_kv * g, d] bf16;
+ * work: attn_work_floats(longest list, T, n_kv, g, d) floats of scratch.
  */
 #include <math.h>
 #include <omp.h>
@@ -25,21 +33,8 @@
 
 #define MAXG 16
 #define MAXD 256
-#define MAXH 64 /* query heads */
 
-static int64_t share(int64_t n, int nt) { return (n + nt - 1) / nt; }
-
-/* A thread's scratch row per query head: its share of scores, rounded up to even, plus room
- * for the zero partner of an odd last key. */
-static int64_t score_stride(int64_t n, int nt) { return (share(n, nt) + 3) & ~(int64_t)1; }
-
-int64_t decode_attn_work_floats(int64_t n, int n_kv, int g, int d) {
-    int nt = omp_get_max_threads();
-    /* per thread: (max, sum, acc[d]) per query head, scores, and bf16 pairs of the weights */
-    return (int64_t)nt * n_kv * g * (2 + d) + (int64_t)nt * 2 * g * score_stride(n, nt);
-}
-
-/* One thread's share [j0, j1) of the keys for KV head h: writes (max, sum, acc[d]) per query. */
+/* Keys [j0, j1) of the list for the g query heads of one KV head: (max, sum, acc[d]) per head. */
 static void attend_share_generic(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
                          const int64_t *cells, int64_t c0, int64_t j0, int64_t j1, int g, int d,
                          float scale, float *s, int64_t s_stride, float *part) {
@@ -135,7 +130,8 @@ static void attend_share_d64(const uint16_t *q, const uint16_t *kh, const uint16
         for (int jj = 0; jj < 16; jj++) {
             const uint16_t *kr = kh + (cells ? cells[j0 + j + jj] : c0 + j0 + j + jj) * 64;
             if (j + jj + PF < n) { /* a key row is 2 cache lines; fetch PF keys ahead */
-                const uint16_t *kp = kh + (cells ? cells[j0 + j + jj + PF] : c0 + j0 + j + jj + PF) * 64;
+                int64_t e = j0 + j + jj + PF;
+                const uint16_t *kp = kh + (cells ? cells[e] : c0 + e) * 64;
                 _mm_prefetch((const char *)kp, _MM_HINT_T0);
                 _mm_prefetch((const char *)(kp + 32), _MM_HINT_T0);
             }
@@ -223,90 +219,198 @@ static void attend_share(const uint16_t *q, const uint16_t *kh, const uint16_t *
     attend_share_generic(q, kh, vh, cells, c0, j0, j1, g, d, scale, s, s_stride, part);
 }
 
-/* Returns 0, or -1 when g or d exceed the kernel's fixed bounds (the caller falls back). */
-int decode_attn_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                     int64_t head_stride, const int64_t *cells, int64_t c0, int64_t n, int n_kv,
-                     int g, int d, float scale, uint16_t *out, float *work) {
-    if (g > MAXG || d > MAXD || n <= 0) return -1;
-    int nt = omp_get_max_threads();
-    int64_t per = share(n, nt), stride = score_stride(n, nt);
-    int hg = n_kv * g;
-    float *parts = work, *scores = work + (int64_t)nt * hg * (2 + d);
-#pragma omp parallel num_threads(nt)
-    {
-        int t = omp_get_thread_num();
-        int64_t j0 = t * per, j1 = j0 + per < n ? j0 + per : n;
-        float *part = parts + (int64_t)t * hg * (2 + d);
-        float *s = scores + (int64_t)t * 2 * g * stride;
-        uint32_t *pairs = (uint32_t *)(s + g * stride); /* only ever accessed as uint32 */
-        for (int h = 0; h < n_kv; h++) {
-            if (j0 < j1)
-                attend_share(q + h * g * d, k + h * head_stride, v + h * head_stride, cells, c0,
-                             j0, j1, g, d, scale, s, stride, pairs, part + h * g * (2 + d));
-            else
-                for (int a = 0; a < g; a++) part[(h * g + a) * (2 + d) + 1] = 0.f;
-        }
-    }
-    /* merge the threads' partial softmaxes: rescale each by e^(m_t - M) */
-    for (int r = 0; r < hg; r++) {
+
+/* The numbers a query's output depends on come from exactly one compiled copy of each of these
+ * functions: -fassociative-math lets every inlined or cloned copy reassociate its sums its own
+ * way, and the same block could then round differently from two call sites. */
+#if defined(__clang__)
+#define ONE_COPY __attribute__((noinline))
+#else
+#define ONE_COPY __attribute__((noipa))
+#endif
+
+#define BLOCK 256 /* list entries a block; boundaries at multiples of it from the list start */
+#define SSTRIDE (BLOCK + 16) /* a score row: a block, the odd key's zero partner, 64-byte rows */
+#define FLAT 4 /* below FLAT items (query, KV head) a thread, blocks are items of their own */
+
+static int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+static int64_t n_blocks(int64_t n) { return (n + BLOCK - 1) / BLOCK; }
+
+/* One (query, KV head)'s partials: nb blocks of g rows (max, sum, acc[d]). Every region of the
+ * scratch is a multiple of 16 floats from a 64-byte aligned start, so a vectorised loop over a
+ * score row sees the same alignment (the same peel, the same sums) on every thread. */
+static int64_t parts_floats(int64_t nb, int g, int d) { return round16(nb * g * (2 + d)); }
+static int64_t thread_floats(int64_t nb, int g, int d) {
+    return 2 * g * SSTRIDE + parts_floats(nb, g, d); /* scores, bf16 weight pairs, partials */
+}
+static int flat(int64_t n_tok, int n_kv, int nt) { return n_tok * n_kv < (int64_t)FLAT * nt; }
+
+static int64_t need_floats(int64_t max_len, int64_t n_tok, int n_kv, int g, int d, int nt,
+                           int with_q) {
+    int64_t nb = n_blocks(max_len), q = with_q ? round16((n_tok * n_kv * g * d + 1) / 2) : 0;
+    int64_t shared = flat(n_tok, n_kv, nt) ? n_tok * n_kv * parts_floats(nb, g, d) : 0;
+    return 16 + q + nt * thread_floats(nb, g, d) + shared;
+}
+
+/* Scratch for a call whose longest cell list is max_len, with n_tok queries in all. */
+int64_t attn_work_floats(int64_t max_len, int64_t n_tok, int n_kv, int g, int d) {
+    return need_floats(max_len, n_tok, n_kv, g, d, omp_get_max_threads(), 1);
+}
+
+/* Keys [j0, j1) of a list for the g query heads of one KV head -> part (g rows of max, sum,
+ * acc[d]); s: 2 g SSTRIDE floats of scratch, 64-byte aligned. */
+ONE_COPY static void attend_block(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
+                                  const int64_t *cells, int64_t c0, int64_t j0, int64_t j1,
+                                  int g, int d, float scale, float *s, float *part) {
+    attend_share(q, kh, vh, cells, c0, j0, j1, g, d, scale, s, SSTRIDE,
+                 (uint32_t *)(s + g * SSTRIDE), part); /* pairs: only ever read as uint32 */
+}
+
+/* A query's nb block partials -> its g output rows: each block rescaled by e^(m_b - M), summed
+ * in block order. */
+ONE_COPY static void merge_blocks(const float *parts, int64_t nb, int g, int d, uint16_t *out) {
+    for (int a = 0; a < g; a++) {
         float M = -INFINITY, L = 0.f, o[MAXD];
-        for (int t = 0; t < nt; t++) {
-            const float *pa = parts + ((int64_t)t * hg + r) * (2 + d);
-            if (pa[1] > 0.f && pa[0] > M) M = pa[0];
+        for (int64_t b = 0; b < nb; b++) {
+            float m = parts[(b * g + a) * (2 + d)];
+            M = m > M ? m : M;
         }
         for (int x = 0; x < d; x++) o[x] = 0.f;
-        for (int t = 0; t < nt; t++) {
-            const float *pa = parts + ((int64_t)t * hg + r) * (2 + d);
-            if (pa[1] <= 0.f) continue;
+        for (int64_t b = 0; b < nb; b++) {
+            const float *pa = parts + (b * g + a) * (2 + d);
             float w = exp_clamped(pa[0] - M);
             L += pa[1] * w;
             for (int x = 0; x < d; x++) o[x] += pa[2 + x] * w;
         }
-        for (int x = 0; x < d; x++) out[r * d + x] = f32_to_bf16(o[x] / L);
+        for (int x = 0; x < d; x++) out[a * d + x] = f32_to_bf16(o[x] / L);
     }
-    return 0;
 }
 
-/* One decode token from its fused projection row to its attention output: rotate q and k
- * (NeoX halves; cos = (c, c), sin = (-s, s) as Rope.cos_sin builds them; f32 math, one bf16
- * rounding like Rope.apply), store k and v in the pool at cell `dst`, then attend over the
- * sequence's cells (which include `dst`). qkv: [(n_kv * g + 2 * n_kv) * d] bf16. Saves the
- * ~10 torch ops a layer that rotate, slice and index_copy one row. */
-static int decode_rope_attn_bf16(const uint16_t *qkv, const float *cos, const float *sin,
-                          uint16_t *k, uint16_t *v, int64_t head_stride, int64_t dst,
-                          const int64_t *cells, int64_t c0, int64_t n, int n_kv, int g, int d,
-                          float scale, uint16_t *out, float *work) {
-    if (g > MAXG || d > MAXD || d % 2) return -1;
-    int nh = n_kv * g, half = d / 2;
-    uint16_t q[MAXH * MAXD];
-    if (nh > MAXH) return -1;
-    for (int h = 0; h < nh + n_kv; h++) {
-        const uint16_t *x = qkv + (int64_t)h * d;
-        uint16_t *y = h < nh ? q + h * d : k + (h - nh) * head_stride + dst * d;
-        for (int i = 0; i < d; i++) {
-            float sw = bf16_to_f32(x[i < half ? i + half : i - half]);
-            y[i] = f32_to_bf16(bf16_to_f32(x[i]) * cos[i] + sw * sin[i]);
+/* y = x rotated by its position's table row: cos = (c, c), sin = (-s, s) as Rope.cos_sin
+ * builds them, NeoX halves, f32 math and one bf16 rounding. The roundings are Rope.apply's
+ * (torch's addcmul is one FMA onto the rounded x * cos), so a key stored here has the bits of
+ * one rotated and stored by the torch path. */
+ONE_COPY static void rope_row(const uint16_t *x, const float *cos, const float *sin, int d,
+                              uint16_t *y) {
+    int half = d / 2;
+    for (int i = 0; i < d; i++) {
+        float sw = bf16_to_f32(x[i < half ? i + half : i - half]);
+        float xc = bf16_to_f32(x[i]) * cos[i];
+        y[i] = f32_to_bf16(__builtin_fmaf(sw, sin[i], xc));
+    }
+}
+
+/* Query row t -> its sequence, and *i its index among that sequence's new tokens. */
+static int seq_of(const int64_t *n_new, int64_t t, int64_t *i) {
+    int s = 0;
+    while (t >= n_new[s]) t -= n_new[s++];
+    *i = t;
+    return s;
+}
+
+/* attn_causal_bf16, with, when qkv is given, the step's RoPE and K/V store first (q is then
+ * the rotated rows, kept in the scratch). */
+static int run(const uint16_t *qkv, const float *cos, const float *sin, const int64_t *dst,
+               const uint16_t *q, uint16_t *k, uint16_t *v, int64_t head_stride, int n_seq,
+               const int64_t *const *cells, const int64_t *c0, const int64_t *len,
+               const int64_t *n_new, int n_kv, int g, int d, float scale, uint16_t *out,
+               float *work, int64_t work_floats) {
+    if (g < 1 || g > MAXG || d < 2 || d > MAXD || d % 2 || n_kv < 1 || n_seq < 1) return -1;
+    int64_t n_tok = 0, max_len = 0;
+    for (int s = 0; s < n_seq; s++) {
+        if (n_new[s] < 1 || n_new[s] > len[s]) return -1;
+        n_tok += n_new[s];
+        max_len = len[s] > max_len ? len[s] : max_len;
+    }
+    int nt = omp_get_max_threads(), nh = n_kv * g, use_flat = flat(n_tok, n_kv, nt);
+    if (need_floats(max_len, n_tok, n_kv, g, d, nt, qkv != NULL) > work_floats) return -2;
+    float *w = (float *)(((uintptr_t)work + 63) & ~(uintptr_t)63);
+    uint16_t *qr = (uint16_t *)w;
+    if (qkv) {
+        q = qr;
+        w += round16((n_tok * nh * d + 1) / 2);
+    }
+    int64_t nb = n_blocks(max_len), pf = parts_floats(nb, g, d), tf = thread_floats(nb, g, d);
+    int64_t n_items = n_tok * n_kv, gd = (int64_t)g * (2 + d);
+    float *shared = w + nt * tf;
+#pragma omp parallel num_threads(nt)
+    {
+        float *s = w + omp_get_thread_num() * tf, *mine = s + 2 * g * SSTRIDE;
+        if (qkv) {
+            int64_t row = (int64_t)(nh + 2 * n_kv) * d;
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < n_tok; t++) {
+                const uint16_t *x = qkv + t * row;
+                const float *ct = cos + t * d, *st = sin + t * d;
+                for (int h = 0; h < nh; h++) rope_row(x + h * d, ct, st, d, qr + (t * nh + h) * d);
+                for (int h = 0; h < n_kv; h++) {
+                    int64_t at = h * head_stride + dst[t] * d;
+                    rope_row(x + (nh + h) * d, ct, st, d, k + at);
+                    memcpy(v + at, x + (nh + n_kv + h) * d, d * sizeof(uint16_t));
+                }
+            } /* its barrier: every new key is stored before a query reads it */
+        }
+        /* item p: KV head p / n_tok of query row p % n_tok */
+        if (use_flat) {
+#pragma omp for schedule(dynamic) collapse(2)
+            for (int64_t p = 0; p < n_items; p++)
+                for (int64_t b = 0; b < nb; b++) {
+                    int64_t t = p % n_tok, h = p / n_tok, i;
+                    int sq = seq_of(n_new, t, &i);
+                    int64_t vis = len[sq] - n_new[sq] + i + 1, j0 = b * BLOCK;
+                    if (j0 >= vis) continue;
+                    attend_block(q + (t * nh + h * g) * d, k + h * head_stride,
+                                 v + h * head_stride, cells[sq], c0[sq], j0,
+                                 j0 + BLOCK < vis ? j0 + BLOCK : vis, g, d, scale, s,
+                                 shared + p * pf + b * gd);
+                }
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < n_items; p++) {
+                int64_t t = p % n_tok, h = p / n_tok, i;
+                int sq = seq_of(n_new, t, &i);
+                merge_blocks(shared + p * pf, n_blocks(len[sq] - n_new[sq] + i + 1), g, d,
+                             out + (t * nh + h * g) * d);
+            }
+        } else {
+            /* consecutive items are neighbouring queries of one KV head: K/V stay in cache */
+#pragma omp for schedule(dynamic)
+            for (int64_t p = 0; p < n_items; p++) {
+                int64_t t = p % n_tok, h = p / n_tok, i;
+                int sq = seq_of(n_new, t, &i);
+                int64_t vis = len[sq] - n_new[sq] + i + 1, nbq = n_blocks(vis);
+                for (int64_t b = 0; b < nbq; b++) {
+                    int64_t j0 = b * BLOCK;
+                    attend_block(q + (t * nh + h * g) * d, k + h * head_stride,
+                                 v + h * head_stride, cells[sq], c0[sq], j0,
+                                 j0 + BLOCK < vis ? j0 + BLOCK : vis, g, d, scale, s,
+                                 mine + b * gd);
+                }
+                merge_blocks(mine, nbq, g, d, out + (t * nh + h * g) * d);
+            }
         }
     }
-    for (int h = 0; h < n_kv; h++)
-        memcpy(v + h * head_stride + dst * d, qkv + (int64_t)(nh + n_kv + h) * d, d * 2);
-    return decode_attn_bf16(q, k, v, head_stride, cells, c0, n, n_kv, g, d, scale, out, work);
+    return 0;
 }
 
-/* decode_rope_attn_bf16 for the n_seq single-token sequences of a decode step, one call a layer:
- * row i of qkv / cos / sin / out is sequence i's; cells[i] (or NULL: the run c0[i] .. c0[i] +
- * n[i] - 1) are its cells and dst[i] its new one. Returns 0, or -1 as decode_rope_attn_bf16. */
-int decode_step_attn_bf16(const uint16_t *qkv, const float *cos, const float *sin, uint16_t *k,
-                          uint16_t *v, int64_t head_stride, const int64_t *dst,
-                          const int64_t *const *cells, const int64_t *c0, const int64_t *n,
-                          int n_seq, int n_kv, int g, int d, float scale, uint16_t *out,
-                          float *work) {
-    int64_t row = (int64_t)(n_kv * g + 2 * n_kv) * d, orow = (int64_t)n_kv * g * d;
-    for (int i = 0; i < n_seq; i++) {
-        int rc = decode_rope_attn_bf16(qkv + i * row, cos + (int64_t)i * d, sin + (int64_t)i * d,
-                                       k, v, head_stride, dst[i], cells[i], c0[i], n[i], n_kv,
-                                       g, d, scale, out + i * orow, work);
-        if (rc) return rc;
-    }
-    return 0;
+/* Attention of already rotated queries whose K/V are in the pool. Returns 0, -1 when g, d or a
+ * sequence's counts are outside the kernel's bounds, -2 when work is too small. */
+int attn_causal_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                     int64_t head_stride, int n_seq, const int64_t *const *cells,
+                     const int64_t *c0, const int64_t *len, const int64_t *n_new, int n_kv, int g,
+                     int d, float scale, uint16_t *out, float *work, int64_t work_floats) {
+    return run(NULL, NULL, NULL, NULL, q, (uint16_t *)k, (uint16_t *)v, head_stride, n_seq,
+               cells, c0, len, n_new, n_kv, g, d, scale, out, work, work_floats);
+}
+
+/* A layer of a step, from the fused projection rows to the attention outputs: qkv [T, (n_kv g
+ * + 2 n_kv) d] bf16, cos / sin [T, d] (Rope.cos_sin rows), dst [T] each new token's cell (the
+ * last n_new cells of its sequence's list). Rotates q and k, stores k and v at dst, then
+ * attn_causal_bf16. Saves the ~10 torch ops a layer that rotate, slice and index_copy. */
+int attn_step_bf16(const uint16_t *qkv, const float *cos, const float *sin, uint16_t *k,
+                   uint16_t *v, int64_t head_stride, const int64_t *dst, int n_seq,
+                   const int64_t *const *cells, const int64_t *c0, const int64_t *len,
+                   const int64_t *n_new, int n_kv, int g, int d, float scale, uint16_t *out,
+                   float *work, int64_t work_floats) {
+    return run(qkv, cos, sin, dst, NULL, k, v, head_stride, n_seq, cells, c0, len, n_new, n_kv,
+               g, d, scale, out, work, work_floats);
 }

@@ -1,0 +1,225 @@
+"""Deterministic mode through the real scheduler: 100 RAG-style chat prompts x 64 greedy tokens on
+the default model in bf16, answered 4 at a time with every cache tier, chunk size and batch mix,
+give bitwise the tokens each prompt gives alone with no cache at all.
+
+The prompts are 25 fresh documents x 4 questions (the words of bench/words.py, seeded; rendered
+by the model's chat template), so prefixes are shared and every tier has something to serve.
+Each run also asserts that its tier really served prompt tokens (plans are recorded), so a run
+that silently recomputed everything cannot pass for a cache test.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import radixserve.engine.prefix_plan as prefix_plan
+from radixserve.bench.scenarios import INSTRUCTION, make_text
+from radixserve.config import ServerConfig
+from radixserve.engine.counters import ServerMetrics
+from radixserve.engine.prefix_plan import PrefixPlan, Source
+from radixserve.engine.scheduler import Scheduler
+from radixserve.engine.slot_actions import slot_action
+from radixserve.engine.task import CompletionTask, FinalResult
+from radixserve.model.loader import Model, load_model
+from radixserve.model.sampling import SamplingParams
+
+N_DOCS, N_Q, N_PREDICT = 25, 4, 64
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    m = load_model("default", "bf16", deterministic="on")
+    assert m.deterministic
+    return m
+
+
+@pytest.fixture(scope="module")
+def prompts(model: Model) -> list[list[list[int]]]:
+    """prompts[d][q]: document d's question q, as chat-template tokens."""
+    rng = random.Random(15)
+    out = []
+    for _ in range(N_DOCS):
+        doc = make_text(rng, rng.randint(60, 160))
+        row = []
+        for _ in range(N_Q):
+            question = "question: " + make_text(rng, rng.randint(6, 14)) + "?"
+            text = model.chat_template.render([
+                {"role": "system", "content": INSTRUCTION},
+                {"role": "user", "content": f"document:\n{doc}\n\n{question}"}])
+            row.append(model.tokenizer.encode(text, add_special=True))
+        out.append(row)
+    return out
+
+
+def greedy(prompt: list[int], **kw: Any) -> CompletionTask:
+    return CompletionTask(list(prompt), SamplingParams(temperature=0), n_predict=N_PREDICT,
+                          ignore_eos=True, **kw)
+
+
+class Recorder:
+    """Every prefix plan the scheduler makes (where each prompt's reused tokens came from; a
+    host restore is planned again afterwards as the slot's own prefix: both are recorded)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.plans: list[PrefixPlan] = []
+        real = prefix_plan.plan_prefix
+
+        def plan(*a: Any, **kw: Any) -> PrefixPlan:
+            p = real(*a, **kw)
+            self.plans.append(p)
+            return p
+
+        monkeypatch.setattr(prefix_plan, "plan_prefix", plan)
+
+    def reused(self) -> Counter[Source]:
+        """Prompt tokens planned to be reused, by source."""
+        c: Counter[Source] = Counter()
+        for p in self.plans:
+            for s in p.spans:
+                if s.source is not Source.COMPUTE:
+                    c[s.source] += s.p1 - s.p0
+        return c
+
+
+def drive(sched: Scheduler, tasks: list[CompletionTask]) -> list[list[int]]:
+    """Submit every task, step until all are done; each task's tokens."""
+    outs: list[list[Any]] = [[] for _ in tasks]
+    for t, out in zip(tasks, outs):
+        sched.submit(t, out.append)
+    steps = 0
+    while sched.has_active() or sched.deferred:
+        sched.step()
+        steps += 1
+        assert steps < 200_000
+    sched.check()
+    finals = [o[-1] for o in outs]
+    assert all(isinstance(f, FinalResult) and not f.truncated for f in finals), finals
+    return [f.tokens for f in finals]
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts) -> dict[tuple[int, ...], list[int]]:
+    """Each prompt alone: one slot, no cache of any kind, ubatch 512."""
+    sched = Scheduler(model, ServerConfig(ctx_size=1024, n_parallel=1, cache_ram_mib=0),
+                      ServerMetrics())
+    ref = {}
+    for row in prompts:
+        for p in row:
+            ref[tuple(p)] = drive(sched, [greedy(p, cache_prompt=False)])[0]
+    return ref
+
+
+def order(prompts: list[list[list[int]]]) -> list[list[int]]:
+    """Questions 0-1 of every document, then questions 2-3 of every document: the second half
+    finds its documents gone from the slots (host tiers serve them) while same-document
+    requests still run side by side (slots share their prefill)."""
+    return [prompts[d][q] for pair in ((0, 1), (2, 3)) for d in range(N_DOCS) for q in pair]
+
+
+def check_all(outs: list[list[int]], sent: list[list[int]], reference) -> None:
+    bad = [i for i, (o, p) in enumerate(zip(outs, sent)) if o != reference[tuple(p)]]
+    assert len(sent) == N_DOCS * N_Q and not bad, f"{len(bad)} of {len(sent)} differ: {bad}"
+
+
+# 256 MiB of host cache holds every document (the default model: ~23 KB of KV a token)
+RUNS = {
+    # radix host tier, unified KV (slots share a concurrent prefill), whole-prompt chunks
+    "radix-unified-ub512": (dict(kv_unified=True, ubatch_size=512, cache_ram_mib=256),
+                            {Source.HOST, Source.SLOT, Source.OWN}),
+    # llama.cpp's legacy host cache, partitioned KV, 64-token chunks
+    "legacy-ub64": (dict(ubatch_size=64, cache_ram_mib=256, cache_radix_prompt=False),
+                    {Source.HOST}),
+    # radix with one token per step: every prompt token is its own forward
+    "radix-ub1": (dict(kv_unified=True, ubatch_size=1, cache_ram_mib=256), {Source.HOST}),
+}
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_four_way_concurrency_with_each_cache_tier_equals_no_cache(model, prompts, reference,
+                                                                   monkeypatch, name):
+    kw, sources = RUNS[name]
+    rec = Recorder(monkeypatch)
+    sched = Scheduler(model, ServerConfig(ctx_size=4096, n_parallel=4, **kw), ServerMetrics())
+    sent = order(prompts)
+    check_all(drive(sched, [greedy(p) for p in sent]), sent, reference)
+    reused = rec.reused()
+    assert all(reused[s] > 0 for s in sources), reused
+
+
+def test_in_slot_reuse_at_ubatch_7_equals_no_cache(model, prompts, reference, monkeypatch):
+    """Each slot answers its document's questions in turn (in-slot prefix reuse), 4 slots at
+    once, 7-token chunks, with --cache-reuse set (which the mode never lets shift)."""
+    rec = Recorder(monkeypatch)
+    sched = Scheduler(model, ServerConfig(ctx_size=4096, n_parallel=4, ubatch_size=7,
+                                          cache_ram_mib=0, cache_reuse=8), ServerMetrics())
+    tasks, sent = [], []
+    for d in range(N_DOCS):
+        for q in range(N_Q):
+            tasks.append(greedy(prompts[d][q], id_slot=d % 4))
+            sent.append(prompts[d][q])
+    check_all(drive(sched, tasks), sent, reference)
+    assert rec.reused()[Source.OWN] > 0
+    assert not any(p.chunks for p in rec.plans)
+
+
+def test_slot_files_between_questions_equal_no_cache(model, prompts, reference, tmp_path):
+    """Four documents at a time: after each round of questions every slot is saved to a file,
+    erased and restored from it, so the next question's prefix comes from the file."""
+    sched = Scheduler(model, ServerConfig(ctx_size=4096, n_parallel=4, cache_ram_mib=0,
+                                          slot_save_path=str(tmp_path)), ServerMetrics())
+    outs, sent, restored = [], [], 0
+    for d0 in range(0, N_DOCS, 4):
+        docs = list(range(d0, min(d0 + 4, N_DOCS)))
+        for q in range(N_Q):
+            if q:
+                for s, _ in enumerate(docs):
+                    slot_action(sched, s, "save", f"d{d0}-s{s}.bin")
+                    slot_action(sched, s, "erase", None)
+                    restored += slot_action(sched, s, "restore", f"d{d0}-s{s}.bin")["n_restored"]
+            before = sched.metrics.prompt_tokens_cached_total
+            outs += drive(sched, [greedy(prompts[d][q], id_slot=s) for s, d in enumerate(docs)])
+            sent += [prompts[d][q] for d in docs]
+            if q:  # the documents came back from the files
+                assert sched.metrics.prompt_tokens_cached_total - before >= 40 * len(docs)
+    check_all(outs, sent, reference)
+    assert restored > 0
+    assert len(list(Path(tmp_path).iterdir())) == 4 * (N_DOCS // 4) + N_DOCS % 4
+
+
+def test_cache_reuse_never_shifts_in_deterministic_mode(model, prompts, monkeypatch):
+    """Prompts where --cache-reuse would shift the document (question first, so the document
+    moves): with the mode on nothing is shifted and the answers equal a no-cache run; with it
+    off the same requests do shift chunks (so this scenario exercises the flag)."""
+    def q_first(d: int, q: int) -> list[int]:
+        p = prompts[d][q]
+        return p[-30:] + p[:-30]  # the question's tail moved in front of the document
+
+    sent = [q_first(d, q) for d in range(4) for q in range(2)]
+    for mode in ("on", "off"):
+        rec = Recorder(monkeypatch)
+        m = model if mode == "on" else off_model(model)
+        sched = Scheduler(m, ServerConfig(ctx_size=1024, n_parallel=1, cache_ram_mib=0,
+                                          cache_reuse=8), ServerMetrics())
+        outs = [drive(sched, [greedy(p)])[0] for p in sent]
+        if mode == "on":
+            alone = Scheduler(model, ServerConfig(ctx_size=1024, n_parallel=1,
+                                                  cache_ram_mib=0), ServerMetrics())
+            want = [drive(alone, [greedy(p, cache_prompt=False)])[0] for p in sent]
+            assert outs == want
+            assert not any(p.chunks for p in rec.plans)
+        else:
+            assert any(p.chunks for p in rec.plans)
+        monkeypatch.undo()
+
+
+def off_model(model: Model) -> Model:
+    from dataclasses import replace
+
+    from radixserve.model.forward import Transformer
+    tr = Transformer(model.hp, model.transformer.w, model.dtype, deterministic="off")
+    return replace(model, transformer=tr)
