@@ -106,7 +106,8 @@ class Kernels:
     """The bf16 kernels (csrc/): the 4-bit matmul and its unpack, the row-invariant bf16
     matmul, causal attention reading K/V in place from the pool in fixed blocks (alone, or fused
     with RoPE and the K/V store for a whole step of decode tokens and prefill chunks),
-    the residual add fused with RMSNorm-to-bf16, the SiLU gate and the head's int8 pass.
+    the residual add fused with RMSNorm-to-bf16, the SiLU gate, the head's int8 pass and its
+    exact f32 dot products.
     Pointers go to C unchecked, so every entry point checks dtype and layout first (cheaply, or
     once per step)."""
 
