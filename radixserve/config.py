@@ -84,6 +84,10 @@ class ServerConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)  # --temp, --top-k, ...
     n_keep: int = 0  # --keep: prompt tokens a context shift keeps (-1: all)
     context_shift: bool = False  # --context-shift: generation past n_ctx shifts the context
+    # sliding-window models (llama.cpp's defaults)
+    swa_full: bool = False  # --swa-full: full-size caches for sliding layers too
+    ctx_checkpoints: int = 32  # -ctxcp: context checkpoints per slot, 0 = none
+    checkpoint_min_step: int = 8192  # -cms: tokens between two checkpoints of a prompt
 
     def validate(self) -> None:
         """Reject settings that cannot work, with a message naming the flag."""
@@ -104,6 +108,11 @@ class ServerConfig:
             raise ValueError("--slot-prompt-similarity must be within [0, 1]")
         if self.cache_reuse < 0:
             raise ValueError("--cache-reuse must be >= 0")
+        if self.ctx_checkpoints < 0:
+            raise ValueError(f"--ctx-checkpoints must be >= 0, got {self.ctx_checkpoints}")
+        if self.checkpoint_min_step < 0:
+            raise ValueError("--checkpoint-min-step must be >= 0, got "
+                             f"{self.checkpoint_min_step}")
         if self.timeout < 1:
             raise ValueError(f"--timeout must be >= 1 second, got {self.timeout}")
         if self.max_body_mib < 1:

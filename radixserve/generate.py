@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from radixserve.engine.task import Timings
 from radixserve.kv.batch import BatchSeq, hidden
-from radixserve.kv.pool import KVPool
+from radixserve.kv.swa import model_pool
 from radixserve.model.loader import Model
 from radixserve.model.sampling import Sampler, SamplingParams
 
@@ -34,8 +34,7 @@ def generate(
     n_ctx = min(hp.n_ctx_train, len(ids) + (n_predict if n_predict >= 0 else hp.n_ctx_train))
     if len(ids) >= n_ctx:
         raise ValueError(f"prompt ({len(ids)} tokens) exceeds the context ({n_ctx} tokens)")
-    pool = KVPool(hp.n_layer, hp.n_head_kv, hp.head_dim, n_ctx, 1, True, model.dtype,
-                  model.rope.rotate, model.device)
+    pool = model_pool(model, n_ctx, 1, True, len(ids))
     sampler = Sampler(params, model.tokenizer.n_vocab, ids)
     utf8 = codecs.getincrementaldecoder("utf-8")("replace")
     t0 = time.perf_counter()

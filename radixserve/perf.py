@@ -21,15 +21,14 @@ import torch
 
 from radixserve.kv.batch import BatchSeq, hidden
 from radixserve.kv.pool import KVPool
+from radixserve.kv.swa import model_pool
 from radixserve.model.forward import Transformer
 from radixserve.model.head import RowNeed
 from radixserve.model.loader import Model, load_model, resolve_dtype, resolve_weights
 
 
 def _pool(model: Model, n_cells: int, n_seq: int) -> KVPool:
-    hp = model.hp
-    return KVPool(hp.n_layer, hp.n_head_kv, hp.head_dim, n_cells, n_seq, False, model.dtype,
-                  model.rope.rotate, model.device)
+    return model_pool(model, n_cells, n_seq, False, 512 * n_seq)
 
 
 def _tokens(n: int, salt: int = 0) -> list[int]:

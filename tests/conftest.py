@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from radixserve.kv.pool import KVPool
+from radixserve.kv.swa import make_pool as swa_make_pool
 from radixserve.model.chat_template import ChatTemplate
 from radixserve.model.default_model import default_model_path
 from radixserve.model.forward import Transformer
@@ -22,11 +23,14 @@ def make_transformer(path: str, dtype: torch.dtype = torch.float32) -> Transform
     return Transformer(hp, load_weights(reader, hp, dtype), dtype)
 
 
-def make_pool(tr: Transformer, n_cells: int = 256, n_seq: int = 4, unified: bool = True) -> KVPool:
+def make_pool(tr: Transformer, n_cells: int = 256, n_seq: int = 4, unified: bool = True,
+              n_step: int = 256, swa_full: bool = False) -> KVPool:
+    """The pool the engine would make for `tr` (a sliding-window pool for gemma3, with room for
+    `n_step` new tokens a forward)."""
     hp = tr.hp
-    return KVPool(
-        hp.n_layer, hp.n_head_kv, hp.head_dim, n_cells, n_seq, unified, tr.dtype, tr.rope.rotate
-    )
+    return swa_make_pool(hp.n_layer, hp.swa_layers, hp.n_swa, swa_full, hp.n_head_kv,
+                         hp.head_dim, n_cells, n_seq, unified, tr.dtype, tr.rope.rotate,
+                         tr.rope_swa.rotate, n_step)
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +42,14 @@ def tiny_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         arch: write_tiny_gguf(str(d / f"tiny-{arch}.gguf"), arch=arch, seed=i, **kw)
         for i, (arch, kw) in enumerate(shapes.items())
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_swa_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny gemma3: 6 layers (the last global, the others sliding over 16 positions)."""
+    d = tmp_path_factory.mktemp("tiny-swa")
+    return write_tiny_gguf(str(d / "tiny-gemma3.gguf"), arch="gemma3", n_layer=6, n_head=4,
+                           n_head_kv=1, seed=7, sliding_window=16)
 
 
 @pytest.fixture(scope="session")

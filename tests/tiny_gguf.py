@@ -43,7 +43,10 @@ def write_tiny_gguf(
     seed: int = 0,
     quantize: bool = True,
     tied: bool = True,
+    sliding_window: int = 16,
 ) -> str:
+    """`arch` gemma3: Gemma 3's layer pattern (every 6th layer global, the others sliding over
+    `sliding_window` positions), q/k norms and post-norms."""
     rng = np.random.default_rng(seed)
     tok = _tokenizer_fields()
     n_vocab = len(tok["tokenizer.ggml.tokens"])
@@ -59,9 +62,11 @@ def write_tiny_gguf(
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(n_vocab)
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch == "gemma3":
+        w.add_sliding_window(sliding_window)
     w.add_tokenizer_model(tok["tokenizer.ggml.model"])
     w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
     w.add_token_list(tok["tokenizer.ggml.tokens"])
@@ -101,9 +106,12 @@ def write_tiny_gguf(
             put(p + "attn_q.bias", rand(n_head * head_dim))
             put(p + "attn_k.bias", rand(n_head_kv * head_dim))
             put(p + "attn_v.bias", rand(n_head_kv * head_dim))
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             put(p + "attn_q_norm.weight", 1.0 + rand(head_dim, scale=0.05))
             put(p + "attn_k_norm.weight", 1.0 + rand(head_dim, scale=0.05))
+        if arch == "gemma3":
+            put(p + "post_attention_norm.weight", 1.0 + rand(n_embd, scale=0.05))
+            put(p + "post_ffw_norm.weight", 1.0 + rand(n_embd, scale=0.05))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

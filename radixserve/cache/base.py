@@ -15,9 +15,11 @@ Rules every backend keeps (SGLang-style contracts):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from radixserve.cache.prefix import common_prefix
+from radixserve.kv.checkpoint import Checkpoint
 from radixserve.kv.pool import KVPool
 
 __all__ = ["STAT_NAMES", "NullPromptCache", "PromptCache", "common_prefix"]
@@ -52,16 +54,20 @@ class PromptCache(Protocol):
     name: str
     load_always: bool  # try `load` for every new prompt, not only when the slot is overwritten
 
-    def save(self, pool: KVPool, seq: int, tokens: list[int]) -> bool:
-        """Copy `seq`'s KV (token i at position i) into the cache; False if it was skipped."""
+    def save(self, pool: KVPool, seq: int, tokens: list[int],
+             checkpoints: Sequence[Checkpoint] = ()) -> bool:
+        """Copy `seq`'s KV (token i at position i) into the cache, with the sequence's context
+        checkpoints where the backend keeps them; False if it was skipped."""
         ...
 
     def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> int:
         """Tokens of `prompt` that `load` would restore into `seq` now (0: none); read-only."""
         ...
 
-    def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> list[int] | None:
-        """Restore a better prefix of `prompt` than `slot_tokens` into `seq`, if the cache has one."""
+    def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
+             checkpoints: list[Checkpoint] | None = None) -> list[int] | None:
+        """Restore a better prefix of `prompt` than `slot_tokens` into `seq`, if the cache has
+        one; the checkpoints that came with it are appended to `checkpoints`."""
         ...
 
     def update(self) -> None:
@@ -82,13 +88,15 @@ class NullPromptCache:
     name = "none"
     load_always = False
 
-    def save(self, pool: KVPool, seq: int, tokens: list[int]) -> bool:
+    def save(self, pool: KVPool, seq: int, tokens: list[int],
+             checkpoints: Sequence[Checkpoint] = ()) -> bool:
         return False
 
     def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> int:
         return 0
 
-    def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> list[int] | None:
+    def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
+             checkpoints: list[Checkpoint] | None = None) -> list[int] | None:
         return None
 
     def update(self) -> None:

@@ -1,9 +1,9 @@
 """llama.cpp's `server_prompt_cache`, rule for rule: whole-sequence states, FIFO eviction.
 
-Each entry is one slot's whole sequence (tokens + state bytes, plus draft state and checkpoints,
-carried and counted though empty for now). Hits are consumed: a loaded entry moves into the slot
-and leaves the cache. This is what llama-server users know, and the baseline the radix backend
-is measured against. Rules and their reasons: shared/DESIGN.md and seeds/000_*.txt.
+Each entry is one slot's whole sequence (tokens + state bytes, plus its context checkpoints,
+counted in the entry's size as llama.cpp counts them, and a draft state, empty for now). Hits
+are consumed: a loaded entry moves into the slot and leaves the cache. This is what
+llama-server users know, and the baseline the radix backend is measured against. Rules and their reasons: shared/DESIGN.md and seeds/000_*.txt.
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from radixserve.cache.base import common_prefix, stats_dict
+from radixserve.kv.checkpoint import Checkpoint
 from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.kv.state import Fingerprint, StateError, get_state, set_state, state_size
 
@@ -28,11 +30,11 @@ class CacheEntry:
     tokens: list[int]
     data: bytes = b""  # target (main model) sequence state
     draft: bytes = b""  # draft model state: restored together with `data` or not at all
-    checkpoints: list[bytes] = field(default_factory=list)
+    checkpoints: list[Checkpoint] = field(default_factory=list)
 
     @property
     def size(self) -> int:
-        return len(self.data) + len(self.draft) + sum(len(c) for c in self.checkpoints)
+        return len(self.data) + len(self.draft) + sum(c.size for c in self.checkpoints)
 
 
 class LegacyPromptCache:
@@ -79,7 +81,8 @@ class LegacyPromptCache:
             self._evicted_tokens += len(e.tokens)
 
     # -- the three operations ------------------------------------------------------------------
-    def alloc(self, tokens: list[int], size: int) -> CacheEntry | None:
+    def alloc(self, tokens: list[int], size: int,
+              checkpoints: Sequence[Checkpoint] = ()) -> CacheEntry | None:
         """A new entry for `tokens` (state of `size` bytes), or None if it should not be cached."""
         for e in self.states:
             if common_prefix(e.tokens, tokens) == len(tokens):
@@ -97,16 +100,17 @@ class LegacyPromptCache:
             log.warning(" - making room for prompt cache entry, removing oldest entry "
                         "(size = %.3f MiB)", self.states[0].size / MiB)
             self._pop_front("fifo")
-        return CacheEntry(tokens=list(tokens))
+        return CacheEntry(tokens=list(tokens), checkpoints=list(checkpoints))
 
-    def save(self, pool: KVPool, seq: int, tokens: list[int]) -> bool:
+    def save(self, pool: KVPool, seq: int, tokens: list[int],
+             checkpoints: Sequence[Checkpoint] = ()) -> bool:
         if not tokens:
             return False
         t0 = time.perf_counter()
-        size = state_size(pool, seq, self.fp)
+        size = state_size(pool, seq, self.fp) + sum(c.size for c in checkpoints)
         log.debug(" - saving prompt with length %d, total state size = %.3f MiB",
                   len(tokens), size / MiB)
-        entry = self.alloc(tokens, size)
+        entry = self.alloc(tokens, size, checkpoints)
         if entry is None:
             return False
         try:
@@ -120,7 +124,8 @@ class LegacyPromptCache:
             return False
         self._push(entry)
         self.counters["saves"] += 1
-        log.info("prompt cache: saved %d tokens (%.3f MiB) in %.2f ms", len(tokens),
+        log.info("prompt cache: saved %d tokens, checkpoints: %d (%.3f MiB) in %.2f ms",
+                 len(tokens), len(entry.checkpoints),
                  entry.size / MiB, (time.perf_counter() - t0) * 1e3)
         return True
 
@@ -148,8 +153,10 @@ class LegacyPromptCache:
     def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> int:
         return self._best(slot_tokens, prompt)[1]
 
-    def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> list[int] | None:
-        """Take the entry that beats the slot on both f_keep and f_sim; it leaves the cache."""
+    def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
+             checkpoints: list[Checkpoint] | None = None) -> list[int] | None:
+        """Take the entry that beats the slot on both f_keep and f_sim; it leaves the cache,
+        its checkpoints going to `checkpoints`."""
         best, n, f_keep_best, f_sim_best = self._best(slot_tokens, prompt)
         if best is None:
             return None
@@ -163,6 +170,8 @@ class LegacyPromptCache:
         self._remove(best, None)  # consumed: the entry now lives in the slot
         self.counters["loads"] += 1
         self.counters["hit_tokens"] += n
+        if checkpoints is not None:
+            checkpoints.extend(best.checkpoints)
         return best.tokens
 
     def update(self) -> None:

@@ -6,6 +6,13 @@ longest stored prefix; `load` restores the longest stored prefix of a new prompt
 the slot's cells ("direct KV"), without consuming it. A restore that fails part-way removes what
 it wrote and reports [] so the scheduler prefills from scratch (a "fallback"); the tree stays
 usable. `--cache-ram` bounds the bytes; LRU leaves go first.
+
+Sliding-window models (kv/swa.py): a segment keeps every layer of every token, the sliding
+layers stacked after the global ones, so the tree never needs checkpoints: restoring a prefix
+writes the global layers' rows for all of it and the sliding layers' for its last window. A
+slot's sliding part holds only its window, so the engine saves into the tree before the window
+drops rows the tree lacks (write-through, engine/scheduler.py); a save whose new rows have left
+the window is skipped.
 """
 
 from __future__ import annotations
@@ -16,8 +23,12 @@ import torch
 
 from radixserve.cache.base import common_prefix, stats_dict
 from radixserve.cache.radix_tree import RadixMatch, RadixTree
+from collections.abc import Sequence
+
+from radixserve.kv.checkpoint import Checkpoint
 from radixserve.kv.pool import KVPool
 from radixserve.kv.state import write_rows
+from radixserve.kv.swa import SWAPool
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +39,23 @@ class InjectedFault(RuntimeError):
     middle of a restore; tests set it through the constructor."""
 
 
-def _copy_out(pool: KVPool, cells: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather `cells`' rows of every layer into new host tensors; the pool is only read."""
-    idx = torch.tensor(cells, dtype=torch.long, device=pool.device)
-    k, v = pool.k[:, :, idx].contiguous(), pool.v[:, :, idx].contiguous()
+def _bytes_per_token(pool: KVPool) -> int:
+    """Host bytes a token takes in the tree (every layer)."""
+    return pool.bytes_per_cell + (pool.swa.bytes_per_cell if isinstance(pool, SWAPool) else 0)
+
+
+def _copy_out(pool: KVPool, seq: int, p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather the rows of positions [p0, p1) of every layer (a sliding-window pool's sliding
+    layers after its global ones) into new host tensors; the pool is only read."""
+    positions = list(range(p0, p1))
+    idx = torch.tensor(pool.cells_at(seq, positions), dtype=torch.long, device=pool.device)
+    k, v = pool.k[:, :, idx], pool.v[:, :, idx]
+    if isinstance(pool, SWAPool):
+        sidx = torch.tensor(pool.swa.cells_at(seq, positions), dtype=torch.long,
+                            device=pool.device)
+        k = torch.cat([k, pool.swa.k[:, :, sidx]])
+        v = torch.cat([v, pool.swa.v[:, :, sidx]])
+    k, v = k.contiguous(), v.contiguous()
     if pool.device.type == "cpu":
         return k, v  # advanced indexing already made fresh tensors
     host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (k, v)]
@@ -59,7 +83,8 @@ class RadixPromptCache:
         self.evictions = self.evicted_tokens = self.fallbacks = self.skipped = 0
 
     # ##### PromptCache #####
-    def save(self, pool: KVPool, seq: int, tokens: list[int]) -> bool:
+    def save(self, pool: KVPool, seq: int, tokens: list[int],
+             checkpoints: Sequence[Checkpoint] = ()) -> bool:
         """Store `tokens` (token i at position i of `seq`); only rows past the stored prefix move.
 
         Skipped (False) for an empty prompt, when the new rows alone exceed the limit, or when
@@ -72,7 +97,12 @@ class RadixPromptCache:
         if pool.seq_positions(seq)[:n] != list(range(n)):
             raise ValueError(f"sequence {seq} does not hold positions 0..{n - 1} for {n} tokens")
         m = self.tree.match(tokens).length
-        if 0 < self.limit_bytes < (n - m) * pool.bytes_per_cell:
+        if m < n and isinstance(pool, SWAPool) and not 0 <= pool.swa_pos_min(seq) <= m:
+            log.debug("radix save of %d new tokens skipped: the sliding window dropped them",
+                      n - m)
+            self.skipped += 1
+            return False
+        if 0 < self.limit_bytes < (n - m) * _bytes_per_token(pool):
             log.debug(
                 "radix save of %d new tokens skipped: over the %d-byte limit",
                 n - m,
@@ -81,7 +111,7 @@ class RadixPromptCache:
             self.skipped += 1
             return False
         try:
-            k, v = _copy_out(pool, pool.seq_cells(seq)[m:n])
+            k, v = _copy_out(pool, seq, m, n)
             self.tree.insert(tokens, k, v)
         except (MemoryError, torch.OutOfMemoryError) as e:
             log.warning("radix save of %d tokens failed (%s); cache unchanged", n, e)
@@ -105,7 +135,8 @@ class RadixPromptCache:
         return match if self.can_restore(pool, seq, m) else None
 
     def load(
-        self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]
+        self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
+        checkpoints: list[Checkpoint] | None = None,
     ) -> list[int] | None:
         """Restore the longest stored prefix of `prompt` into `seq` if it beats what `seq` keeps.
 
@@ -186,13 +217,20 @@ class RadixPromptCache:
 
     # ##### Internal helpers #####
     def can_restore(self, pool: KVPool, seq: int, n: int) -> bool:
-        """Whether `seq` can hold `n` cells once its current ones (only those it alone holds) go."""
+        """Whether `seq` can hold `n` cells once its current ones (only those it alone holds) go
+        (a sliding-window pool: the window's in its sliding part)."""
+        if isinstance(pool, SWAPool):
+            return (n <= KVPool.n_reclaimable(pool, seq)
+                    and min(n, pool.n_swa) <= pool.swa.n_reclaimable(seq))
         return n <= pool.n_reclaimable(seq)
 
     def _restore(self, pool: KVPool, seq: int, match: RadixMatch) -> None:
         """Write the matched segments into fresh cells of `seq` at positions 0..match.length-1."""
         fault, written = self.fault_after_tokens, 0
-        want = (pool.n_layer, pool.n_head_kv, pool.head_dim, pool.dtype)
+        swa = pool if isinstance(pool, SWAPool) else None
+        n_layer = pool.n_layer + (swa.swa.n_layer if swa is not None else 0)
+        lo = 0 if swa is None else max(0, match.length - swa.n_swa)  # the window's first
+        want = (n_layer, pool.n_head_kv, pool.head_dim, pool.dtype)
         for pos0, k, v in match.segments():
             got = (k.shape[0], k.shape[1], k.shape[3], k.dtype)
             if got != want or v.shape != k.shape:
@@ -201,7 +239,12 @@ class RadixPromptCache:
                     f"the pool wants {want}"
                 )
             n = k.shape[2] if fault is None else min(k.shape[2], fault - written)
-            write_rows(pool, seq, list(range(pos0, pos0 + n)), k[:, :, :n], v[:, :, :n])
+            g = pool.n_layer
+            write_rows(pool, seq, list(range(pos0, pos0 + n)), k[:g, :, :n], v[:g, :, :n])
+            if swa is not None and pos0 + n > lo:
+                a = max(lo, pos0) - pos0
+                write_rows(swa.swa, seq, list(range(pos0 + a, pos0 + n)), k[g:, :, a:n],
+                           v[g:, :, a:n])
             written += n
             if fault is not None and written >= fault:
                 if self.fault_restores_left is not None:

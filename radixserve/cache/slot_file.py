@@ -24,6 +24,8 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from radixserve.kv.checkpoint import Checkpoint
+
 log = logging.getLogger(__name__)
 
 MAGIC, VERSION = b"RXSL", 1
@@ -37,16 +39,6 @@ _FORBIDDEN = set(':*?"<>|/\\') | {"\uff0e", "\u2215", "\u2216", "\ufffd", "\ufef
 
 class SlotFileError(ValueError):
     """The file is not a usable slot snapshot (bad magic/version, truncated, corrupt)."""
-
-
-@dataclass(slots=True)
-class Checkpoint:
-    n_tokens: int
-    pos_min: int
-    pos_max: int
-    target: bytes
-    draft: bytes = b""
-    speculative: bytes = b""
 
 
 @dataclass(slots=True)

@@ -25,6 +25,11 @@ class ServerMetrics:
     n_tokens_max: int = 0  # largest sequence (prompt + generation) seen in any slot
     requests_processing: int = 0  # gauge, set by the engine
     requests_deferred: int = 0  # gauge, set by the engine
+    # context checkpoints (sliding-window models): held now (gauges) and lifetime counts
+    checkpoints: int = 0
+    checkpoint_bytes: int = 0
+    checkpoints_created_total: int = 0
+    checkpoints_restored_total: int = 0
     # bucket since the last scrape: behind prompt_tokens_seconds / predicted_tokens_seconds
     bucket_prompt_tokens: int = 0
     bucket_prompt_seconds: float = 0.0

@@ -10,7 +10,8 @@ taken in this module from one measure (the longest common prefix, `common_prefix
   `--cache-reuse` chunks shifted into place), another slot's cells (device-tier sharing, beyond
   llama.cpp: `seq_cp` shares cells in unified KV, copies them in a partition), the host prompt
   cache, or compute. The last prompt token is always computed: its logits give the first
-  sampled token.
+  sampled token. With a sliding window, a slot's prefix counts only as far as its window (or one
+  of its context checkpoints) has the keys the next token reads (`SlotKV.usable_prefix`).
 
 `apply_plan` carries a plan out through the slot's KV owner; when a source fails (a restore
 fault, no room for a copy) the caller plans again without it.
@@ -28,6 +29,7 @@ from radixserve.engine.cache_reuse import find_chunks
 from radixserve.engine.slot import Slot, SlotState
 from radixserve.engine.slot_kv import SlotKV
 from radixserve.engine.task import CompletionTask
+from radixserve.kv.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 SHARE_MIN_TOKENS = 16  # shorter shared prefixes are not worth waiting (a step) for or copying
@@ -57,6 +59,7 @@ class PrefixPlan:
     source: Source  # where [0, n_prefix) comes from
     n_prefix: int = 0
     donor: Slot | None = None  # the slot a SLOT prefix comes from
+    checkpoint: Checkpoint | None = None  # to restore first for an OWN prefix (sliding window)
 
     @property
     def n_reused(self) -> int:
@@ -133,7 +136,12 @@ def plan_prefix(slot: Slot, prompt: list[int], donors: list[Slot], host: PromptC
     if not cache_prompt:
         return PrefixPlan([Span(0, n, Source.COMPUTE)], Source.COMPUTE)
     kv = slot.kv
-    n_own = common_prefix(kv.tokens, prompt) if kv.reusable else 0
+    n_lcp = common_prefix(kv.tokens, prompt) if kv.reusable else 0
+    n_own, ckpt = kv.usable_prefix(min(n_lcp, n - 1))
+    if n_lcp and not n_own:
+        log.info("slot %d: %d tokens in common, but no cache data for them (sliding window, no "
+                 "checkpoint): full prompt re-processing unless another tier has them",
+                 kv.seq, n_lcp)
     source, n_src, donor = Source.OWN, n_own, None
     if host is not None:
         n_host = host.match(kv.pool, kv.seq, list(kv.tokens), prompt)
@@ -143,6 +151,8 @@ def plan_prefix(slot: Slot, prompt: list[int], donors: list[Slot], host: PromptC
     for other in donors:
         ok = other is not slot and len(other.kv) and other.kv.reusable
         m = common_prefix(other.kv.tokens, prompt) if ok else 0
+        m, via = other.kv.usable_prefix(min(m, n - 1))
+        m = 0 if via is not None else m  # only a window as it stands is shared
         if m > n_best or (m and m == n_best and other is prefer):
             donor, n_best = other, m
     min_gain = 1 if donor is not None and donor is prefer else SHARE_MIN_TOKENS
@@ -168,7 +178,8 @@ def plan_prefix(slot: Slot, prompt: list[int], donors: list[Slot], host: PromptC
         out.append(s)
         at = s.p1
     out.append(Span(at, n, Source.COMPUTE))
-    return PrefixPlan(out, source, n_prefix, donor if source is Source.SLOT else None)
+    return PrefixPlan(out, source, n_prefix, donor if source is Source.SLOT else None,
+                      ckpt if source is Source.OWN and n_prefix else None)
 
 
 def apply_plan(kv: SlotKV, plan: PrefixPlan, prompt: list[int],
@@ -193,6 +204,8 @@ def apply_plan(kv: SlotKV, plan: PrefixPlan, prompt: list[int],
         log.info("slot %d: sharing %d prompt tokens with slot %d", kv.seq, plan.n_prefix,
                  plan.donor.id)
         return True
+    if kv.swa is not None:  # no chunks to shift: the window (or a checkpoint) and the prefix
+        return kv.keep_prefix(plan.n_prefix, plan.checkpoint)
     return kv.shift_chunks(prompt, plan.n_prefix, plan.chunks)
 
 

@@ -12,6 +12,13 @@ Also llama-server's: `--context-shift` (a generating slot whose context is full 
 tokens, discards n_discard after them and moves the rest left, through SlotKV.shift; the
 shifted KV is dropped when the task ends, never reused), and n_cmpl > 1 children, which wait
 until their parent's prompt is computed and then take its cells (prefix_plan's `prefer`).
+
+Sliding-window models (kv/swa.py) add llama-server's context checkpoints: before a prompt
+chunk near the prompt's end the slot's sliding KV is copied (`SlotKV.take_checkpoint`), and the
+chunking leaves the last n_ubatch + 4 and the last 4 prompt tokens to chunks of their own so
+those checkpoints land close to the end. After each step the window drops what no later token
+reads; with the radix host tier it first saves what the tree lacks (write-through: the tree
+keeps every layer of every token, so it can serve any prefix later).
 """
 
 from __future__ import annotations
@@ -32,8 +39,10 @@ from radixserve.engine.prefix_plan import choose_slot, pending_prefill, take_pre
 from radixserve.engine.slot import Slot, SlotState
 from radixserve.engine.slot_kv import SlotKV
 from radixserve.engine.task import CompletionTask, TaskError
-from radixserve.kv.batch import seq_step
-from radixserve.kv.pool import KVPool, OutOfCells
+from radixserve.kv.batch import run, seq_step
+from radixserve.kv.pool import OutOfCells
+from radixserve.kv.state import fingerprint_of
+from radixserve.kv.swa import SWAPool, model_pool
 from radixserve.model.forward import SeqStep
 from radixserve.model.grammar import Constraint
 from radixserve.model.loader import Model
@@ -71,20 +80,28 @@ class Scheduler:
         self.tok = model.tokenizer
         hp = model.hp
         n_slots, n_cells, unified, self.n_ctx_slot = slot_layout(cfg, hp.n_ctx_train)
-        self.pool = KVPool(hp.n_layer, hp.n_head_kv, hp.head_dim, n_cells, n_slots, unified,
-                           model.dtype, model.rope.rotate, model.device)
-        self.slots = [Slot(SlotKV(self.pool, i), self.n_ctx_slot, cfg.context_shift)
-                      for i in range(n_slots)]
-        self.deferred: deque[tuple[CompletionTask, Emit]] = deque()
         self.n_budget = max(1, min(cfg.batch_size, cfg.ubatch_size))
+        self.pool = model_pool(model, n_cells, n_slots, unified, self.n_budget, cfg.swa_full)
+        self.swa = self.pool if isinstance(self.pool, SWAPool) else None
+        fp = fingerprint_of(self.pool, hp.arch)
+        n_ckpt = cfg.ctx_checkpoints if self.swa is not None else 0
+        self.slots = [Slot(SlotKV(self.pool, i, fp, n_ckpt, cfg.checkpoint_min_step),
+                           self.n_ctx_slot, cfg.context_shift) for i in range(n_slots)]
+        self.deferred: deque[tuple[CompletionTask, Emit]] = deque()
         self._next_id = 0
         self.host = HostTier(cfg, self.pool, hp.arch, cache)
         log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = %s",
                  n_slots, self.n_ctx_slot, unified)
-        if model.deterministic and cfg.cache_reuse > 0:
-            log.warning("--cache-reuse %d: shifted chunks keep KV computed for other text, so "
-                        "deterministic mode never shifts them (--deterministic off to allow it)",
-                        cfg.cache_reuse)
+        if self.swa is not None:
+            log.info("sliding window %d: %d sliding-layer cells, context checkpoints enabled, "
+                     "max = %d, min spacing = %d", self.swa.n_swa, self.swa.swa.n_cells, n_ckpt,
+                     cfg.checkpoint_min_step)
+        self.no_shift = self.swa is not None or model.deterministic
+        if self.no_shift and cfg.cache_reuse > 0:
+            why = ("the sliding window keeps no KV to shift" if self.swa is not None else
+                   "shifted chunks keep KV computed for other text, so deterministic mode never "
+                   "shifts them (--deterministic off to allow it)")
+            log.warning("--cache-reuse %d: %s", cfg.cache_reuse, why)
 
     # -- tasks in ---------------------------------------------------------------------------
     def submit(self, task: CompletionTask, emit: Emit) -> None:
@@ -152,6 +169,12 @@ class Scheduler:
                 self.host.cache_idle_slots(self.slots)
         self.metrics.requests_deferred = len(self.deferred)
         self.metrics.requests_processing = sum(s.is_processing for s in self.slots)
+        self._count_checkpoints()
+
+    def _count_checkpoints(self) -> None:
+        if self.swa is not None:
+            self.metrics.checkpoints = sum(len(s.kv.checkpoints) for s in self.slots)
+            self.metrics.checkpoint_bytes = sum(s.kv.checkpoint_bytes for s in self.slots)
 
     def _launch(self, slot: Slot, task: CompletionTask, emit: Emit, update_cache: bool) -> None:
         try:
@@ -170,7 +193,7 @@ class Scheduler:
         if update_cache:
             self.host.save_before_overwrite(slot)
         n_reuse = self.cfg.cache_reuse if task.n_cache_reuse is None else task.n_cache_reuse
-        if n_reuse > 0 and self.model.deterministic:
+        if n_reuse > 0 and self.no_shift:
             if task.n_cache_reuse:  # llama-server's words where it cannot shift the cache
                 log.warning("cache reuse is not supported - ignoring n_cache_reuse = %d",
                             n_reuse)
@@ -179,6 +202,8 @@ class Scheduler:
                            task.cache_prompt, n_reuse, prefer=self._holder(task.parent))
         if update_cache:
             self.host.cache.update()
+        if plan.checkpoint is not None:
+            self.metrics.checkpoints_restored_total += 1
         slot.start(task, sampler, emit, plan.todo, plan.n_reused)
         log.info("slot %d: task %d, prompt %d tokens, %d reused", slot.id, task.id,
                  len(prompt), plan.n_reused)
@@ -252,8 +277,7 @@ class Scheduler:
         if not batch:
             return
         try:
-            hidden = self.model.transformer.hidden(self.pool.k, self.pool.v,
-                                                   [b for _, b in batch])
+            hidden = run(self.model.transformer, self.pool, [b for _, b in batch])
         except Exception as e:  # noqa: BLE001 - any compute failure fails this batch only
             self._fail_batch([s for s, _ in batch], e)
             return
@@ -308,7 +332,12 @@ class Scheduler:
             p0, p1 = s.todo[0]
             if s.kv.n_free() == 0 and not batch:  # nothing else can run: clearing alone helps
                 self.try_clear_idle_slots()
-            take = min(p1 - p0, room, s.kv.n_free())
+            take = self._cut(len(s.prompt), p0, min(p1 - p0, room, s.kv.n_free()), s.kv)
+            near_end = len(s.prompt) < p0 + take + self.cfg.ubatch_size
+            if take > 0 and s.kv.n_checkpoints and p0 == len(s.kv) and near_end:
+                if s.kv.take_checkpoint(s.task.id) is not None:
+                    self.metrics.checkpoints_created_total += 1
+                    self._count_checkpoints()
             step = self._reserve(s, p0, take) if take > 0 else None
             if step is None:
                 starved.append(s)
@@ -322,6 +351,28 @@ class Scheduler:
             return self._schedule()
         return batch
 
+    def _cut(self, n_prompt: int, p0: int, take: int, kv: SlotKV) -> int:
+        """llama-server's chunk breaks for checkpoints: the last min(n_batch, n_ubatch + 4) and
+        the last min(n_batch, 4) prompt tokens start chunks of their own."""
+        if not kv.n_checkpoints:
+            return take
+        for n_last in (min(self.cfg.batch_size, self.cfg.ubatch_size + 4),
+                       min(self.cfg.batch_size, 4)):
+            if p0 < n_prompt - n_last < p0 + take:
+                return n_prompt - n_last - p0
+        return take
+
+    def _slide(self, s: Slot) -> None:
+        """The step is committed: drop the sliding KV no later token reads, first saving into
+        a write-through host tier (radix) what it lacks (a task that caches its prompt)."""
+        kv = s.kv
+        if kv.swa is None:
+            return
+        if (kv.window_unsaved() and self.host.cache.load_always and s.task is not None
+                and s.task.cache_prompt and kv.reusable):
+            kv.save_to(self.host.cache)
+        kv.prune()
+
     def _postprocess(self, batch: list[tuple[Slot, SeqStep]], hidden: torch.Tensor) -> None:
         now = time.perf_counter()
         rows: list[int] = []
@@ -330,6 +381,7 @@ class Scheduler:
         for s, b in batch:
             row += 1 if b.n_logits else 0
             s.kv.commit(b.pos0, b.tokens)
+            self._slide(s)
             if s.state is SlotState.PROCESSING_PROMPT:
                 s.n_prompt_processed += len(b.tokens)
                 p0, p1 = s.todo[0]

@@ -249,6 +249,9 @@ class Slot:
             "speculative": False,
             "is_processing": self.is_processing,
         }
+        if self.kv.n_checkpoints:  # a sliding-window model: its context checkpoints
+            out["n_checkpoints"] = len(self.kv.checkpoints)
+            out["checkpoint_bytes"] = self.kv.checkpoint_bytes
         task = self._task or self.last_task
         if task is None:
             return out

@@ -21,7 +21,15 @@ from radixserve.cache.slot_file import (
     write_slot_file,
 )
 from radixserve.engine.task import TaskError
-from radixserve.kv.state import StateError, fingerprint_of, get_state, parse_state
+from radixserve.kv.pool import KVPool
+from radixserve.kv.state import (
+    StateError,
+    fingerprint_of,
+    get_state,
+    parse_state,
+    swa_fingerprint,
+)
+from radixserve.kv.swa import SWAPool
 
 if TYPE_CHECKING:
     from radixserve.engine.scheduler import Scheduler
@@ -86,7 +94,8 @@ def _save(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str, A
                         f"Unable to save slot: its KV does not match its {n} tokens")
     state = get_state(pool, slot.id, fingerprint_of(pool, sched.model.hp.arch))
     try:
-        n_written = write_slot_file(path, SlotFile(list(slot.tokens), state))
+        n_written = write_slot_file(path, SlotFile(list(slot.tokens), state,
+                                                   list(slot.kv.checkpoints)))
     except OSError as e:
         log.error("slot %d: saving %r failed: %s", slot.id, filename, e)
         raise TaskError(500, "server_error",
@@ -121,20 +130,35 @@ def _restore(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str
     n_vocab = sched.model.tokenizer.n_vocab
     if any(not 0 <= t < n_vocab for t in sf.tokens):
         raise fail("Invalid tokens in slot save file")
+    fp = fingerprint_of(pool, sched.model.hp.arch)
+    swa = pool if isinstance(pool, SWAPool) else None
     try:
-        st = parse_state(sf.state, fingerprint_of(pool, sched.model.hp.arch), pool.dtype)
+        st = parse_state(sf.state, fp, pool.dtype, 
+                         None if swa is None else swa_fingerprint(swa, fp))
     except StateError as e:
         raise fail(str(e)) from None
     if st.positions != list(range(n)):
         raise fail(f"the file's {n} tokens do not match its KV state "
                    f"({len(st.positions)} positions)")
-    room = pool.n_reclaimable(seq)
+    room = KVPool.n_reclaimable(pool, seq)
     if n > room:
         raise fail(f"No available space in KV cache (need {n} cells, {room} available)")
-    if sf.checkpoints or sf.draft or sf.speculative:
-        log.info("slot %d: %d checkpoints and the draft state in %r are not used (no "
-                 "checkpointing or draft model here)", seq, len(sf.checkpoints), filename)
-    slot.kv.load_rows(list(sf.tokens), st.k, st.v)
+    window = None
+    if swa is not None and st.swa is not None:
+        w = st.swa.positions
+        if w != list(range(n - len(w), n)):
+            raise fail("the file's sliding-window KV is not its last tokens'")
+        if len(w) > swa.swa.n_reclaimable(seq):
+            raise fail(f"No available space in the sliding-window KV (need {len(w)} cells)")
+        window = (w, st.swa.k, st.swa.v)
+    if sf.draft or sf.speculative:
+        log.info("slot %d: the draft state in %r is not used (no draft model here)", seq,
+                 filename)
+    if sf.checkpoints and swa is None:
+        log.info("slot %d: %d checkpoints in %r are not used (the model has no sliding "
+                 "window)", seq, len(sf.checkpoints), filename)
+    slot.kv.load_rows(list(sf.tokens), st.k, st.v, window,
+                      sf.checkpoints if swa is not None else ())
     n_read = main_size(sf)  # as llama-server: the bytes its state loader consumed
     ms = (time.perf_counter() - t0) * 1e3
     log.info("slot %d: restored %d tokens from %r (%.1f ms)", seq, n, filename, ms)

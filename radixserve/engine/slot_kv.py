@@ -19,6 +19,13 @@ uncached, so the rule is: a shifted slot's KV is never reused. `reusable` is Fal
 shift on; `save_to` refuses it, `share_from` refuses it as a donor (the prefix planner does not
 offer it), and the scheduler drops it when the task ends (so no later request, host-cache save,
 idle-slot save or slot file ever sees it). `drop` makes the slot reusable again.
+
+Sliding-window models (kv/swa.py): the sliding layers hold only the last n_swa positions, so a
+prefix of the tokens is usable only while the window still holds the keys its next token reads
+(`usable_prefix`), else from a context checkpoint (kv/checkpoint.py) this object keeps with the
+tokens: taken before prompt chunks (`take_checkpoint`, llama.cpp's create_checkpoint rules),
+restored when a new prompt diverges where the window has gone (`keep_prefix`), and carried with
+the tokens into the host cache and slot files.
 """
 
 from __future__ import annotations
@@ -29,18 +36,32 @@ from collections.abc import Sequence
 import torch
 
 from radixserve.cache.base import PromptCache
+from radixserve.kv.checkpoint import Checkpoint, seal, unseal
 from radixserve.kv.pool import KVPool, OutOfCells
-from radixserve.kv.state import write_rows
+from radixserve.kv.state import (Fingerprint, get_swa_state, parse_swa_state, set_swa_state,
+                                  write_rows)
+from radixserve.kv.swa import SWAPool, alloc_step
+
+MiB = 1024 * 1024
 
 log = logging.getLogger(__name__)
 
 
 class SlotKV:
-    def __init__(self, pool: KVPool, seq: int) -> None:
+    def __init__(self, pool: KVPool, seq: int, fp: Fingerprint | None = None,
+                 n_checkpoints: int = 0, checkpoint_min_step: int = 0) -> None:
+        """`fp` (the pool's fingerprint) and `n_checkpoints` > 0: take context checkpoints
+        (a sliding-window pool only), at most that many, `checkpoint_min_step` tokens apart."""
         self.pool, self.seq = pool, seq
         self._tokens: list[int] = []
         self._ahead: list[tuple[int, list[int]]] = []  # (pos0, tokens), ascending, past tokens
         self.shifted = False  # a context shift ran: the KV must not be reused (docstring)
+        self.swa = pool if isinstance(pool, SWAPool) else None
+        self.fp = fp
+        self.n_checkpoints = n_checkpoints if self.swa is not None and fp is not None else 0
+        self.checkpoint_min_step = checkpoint_min_step
+        self.checkpoints: list[Checkpoint] = []  # oldest first
+        self.saved_upto = 0  # tokens a write-through host tier holds (kv/swa.py, radix)
 
     # -- reading ---------------------------------------------------------------------------
     @property
@@ -67,21 +88,153 @@ class SlotKV:
 
     def save_to(self, cache: PromptCache) -> bool:
         """Copy the contiguous prefix into the host cache (the pool is only read)."""
-        if self.shifted:
+        if self.shifted or not self._tokens:
             return False
-        return bool(self._tokens) and cache.save(self.pool, self.seq, list(self._tokens))
+        if not cache.save(self.pool, self.seq, list(self._tokens), self.checkpoints):
+            return False
+        self.saved_upto = len(self._tokens)
+        return True
 
     # -- replacing the content ---------------------------------------------------------------
     def drop(self) -> None:
         self.pool.seq_rm(self.seq)
         self._tokens, self._ahead = [], []
         self.shifted = False
+        self.checkpoints = []
+        self.saved_upto = 0
 
     def truncate(self, n: int) -> None:
         """Keep the first `n` tokens; everything past them (chunks ahead included) goes."""
         self.pool.seq_rm(self.seq, n)
         del self._tokens[n:]
         self._ahead = []
+        self._forget_past(n)
+
+    def _forget_past(self, n: int) -> None:
+        """Only the first n tokens are what they were: checkpoints and write-through marks
+        past them describe other tokens now."""
+        self.saved_upto = min(self.saved_upto, n)
+        for c in self.checkpoints:
+            if c.n_tokens > n:
+                log.debug("slot %d: erased invalidated context checkpoint (pos_min = %d, "
+                          "pos_max = %d, n_tokens = %d)", self.seq, c.pos_min, c.pos_max,
+                          c.n_tokens)
+        self.checkpoints = [c for c in self.checkpoints if c.n_tokens <= n]
+
+    # -- sliding window: which prefix is usable, checkpoints -------------------------------------
+    def _window_holds(self, pos_min: int, n: int) -> bool:
+        """Sliding KV starting at `pos_min` has every key the token at position n reads."""
+        assert self.swa is not None
+        return 0 <= pos_min <= max(0, n - self.swa.n_swa + 1)
+
+    def usable_prefix(self, n: int) -> tuple[int, Checkpoint | None]:
+        """How much of the first `n` tokens can be kept as KV for a prompt that continues with
+        a token at position n, and the checkpoint that must be restored for it (None: the slot
+        as it stands). Full attention: all of it. Sliding window: all of it while the window
+        still holds the keys that token reads; else the longest prefix a checkpoint restores
+        (the newest of equals); else none. llama.cpp's test is stricter by a token or two
+        (pos_min < n - n_swa): this one is exact, its reuse equal to recomputation."""
+        if self.swa is None or n == 0:
+            return n, None
+        pm = self.swa.swa_pos_min(self.seq)
+        if n <= len(self._tokens) and self._window_holds(pm, n):
+            return n, None
+        best, m_best = None, 0
+        for ck in self.checkpoints:
+            m = min(n, ck.n_tokens)
+            if m >= m_best and ck.pos_max >= m - 1 and self._window_holds(ck.pos_min, m):
+                best, m_best = ck, m
+        return m_best, best
+
+    def keep_prefix(self, n: int, ck: Checkpoint | None) -> bool:
+        """Keep the first `n` tokens, restoring `ck`'s sliding KV first when given (`n` and
+        `ck` from `usable_prefix`); checkpoints past what is kept go, as llama.cpp erases those
+        with pos_max > pos_next. False, with the slot emptied, when the checkpoint fails to
+        load."""
+        if ck is not None:
+            assert self.swa is not None and self.fp is not None
+            try:
+                set_swa_state(self.swa, self.seq, unseal(ck.target), self.fp)
+            except (ValueError, OutOfCells) as e:
+                log.warning("slot %d: context checkpoint failed to load (%s)", self.seq, e)
+                self.drop()
+                return False
+            log.info("slot %d: restored context checkpoint (pos_min = %d, pos_max = %d, "
+                     "n_tokens = %d, n_past = %d, size = %.3f MiB)", self.seq, ck.pos_min,
+                     ck.pos_max, ck.n_tokens, n, ck.size / MiB)
+        self.truncate(n)
+        return True
+
+    def take_checkpoint(self, id_task: int) -> Checkpoint | None:
+        """llama.cpp's create_checkpoint, before a prompt chunk near the prompt's end runs: the
+        sliding KV of the tokens held now. When the list is full, checkpoints of other tasks
+        within checkpoint_min_step tokens of an earlier one go first, then the oldest; one at
+        the same token count is replaced."""
+        if not self.n_checkpoints or not self._tokens or self._ahead:
+            return None
+        assert self.swa is not None and self.fp is not None
+        n, step = len(self._tokens), self.checkpoint_min_step
+        cks = self.checkpoints
+        if len(cks) + 1 >= self.n_checkpoints:
+            last, kept = -1, []
+            for c in cks:
+                if c.id_task != id_task and last >= 0 and c.n_tokens <= last + step:
+                    log.debug("slot %d: erasing context checkpoint too close to an earlier one "
+                              "(n_tokens = %d)", self.seq, c.n_tokens)
+                    continue
+                last = c.n_tokens
+                kept.append(c)
+            cks = kept
+        while len(cks) >= self.n_checkpoints:
+            c = cks.pop(0)
+            log.warning("slot %d: erasing old context checkpoint (pos_min = %d, pos_max = %d, "
+                        "n_tokens = %d, size = %.3f MiB)", self.seq, c.pos_min, c.pos_max,
+                        c.n_tokens, c.size / MiB)
+        cks = [c for c in cks if c.n_tokens != n]
+        ck = Checkpoint(n, self.swa.swa_pos_min(self.seq), self.swa.seq_pos_max(self.seq),
+                        seal(get_swa_state(self.swa, self.seq, self.fp)), id_task=id_task)
+        cks.append(ck)
+        self.checkpoints = cks
+        log.info("slot %d: created context checkpoint %d of %d (pos_min = %d, pos_max = %d, "
+                 "n_tokens = %d, size = %.3f MiB)", self.seq, len(cks), self.n_checkpoints,
+                 ck.pos_min, ck.pos_max, n, ck.size / MiB)
+        return ck
+
+    def set_checkpoints(self, cks: list[Checkpoint]) -> None:
+        """Checkpoints that came with restored tokens (host cache, slot file): id_task -1,
+        and only those that fit what is held and that this model's sliding part would load."""
+        if self.swa is None or self.fp is None:
+            self.checkpoints = []
+            return
+        good = []
+        for c in cks:
+            try:
+                st = parse_swa_state(self.swa, unseal(c.target), self.fp)
+            except ValueError as e:
+                log.warning("slot %d: context checkpoint dropped (%s)", self.seq, e)
+                continue
+            span = (min(st.positions), max(st.positions)) if st.positions else (-1, -1)
+            if span != (c.pos_min, c.pos_max) or c.n_tokens != c.pos_max + 1 \
+                    or c.n_tokens > len(self._tokens):
+                log.warning("slot %d: context checkpoint dropped (positions %s do not match "
+                            "its header)", self.seq, span)
+                continue
+            c.id_task = -1
+            good.append(c)
+        self.checkpoints = good[-self.n_checkpoints:] if self.n_checkpoints else good
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return sum(c.size for c in self.checkpoints)
+
+    def window_unsaved(self) -> bool:
+        """Pruning the window now would drop sliding KV a write-through tier lacks."""
+        return self.swa is not None and self.swa.window_start(self.seq) > self.saved_upto
+
+    def prune(self) -> None:
+        """Drop sliding cells no later token reads (kv/swa.py)."""
+        if self.swa is not None:
+            self.swa.prune(self.seq)
 
     def share_from(self, donor: SlotKV, n: int) -> bool:
         """Take the donor's first `n` cells (shared in unified KV, copied in a partition);
@@ -98,17 +251,27 @@ class SlotKV:
     def restore_from(self, cache: PromptCache, prompt: list[int]) -> bool:
         """Let the host cache write its best prefix of `prompt`; False if it had none better
         (slot untouched) or the restore failed (slot emptied: the caller plans again)."""
-        loaded = cache.load(self.pool, self.seq, list(self._tokens), prompt)
+        cks: list[Checkpoint] = []
+        loaded = cache.load(self.pool, self.seq, list(self._tokens), prompt, cks)
         if loaded is None:
             return False
         self._tokens, self._ahead = list(loaded), []
+        self.saved_upto = len(loaded) if cache.load_always else 0  # radix keeps what it gave
+        self.set_checkpoints(cks)
         return bool(loaded)
 
-    def load_rows(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Replace the content with `tokens` and their K/V rows (a slot file's state)."""
+    def load_rows(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor,
+                  swa: tuple[list[int], torch.Tensor, torch.Tensor] | None = None,
+                  checkpoints: Sequence[Checkpoint] = ()) -> None:
+        """Replace the content with `tokens` and their K/V rows (a slot file's state): `swa`
+        the sliding part (positions, K, V) of a sliding-window pool."""
         self.drop()
         write_rows(self.pool, self.seq, list(range(len(tokens))), k, v)
+        if swa is not None:
+            assert self.swa is not None
+            write_rows(self.swa.swa, self.seq, *swa)
         self._tokens = list(tokens)
+        self.set_checkpoints(list(checkpoints))
 
     def shift_chunks(self, prompt: list[int], n_keep: int,
                      chunks: list[tuple[int, int, int]]) -> bool:
@@ -136,6 +299,7 @@ class SlotKV:
             return False
         self._tokens = list(prompt[:n_keep])
         self._ahead = []
+        self._forget_past(n_keep)
         for _, p, n in chunks:
             self._place(p, prompt[p : p + n])
         return True
@@ -149,6 +313,7 @@ class SlotKV:
         n = len(self._tokens)
         assert 0 <= n_keep and 0 <= n_discard and n_keep + n_discard <= n
         self.shifted = True
+        self.checkpoints, self.saved_upto = [], min(self.saved_upto, n_keep)
         try:
             self.pool.seq_rm(self.seq, n_keep, n_keep + n_discard)
             self.pool.seq_add(self.seq, n_keep + n_discard, n, -n_discard)
@@ -161,7 +326,7 @@ class SlotKV:
     # -- a forward's cells ---------------------------------------------------------------------
     def reserve(self, pos0: int, n: int) -> list[int]:
         """Cells for `n` new tokens at pos0.. (OutOfCells, nothing taken, when there is no room)."""
-        return self.pool.alloc(self.seq, list(range(pos0, pos0 + n)))
+        return alloc_step(self.pool, self.seq, list(range(pos0, pos0 + n)))
 
     def commit(self, pos0: int, tokens: list[int]) -> None:
         """The forward wrote the reserved cells of `tokens` at pos0..: they are held now."""
@@ -186,3 +351,10 @@ class SlotKV:
             want.extend(range(p0, p0 + len(toks)))
         got = self.pool.seq_positions(self.seq)
         assert got == want, f"slot {self.seq}: pool positions {got[:8]}.. != tokens' {want[:8]}.."
+        if self.swa is not None:  # the window: one run ending where the tokens end
+            w = self.swa.swa.seq_positions(self.seq)
+            assert w == list(range(w[0], len(self._tokens))) if w else True, \
+                f"slot {self.seq}: sliding positions {w[:4]}.. are not the tokens' last"
+            assert not w or len(w) <= self.swa.n_swa or self._ahead, "window not pruned"
+        for c in self.checkpoints:
+            assert c.n_tokens == c.pos_max + 1 <= self.n_held, f"slot {self.seq}: checkpoint"

@@ -319,7 +319,8 @@ SERVE_FLAGS: list[Flag] = [
          set_("ubatch_size", I), env="LLAMA_ARG_UBATCH"),
     flag("--keep N", H, "prompt tokens a context shift keeps (-1 = all); request `n_keep`",
          set_("n_keep", I)),
-    flag("--swa-full", NA, "no sliding-window model is supported yet", env="LLAMA_ARG_SWA_FULL"),
+    flag("--swa-full", H, "full-size KV for sliding-window layers (no window pruning, no "
+         "checkpoints needed)", set_("swa_full", bool), env="LLAMA_ARG_SWA_FULL"),
     flag("-fa, --flash-attn [on|off|auto]", NA, "attention uses PyTorch's SDPA kernels",
          check(_choice("on", "off", "auto")), env="LLAMA_ARG_FLASH_ATTN"),
     flag("--perf", NA, "libllama's internal timings; see timings and /metrics",
@@ -539,11 +540,11 @@ SERVE_FLAGS: list[Flag] = [
          "lookup example"),
     flag("--kv-unified-per-slot N", H, "with --kv-unified: cap of one slot's context",
          set_("kv_unified_per_slot", I), env="LLAMA_ARG_KV_UNIFIED_PER_SLOT"),
-    flag("-ctxcp, --ctx-checkpoints, --swa-checkpoints N", NA, "checkpoints serve sliding-"
-         "window and recurrent models; every supported model has full attention", check(I),
+    flag("-ctxcp, --ctx-checkpoints, --swa-checkpoints N", H, "context checkpoints per slot "
+         "(sliding-window models), 0 = none", set_("ctx_checkpoints", I),
          env="LLAMA_ARG_CTX_CHECKPOINTS"),
-    flag("-cms, --checkpoint-min-step N", NA, "checkpoints serve sliding-window and recurrent "
-         "models; every supported model has full attention", check(I),
+    flag("-cms, --checkpoint-min-step N", H, "tokens between two checkpoints of one prompt, "
+         "0 = no minimum", set_("checkpoint_min_step", I),
          env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT"),
     flag("-cram, --cache-ram N", H, "host prompt cache size in MiB, -1 = no limit, 0 = off",
          set_("cache_ram_mib", I), env="LLAMA_ARG_CACHE_RAM"),

@@ -115,6 +115,19 @@ _FAMILIES = (
     ),
 )
 
+# radixserve's own engine figures (not llama-server's), as radixserve:<name>
+_OWN_FAMILIES = (
+    ("checkpoints", "gauge", "Context checkpoints held by the slots (sliding-window models)",
+     lambda m: m.checkpoints),
+    ("checkpoint_bytes", "gauge", "Bytes of the context checkpoints held by the slots",
+     lambda m: m.checkpoint_bytes),
+    ("checkpoints_created_total", "counter", "Context checkpoints created",
+     lambda m: m.checkpoints_created_total),
+    ("checkpoints_restored_total", "counter",
+     "Context checkpoints restored into a slot for a new prompt",
+     lambda m: m.checkpoints_restored_total),
+)
+
 _BAD_NAME_CHARS = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -132,6 +145,9 @@ class _Snapshot(Collector):
             # CounterMetricFamily strips `_total` and the exposition adds it back.
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family("llamacpp:" + name, doc, value=float(get(self.m)))
+        for name, kind, doc, get in _OWN_FAMILIES:
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family("radixserve:" + name, doc, value=float(get(self.m)))
         for key, value in sorted(self.cache_stats.items()):
             yield GaugeMetricFamily(metric_name(key), f"Host prompt cache: {key}", value=value)
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.kv.pool import KVPool
-from radixserve.model.forward import SeqStep, Transformer
+from radixserve.kv.swa import SWAPool, alloc_step
+from radixserve.model.forward import SeqStep, SwaStep, Transformer
 
 
 @dataclass(slots=True)
@@ -27,27 +28,48 @@ class BatchSeq:
 
 def seq_step(pool: KVPool, seq: int, tokens: list[int], pos0: int, cells: list[int],
              n_logits: int = 1) -> SeqStep:
-    """The forward's view of `seq` once `cells` (for `tokens` at pos0..) are allocated to it."""
+    """The forward's view of `seq` once `cells` (for `tokens` at pos0..) are allocated to it
+    (in both parts of a sliding-window pool)."""
     view = pool.view(seq)
-    return SeqStep(tokens, pos0, cells, view.cells, view.positions, n_logits)
+    step = SeqStep(tokens, pos0, cells, view.cells, view.positions, n_logits)
+    if isinstance(pool, SWAPool):
+        sv = pool.swa.view(seq)
+        swa_cells = pool.swa.cells_at(seq, list(range(pos0, pos0 + len(tokens))))
+        step.swa = SwaStep(swa_cells, sv.cells, sv.positions)
+    return step
+
+
+def run(tr: Transformer, pool: KVPool, steps: list[SeqStep]) -> torch.Tensor:
+    """`Transformer.hidden` over the pool's caches (both parts of a sliding-window pool)."""
+    if isinstance(pool, SWAPool):
+        return tr.hidden(pool.k, pool.v, steps, pool.swa.k, pool.swa.v)
+    return tr.hidden(pool.k, pool.v, steps)
 
 
 def place(pool: KVPool, batch: list[BatchSeq]) -> list[SeqStep]:
     """Give every sequence its new cells (all or nothing: OutOfCells leaves the pool as it
     was) and describe what each one attends over."""
-    cells = pool.alloc_batch([(b.seq, list(range(b.pos0, b.pos0 + len(b.tokens))))
-                              for b in batch])
-    steps, at = [], 0
-    for b in batch:
-        n = len(b.tokens)
-        steps.append(seq_step(pool, b.seq, b.tokens, b.pos0, cells[at : at + n], b.n_logits))
-        at += n
-    return steps
+    done: list[tuple[int, list[int]]] = []
+    try:
+        for b in batch:
+            positions = list(range(b.pos0, b.pos0 + len(b.tokens)))
+            done.append((b.seq, alloc_step(pool, b.seq, positions)))
+    except Exception:
+        for seq, cells in done:
+            pool.seq_rm(seq, pool.cell_pos[cells[0]], pool.cell_pos[cells[-1]] + 1)
+        raise
+    return [seq_step(pool, b.seq, b.tokens, b.pos0, cells, b.n_logits)
+            for b, (_, cells) in zip(batch, done)]
 
 
 def hidden(tr: Transformer, pool: KVPool, batch: list[BatchSeq]) -> torch.Tensor:
-    """Output-normed hidden states of the rows to sample (`Transformer.hidden`)."""
-    return tr.hidden(pool.k, pool.v, place(pool, batch))
+    """Output-normed hidden states of the rows to sample (`Transformer.hidden`); a sliding
+    window's cells no later query reads are dropped after the step."""
+    out = run(tr, pool, place(pool, batch))
+    if isinstance(pool, SWAPool):
+        for b in batch:
+            pool.prune(b.seq)
+    return out
 
 
 def forward(tr: Transformer, pool: KVPool, batch: list[BatchSeq]) -> torch.Tensor:

@@ -99,7 +99,7 @@ class KVPool:
         """Cells `seq` could hold after dropping its own: the free ones plus those no other
         sequence shares (what replacing its content with a restored state may use)."""
         own = sum(1 for c in self.seq_cells(seq) if len(self.cell_seqs[c]) == 1)
-        return self.n_free_for(seq) + own
+        return len(self._free[self._part(seq)]) + own
 
     def seq_len(self, seq: int) -> int:
         return len(self.seqs[seq].by_pos)
@@ -113,6 +113,10 @@ class KVPool:
 
     def seq_cells(self, seq: int) -> list[int]:
         return list(self._ordered(seq).order_cell)
+
+    def cells_at(self, seq: int, positions: list[int]) -> list[int]:
+        by_pos = self.seqs[seq].by_pos
+        return [by_pos[p] for p in positions]
 
     # -- allocation ----------------------------------------------------------------------
     def _part(self, seq: int) -> int:
@@ -143,20 +147,6 @@ class KVPool:
                 raise ValueError(f"sequence {seq} already has a cell at position {p}")
         cells = self._take(seq, len(positions))
         self._attach(seq, positions, cells)
-        return cells
-
-    def alloc_batch(self, requests: list[tuple[int, list[int]]]) -> list[int]:
-        """`alloc` for several sequences at once, all or nothing; returns the cells in order."""
-        done: list[tuple[int, list[int]]] = []
-        cells: list[int] = []
-        try:
-            for seq, positions in requests:
-                cells += self.alloc(seq, positions)
-                done.append((seq, positions))
-        except Exception:
-            for seq, positions in done:
-                self._detach(seq, positions)
-            raise
         return cells
 
     def _attach(self, seq: int, positions: list[int], cells: list[int]) -> None:

@@ -3,8 +3,11 @@
 Layout (little-endian): magic "RXKV", u32 version, fingerprint (u16-length-prefixed arch
 string, u32 n_layer, u32 n_head_kv, u32 head_dim, u16-length-prefixed dtype name), u32 n_tokens,
 i32 positions[n_tokens], then for each layer the K rows [n_head_kv, n_tokens, head_dim] and the
-V rows, in the pool's dtype. `set_state` validates everything (sizes, fingerprint, positions, free
-cells) before it touches the pool, so a bad or foreign state leaves the pool exactly as it was.
+V rows, in the pool's dtype. A sliding-window pool (kv/swa.py) appends a second such block for its
+sliding layers (arch suffixed ":swa", the window's positions only), as llama.cpp's iSWA state
+writes the base cache then the SWA cache; a context checkpoint is that second block alone.
+`set_state` validates everything (sizes, fingerprint, positions, free cells) before it touches
+the pool, so a bad or foreign state leaves the pool exactly as it was.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.kv.pool import KVPool, OutOfCells
+from radixserve.kv.swa import SWAPool
 
 MAGIC = b"RXKV"
 VERSION = 1
@@ -66,9 +70,21 @@ def fingerprint_of(pool: KVPool, arch: str) -> Fingerprint:
     return Fingerprint(arch, pool.n_layer, pool.n_head_kv, pool.head_dim, DTYPE_NAMES[pool.dtype])
 
 
-def state_size(pool: KVPool, seq: int, fp: Fingerprint) -> int:
+def swa_fingerprint(pool: SWAPool, fp: Fingerprint) -> Fingerprint:
+    """The sliding part's fingerprint: a state or checkpoint of another layout never loads."""
+    return Fingerprint(fp.arch + ":swa", pool.swa.n_layer, fp.n_head_kv, fp.head_dim, fp.dtype)
+
+
+def _block_size(pool: KVPool, seq: int, fp: Fingerprint) -> int:
     n = pool.seq_len(seq)
     return 4 + 4 + len(fp.pack()) + 4 + 4 * n + n * pool.bytes_per_cell
+
+
+def state_size(pool: KVPool, seq: int, fp: Fingerprint) -> int:
+    n = _block_size(pool, seq, fp)
+    if isinstance(pool, SWAPool):
+        n += _block_size(pool.swa, seq, swa_fingerprint(pool, fp))
+    return n
 
 
 def _rows_bytes(t: torch.Tensor) -> bytes:
@@ -76,6 +92,19 @@ def _rows_bytes(t: torch.Tensor) -> bytes:
 
 
 def get_state(pool: KVPool, seq: int, fp: Fingerprint) -> bytes:
+    """`seq`'s whole state: every layer (a sliding-window pool's two parts)."""
+    data = _get_block(pool, seq, fp)
+    if isinstance(pool, SWAPool):
+        data += _get_block(pool.swa, seq, swa_fingerprint(pool, fp))
+    return data
+
+
+def get_swa_state(pool: SWAPool, seq: int, fp: Fingerprint) -> bytes:
+    """The sliding layers' part only (what a context checkpoint holds)."""
+    return _get_block(pool.swa, seq, swa_fingerprint(pool, fp))
+
+
+def _get_block(pool: KVPool, seq: int, fp: Fingerprint) -> bytes:
     positions = pool.seq_positions(seq)
     cells = torch.tensor(pool.seq_cells(seq), dtype=torch.long, device=pool.device)
     parts = [MAGIC, struct.pack("<I", VERSION), fp.pack(), struct.pack("<I", len(positions)),
@@ -94,11 +123,24 @@ class ParsedState:
     positions: list[int]
     k: torch.Tensor  # [n_layer, n_head_kv, n, head_dim]
     v: torch.Tensor
+    swa: ParsedState | None = None  # a sliding-window pool's sliding part
 
 
-def parse_state(data: bytes | memoryview, fp: Fingerprint, dtype: torch.dtype) -> ParsedState:
-    """Decode and check a state without touching any pool."""
+def parse_state(data: bytes | memoryview, fp: Fingerprint, dtype: torch.dtype,
+                swa_fp: Fingerprint | None = None) -> ParsedState:
+    """Decode and check a state without touching any pool; `swa_fp`: a sliding part follows."""
     r = _Reader(data)
+    st = _parse_block(r, fp, dtype)
+    if swa_fp is not None:
+        st.swa = _parse_block(r, swa_fp, dtype)
+        if st.swa.positions and (not st.positions or max(st.swa.positions) > max(st.positions)):
+            raise StateError("sequence state's sliding part is past its global part")
+    if r.off != len(r.data):
+        raise StateError(f"sequence state has {len(r.data) - r.off} trailing bytes")
+    return st
+
+
+def _parse_block(r: _Reader, fp: Fingerprint, dtype: torch.dtype) -> ParsedState:
     if bytes(r.take(4)) != MAGIC:
         raise StateError("not a radixserve sequence state (bad magic)")
     (version,) = r.unpack("<I")
@@ -119,7 +161,7 @@ def parse_state(data: bytes | memoryview, fp: Fingerprint, dtype: torch.dtype) -
         raise StateError("sequence state has negative or duplicate positions")
     elem = torch.empty(0, dtype=dtype).element_size()
     row = n_head_kv * n * head_dim * elem
-    if len(r.data) - r.off != 2 * n_layer * row:
+    if len(r.data) - r.off < 2 * n_layer * row:
         raise StateError(f"sequence state size mismatch: {len(r.data) - r.off} bytes of K/V, "
                          f"expected {2 * n_layer * row}")
     shape = (n_head_kv, n, head_dim)
@@ -132,17 +174,46 @@ def parse_state(data: bytes | memoryview, fp: Fingerprint, dtype: torch.dtype) -
     return ParsedState(positions, torch.stack(ks), torch.stack(vs))
 
 
+def _check_room(pool: KVPool, seq: int, n: int) -> None:
+    """Room for n rows in `pool`'s own part (a sliding-window pool's global part)."""
+    if n > pool.seq_capacity(seq):
+        raise OutOfCells(f"state of {n} tokens exceeds the sequence's capacity "
+                         f"{pool.seq_capacity(seq)}")
+    if n > KVPool.n_reclaimable(pool, seq):
+        raise OutOfCells(f"state of {n} tokens needs more free cells than available")
+
+
 def set_state(pool: KVPool, seq: int, data: bytes | memoryview, fp: Fingerprint) -> int:
     """Replace `seq`'s KV with the state; returns its token count. All checks come first."""
-    st = parse_state(data, fp, pool.dtype)
+    swa = pool if isinstance(pool, SWAPool) else None
+    st = parse_state(data, fp, pool.dtype, None if swa is None else swa_fingerprint(swa, fp))
     n = len(st.positions)
-    if n > pool.seq_capacity(seq):
-        raise OutOfCells(f"state of {n} tokens exceeds the sequence's capacity {pool.seq_capacity(seq)}")
-    if n > pool.n_reclaimable(seq):
-        raise OutOfCells(f"state of {n} tokens needs more free cells than available")
+    _check_room(pool, seq, n)
+    if swa is not None:
+        assert st.swa is not None
+        _check_room(swa.swa, seq, len(st.swa.positions))
     pool.seq_rm(seq)
     write_rows(pool, seq, st.positions, st.k, st.v)
+    if swa is not None and st.swa is not None:
+        write_rows(swa.swa, seq, st.swa.positions, st.swa.k, st.swa.v)
     return n
+
+
+def parse_swa_state(pool: SWAPool, data: bytes | memoryview, fp: Fingerprint) -> ParsedState:
+    """A checkpoint's sliding part, checked (StateError) without touching the pool."""
+    r = _Reader(data)
+    st = _parse_block(r, swa_fingerprint(pool, fp), pool.dtype)
+    if r.off != len(r.data):
+        raise StateError(f"checkpoint state has {len(r.data) - r.off} trailing bytes")
+    return st
+
+
+def set_swa_state(pool: SWAPool, seq: int, data: bytes | memoryview, fp: Fingerprint) -> None:
+    """Replace only the sliding layers' KV of `seq` with a checkpoint's (checks first)."""
+    st = parse_swa_state(pool, data, fp)
+    _check_room(pool.swa, seq, len(st.positions))
+    pool.swa.seq_rm(seq)
+    write_rows(pool.swa, seq, st.positions, st.k, st.v)
 
 
 def write_rows(pool: KVPool, seq: int, positions: list[int], k: torch.Tensor, v: torch.Tensor) -> None:

@@ -1,13 +1,20 @@
-"""One batched forward over several sequences (llama / qwen2 / qwen3 decoder).
+"""One batched forward over several sequences (llama / qwen2 / qwen3 / gemma3 decoder).
 
 All tokens of the batch go through the dense layers together as one [T, n_embd] matrix;
 attention runs per sequence over that sequence's cells only. Prefill chunks and single decode
 tokens mix freely, which is what continuous batching needs. Logits are computed only for the
 rows the caller will sample (the output head is a third of a decode step on CPU).
+
+Gemma 3 adds sliding-window layers: a query at position p sees keys at p - n_swa < k <= p only
+(llama.cpp's LLAMA_SWA_TYPE_STANDARD), rotated with their own RoPE base. Their K/V live either
+in the same cache as the global layers' (`--swa-full`: every layer, every cell, the window
+applied by the mask) or in a separate window-sized cache whose cells each step names in
+`SeqStep.swa` (kv/swa.py), so a long context costs the sliding layers n_swa cells only.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 from dataclasses import dataclass
 
@@ -21,6 +28,17 @@ from radixserve.model.rope import Rope
 from radixserve.model.weights import ModelWeights
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SwaStep:
+    """A sequence's part of a forward in the sliding layers' own cache (the split layout): the
+    same three things as SeqStep's, in that cache's cells. The cache keeps only the window, so
+    kv_positions may start anywhere after 0."""
+
+    cells: list[int]  # where the new tokens' sliding-layer K/V go, one per token
+    kv_cells: slice | torch.Tensor  # every cell the sliding layers read, in position order
+    kv_positions: list[int]  # their positions
 
 
 @dataclass(slots=True)
@@ -38,10 +56,33 @@ class SeqStep:
     kv_cells: slice | torch.Tensor  # every cell attention reads, in position order (new ones too)
     kv_positions: list[int]  # their positions
     n_logits: int = 1  # logits for the last n_logits tokens (0: none)
+    swa: SwaStep | None = None  # the sliding layers' cells when they have a cache of their own
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What one sequence's attention reads in one kind of layer (global or sliding)."""
+
+    cells: slice | torch.Tensor  # in position order; a sliding plan drops keys out of every window
+    pos0: int  # position of the first of `cells`
+    window: int  # n_swa for sliding layers, 0 for causal-only
+    mask: torch.Tensor | None  # [n_group * n, len(cells)] visible keys; None: all of them
+    tail: bool = False  # contiguous positions ending with the step's new tokens (our kernel's)
+
+
+@dataclass(slots=True)
+class _Sliding:
+    """What the sliding layers of one step share: RoPE tables with their base, the cells their
+    new K/V go to, and each sequence's plan."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cell_idx: torch.Tensor
+    plans: list[_Plan]
 
 
 def resolve_deterministic(mode: str, dtype: torch.dtype, kernels_built: bool,
-                          w: ModelWeights) -> bool:
+                          w: ModelWeights, torch_attention: bool = False) -> bool:
     """Whether a token's logits will depend only on its token sequence (docs/PERFORMANCE.md).
 
     Only the bf16 path with our kernels is batch-invariant: torch's f32 matmul and SDPA pick
@@ -49,7 +90,9 @@ def resolve_deterministic(mode: str, dtype: torch.dtype, kernels_built: bool,
     where that path cannot run is an error rather than a mode that silently is not one. `auto`
     is on wherever it costs nothing measurable; torch's int4 kernel (4-bit weights on CPUs
     without AVX512-BF16) would have to skip its dense GEMM on prefill chunks, ~2x slower
-    there, so auto leaves the mode off for it."""
+    there, so auto leaves the mode off for it. `torch_attention`: the model's attention runs
+    torch's SDPA (a scale our kernel does not take: Gemma 3 27B), whose blocking, and so a
+    token's bits, depends on how many tokens a call holds."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"--deterministic must be auto, on or off, got {mode!r}")
     linears = [m for lw in w.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
@@ -60,6 +103,9 @@ def resolve_deterministic(mode: str, dtype: torch.dtype, kernels_built: bool,
         why = "the kernels did not build"
     elif not all(m.row_invariant for m in linears):
         why = "some layer matrices run torch's bf16 GEMM, whose rows change with the row count"
+    elif torch_attention:
+        why = ("attention runs torch's SDPA (sliding-window layers), whose bits change with the "
+               "chunking")
     if mode == "on" and why is not None:
         raise ValueError(f"--deterministic on needs bf16 compute with radixserve's kernels "
                          f"({why}); use --deterministic off or auto")
@@ -70,7 +116,10 @@ def resolve_deterministic(mode: str, dtype: torch.dtype, kernels_built: bool,
     return why is None and mode != "off"
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+    """RMSNorm computed in f32 in HF's op order (the per-head q/k norms), returned as `dtype`
+    (default x's)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * w).to(dtype or x.dtype)
@@ -90,20 +139,49 @@ class Transformer:
         # bf16 steps run their glue and decode attention in our kernels (model/csrc/) when they
         # build; f32 (the reference path) stays on torch ops
         self.kern = kernels() if use_kernels and dtype == torch.bfloat16 else None
+        # our attention kernel scales by 1/sqrt(head_dim): a model with another scale (Gemma 3
+        # 27B) attends with torch's SDPA (see _attend_plan)
+        self.torch_attention = hp.attn_scale not in (0.0, hp.head_dim ** -0.5)
+        self.own_attention = self.kern is not None and not self.torch_attention
+        # the fused C step knows llama's layer only (SwiGLU, no q/k or output norms)
+        self.fused_layers = (hp.act == "silu" and hp.embd_scale == 1.0
+                             and all(lw.q_norm is None and lw.post_attn_norm is None
+                                     for lw in w.layers))
         self.deterministic = resolve_deterministic(deterministic, dtype, self.kern is not None,
-                                                   w)
+                                                   w, self.torch_attention)
         self._warned = False
         self.rope = Rope(hp, w.rope_freqs)
+        # sliding layers: their own base, never position scaling (llama.cpp's
+        # rope_freq_scale_train_swa = 1); a pool re-rotates their cache with this one
+        self.rope_swa = (Rope(hp, w.rope_freqs, base=hp.rope_base_swa, scale=1.0)
+                         if hp.n_layer_swa else self.rope)
+        self.attn_scale = hp.attn_scale or None  # None: SDPA's own 1/sqrt(head_dim)
         self.q_dim = hp.n_head * hp.head_dim
         self.kv_dim = hp.n_head_kv * hp.head_dim
 
     @torch.inference_mode()
-    def hidden(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               batch: list[SeqStep]) -> torch.Tensor:
+    def hidden(self, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: list[SeqStep],
+               k_swa: torch.Tensor | None = None,
+               v_swa: torch.Tensor | None = None) -> torch.Tensor:
         """Run `batch`, storing its K/V into `cells` of the caches [n_layer, n_head_kv, n_cells,
         head_dim]; returns the output-normed f32 hidden states [sum n_logits, n_embd] of the
-        rows to sample (the head turns them into logits)."""
+        rows to sample (the head turns them into logits).
+
+        A model with sliding layers given `k_swa`/`v_swa` (the split layout): k_cache/v_cache
+        hold the global layers only ([n_layer_full, ...], layer li at hp.cache_index(li)),
+        k_swa/v_swa the sliding ones ([n_layer_swa, n_head_kv, n_swa_cells, head_dim]), and
+        every step's `.swa` names their cells. Without them (--swa-full) the caches hold every
+        layer and the sliding layers read the step's own cells through the window mask."""
         hp = self.hp
+        split = k_swa is not None and hp.n_layer_swa > 0
+        if split:
+            assert v_swa is not None
+            if k_cache.shape[0] != hp.n_layer_full or k_swa.shape[0] != hp.n_layer_swa:
+                raise ValueError(f"split caches need {hp.n_layer_full} global and "
+                                 f"{hp.n_layer_swa} sliding layers, got {k_cache.shape[0]} "
+                                 f"and {k_swa.shape[0]}")
+            if any(b.swa is None for b in batch):
+                raise ValueError("a split sliding-window cache needs every step's .swa")
         cells = [c for b in batch for c in b.cells]
         device = k_cache.device
         tokens = torch.tensor([t for b in batch for t in b.tokens], dtype=torch.long, device=device)
@@ -115,19 +193,22 @@ class Transformer:
         # our attention kernel takes each sequence's new tokens as the last of its cells (all
         # but --cache-reuse's holes); it is the same arithmetic for a decode token and a prefill
         # chunk, so only it keeps a token's bits independent of chunking (and it is faster)
-        tail = self.kern is not None and all(_new_tokens_last(b) for b in batch)
+        tail = self.own_attention and all(_new_tokens_last(b) for b in batch)
         if self.deterministic and not tail and not self._warned:
             self._warned = True
             log.warning("deterministic mode: a step with tokens inside a sequence's cells "
                         "runs torch's attention; its bits may depend on the batch")
         plans = None if tail else [self._attn_plan(b, device) for b in batch]
+        swa = self._sliding(batch, pos, split, device) if hp.n_layer_swa else None
 
         # the residual stream stays in f32: bf16 there flips near-tie greedy choices
         x = F.embedding(tokens, self.w.tok_embd).float()
+        if hp.embd_scale != 1.0:
+            x.mul_(hp.embd_scale)
         # then RoPE, the K/V store and attention of the whole step are one kernel call a layer
         # (model/csrc/decode_attn.c); q/k norms (qwen3) keep the torch path up to attention
         step = None
-        if tail and self.w.layers[0].q_norm is None:
+        if tail and self.fused_layers:
             assert self.kern is not None
             step = self.kern.decode_step(k_cache, v_cache, hp.n_head,
                                          [b.kv_cells for b in batch], cells, cos, sin, x, eps,
@@ -145,15 +226,31 @@ class Transformer:
                 attn = step.attend(li, qkv)
             else:
                 assert cell_idx is not None
-                outs = self._attention(k_cache[li], v_cache[li], li, batch, plans, qkv, cos, sin,
-                                       cell_idx)
+                ci = hp.cache_index(li) if split else li
+                if swa is not None and hp.swa_layers[li]:
+                    ks, vs = (k_swa, v_swa) if split else (k_cache, v_cache)
+                    assert ks is not None and vs is not None
+                    outs = self._attention(ks[ci], vs[ci], li, batch, swa.plans, qkv, swa.cos,
+                                           swa.sin, swa.cell_idx, self.rope_swa)
+                else:
+                    outs = self._attention(k_cache[ci], v_cache[ci], li, batch, plans, qkv, cos,
+                                           sin, cell_idx, self.rope)
                 attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-            h = glue.norm(x, lw.wo(attn, inv), lw.ffn_norm)
-            down = lw.w_down(glue.silu(lw.w_gate_up(h, inv)), inv)
+            add: torch.Tensor | None
+            if lw.post_attn_norm is None:  # llama / qwen: the residual add fused into the norm
+                h = glue.norm(x, lw.wo(attn, inv), lw.ffn_norm)
+                add = lw.w_down(glue.silu(lw.w_gate_up(h, inv)), inv)
+            else:  # gemma3: each output RMS-normed (in f32) before its residual add
+                assert lw.post_ffn_norm is not None
+                x.add_(F.rms_norm(lw.wo(attn, inv).float(), (d,), lw.post_attn_norm, eps))
+                h = glue.norm(x, None, lw.ffn_norm)
+                down = lw.w_down(self.act_mul(lw.w_gate_up(h, inv)), inv)
+                x.add_(F.rms_norm(down.float(), (d,), lw.post_ffn_norm, eps))
+                add = None
             if li + 1 < len(layers):
-                h = glue.norm(x, down, layers[li + 1].attn_norm)
-            else:
-                x.add_(down)
+                h = glue.norm(x, add, layers[li + 1].attn_norm)
+            elif add is not None:
+                x.add_(add)
 
         rows: list[int] = []
         start = 0
@@ -181,12 +278,39 @@ class Transformer:
             return self.kern.silu_mul(gu)
         return F.silu(gu[:, : self.hp.n_ff]) * gu[:, self.hp.n_ff :]
 
+    def act_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up of the fused [gate | up] rows with the model's activation: SwiGLU
+        (silu), or Gemma's GeGLU with the tanh-approximated GELU (HF's gelu_pytorch_tanh,
+        llama.cpp's ggml_gelu)."""
+        if self.hp.act == "silu":
+            return self.silu(gu)
+        return F.gelu(gu[:, : self.hp.n_ff], approximate="tanh") * gu[:, self.hp.n_ff :]
+
+    def _sliding(self, batch: list[SeqStep], pos: torch.Tensor, split: bool,
+                 device: torch.device) -> _Sliding:
+        """The sliding layers' share of a step: RoPE tables with their base, where their new
+        K/V go and what each sequence reads (its `.swa` cells in the split layout, else its
+        own), through the window."""
+        cos, sin = self.rope_swa.cos_sin(pos)
+        n_swa = self.hp.n_swa
+        if split:
+            views = [b.swa for b in batch if b.swa is not None]  # hidden checked: all of them
+            cells = [c for v in views for c in v.cells]
+            plans = [self._plan(v.kv_cells, v.kv_positions, b.pos0, len(b.tokens), device, n_swa)
+                     for b, v in zip(batch, views)]
+        else:
+            cells = [c for b in batch for c in b.cells]
+            plans = [self._plan(b.kv_cells, b.kv_positions, b.pos0, len(b.tokens), device, n_swa)
+                     for b in batch]
+        return _Sliding(cos, sin, torch.tensor(cells, dtype=torch.long, device=device), plans)
+
     def _attention(self, kl: torch.Tensor, vl: torch.Tensor, li: int, batch: list[SeqStep],
-                   plans: list[tuple[slice | torch.Tensor, torch.Tensor | None]] | None,
-                   qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   cell_idx: torch.Tensor) -> list[torch.Tensor]:
-        """Rotate q/k, store this layer's K/V, attend per sequence (the general path): with our
-        causal kernel when `plans` is None, else torch's attention with each plan's mask."""
+                   plans: list[_Plan] | None, qkv: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, cell_idx: torch.Tensor,
+                   rope: Rope | None = None) -> list[torch.Tensor]:
+        """Rotate q/k (with `rope`, default the global one), store this layer's K/V at
+        `cell_idx`, attend per sequence (the general path): with our causal kernel when `plans`
+        is None, else torch's attention with each plan's cells and mask."""
         hp = self.hp
         qk = qkv[:, : self.q_dim + self.kv_dim].view(-1, hp.n_head + hp.n_head_kv, hp.head_dim)
         v = qkv[:, self.q_dim + self.kv_dim :].view(-1, hp.n_head_kv, hp.head_dim)
@@ -194,7 +318,7 @@ class Transformer:
         if lw.q_norm is not None and lw.k_norm is not None:
             qk = torch.cat([rms_norm(qk[:, : hp.n_head], lw.q_norm, hp.rms_eps),
                             rms_norm(qk[:, hp.n_head :], lw.k_norm, hp.rms_eps)], dim=1)
-        qk = self.rope.apply(qk, cos, sin)
+        qk = (rope or self.rope).apply(qk, cos, sin)
         q, k = qk[:, : hp.n_head], qk[:, hp.n_head :]
         kl.index_copy_(1, cell_idx, k.transpose(0, 1).to(kl.dtype))
         vl.index_copy_(1, cell_idx, v.transpose(0, 1).to(vl.dtype))
@@ -208,23 +332,56 @@ class Transformer:
                 outs.append(self.kern.attend_causal(q[start : start + n], kl, vl, b.kv_cells))
                 start += n
             return outs
-        for b, (sel, mask) in zip(batch, plans):
+        for b, plan in zip(batch, plans):
             n = len(b.tokens)
-            outs.append(self._attend(q[start : start + n], kl[:, sel], vl[:, sel], mask))
+            outs.append(self._attend_plan(q[start : start + n], kl, vl, plan))
             start += n
         return outs
 
-    def _attn_plan(
-        self, b: SeqStep, device: torch.device
-    ) -> tuple[slice | torch.Tensor, torch.Tensor | None]:
-        """Cells to read for this sequence, and a causal mask unless every key is visible."""
-        n = len(b.tokens)
-        if n == 1 and b.kv_positions[-1] == b.pos0:
-            return b.kv_cells, None
-        kp = torch.tensor(b.kv_positions, device=device)
-        qp = torch.arange(b.pos0, b.pos0 + n, device=device)
+    def _attend_plan(self, q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor,
+                     plan: _Plan) -> torch.Tensor:
+        """One sequence's attention in one layer, global or sliding: q [n, n_head, d], kl/vl the
+        layer [n_head_kv, n_cells, d]. bf16 steps whose new tokens end the plan's contiguous
+        cells run our kernel (fixed position-aligned blocks, the window applied by position:
+        a token's bits do not depend on chunking, batching or how much of the window's past a
+        cache still holds); the rest torch's SDPA over the plan's cells and mask."""
+        if plan.tail and self.own_attention:
+            return self.kern.attend_causal(q.contiguous(), kl, vl, plan.cells,
+                                           window=plan.window, pos0=plan.pos0)
+        return self._attend(q, kl[:, plan.cells], vl[:, plan.cells], plan.mask)
+
+    def _attn_plan(self, b: SeqStep, device: torch.device) -> _Plan:
+        """Cells to read for this sequence in a global layer, and a causal mask unless every
+        key is visible."""
+        return self._plan(b.kv_cells, b.kv_positions, b.pos0, len(b.tokens), device)
+
+    def _plan(self, cells: slice | torch.Tensor, positions: list[int], pos0: int, n: int,
+              device: torch.device, window: int = 0) -> _Plan:
+        """What queries at pos0 .. pos0 + n - 1 read of `cells` (at `positions`, ascending):
+        keys at k <= p, and with a window only p - window < k (llama.cpp's
+        LLAMA_SWA_TYPE_STANDARD). Keys before every query's window are left out of the cells
+        rather than masked: --swa-full keeps them all, and a long context would otherwise cost
+        the sliding layers as much as the global ones."""
+        if window:
+            first = bisect.bisect_right(positions, pos0 - window)
+            if first:
+                if isinstance(cells, slice):
+                    cells = slice((cells.start or 0) + first, cells.stop)
+                else:
+                    cells = cells[first:]
+                positions = positions[first:]
+        tail = (positions[-1] == pos0 + n - 1 and len(positions) >= n and positions[-n] == pos0
+                and positions[-1] - positions[0] == len(positions) - 1)
+        if n == 1 and positions[-1] == pos0:
+            return _Plan(cells, positions[0], window, None, tail)
+        if tail and self.own_attention:  # our kernel masks by position itself
+            return _Plan(cells, positions[0], window, None, tail)
+        kp = torch.tensor(positions, device=device)
+        qp = torch.arange(pos0, pos0 + n, device=device)
         mask = kp[None, :] <= qp[:, None]
-        return b.kv_cells, mask.repeat(self.hp.n_group, 1)
+        if window:
+            mask &= qp[:, None] - kp[None, :] < window
+        return _Plan(cells, positions[0], window, mask.repeat(self.hp.n_group, 1), tail)
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -237,11 +394,13 @@ class Transformer:
         n = q.shape[0]
         if n == 1:  # decode: [1, n_head, d] is already [n_head_kv, group, d]; fewer ops a layer
             o = F.scaled_dot_product_attention(q.view(1, hp.n_head_kv, hp.n_group, hp.head_dim),
-                                               k[None], v[None], attn_mask=mask)
+                                               k[None], v[None], attn_mask=mask,
+                                               scale=self.attn_scale)
             return o.view(1, hp.n_head * hp.head_dim)
         qf = q.view(n, hp.n_head_kv, hp.n_group, hp.head_dim).permute(1, 2, 0, 3)
         qf = qf.reshape(hp.n_head_kv, hp.n_group * n, hp.head_dim)
         # a leading batch axis makes SDPA pick its fused CPU kernel (3x faster than 3-D input)
-        o = F.scaled_dot_product_attention(qf[None], k[None], v[None], attn_mask=mask)[0]
+        o = F.scaled_dot_product_attention(qf[None], k[None], v[None], attn_mask=mask,
+                                           scale=self.attn_scale)[0]
         o = o.view(hp.n_head_kv, hp.n_group, n, hp.head_dim).permute(2, 0, 1, 3)
         return o.reshape(n, hp.n_head * hp.head_dim)

@@ -1,13 +1,24 @@
-"""Model hyper-parameters read from GGUF metadata (`{arch}.*` keys)."""
+"""Model hyper-parameters read from GGUF metadata (`{arch}.*` keys).
+
+Gemma 3 interleaves sliding-window layers (local attention over the last `n_swa` positions,
+their own RoPE base) with global ones; the per-layer pattern and the constants llama.cpp fixes
+in code rather than metadata (local base 10000, pattern 6, the 27B attention scale) are
+resolved here once, so the forward and the KV pools only read fields.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import gguf
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+
+# llama.cpp hard-codes these for gemma3 (llama-model.cpp, LLM_ARCH_GEMMA3)
+GEMMA3_SWA_PATTERN = 6  # every 6th layer is global
+GEMMA3_ROPE_BASE_SWA = 10000.0
 
 
 class UnsupportedModelError(ValueError):
@@ -35,12 +46,49 @@ class HParams:
     rms_eps: float
     rope_base: float
     rope_neox: bool  # True: half-split rotation (after un-permuting llama Q/K at load)
-    rope_scale_linear: float  # positions are divided by this (1.0 = no scaling)
+    rope_scale_linear: float  # positions are divided by this (1.0 = no scaling; global layers)
     name: str
+    n_swa: int = 0  # sliding window in positions (0: every layer attends to the whole context)
+    swa_layers: tuple[bool, ...] = ()  # per layer, True = sliding; () = all False
+    rope_base_swa: float = 0.0  # RoPE base of the sliding layers (0: rope_base)
+    embd_scale: float = 1.0  # token embeddings are multiplied by this (gemma: sqrt(n_embd))
+    act: str = "silu"  # gate activation of the FFN: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    attn_scale: float = 0.0  # softmax scale of q.k (0: 1/sqrt(head_dim), what SDPA defaults to)
+
+    def __post_init__(self) -> None:
+        """Fill the defaults that depend on other fields, so hand-built HParams (tests) of
+        full-attention models need not spell them out."""
+        if not self.swa_layers:
+            object.__setattr__(self, "swa_layers", (False,) * self.n_layer)
+        if self.rope_base_swa <= 0:
+            object.__setattr__(self, "rope_base_swa", self.rope_base)
+        if len(self.swa_layers) != self.n_layer:
+            raise ValueError(f"swa_layers has {len(self.swa_layers)} entries for "
+                             f"{self.n_layer} layers")
+        if any(self.swa_layers) and self.n_swa <= 0:
+            raise ValueError("sliding layers need a window n_swa > 0")
+        if self.act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unknown FFN activation {self.act!r}")
 
     @property
     def n_group(self) -> int:
         return self.n_head // self.n_head_kv
+
+    @property
+    def n_layer_swa(self) -> int:
+        """Layers with sliding-window attention (their K/V may live in a window-sized cache)."""
+        return sum(self.swa_layers)
+
+    @property
+    def n_layer_full(self) -> int:
+        """Layers attending to the whole context."""
+        return self.n_layer - self.n_layer_swa
+
+    def cache_index(self, li: int) -> int:
+        """Layer `li`'s index among the layers of its kind: its row in a split cache, which
+        holds only the global (or only the sliding) layers."""
+        kind = self.swa_layers[li]
+        return sum(1 for s in self.swa_layers[:li] if s == kind)
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> HParams:
@@ -70,9 +118,13 @@ class HParams:
             scale = factor
         else:
             raise UnsupportedModelError(f"unsupported rope scaling type {scaling_type!r}")
+        n_layer = int(get("block_count"))
+        extra: dict[str, Any] = {}
+        if arch == "gemma3":
+            extra = _gemma3(get, n_layer, n_embd, n_head, head_dim)
         return cls(
             arch=arch,
-            n_layer=int(get("block_count")),
+            n_layer=n_layer,
             n_embd=n_embd,
             n_ff=int(get("feed_forward_length")),
             n_head=n_head,
@@ -85,4 +137,37 @@ class HParams:
             rope_neox=True,
             rope_scale_linear=scale,
             name=str(field_value(reader, "general.name", arch)),
+            **extra,
         )
+
+
+def _gemma3(get: Callable[..., Any], n_layer: int, n_embd: int, n_head: int,
+            head_dim: int) -> dict[str, Any]:
+    """Gemma 3's fields beyond llama's, as llama.cpp resolves them (LLM_ARCH_GEMMA3 in
+    llama-model.cpp; HF's Gemma3TextConfig agrees for the sizes it can load from a GGUF)."""
+    cap = float(get("final_logit_softcapping", 0.0, required=False) or 0.0)
+    if cap:  # Gemma 3 has none (Gemma 2 had); the output head does not implement it
+        raise UnsupportedModelError(f"final logit softcapping ({cap}) is not supported")
+    n_swa = int(get("attention.sliding_window", 0, required=False) or 0)
+    pattern = get("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN, required=False)
+    if n_swa <= 0:
+        swa: tuple[bool, ...] = (False,) * n_layer
+    elif isinstance(pattern, (list, tuple)):  # per-layer flags, as newer converters write
+        if len(pattern) != n_layer:
+            raise UnsupportedModelError(f"sliding_window_pattern has {len(pattern)} entries "
+                                        f"for {n_layer} layers")
+        swa = tuple(bool(x) for x in pattern)
+    else:  # llama.cpp's set_swa_pattern(n): the last layer of every n is global
+        n = int(pattern)
+        swa = tuple(n == 0 or il % n < n - 1 for il in range(n_layer))
+    # gemma_pytorch's query_pre_attn_scalar: n_embd / n_head for the 27B (62 layers), else
+    # head_dim (llama.cpp keys the rule on the layer count too)
+    scale = (n_embd // n_head) ** -0.5 if n_layer == 62 else head_dim ** -0.5
+    return dict(
+        n_swa=n_swa if any(swa) else 0,
+        swa_layers=swa,
+        rope_base_swa=float(get("rope.freq_base_swa", GEMMA3_ROPE_BASE_SWA, required=False)),
+        embd_scale=float(n_embd) ** 0.5,
+        act="gelu_tanh",
+        attn_scale=scale,
+    )

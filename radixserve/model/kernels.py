@@ -114,9 +114,9 @@ class Kernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         seqs: list[Any] = [i32, p, p, p, p, i32, i32, i32, f32, p, p, i64]  # n_seq .. work
-        self._attn = lib.attn_causal_bf16
+        self._attn = lib.attn_causal_win_bf16
         self._attn.restype = i32
-        self._attn.argtypes = [p, p, p, i64, *seqs]
+        self._attn.argtypes = [p, p, p, i64, *seqs[:5], p, i64, *seqs[5:]]  # + pos0, window
         self._step_attn = lib.attn_step_bf16
         self._step_attn.restype = i32
         self._step_attn.argtypes = [p, p, p, p, p, i64, p, *seqs]
@@ -173,23 +173,31 @@ class Kernels:
         return self.attend_causal(q, k, v, cells)
 
     def attend_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      cells: slice | torch.Tensor) -> torch.Tensor:
+                      cells: slice | torch.Tensor, *, window: int = 0,
+                      pos0: int = 0) -> torch.Tensor:
         """q [n, n_head, d] rotated queries of a sequence's last n cells, whose K/V are already
         in k, v (one layer of the pool [n_head_kv, n_cells, d]); cells the sequence's cells in
-        position order (a run or an int64 index); query i sees the first len - n + i + 1 of
-        them -> [n, n_head * d]. Bitwise the same whatever n is (decode_attn.c's blocks)."""
+        position order (a run or an int64 index), entry j at position pos0 + j; query i (at
+        position p = pos0 + len - n + i) sees the entries at positions k <= p, and with
+        window > 0 only those with p - window < k -> [n, n_head * d]. Bitwise the same whatever
+        n is and however many older entries precede a query's window (decode_attn.c's blocks,
+        aligned to absolute positions)."""
         n_kv, n_cells, d, g = self._pool_args(k, v, q.shape[1])
         idx, c0, length = _cells_arg(cells, n_cells)
         n = q.shape[0]
         if not (q.dtype == torch.bfloat16 and q.is_contiguous() and q.dim() == 3
                 and q.shape[2] == d and 1 <= n <= length):
             raise ValueError("attention needs contiguous bf16 queries [n <= cells, n_head, d]")
-        work = self._scratch(max(length, n_cells), n, n_kv, g, d)
+        if not (0 <= window < 2**62 and 0 <= pos0 < 2**62):
+            raise ValueError(f"attention needs window >= 0 and pos0 >= 0 ({window}, {pos0})")
+        # the scratch holds the blocks the list spans: from its first block's start
+        work = self._scratch(max(length + pos0 % ATTN_BLOCK, n_cells), n, n_kv, g, d)
         out = torch.empty(n, q.shape[1] * d, dtype=torch.bfloat16)
         arr = ctypes.c_int64 * 1
         rc = self._attn(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), 1,
-                        (ctypes.c_void_p * 1)(idx), arr(c0), arr(length), arr(n), n_kv, g, d,
-                        d**-0.5, out.data_ptr(), work.data_ptr(), work.numel())
+                        (ctypes.c_void_p * 1)(idx), arr(c0), arr(length), arr(n), arr(pos0),
+                        window, n_kv, g, d, d**-0.5, out.data_ptr(), work.data_ptr(),
+                        work.numel())
         if rc != 0:
             raise ValueError(f"attention kernel refused g={g} d={d} n={n} of {length} (rc {rc})")
         return out
@@ -332,6 +340,7 @@ class Q4Matrix:
 
 
 BF16_PANEL = 32  # output rows per panel of bf16_gemm.c's layout
+ATTN_BLOCK = 256  # positions a block of decode_attn.c's attention (its BLOCK)
 
 
 class Bf16Matrix:

@@ -66,6 +66,12 @@ class Model:
         return self.transformer.rope
 
     @property
+    def rope_swa(self) -> Rope:
+        """The sliding layers' RoPE (their own base): what re-rotates their cache on a K-shift;
+        the same object as `rope` for models without sliding layers."""
+        return self.transformer.rope_swa
+
+    @property
     def name(self) -> str:
         return os.path.basename(self.path)
 

@@ -3,6 +3,9 @@
 GGUF `llama` Q/K weights are un-permuted at load (model/weights.py), so one rotation serves
 llama, qwen2 and qwen3. The same function re-rotates cached K when positions shift (seq_add):
 rotations compose, so rotating by `delta` moves a key from position p to p + delta.
+
+Gemma 3's sliding-window layers rotate with their own base (10000) and no position scaling,
+its global layers with the file's base and linear scaling: one Rope each (`base`, `scale`).
 """
 
 from __future__ import annotations
@@ -13,13 +16,17 @@ from radixserve.model.hparams import HParams
 
 
 class Rope:
-    def __init__(self, hp: HParams, freq_factors: torch.Tensor | None = None) -> None:
+    def __init__(self, hp: HParams, freq_factors: torch.Tensor | None = None,
+                 base: float | None = None, scale: float | None = None) -> None:
+        """`base` / `scale` default to the model's (global layers'): hp.rope_base and
+        hp.rope_scale_linear."""
         half = hp.head_dim // 2
-        inv = 1.0 / (hp.rope_base ** (torch.arange(0, half, dtype=torch.float64) * 2 / hp.head_dim))
+        base = hp.rope_base if base is None else base
+        inv = 1.0 / (base ** (torch.arange(0, half, dtype=torch.float64) * 2 / hp.head_dim))
         if freq_factors is not None:
             inv = inv / freq_factors.to(torch.float64)
         self.inv_freq = inv.to(torch.float32)
-        self.scale = hp.rope_scale_linear
+        self.scale = hp.rope_scale_linear if scale is None else scale
         self.half = half
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

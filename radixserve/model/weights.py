@@ -37,12 +37,15 @@ log = logging.getLogger(__name__)
 class LayerWeights:
     attn_norm: torch.Tensor
     wqkv: Linear  # [(n_head + 2 n_head_kv) * head_dim, n_embd], q/k/v biases included (qwen2)
-    q_norm: torch.Tensor | None  # qwen3 per-head RMS norm
+    q_norm: torch.Tensor | None  # qwen3 / gemma3 per-head RMS norm
     k_norm: torch.Tensor | None
     wo: Linear
     ffn_norm: torch.Tensor
     w_gate_up: Linear  # [2 * n_ff, n_embd]
     w_down: Linear
+    # gemma3: RMS norms of the attention and FFN outputs before their residual adds
+    post_attn_norm: torch.Tensor | None = None
+    post_ffn_norm: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -126,22 +129,29 @@ def load_weights(reader: gguf.GGUFReader, hp: HParams, dtype: torch.dtype,
                  packed: bool = False) -> ModelWeights:
     ld = _Loader(reader, dtype, packed)
     perm_q, perm_k = (hp.n_head, hp.n_head_kv) if hp.arch == "llama" else (None, None)
+    qk_norm = hp.arch in ("qwen3", "gemma3")
+    post_norms = hp.arch == "gemma3"
     layers = []
     for i in range(hp.n_layer):
         p = f"blk.{i}."
         biases = [ld.array(p + f"attn_{n}.bias", required=False) for n in "qkv"]
         if any(b is not None for b in biases) and any(b is None for b in biases):
             raise UnsupportedModelError(f"layer {i}: only some of the q/k/v biases are present")
+        # llama.cpp's converter already adds gemma's +1 to its norm weights: plain RMSNorms
         layers.append(LayerWeights(
             attn_norm=ld.torch(p + "attn_norm.weight", f32=True),
             wqkv=ld.linear([p + f"attn_{n}.weight" for n in "qkv"], [perm_q, perm_k, None],
                            None if biases[0] is None else biases),
-            q_norm=ld.torch(p + "attn_q_norm.weight", hp.arch == "qwen3", f32=True),
-            k_norm=ld.torch(p + "attn_k_norm.weight", hp.arch == "qwen3", f32=True),
+            q_norm=ld.torch(p + "attn_q_norm.weight", qk_norm, f32=True),
+            k_norm=ld.torch(p + "attn_k_norm.weight", qk_norm, f32=True),
             wo=ld.linear([p + "attn_output.weight"], [None]),
             ffn_norm=ld.torch(p + "ffn_norm.weight", f32=True),
             w_gate_up=ld.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], [None, None]),
             w_down=ld.linear([p + "ffn_down.weight"], [None]),
+            post_attn_norm=ld.torch(p + "post_attention_norm.weight", post_norms, f32=True)
+            if post_norms else None,
+            post_ffn_norm=ld.torch(p + "post_ffw_norm.weight", post_norms, f32=True)
+            if post_norms else None,
         ))
     out = ld.torch("output.weight", required=False, f32=True)
     if out is None:

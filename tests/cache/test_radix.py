@@ -268,7 +268,7 @@ def test_failed_copy_out_leaves_cache_unchanged(monkeypatch: pytest.MonkeyPatch)
     cache.save(pool, 0, [1, 2, 3])
     before = snapshot(cache.tree)
 
-    def fail(pool: KVPool, cells: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def fail(pool: KVPool, seq: int, p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise MemoryError("injected")
 
     monkeypatch.setattr(radix, "_copy_out", fail)

@@ -160,6 +160,109 @@ def test_attend_causal_generic_path_is_bitwise_invariant(kern, threads, d):
     assert torch.equal(chunk, alone)
 
 
+def windowed_f32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int,
+                 window: int) -> torch.Tensor:
+    """Reference: f32 math on the bf16 inputs; keys k/v [n_kv, L, d] at positions pos0 ..
+    pos0 + L - 1, queries q [n, H, d] the last n of them; a query at p sees keys at k <= p, and
+    with window > 0 only those with p - window < k (llama.cpp's SWA mask) -> [n, H * d]."""
+    n, heads, d = q.shape
+    n_kv, length, _ = k.shape
+    kk = k.float().repeat_interleave(heads // n_kv, 0)
+    vv = v.float().repeat_interleave(heads // n_kv, 0)
+    s = torch.einsum("nhd,hld->hnl", q.float(), kk) * d**-0.5
+    kpos = pos0 + torch.arange(length)[None, :]
+    qpos = pos0 + torch.arange(length - n, length)[:, None]
+    seen = kpos <= qpos
+    if window > 0:
+        seen &= kpos > qpos - window
+    p = torch.softmax(s.masked_fill(~seen, -torch.inf), -1)
+    return torch.einsum("hnl,hld->nhd", p, vv).reshape(n, -1)
+
+
+# (n_kv, group, head_dim): Gemma 3's (1, 4, 256) and others, the AVX-512 path (d 64) and the
+# generic one (d 256)
+WINDOW_SHAPES = [(1, 4, 256), (2, 3, 256), (1, 4, 64), (2, 3, 64)]
+
+
+@pytest.mark.parametrize("n_kv,g,d", WINDOW_SHAPES)
+def test_windowed_attend_causal_matches_torch(kern, n_kv, g, d):
+    """Sliding windows (and window 0) over lists that start at position 0 or elsewhere and
+    cross 256-position blocks are within two bf16 steps of the largest output of f32 math;
+    window 1 gives each query its own value row exactly."""
+    gen = torch.Generator().manual_seed(10 * d + g)
+    n_cells = 1100
+    pk = (torch.randn(n_kv, n_cells, d, generator=gen) * 2).to(BF)
+    pv = torch.randn(n_kv, n_cells, d, generator=gen).to(BF)
+    # (list length, queries, pos0)
+    for length, n, pos0 in ((1, 1, 0), (257, 257, 0), (700, 300, 37), (513, 64, 256),
+                            (600, 5, 700), (255, 20, 1)):
+        q = (torch.randn(n, n_kv * g, d, generator=gen) * 2).to(BF)
+        perm = torch.randperm(n_cells, generator=gen)[:length]
+        for cells in (slice(100, 100 + length), perm):
+            k, v = pk[:, cells], pv[:, cells]
+            for window in (0, 1, 7, 256, 300, 512):
+                ref = windowed_f32(q, k, v, pos0, window)
+                got = kern.attend_causal(q, pk, pv, cells, window=window, pos0=pos0).float()
+                err = (got - ref).abs().max().item()
+                assert err <= 2**-7 * ref.abs().max().item(), (length, n, pos0, window, err)
+                if window == 1:
+                    own = v[:, length - n :].repeat_interleave(g, 0).transpose(0, 1)
+                    assert torch.equal(got, own.reshape(n, -1).float())
+
+
+@pytest.mark.parametrize("d,g", [(64, 4), (256, 4), (256, 3)])
+@pytest.mark.parametrize("window", [7, 300, 512])
+def test_windowed_attend_causal_is_bitwise_invariant(kern, threads, d, g, window):
+    """With a window a query's bits depend on its window alone: the same with older entries
+    dropped from the list (pos0 moved on), in chunks of 1, 7 or 64 queries (blocks spread
+    over the threads, or queries) or all at once, with the other thread count; and a window
+    that reaches past the list's start gives window 0's bits."""
+    gen = torch.Generator().manual_seed(d + g + window)
+    n_kv, n_cells, length, n, pos0 = 1, 1300, 1200, 200, 37
+    pk = torch.randn(n_kv, n_cells, d, generator=gen).to(BF)
+    pv = torch.randn(n_kv, n_cells, d, generator=gen).to(BF)
+    q = (torch.randn(n, n_kv * g, d, generator=gen) * 2).to(BF)
+    cells = torch.randperm(n_cells, generator=gen)[:length]
+    full = kern.attend_causal(q, pk, pv, cells, window=window, pos0=pos0)
+    torch.set_num_threads(3 - threads)
+    try:
+        # older entries dropped: every query's window still inside the list
+        for keep in (window + n - 1, window + n + 4, window + n + 300):
+            got = kern.attend_causal(q, pk, pv, cells[length - keep :], window=window,
+                                     pos0=pos0 + length - keep)
+            assert torch.equal(got, full), keep
+        # the last 6 queries over only the last window + 5 entries
+        got = kern.attend_causal(q[n - 6 :].contiguous(), pk, pv, cells[-window - 5 :],
+                                 window=window, pos0=pos0 + length - window - 5)
+        assert torch.equal(got, full[n - 6 :])
+        # chunks, each over its own list: from the sequence's start, or from its first window
+        for chunk in (1, 7, 64):
+            parts = []
+            for lo in range(0, n, chunk):
+                hi = min(n, lo + chunk)
+                end = length - n + hi  # the list ends with this chunk's last query
+                start = 0 if lo % 2 else max(0, end - (hi - lo) - window + 1)
+                parts.append(kern.attend_causal(q[lo:hi].contiguous(), pk, pv,
+                                                cells[start:end], window=window,
+                                                pos0=pos0 + start))
+            assert torch.equal(torch.cat(parts), full), chunk
+    finally:
+        torch.set_num_threads(threads)
+    # a window wider than the list is plain causal attention, bit for bit
+    wide = kern.attend_causal(q, pk, pv, cells[:300], window=10**6)
+    assert torch.equal(wide, kern.attend_causal(q, pk, pv, cells[:300]))
+    assert torch.equal(wide, kern.attend_causal(q, pk, pv, cells[:300], window=0, pos0=0))
+
+
+def test_windowed_attend_causal_refuses_negative_window_or_position(kern):
+    pk = torch.zeros(1, 32, 64, dtype=BF)
+    q = torch.zeros(1, 4, 64, dtype=BF)
+    with pytest.raises(ValueError):
+        kern.attend_causal(q, pk, pk, slice(0, 4), window=-1)
+    with pytest.raises(ValueError):
+        kern.attend_causal(q, pk, pk, slice(0, 4), pos0=-3)
+
+
 HP = HParams(arch="llama", n_layer=2, n_embd=64, n_ff=64, n_head=9, n_head_kv=3, head_dim=64,
              n_vocab=100, n_ctx_train=4096, rms_eps=1e-5, rope_base=10000.0, rope_neox=True,
              rope_scale_linear=1.0, name="t")

@@ -2,10 +2,14 @@
  * way whatever shares the call, so that a token's output depends on its tokens alone.
  *
  * Why fixed blocks: a query's keys (its sequence's cells in position order, up to itself) are
- * cut into blocks of BLOCK list entries counted from the start of the list. Each (query, KV
- * head, block) gives one partial softmax (max, sum, acc[d]) for the g query heads of that KV
- * head (one K/V row load serves the whole group), and the partials are merged in block order.
- * The blocks, and so every rounding, depend only on the query's position in its list: not on
+ * cut into blocks of BLOCK positions, boundaries at absolute positions that are multiples of
+ * BLOCK (a list's first entry has position pos0, 0 unless given). Each (query, KV head, block)
+ * gives one partial softmax (max, sum, acc[d]) for the g query heads of that KV head (one K/V
+ * row load serves the whole group), and the partials are merged in block order. With a sliding
+ * window w > 0 a query at position p sees only positions p - w < k <= p: the keys before that
+ * are skipped outright (not read, not in any block's max), and blocks with no visible key are
+ * not computed, so the query's bits do not depend on how many older keys the list holds.
+ * The blocks, and so every rounding, depend only on the query's position (and window): not on
  * the thread count (the old kernel split the context across the threads), not on how many
  * tokens share the chunk (a prefill chunk's queries and a decode step's query run this same
  * code), not on the batch. Which thread computes an item changes nothing, so the work is
@@ -21,7 +25,8 @@
  * Layout: q [T, n_kv * g, d] bf16 (query heads of KV head h are rows h*g .. h*g+g-1);
  * k, v: KV head h starts at h * head_stride elements, cell c at row c (d elements);
  * a sequence's cells: len cell indices, or NULL for the run c0 .. c0+len-1, its n_new queries
- * being the last n_new of them (rows of q in sequence order); out [T, n_kv * g, d] bf16;
+ * being the last n_new of them (rows of q in sequence order), pos0 the position of its first
+ * entry (positions contiguous; NULL: every list starts at 0); out [T, n_kv * g, d] bf16;
  * work: attn_work_floats(longest list, T, n_kv, g, d) floats of scratch.
  */
 #include <math.h>
@@ -229,7 +234,7 @@ static void attend_share(const uint16_t *q, const uint16_t *kh, const uint16_t *
 #define ONE_COPY __attribute__((noipa))
 #endif
 
-#define BLOCK 256 /* list entries a block; boundaries at multiples of it from the list start */
+#define BLOCK 256 /* positions a block; boundaries at absolute positions, multiples of it */
 #define SSTRIDE (BLOCK + 16) /* a score row: a block, the odd key's zero partner, 64-byte rows */
 #define FLAT 4 /* below FLAT items (query, KV head) a thread, blocks are items of their own */
 
@@ -252,7 +257,8 @@ static int64_t need_floats(int64_t max_len, int64_t n_tok, int n_kv, int g, int 
     return 16 + q + nt * thread_floats(nb, g, d) + shared;
 }
 
-/* Scratch for a call whose longest cell list is max_len, with n_tok queries in all. */
+/* Scratch for a call whose longest cell list is max_len (counted from the start of the block
+ * its first entry is in: len + pos0 % BLOCK), with n_tok queries in all. */
 int64_t attn_work_floats(int64_t max_len, int64_t n_tok, int n_kv, int g, int d) {
     return need_floats(max_len, n_tok, n_kv, g, d, omp_get_max_threads(), 1);
 }
@@ -308,19 +314,42 @@ static int seq_of(const int64_t *n_new, int64_t t, int64_t *i) {
     return s;
 }
 
+/* What query i of a sequence (len entries from position p0, its n_new queries the last) sees:
+ * positions [first, p] (p its own, first > p - window when window > 0), in the blocks first /
+ * BLOCK .. p / BLOCK; returns that block count. */
+typedef struct { int64_t p0, first, p; } span_t;
+static int64_t span_of(int64_t p0, int64_t len, int64_t n_new, int64_t i, int64_t window,
+                       span_t *sp) {
+    int64_t p = p0 + len - n_new + i, first = p0;
+    if (window > 0 && p - window + 1 > first) first = p - window + 1;
+    sp->p0 = p0;
+    sp->first = first;
+    sp->p = p;
+    return p / BLOCK - first / BLOCK + 1;
+}
+
+/* Block b (0 the first) of a span -> its list entries [*j0, *j1), never empty. */
+static void block_of(const span_t *sp, int64_t b, int64_t *j0, int64_t *j1) {
+    int64_t lo = (sp->first / BLOCK + b) * BLOCK, hi = lo + BLOCK;
+    *j0 = (lo > sp->first ? lo : sp->first) - sp->p0;
+    *j1 = (hi < sp->p + 1 ? hi : sp->p + 1) - sp->p0;
+}
+
 /* attn_causal_bf16, with, when qkv is given, the step's RoPE and K/V store first (q is then
  * the rotated rows, kept in the scratch). */
 static int run(const uint16_t *qkv, const float *cos, const float *sin, const int64_t *dst,
                const uint16_t *q, uint16_t *k, uint16_t *v, int64_t head_stride, int n_seq,
                const int64_t *const *cells, const int64_t *c0, const int64_t *len,
-               const int64_t *n_new, int n_kv, int g, int d, float scale, uint16_t *out,
-               float *work, int64_t work_floats) {
-    if (g < 1 || g > MAXG || d < 2 || d > MAXD || d % 2 || n_kv < 1 || n_seq < 1) return -1;
-    int64_t n_tok = 0, max_len = 0;
+               const int64_t *n_new, const int64_t *pos0, int64_t window, int n_kv, int g,
+               int d, float scale, uint16_t *out, float *work, int64_t work_floats) {
+    if (g < 1 || g > MAXG || d < 2 || d > MAXD || d % 2 || n_kv < 1 || n_seq < 1 || window < 0)
+        return -1;
+    int64_t n_tok = 0, max_len = 0; /* max_len: counted from its first block's start */
     for (int s = 0; s < n_seq; s++) {
-        if (n_new[s] < 1 || n_new[s] > len[s]) return -1;
+        int64_t p0 = pos0 ? pos0[s] : 0;
+        if (n_new[s] < 1 || n_new[s] > len[s] || p0 < 0 || p0 > INT64_MAX / 2) return -1;
         n_tok += n_new[s];
-        max_len = len[s] > max_len ? len[s] : max_len;
+        max_len = len[s] + p0 % BLOCK > max_len ? len[s] + p0 % BLOCK : max_len;
     }
     int nt = omp_get_max_threads(), nh = n_kv * g, use_flat = flat(n_tok, n_kv, nt);
     if (need_floats(max_len, n_tok, n_kv, g, d, nt, qkv != NULL) > work_floats) return -2;
@@ -355,35 +384,37 @@ static int run(const uint16_t *qkv, const float *cos, const float *sin, const in
 #pragma omp for schedule(dynamic) collapse(2)
             for (int64_t p = 0; p < n_items; p++)
                 for (int64_t b = 0; b < nb; b++) {
-                    int64_t t = p % n_tok, h = p / n_tok, i;
+                    int64_t t = p % n_tok, h = p / n_tok, i, j0, j1;
                     int sq = seq_of(n_new, t, &i);
-                    int64_t vis = len[sq] - n_new[sq] + i + 1, j0 = b * BLOCK;
-                    if (j0 >= vis) continue;
+                    span_t sp;
+                    if (b >= span_of(pos0 ? pos0[sq] : 0, len[sq], n_new[sq], i, window, &sp))
+                        continue;
+                    block_of(&sp, b, &j0, &j1);
                     attend_block(q + (t * nh + h * g) * d, k + h * head_stride,
-                                 v + h * head_stride, cells[sq], c0[sq], j0,
-                                 j0 + BLOCK < vis ? j0 + BLOCK : vis, g, d, scale, s,
-                                 shared + p * pf + b * gd);
+                                 v + h * head_stride, cells[sq], c0[sq], j0, j1, g, d, scale,
+                                 s, shared + p * pf + b * gd);
                 }
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < n_items; p++) {
                 int64_t t = p % n_tok, h = p / n_tok, i;
                 int sq = seq_of(n_new, t, &i);
-                merge_blocks(shared + p * pf, n_blocks(len[sq] - n_new[sq] + i + 1), g, d,
-                             out + (t * nh + h * g) * d);
+                span_t sp;
+                int64_t nbq = span_of(pos0 ? pos0[sq] : 0, len[sq], n_new[sq], i, window, &sp);
+                merge_blocks(shared + p * pf, nbq, g, d, out + (t * nh + h * g) * d);
             }
         } else {
             /* consecutive items are neighbouring queries of one KV head: K/V stay in cache */
 #pragma omp for schedule(dynamic)
             for (int64_t p = 0; p < n_items; p++) {
-                int64_t t = p % n_tok, h = p / n_tok, i;
+                int64_t t = p % n_tok, h = p / n_tok, i, j0, j1;
                 int sq = seq_of(n_new, t, &i);
-                int64_t vis = len[sq] - n_new[sq] + i + 1, nbq = n_blocks(vis);
+                span_t sp;
+                int64_t nbq = span_of(pos0 ? pos0[sq] : 0, len[sq], n_new[sq], i, window, &sp);
                 for (int64_t b = 0; b < nbq; b++) {
-                    int64_t j0 = b * BLOCK;
+                    block_of(&sp, b, &j0, &j1);
                     attend_block(q + (t * nh + h * g) * d, k + h * head_stride,
-                                 v + h * head_stride, cells[sq], c0[sq], j0,
-                                 j0 + BLOCK < vis ? j0 + BLOCK : vis, g, d, scale, s,
-                                 mine + b * gd);
+                                 v + h * head_stride, cells[sq], c0[sq], j0, j1, g, d, scale,
+                                 s, mine + b * gd);
                 }
                 merge_blocks(mine, nbq, g, d, out + (t * nh + h * g) * d);
             }
@@ -399,7 +430,20 @@ int attn_causal_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                      const int64_t *c0, const int64_t *len, const int64_t *n_new, int n_kv, int g,
                      int d, float scale, uint16_t *out, float *work, int64_t work_floats) {
     return run(NULL, NULL, NULL, NULL, q, (uint16_t *)k, (uint16_t *)v, head_stride, n_seq,
-               cells, c0, len, n_new, n_kv, g, d, scale, out, work, work_floats);
+               cells, c0, len, n_new, NULL, 0, n_kv, g, d, scale, out, work, work_floats);
+}
+
+/* attn_causal_bf16 with positions and a sliding window: pos0[s] the position of sequence s's
+ * first entry (NULL: 0), window > 0 the window (a query at p sees p - window < k <= p), 0
+ * plain causal; -1 also for a negative window or position. pos0 NULL and window 0 give
+ * attn_causal_bf16's bits. */
+int attn_causal_win_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                         int64_t head_stride, int n_seq, const int64_t *const *cells,
+                         const int64_t *c0, const int64_t *len, const int64_t *n_new,
+                         const int64_t *pos0, int64_t window, int n_kv, int g, int d,
+                         float scale, uint16_t *out, float *work, int64_t work_floats) {
+    return run(NULL, NULL, NULL, NULL, q, (uint16_t *)k, (uint16_t *)v, head_stride, n_seq,
+               cells, c0, len, n_new, pos0, window, n_kv, g, d, scale, out, work, work_floats);
 }
 
 /* A layer of a step, from the fused projection rows to the attention outputs: qkv [T, (n_kv g
@@ -411,6 +455,6 @@ int attn_step_bf16(const uint16_t *qkv, const float *cos, const float *sin, uint
                    const int64_t *const *cells, const int64_t *c0, const int64_t *len,
                    const int64_t *n_new, int n_kv, int g, int d, float scale, uint16_t *out,
                    float *work, int64_t work_floats) {
-    return run(qkv, cos, sin, dst, NULL, k, v, head_stride, n_seq, cells, c0, len, n_new, n_kv,
-               g, d, scale, out, work, work_floats);
+    return run(qkv, cos, sin, dst, NULL, k, v, head_stride, n_seq, cells, c0, len, n_new, NULL,
+               0, n_kv, g, d, scale, out, work, work_floats);
 }

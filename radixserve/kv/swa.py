@@ -1,0 +1,129 @@
+"""Sliding-window KV (llama.cpp's `llama_kv_cache_iswa`): the global layers' cells in the pool
+itself, the sliding layers' in a second, smaller pool (`swa`) that keeps only the window.
+
+A sliding layer's query at position p reads keys at positions p - n_swa < k <= p only, so once
+a sequence's last position is P, keys at P - n_swa and before can never be read again: `prune`
+drops them (llama.cpp keeps exactly the last n_swa positions). The sliding pool therefore needs
+n_swa cells per sequence plus one forward's new tokens, however long the context: memory bound
+by window x slots, which is the point of the layout (`--swa-full` keeps full-size caches
+instead: one plain pool for every layer, the window applied by the attention mask).
+
+The price: a prefix whose window has gone cannot be reused from the slot as it stands (the
+sliding layers lack the keys before its end); a context checkpoint (kv/checkpoint.py) or a host
+tier that kept every token (the radix tree) supplies them.
+
+Sequence operations fan out to both pools. Allocation does not: a forward reserves cells in
+both (`alloc_step`), a restore writes each part where it belongs (kv/state.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.kv.pool import KVPool, OutOfCells, Rotate
+from radixserve.model.loader import Model
+
+PAD = 256  # llama.cpp pads cache sizes to 256 cells
+
+
+def _pad(n: int) -> int:
+    return (n + PAD - 1) // PAD * PAD
+
+
+class SWAPool(KVPool):
+    def __init__(self, n_layer: int, n_layer_swa: int, n_head_kv: int, head_dim: int,
+                 n_cells: int, n_seq: int, unified: bool, dtype: torch.dtype, rotate: Rotate,
+                 rotate_swa: Rotate, n_swa: int, n_step: int,
+                 device: str | torch.device = "cpu") -> None:
+        """`n_layer` global layers in `n_cells` cells; `n_layer_swa` sliding layers in
+        n_swa cells per sequence plus `n_step` (the most new tokens one forward holds), never
+        more than the global part (llama.cpp's size_swa)."""
+        super().__init__(n_layer, n_head_kv, head_dim, n_cells, n_seq, unified, dtype, rotate,
+                         device)
+        per_part = n_swa * (n_seq if unified else 1) + n_step
+        n_part = 1 if unified else n_seq
+        n_swa_cells = min(self.n_cells, _pad(per_part) * n_part)
+        self.swa = KVPool(n_layer_swa, n_head_kv, head_dim, n_swa_cells, n_seq, unified, dtype,
+                          rotate_swa, device)
+        self.n_swa = n_swa
+
+    # -- sizes -------------------------------------------------------------------------------
+    def n_free_for(self, seq: int) -> int:
+        return min(super().n_free_for(seq), self.swa.n_free_for(seq))
+
+    def n_reclaimable(self, seq: int) -> int:
+        return min(super().n_reclaimable(seq), self.swa.n_reclaimable(seq))
+
+    def swa_pos_min(self, seq: int) -> int:
+        """The oldest position the sliding layers hold for `seq` (-1: none)."""
+        pos = self.swa.seqs[seq].by_pos
+        return min(pos) if pos else -1
+
+    # -- the window --------------------------------------------------------------------------
+    def prune(self, seq: int) -> None:
+        """Drop the sliding cells no later query of `seq` can read."""
+        pos_max = self.seq_pos_max(seq)
+        if pos_max >= self.n_swa:
+            self.swa.seq_rm(seq, 0, pos_max - self.n_swa + 1)
+
+    def window_start(self, seq: int) -> int:
+        """First position `prune` would keep now (positions before it go)."""
+        return max(0, self.seq_pos_max(seq) - self.n_swa + 1)
+
+    # -- fan-out of llama.cpp's sequence operations --------------------------------------------
+    def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
+        super().seq_rm(seq, p0, p1)
+        self.swa.seq_rm(seq, p0, p1)
+
+    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        """Both parts or neither (a partition without room for the sliding copy)."""
+        super().seq_cp(src, dst, p0, p1)
+        try:
+            self.swa.seq_cp(src, dst, p0, p1)
+        except OutOfCells:
+            super().seq_rm(dst, p0, p1)
+            raise
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        super().seq_add(seq, p0, p1, delta)
+        self.swa.seq_add(seq, p0, p1, delta)
+
+    def check(self) -> None:
+        super().check()
+        self.swa.check()
+
+
+def alloc_step(pool: KVPool, seq: int, positions: list[int]) -> list[int]:
+    """Cells for a forward's new tokens of `seq`, in both parts of a sliding-window pool (all or
+    nothing); returns the global part's cells (`cells_at` finds the sliding ones)."""
+    cells = pool.alloc(seq, positions)
+    if isinstance(pool, SWAPool):
+        try:
+            pool.swa.alloc(seq, positions)
+        except Exception:
+            KVPool.seq_rm(pool, seq, positions[0], positions[-1] + 1)
+            raise
+    return cells
+
+
+def make_pool(n_layer: int, swa_layers: tuple[bool, ...], n_swa: int, swa_full: bool,
+              n_head_kv: int, head_dim: int, n_cells: int, n_seq: int, unified: bool,
+              dtype: torch.dtype, rotate: Rotate, rotate_swa: Rotate, n_step: int,
+              device: str | torch.device = "cpu") -> KVPool:
+    """The pool a model needs: a plain one for full attention (or `--swa-full`), else the
+    two-part sliding-window pool."""
+    n_layer_swa = sum(swa_layers)
+    if n_swa <= 0 or n_layer_swa == 0 or swa_full:
+        return KVPool(n_layer, n_head_kv, head_dim, n_cells, n_seq, unified, dtype, rotate,
+                      device)
+    return SWAPool(n_layer - n_layer_swa, n_layer_swa, n_head_kv, head_dim, n_cells, n_seq,
+                   unified, dtype, rotate, rotate_swa, n_swa, n_step, device)
+
+
+def model_pool(model: Model, n_cells: int, n_seq: int, unified: bool, n_step: int,
+               swa_full: bool = False) -> KVPool:
+    """`make_pool` for a loaded model; `n_step`: the most new tokens one forward holds."""
+    hp = model.hp
+    return make_pool(hp.n_layer, hp.swa_layers, hp.n_swa, swa_full, hp.n_head_kv, hp.head_dim,
+                     n_cells, n_seq, unified, model.dtype, model.rope.rotate,
+                     model.rope_swa.rotate, n_step, model.device)
