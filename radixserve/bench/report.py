@@ -73,6 +73,34 @@ def markdown_table(modes: dict[str, dict[str, Any]]) -> str:
     return "\n".join([head, sep, *rows])
 
 
+def _tok(v: Any) -> str:
+    """A median token count: whole, else one decimal (a median between two counts)."""
+    return _num(v, ".0f" if v is None or float(v).is_integer() else ".1f")
+
+
+def turn_table(modes: dict[str, dict[str, Any]]) -> str | None:
+    """Multi-turn scenarios: one row per turn, per mode the medians of prompt tokens computed /
+    reused (`prompt_n` / `cache_n`) and TTFT over that turn's requests (then over repeats).
+    None when no mode has per-turn figures."""
+    per = {m: f["by_turn"] for m, f in modes.items() if f.get("by_turn")}
+    if not per:
+        return None
+    # summary.json round trips turn numbers as strings
+    turns = sorted({int(t) for bt in per.values() for t in bt})
+    head = "| turn | " + " | ".join(f"{m} computed / reused | {m} TTFT p50 ms"
+                                    for m in per) + " |"
+    sep = "| ---: | " + " | ".join("---: | ---:" for _ in per) + " |"
+    rows = []
+    for t in turns:
+        cells = []
+        for bt in per.values():
+            f = bt.get(t, bt.get(str(t), {}))
+            tokens = f"{_tok(f.get('prompt_n_p50'))} / {_tok(f.get('cache_n_p50'))}"
+            cells += [tokens, _num(f.get("ttft_p50_ms"), ".1f")]
+        rows.append(f"| {t} | " + " | ".join(cells) + " |")
+    return "\n".join([head, sep, *rows])
+
+
 def host_ratio(modes: dict[str, dict[str, Any]]) -> float | None:
     """radix's host bytes over legacy's (medians), when both ran: issue #5 wants <= 1/3."""
     radix, legacy = (modes.get(m, {}).get("host_cache_mib") for m in ("radix", "legacy"))
@@ -90,6 +118,11 @@ def markdown_report(summary: Summary, results: list[dict[str, Any]],
         if descriptions and descriptions.get(scenario):
             out += [descriptions[scenario], ""]
         out += [markdown_table(modes), ""]
+        turns = turn_table(modes)
+        if turns is not None:
+            out += ["Per turn (medians over the turn's requests, then over repeats; prompt "
+                    "tokens computed / reused are `timings.prompt_n` / `cache_n`):", "",
+                    turns, ""]
         for m, f in modes.items():
             groups = f.get("hit_rate_by_group")
             if groups:

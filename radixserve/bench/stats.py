@@ -153,6 +153,9 @@ def summarize_run(records: list[RequestRecord], wall_s: float) -> dict[str, Any]
         "prompt_tokens_reused": reused,
         "hit_rate": hit_rate(reused, computed),
     }
+    by_turn = turn_figures(ok)
+    if len(by_turn) > 1:  # multi-turn sessions: how each turn fares as the history grows
+        out["by_turn"] = by_turn
     groups = sorted({r.group for r in ok})
     if len(groups) > 1:
         out["hit_rate_by_group"] = {
@@ -161,6 +164,20 @@ def summarize_run(records: list[RequestRecord], wall_s: float) -> dict[str, Any]
             for g in groups
         }
     return out
+
+
+def turn_figures(records: Iterable[RequestRecord]) -> dict[int, dict[str, Any]]:
+    """Per turn (1-based) of multi-turn sessions: requests, and medians over the turn's
+    requests of prompt tokens computed (`prompt_n`), reused (`cache_n`) and TTFT."""
+    turns: dict[int, list[RequestRecord]] = {}
+    for r in records:
+        turns.setdefault(r.turn + 1, []).append(r)
+    return {t: {"n": len(rs),
+                "prompt_n_p50": median_of(r.prompt_n for r in rs),
+                "cache_n_p50": median_of(r.cache_n for r in rs),
+                "ttft_p50_ms": median_of(None if r.ttft_s is None else 1e3 * r.ttft_s
+                                         for r in rs)}
+            for t, rs in sorted(turns.items())}
 
 
 def median_of(values: Iterable[Any]) -> Any:

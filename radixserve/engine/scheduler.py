@@ -14,11 +14,13 @@ shifted KV is dropped when the task ends, never reused), and n_cmpl > 1 children
 until their parent's prompt is computed and then take its cells (prefix_plan's `prefer`).
 
 Sliding-window models (kv/swa.py) add llama-server's context checkpoints: before a prompt
-chunk near the prompt's end the slot's sliding KV is copied (`SlotKV.take_checkpoint`), and the
-chunking leaves the last n_ubatch + 4 and the last 4 prompt tokens to chunks of their own so
-those checkpoints land close to the end. After each step the window drops what no later token
-reads; with the radix host tier it first saves what the tree lacks (write-through: the tree
-keeps every layer of every token, so it can serve any prefix later).
+chunk that starts a user message (chat prompts) or lies near the prompt's end, the slot's
+sliding KV is copied (`SlotKV.take_checkpoint`), and the chunking ends chunks before user
+messages and leaves the last n_ubatch + 4 and the last 4 prompt tokens to chunks of their own
+so those checkpoints land where a later prompt is likely to diverge. After each step the
+window drops what no later token reads; with the radix host tier it first saves what the tree
+lacks (write-through: the tree keeps every layer of every token, so it can serve any prefix
+later).
 """
 
 from __future__ import annotations
@@ -332,12 +334,10 @@ class Scheduler:
             p0, p1 = s.todo[0]
             if s.kv.n_free() == 0 and not batch:  # nothing else can run: clearing alone helps
                 self.try_clear_idle_slots()
-            take = self._cut(len(s.prompt), p0, min(p1 - p0, room, s.kv.n_free()), s.kv)
-            near_end = len(s.prompt) < p0 + take + self.cfg.ubatch_size
-            if take > 0 and s.kv.n_checkpoints and p0 == len(s.kv) and near_end:
-                if s.kv.take_checkpoint(s.task.id) is not None:
-                    self.metrics.checkpoints_created_total += 1
-                    self._count_checkpoints()
+            take = min(p1 - p0, room, s.kv.n_free())
+            if take > 0 and s.kv.n_checkpoints:
+                take = self._cut(s, p0, take)
+                self._checkpoint(s, p0, take)
             step = self._reserve(s, p0, take) if take > 0 else None
             if step is None:
                 starved.append(s)
@@ -351,16 +351,38 @@ class Scheduler:
             return self._schedule()
         return batch
 
-    def _cut(self, n_prompt: int, p0: int, take: int, kv: SlotKV) -> int:
-        """llama-server's chunk breaks for checkpoints: the last min(n_batch, n_ubatch + 4) and
-        the last min(n_batch, 4) prompt tokens start chunks of their own."""
-        if not kv.n_checkpoints:
-            return take
+    def _cut(self, s: Slot, p0: int, take: int) -> int:
+        """llama-server's chunk breaks for checkpoints: a chunk ends before a user message's
+        start (the last one's, or any one when there is no checkpoint yet or it lies
+        checkpoint_min_step past the last), and the last min(n_batch, n_ubatch + 4) and the
+        last min(n_batch, 4) prompt tokens start chunks of their own."""
+        n, cks, step = len(s.prompt), s.kv.checkpoints, self.cfg.checkpoint_min_step
+        starts = s.task.user_starts
+        for u in starts:
+            if p0 < u < p0 + take and (u == starts[-1] or not cks
+                                       or u > cks[-1].n_tokens + step):
+                return u - p0
         for n_last in (min(self.cfg.batch_size, self.cfg.ubatch_size + 4),
                        min(self.cfg.batch_size, 4)):
-            if p0 < n_prompt - n_last < p0 + take:
-                return n_prompt - n_last - p0
+            if p0 < n - n_last < p0 + take:
+                return n - n_last - p0
         return take
+
+    def _checkpoint(self, s: Slot, p0: int, take: int) -> None:
+        """llama-server's do_checkpoint, before the chunk [p0, p0 + take) runs: at a user
+        message's start or near the prompt's end, spaced checkpoint_min_step apart unless at
+        the last user message or near the end."""
+        kv, starts = s.kv, s.task.user_starts
+        near_end = len(s.prompt) < p0 + take + self.cfg.ubatch_size
+        if p0 != len(kv) or not (near_end or p0 in starts):
+            return
+        cks = kv.checkpoints
+        if not (not cks or near_end or (starts and p0 == starts[-1])
+                or p0 > cks[-1].n_tokens + self.cfg.checkpoint_min_step):
+            return
+        if kv.take_checkpoint(s.task.id) is not None:
+            self.metrics.checkpoints_created_total += 1
+            self._count_checkpoints()
 
     def _slide(self, s: Slot) -> None:
         """The step is committed: drop the sliding KV no later token reads, first saving into

@@ -57,6 +57,9 @@ class CompletionTask:
     parent: CompletionTask | None = None
     # a compiled llguidance grammar (model/grammar.py) constraining the output, or None
     grammar: str | None = None
+    # chat prompts: token positions where a user message starts (llama-server's message spans):
+    # sliding-window models take context checkpoints there
+    user_starts: tuple[int, ...] = ()
     id: int = -1  # assigned by the engine
 
 

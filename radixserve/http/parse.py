@@ -499,4 +499,18 @@ def parse_chat(body: Any, ctx: ParseContext) -> ParsedRequest:
             raise invalid_request(f"Field 'tools': {e}") from None
     parsed = build_task(req, tokens, n_probs, ctx, grammar=grammar)
     parsed.chat_output = plan.output
+    starts = user_starts(tokens, ctx.chat_template, ctx.tokenizer)
+    for t in parsed.tasks:
+        t.user_starts = starts
     return parsed
+
+
+def user_starts(tokens: list[int], template: ChatTemplate, tok: Tokenizer) -> tuple[int, ...]:
+    """Where the template's user-message opening occurs in the prompt's tokens (llama-server's
+    `find_message_spans`: the delimiter tokenized alone, searched for)."""
+    delim = tok.encode(template.user_start, add_special=False, parse_special=True)
+    if not delim:
+        return ()
+    n, first = len(delim), delim[0]
+    return tuple(i for i, t in enumerate(tokens)
+                 if t == first and tokens[i : i + n] == delim)

@@ -122,6 +122,27 @@ class ChatTemplate:
             self._template = _make_env().from_string(template)
         except jinja2.TemplateError as e:
             raise ValueError(f"invalid chat template: {e}") from e
+        self._user_start: str | None = None
+
+    @property
+    def user_start(self) -> str:
+        """The text that opens a user message after an assistant turn ("<|im_start|>user\n"),
+        found by rendering a conversation with and without a last user message (llama.cpp's
+        autoparser finds its message delimiters by such differential renders); "" when the
+        template does not render that way. Context checkpoints are taken where it starts."""
+        if self._user_start is None:
+            self._user_start = ""
+            turn = [{"role": "user", "content": "RXU1"}, {"role": "assistant", "content": "RXA1"}]
+            try:
+                head = self.render(turn, add_generation_prompt=False)
+                full = self.render([*turn, {"role": "user", "content": "RXU2"}],
+                                   add_generation_prompt=False)
+            except ValueError:
+                return ""
+            at = full.find("RXU2", len(head))
+            if full.startswith(head) and at > len(head):
+                self._user_start = full[len(head) : at]
+        return self._user_start
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader, tokenizer: Tokenizer) -> ChatTemplate:

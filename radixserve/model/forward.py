@@ -175,7 +175,7 @@ class Transformer:
         hp = self.hp
         split = k_swa is not None and hp.n_layer_swa > 0
         if split:
-            assert v_swa is not None
+            assert k_swa is not None and v_swa is not None
             if k_cache.shape[0] != hp.n_layer_full or k_swa.shape[0] != hp.n_layer_swa:
                 raise ValueError(f"split caches need {hp.n_layer_full} global and "
                                  f"{hp.n_layer_swa} sliding layers, got {k_cache.shape[0]} "
@@ -346,6 +346,7 @@ class Transformer:
         a token's bits do not depend on chunking, batching or how much of the window's past a
         cache still holds); the rest torch's SDPA over the plan's cells and mask."""
         if plan.tail and self.own_attention:
+            assert self.kern is not None
             return self.kern.attend_causal(q.contiguous(), kl, vl, plan.cells,
                                            window=plan.window, pos0=plan.pos0)
         return self._attend(q, kl[:, plan.cells], vl[:, plan.cells], plan.mask)

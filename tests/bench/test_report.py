@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from radixserve.bench.report import (
     COLUMNS,
     host_ratio,
     markdown_report,
     summarize,
+    turn_table,
     write_report,
 )
+from radixserve.bench.stats import RequestRecord, summarize_run
 
 
 def _run(scenario: str, mode: str, repeat: int, hit: float, ttft: float) -> dict:
@@ -85,3 +89,44 @@ def test_issue5_lines_bound_and_host_ratio() -> None:
     assert "- legacy: prompt tokens computed 50, bound 60" in md
     assert "- no-cache: prompt tokens computed" not in md  # computes everything by design
     assert host_ratio(summarize(runs[:1] + runs[2:])["s"]) is None  # no legacy run
+
+
+def _turn_run(mode: str, repeat: int, ttft_scale: float) -> dict:
+    """Two conversations x 2 turns: turn 1 computes the prompt, turn 2 reuses the history."""
+    recs = [RequestRecord(f"c{c}", "chat", t, 0.0, 1.0, ttft_s=ttft_scale * (t + 1) * (c + 1),
+                          prompt_n=(100 + 10 * c) if t == 0 else 20 + c,
+                          cache_n=0 if t == 0 else 100 + c)
+            for c in range(2) for t in range(2)]
+    recs.append(RequestRecord("c2", "chat", 1, 0.0, 1.0, error="HTTP 500"))  # not counted
+    return {"scenario": "chat", "mode": mode, "repeat": repeat,
+            "figures": summarize_run(recs, wall_s=2.0)}
+
+
+def test_turn_table_per_turn_medians() -> None:
+    runs = [_turn_run("legacy", k, 0.1 * (k + 1)) for k in range(3)] + [_turn_run("radix", 0, 0.1)]
+    s = summarize(runs)
+    # per run: the medians over the turn's requests; over repeats: their medians
+    assert s["chat"]["legacy"]["by_turn"][1] == {
+        "n": 2, "prompt_n_p50": 105, "cache_n_p50": 0, "ttft_p50_ms": pytest.approx(300.0)}
+    assert s["chat"]["radix"]["by_turn"][2]["prompt_n_p50"] == 20.5
+    table = turn_table(s["chat"])
+    assert table is not None
+    lines = table.splitlines()
+    assert lines[0] == ("| turn | legacy computed / reused | legacy TTFT p50 ms "
+                        "| radix computed / reused | radix TTFT p50 ms |")
+    assert lines[2] == "| 1 | 105 / 0 | 300.0 | 105 / 0 | 150.0 |"
+    # turn 2: a median between two requests' counts keeps its half
+    assert lines[3] == "| 2 | 20.5 / 100.5 | 600.0 | 20.5 / 100.5 | 300.0 |"
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+    # summary.json's turn keys are strings: the same table
+    again = json.loads(json.dumps(s))["chat"]
+    assert turn_table(again) == table
+    md = markdown_report(s, runs)
+    assert table in md and "Per turn" in md
+
+
+def test_turn_table_absent_for_single_turn_scenarios() -> None:
+    s = summarize(RESULTS)
+    assert all("by_turn" not in f for modes in s.values() for f in modes.values())
+    assert turn_table(s["s1"]) is None
+    assert "Per turn" not in markdown_report(s, RESULTS)

@@ -241,3 +241,19 @@ def test_broken_checkpoint_appendix_keeps_the_main_state(model: Model, ref: Ref,
         if i % 10 == 0:  # the next prompt is still right, checkpoints or not
             check_run(s, ref, [edit(P(2, 1))])
     assert kept == {0, 1, 2}
+
+
+def test_checkpoint_at_the_last_user_message(model: Model, ref: Ref, monkeypatch):
+    """Chat prompts carry their user messages' starts: chunks end there and checkpoints are
+    taken there (llama-server's message spans), so a new last message reuses all before it."""
+    rec = Recorder(monkeypatch)
+    s = sched(model, cache_ram_mib=0)
+    first = DOCS[0] + QS[0] + QS[1]  # "system" 0..59, a user turn 60..65, the last 66..71
+    task = greedy(first)
+    task.user_starts = (0, 60, 66)
+    want = ref.run(first)
+    assert drive(s, [task])[0] == want
+    assert [c.n_tokens for c in s.slots[0].kv.checkpoints] == [60, 66, 68]
+    check_run(s, ref, [DOCS[0] + QS[0] + QS[2]])
+    ck = rec.plans[-1].checkpoint
+    assert ck is not None and ck.n_tokens == 66 and rec.plans[-1].n_reused == 66

@@ -23,16 +23,22 @@ def convo_schedule(seed: int, n_convs: int, turns: int, vocab: tuple[int, int] =
             for c, t in order]
 
 
+def complete(url: str, prompt: list[int], n_predict: int, cache_prompt: bool = True,
+             timeout: float = 120) -> dict:
+    """One greedy /completion of a token prompt (EOS ignored), its tokens returned."""
+    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "ignore_eos": True,
+            "return_tokens": True, "cache_prompt": cache_prompt}
+    r = httpx.post(url + "/completion", json=body, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def run_convos(url: str, schedule, cache_prompt: bool = True, n_predict: int = 8) -> list[dict]:
     history: dict[int, list[int]] = {}
     out = []
     for conv, _turn, new in schedule:
         prompt = history.get(conv, []) + new
-        body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "ignore_eos": True,
-                "return_tokens": True, "cache_prompt": cache_prompt}
-        r = httpx.post(url + "/completion", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        res = r.json()
+        res = complete(url, prompt, n_predict, cache_prompt)
         history[conv] = prompt + res["tokens"]
         out.append(res)
     return out
@@ -48,7 +54,7 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def metrics(url: str) -> dict[str, float]:
-    return parse_metrics(httpx.get(url + "/metrics").text)
+    return parse_metrics(httpx.get(url + "/metrics", timeout=60).text)
 
 
 @pytest.fixture(scope="module")

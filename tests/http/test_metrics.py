@@ -32,13 +32,15 @@ def _samples(text: bytes) -> dict[str, float]:
 def test_names_types_and_help_match_llama_server() -> None:
     ref_path = SHAPES / "metrics.txt"
     ref = _families(ref_path.read_bytes())
-    ours = _families(render_metrics(ServerMetrics(), {}))
+    ours = {n: f for n, f in _families(render_metrics(ServerMetrics(), {})).items()
+            if n.startswith("llamacpp:")}
     assert set(ref) == set(ours)
     for name, (kind, doc) in ref.items():
         # n_tokens_max: prometheus_client cannot type a counter without `_total`; a gauge.
         expected_kind = "gauge" if name == "llamacpp:n_tokens_max" else kind
         assert ours[name] == (expected_kind, doc), name
-    assert set(_samples(render_metrics(ServerMetrics(), {}))) == set(ref)
+    assert {n for n in _samples(render_metrics(ServerMetrics(), {}))
+            if n.startswith("llamacpp:")} == set(ref)
 
 
 def test_values_after_engine_events() -> None:
@@ -100,3 +102,16 @@ def test_output_parses_with_prometheus_client() -> None:
     names = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
     assert "llamacpp:prompt_tokens_total" in names
     assert "radixserve:nodes" in names
+
+
+def test_checkpoint_figures_are_radixserve_families() -> None:
+    m = ServerMetrics(checkpoints=3, checkpoint_bytes=4096, checkpoints_created_total=5,
+                      checkpoints_restored_total=2)
+    text = render_metrics(m, {})
+    fam = _families(text)
+    assert fam["radixserve:checkpoints"][0] == "gauge"
+    assert fam["radixserve:checkpoints_restored_total"][0] == "counter"
+    s = _samples(text)
+    assert (s["radixserve:checkpoints"], s["radixserve:checkpoint_bytes"]) == (3, 4096)
+    assert s["radixserve:checkpoints_created_total"] == 5
+    assert s["radixserve:checkpoints_restored_total"] == 2

@@ -192,3 +192,11 @@ def test_gguf_template_is_used(tmp_path: Path) -> None:
     )
     t = ChatTemplate.from_gguf(reader, Tokenizer(GGUFVocab.from_gguf(reader)))
     assert t.render([{"role": "user", "content": "hi"}]) == "<s>hi</s>"
+
+
+def test_user_start_is_found_by_differential_renders():
+    assert ChatTemplate(CHATML_TEMPLATE).user_start == "<|im_start|>user\n"
+    gemma = ("{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
+             "else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}")
+    assert ChatTemplate(gemma).user_start == "<start_of_turn>user\n"
+    assert ChatTemplate("{{ messages[-1]['content'] }}").user_start == ""  # no turns
