@@ -144,7 +144,7 @@ def plan_prefix(slot: Slot, prompt: list[int], donors: list[Slot], host: PromptC
                  kv.seq, n_lcp)
     source, n_src, donor = Source.OWN, n_own, None
     if host is not None:
-        n_host = host.match(kv.pool, kv.seq, list(kv.tokens), prompt)
+        n_host = host.match(kv.pool, kv.seq, kv.offered(prompt), prompt)
         if n_host > n_src:
             source, n_src = Source.HOST, n_host
     n_best = 0

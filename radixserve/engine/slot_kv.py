@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
-from radixserve.cache.base import PromptCache
+from radixserve.cache.base import PromptCache, common_prefix
 from radixserve.kv.checkpoint import Checkpoint, seal, unseal
 from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.kv.state import (Fingerprint, get_swa_state, parse_swa_state, set_swa_state,
@@ -146,6 +146,16 @@ class SlotKV:
                 best, m_best = ck, m
         return m_best, best
 
+    def offered(self, prompt: Sequence[int]) -> list[int]:
+        """The tokens this slot offers a host cache as its own for `prompt`: all of them, but
+        with a sliding window only the prefix it can reuse (a cache must not decline to restore
+        what the window has dropped)."""
+        if self.swa is None:
+            return list(self._tokens)
+        want = min(common_prefix(self._tokens, prompt), len(prompt) - 1)
+        n = self.usable_prefix(want)[0]
+        return list(self._tokens) if n == want else list(self._tokens[:n])
+
     def keep_prefix(self, n: int, ck: Checkpoint | None) -> bool:
         """Keep the first `n` tokens, restoring `ck`'s sliding KV first when given (`n` and
         `ck` from `usable_prefix`); checkpoints past what is kept go, as llama.cpp erases those
@@ -252,7 +262,7 @@ class SlotKV:
         """Let the host cache write its best prefix of `prompt`; False if it had none better
         (slot untouched) or the restore failed (slot emptied: the caller plans again)."""
         cks: list[Checkpoint] = []
-        loaded = cache.load(self.pool, self.seq, list(self._tokens), prompt, cks)
+        loaded = cache.load(self.pool, self.seq, self.offered(prompt), prompt, cks)
         if loaded is None:
             return False
         self._tokens, self._ahead = list(loaded), []

@@ -257,3 +257,15 @@ def test_checkpoint_at_the_last_user_message(model: Model, ref: Ref, monkeypatch
     check_run(s, ref, [DOCS[0] + QS[0] + QS[2]])
     ck = rec.plans[-1].checkpoint
     assert ck is not None and ck.n_tokens == 66 and rec.plans[-1].n_reused == 66
+
+
+def test_radix_serves_what_the_slot_window_dropped(model: Model, ref: Ref, monkeypatch):
+    """The slot shares a prefix with the prompt but its window has left it and no checkpoint
+    covers it: the radix tree (which the slot's own tokens do not outbid) restores it."""
+    rec = Recorder(monkeypatch)
+    s = sched(model, ctx_checkpoints=0)
+    check_run(s, ref, [P(1, 0)])
+    rec.plans.clear()
+    check_run(s, ref, [DOCS[1][:30] + QS[2]])
+    host = [sp.p1 - sp.p0 for p in rec.plans for sp in p.spans if sp.source is Source.HOST]
+    assert host == [30]
