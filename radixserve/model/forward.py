@@ -142,7 +142,6 @@ class Transformer:
         # our attention kernel scales by 1/sqrt(head_dim): a model with another scale (Gemma 3
         # 27B) attends with torch's SDPA (see _attend_plan)
         self.torch_attention = hp.attn_scale not in (0.0, hp.head_dim ** -0.5)
-        self.own_attention = self.kern is not None and not self.torch_attention
         # the fused C step knows llama's layer only (SwiGLU, no q/k or output norms)
         self.fused_layers = (hp.act == "silu" and hp.embd_scale == 1.0
                              and all(lw.q_norm is None and lw.post_attn_norm is None
@@ -158,6 +157,11 @@ class Transformer:
         self.attn_scale = hp.attn_scale or None  # None: SDPA's own 1/sqrt(head_dim)
         self.q_dim = hp.n_head * hp.head_dim
         self.kv_dim = hp.n_head_kv * hp.head_dim
+
+    @property
+    def own_attention(self) -> bool:
+        """Attention runs our kernel (bf16 with the kernels built, the kernel's scale)."""
+        return self.kern is not None and not self.torch_attention
 
     @torch.inference_mode()
     def hidden(self, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: list[SeqStep],
