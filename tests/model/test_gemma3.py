@@ -202,7 +202,7 @@ def test_tiny_gemma3_matches_hf_across_the_window(tiny_gemma3: str):
     tr = make_transformer(tiny_gemma3)
     hp = tr.hp
     assert hp.arch == "gemma3" and hp.n_swa == 16 and hp.head_dim == 16
-    assert hp.swa_layers == (True,) * 5 + (False,) and tr.torch_attention
+    assert hp.swa_layers == (True,) * 5 + (False,) and not tr.torch_attention
     # HF's Gemma3 scales q.k by query_pre_attn_scalar ** -0.5, 256 unless the config says
     # otherwise (the GGUF has no key for it); llama.cpp and we use head_dim (16 here)
     ref = hf_model(tiny_gemma3, query_pre_attn_scalar=hp.head_dim)
