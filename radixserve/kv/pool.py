@@ -105,8 +105,10 @@ class KVPool:
         return len(self.seqs[seq].by_pos)
 
     def seq_pos_max(self, seq: int) -> int:
-        s = self.seqs[seq]
-        return max(s.by_pos) if s.by_pos else -1
+        """The last position of `seq` (-1: none); O(1) while it grows by appends (every step
+        asks, through the sliding window's prune)."""
+        pos = self._ordered(seq).order_pos
+        return pos[-1] if pos else -1
 
     def seq_positions(self, seq: int) -> list[int]:
         return list(self._ordered(seq).order_pos)

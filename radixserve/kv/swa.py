@@ -56,8 +56,8 @@ class SWAPool(KVPool):
 
     def swa_pos_min(self, seq: int) -> int:
         """The oldest position the sliding layers hold for `seq` (-1: none)."""
-        pos = self.swa.seqs[seq].by_pos
-        return min(pos) if pos else -1
+        pos = self.swa.seq_positions(seq)
+        return pos[0] if pos else -1
 
     # -- the window --------------------------------------------------------------------------
     def prune(self, seq: int) -> None:
