@@ -14,6 +14,61 @@ from radixserve.model.sampling import SamplingParams
 DTYPES = ("auto", "f32", "bf16", "f16")
 WEIGHTS = ("auto", "native", "dequant")
 DETERMINISTIC = ("auto", "on", "off")
+SPEC_TYPES = ("draft-simple", "ngram-simple", "ngram-mod")  # the --spec-type values served
+
+
+@dataclass(slots=True)
+class SpecConfig:
+    """Speculative decoding: llama-server's `--spec-*` settings (per request: `speculative.*`).
+
+    `types` lists the drafters in the order they are tried (llama.cpp's --spec-type list; empty:
+    off). draft-simple needs a draft model (`draft_model`); the n-gram ones need none.
+    """
+
+    types: list[str] = field(default_factory=list)
+    draft_model: str | None = None  # -md: a GGUF with the target's vocabulary
+    n_max: int = 3  # --spec-draft-n-max: tokens a draft model proposes per step
+    n_min: int = 0  # --spec-draft-n-min: shorter drafts are dropped
+    p_min: float = 0.0  # --spec-draft-p-min: stop drafting below this draft probability
+    ngram_simple_size_n: int = 12  # --spec-ngram-simple-size-n: lookup n-gram
+    ngram_simple_size_m: int = 48  # --spec-ngram-simple-size-m: tokens drafted after a match
+    ngram_simple_min_hits: int = 1  # --spec-ngram-simple-min-hits
+    ngram_mod_n_min: int = 48  # --spec-ngram-mod-n-min: shorter drafts are dropped
+    ngram_mod_n_max: int = 64  # --spec-ngram-mod-n-max
+    ngram_mod_n_match: int = 24  # --spec-ngram-mod-n-match: hashed lookup length
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.types)
+
+    def params_json(self) -> dict[str, object]:
+        """The speculative fields of a task's `params` (/props, /slots, responses):
+        "speculative.types" is llama.cpp's comma list ("none" when off); while speculation is
+        on, n_max/n_min/p_min too, as older llama-servers showed them (off, the object keeps
+        exactly today's llama-server keys)."""
+        if not self.types:
+            return {"speculative.types": "none"}
+        return {"speculative.types": ",".join(self.types), "speculative.n_max": self.n_max,
+                "speculative.n_min": self.n_min, "speculative.p_min": self.p_min}
+
+    def validate(self) -> None:
+        bad = [t for t in self.types if t not in SPEC_TYPES]
+        if bad:
+            raise ValueError(f"--spec-type: {', '.join(bad)} not supported; this server "
+                             f"drafts with {', '.join(SPEC_TYPES)} (or none)")
+        if "draft-simple" in self.types and not self.draft_model:
+            raise ValueError("--spec-type draft-simple needs a draft model (-md FNAME)")
+        if self.draft_model and "draft-simple" not in self.types:
+            self.types.insert(0, "draft-simple")  # llama-server: -md alone turns it on
+        for name in ("n_max", "n_min", "ngram_simple_size_n", "ngram_simple_size_m",
+                     "ngram_simple_min_hits", "ngram_mod_n_min", "ngram_mod_n_max",
+                     "ngram_mod_n_match"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--spec-{name.replace('_', '-')} must be >= 0")
+        if self.ngram_simple_size_n < 1 or self.ngram_mod_n_match < 1:
+            raise ValueError("n-gram lookup sizes must be >= 1")
+        if not 0.0 <= self.p_min <= 1.0:
+            raise ValueError(f"--spec-draft-p-min must be within [0, 1], got {self.p_min}")
 
 
 @dataclass(slots=True)
@@ -88,6 +143,8 @@ class ServerConfig:
     swa_full: bool = False  # --swa-full: full-size caches for sliding layers too
     ctx_checkpoints: int = 32  # -ctxcp: context checkpoints per slot, 0 = none
     checkpoint_min_step: int = 8192  # -cms: tokens between two checkpoints of a prompt
+    # speculative decoding (issue 17)
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     def validate(self) -> None:
         """Reject settings that cannot work, with a message naming the flag."""
@@ -127,5 +184,6 @@ class ServerConfig:
         if not 1 <= self.port <= 65535 and not all(
                 h.strip().endswith(".sock") for h in self.host.split(",")):
             raise ValueError(f"--port must be within 1..65535, got {self.port}")
+        self.spec.validate()
         if self.cache_ram_mib < -1:
             raise ValueError("--cache-ram must be -1 (no limit), 0 (off) or a size in MiB")

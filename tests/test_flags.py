@@ -89,7 +89,8 @@ def sample(f: Flag, tmp: Path) -> list[str]:
         "-ctk": "f16", "-ctv": "bf16", "-fa": "on", "-lm": "mmap", "-lzm": "on",
         "--numa": "distribute", "-sm": "row", "-fit": "off", "--log-colors": "off",
         "-ngl": "99", "--spec-draft-ngl": "all", "-rea": "off", "--reasoning-format": "none",
-        "--reasoning-budget": "-1", "--reasoning-effort": "high", "--spec-type": "none",
+        "--reasoning-budget": "-1", "--reasoning-effort": "high", "--spec-type": "ngram-simple",
+        "--spec-draft-n-max": "5", "--spec-draft-p-min": "0.5", "--spec-draft-model": "d.gguf",
         "--samplers": "top_k;temperature", "--sampler-seq": "kt", "-l": "15043+1",
         "--chat-template": "chatml", "--chat-template-file": str(tmpl),
         "--chat-template-kwargs": '{"a": 1}', "--api-key-file": str(file),
@@ -115,7 +116,6 @@ def sample(f: Flag, tmp: Path) -> list[str]:
 # honored flags whose meaning is what radixserve always does: the config cannot change
 ALWAYS_SO = {
     "--offline": "radixserve never downloads",
-    "--spec-type": "'none' is the only type",
     "--jinja": "templates are always Jinja",
     "-cb": "batching is always continuous",
     "-rea": "'off'/'auto': no reasoning control",
@@ -217,7 +217,7 @@ def test_api_key_sources(tmp_path: Path) -> None:
 @pytest.mark.parametrize("argv, feature", [
     (["-ctk", "q8_0"], "quantized KV caches"),
     (["-ctv", "q9"], "Unsupported cache type"),
-    (["--spec-type", "ngram-simple"], "speculative decoding"),
+    (["--spec-type", "ngram-cache"], "not supported"),
     (["-rea", "on"], "reasoning"),
     (["--reasoning-format", "deepseek-new"], "expected one of"),
     (["--chat-template", "llama3"], "built-in chat template"),

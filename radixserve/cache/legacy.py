@@ -1,7 +1,8 @@
 """llama.cpp's `server_prompt_cache`, rule for rule: whole-sequence states, FIFO eviction.
 
 Each entry is one slot's whole sequence (tokens + state bytes, plus its context checkpoints,
-counted in the entry's size as llama.cpp counts them, and a draft state, empty for now). Hits
+counted in the entry's size as llama.cpp counts them, and a draft model's state of the same
+tokens when there is one, restored together with the target's or not at all). Hits
 are consumed: a loaded entry moves into the slot and leaves the cache. This is what
 llama-server users know, and the baseline the radix backend is measured against. Rules and their reasons: shared/DESIGN.md and seeds/000_*.txt.
 """
@@ -17,7 +18,8 @@ from dataclasses import dataclass, field
 from radixserve.cache.base import common_prefix, stats_dict
 from radixserve.kv.checkpoint import Checkpoint
 from radixserve.kv.pool import KVPool, OutOfCells
-from radixserve.kv.state import Fingerprint, StateError, get_state, set_state, state_size
+from radixserve.kv.state import (Fingerprint, StateError, draft_state_size, get_draft_state,
+                                  get_state, set_draft_state, set_state, state_size)
 
 log = logging.getLogger(__name__)
 MiB = 1024 * 1024
@@ -107,14 +109,17 @@ class LegacyPromptCache:
         if not tokens:
             return False
         t0 = time.perf_counter()
-        size = state_size(pool, seq, self.fp) + sum(c.size for c in checkpoints)
-        log.debug(" - saving prompt with length %d, total state size = %.3f MiB",
-                  len(tokens), size / MiB)
+        n_draft = draft_state_size(pool, seq)
+        size = state_size(pool, seq, self.fp) + n_draft + sum(c.size for c in checkpoints)
+        log.debug(" - saving prompt with length %d, total state size = %.3f MiB (draft: %.3f "
+                  "MiB)", len(tokens), size / MiB, n_draft / MiB)
         entry = self.alloc(tokens, size, checkpoints)
         if entry is None:
             return False
         try:
             entry.data = self._read_state(pool, seq)
+            if pool.draft is not None:
+                entry.draft = get_draft_state(pool, seq)
         except MemoryError as e:
             log.error("failed to allocate memory for prompt cache state: %s", e)
             self.counters["alloc_failures"] += 1
@@ -167,6 +172,15 @@ class LegacyPromptCache:
             log.error("failed to restore state with size %d: %s", len(best.data), e)
             self.counters["load_failures"] += 1
             return None
+        if pool.draft is not None:
+            try:  # the draft part with it, or neither
+                set_draft_state(pool, seq, best.draft)
+            except StateError as e:
+                log.error("failed to restore the draft state with size %d: %s",
+                          len(best.draft), e)
+                pool.seq_rm(seq)
+                self.counters["load_failures"] += 1
+                return []
         self._remove(best, None)  # consumed: the entry now lives in the slot
         self.counters["loads"] += 1
         self.counters["hit_tokens"] += n

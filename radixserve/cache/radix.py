@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from radixserve.kv.checkpoint import Checkpoint
 from radixserve.kv.pool import KVPool
-from radixserve.kv.state import write_rows
+from radixserve.kv.state import write_draft_rows, write_rows
 from radixserve.kv.swa import SWAPool
 
 log = logging.getLogger(__name__)
@@ -40,13 +40,15 @@ class InjectedFault(RuntimeError):
 
 
 def _bytes_per_token(pool: KVPool) -> int:
-    """Host bytes a token takes in the tree (every layer)."""
-    return pool.bytes_per_cell + (pool.swa.bytes_per_cell if isinstance(pool, SWAPool) else 0)
+    """Host bytes a token takes in the tree (every layer, a draft model's too)."""
+    return (pool.bytes_per_cell + (pool.swa.bytes_per_cell if isinstance(pool, SWAPool) else 0)
+            + (pool.draft.bytes_per_cell if pool.draft is not None else 0))
 
 
-def _copy_out(pool: KVPool, seq: int, p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _copy_out(pool: KVPool, seq: int, p0: int, p1: int) -> list[torch.Tensor]:
     """Gather the rows of positions [p0, p1) of every layer (a sliding-window pool's sliding
-    layers after its global ones) into new host tensors; the pool is only read."""
+    layers after its global ones), then a draft model's, into new host tensors; the pool is
+    only read."""
     positions = list(range(p0, p1))
     idx = torch.tensor(pool.cells_at(seq, positions), dtype=torch.long, device=pool.device)
     k, v = pool.k[:, :, idx], pool.v[:, :, idx]
@@ -55,11 +57,12 @@ def _copy_out(pool: KVPool, seq: int, p0: int, p1: int) -> tuple[torch.Tensor, t
                             device=pool.device)
         k = torch.cat([k, pool.swa.k[:, :, sidx]])
         v = torch.cat([v, pool.swa.v[:, :, sidx]])
-    k, v = k.contiguous(), v.contiguous()
+    rows = [k.contiguous(), v.contiguous()]
+    if pool.draft is not None:
+        rows += [pool.draft.k[:, :, idx], pool.draft.v[:, :, idx]]
     if pool.device.type == "cpu":
-        return k, v  # advanced indexing already made fresh tensors
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (k, v)]
-    return host[0].copy_(k), host[1].copy_(v)
+        return rows  # advanced indexing already made fresh tensors
+    return [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in rows]
 
 
 class RadixPromptCache:
@@ -111,8 +114,8 @@ class RadixPromptCache:
             self.skipped += 1
             return False
         try:
-            k, v = _copy_out(pool, seq, m, n)
-            self.tree.insert(tokens, k, v)
+            k, v, *draft = _copy_out(pool, seq, m, n)
+            self.tree.insert(tokens, k, v, tuple(draft))
         except (MemoryError, torch.OutOfMemoryError) as e:
             log.warning("radix save of %d tokens failed (%s); cache unchanged", n, e)
             return False
@@ -231,16 +234,22 @@ class RadixPromptCache:
         n_layer = pool.n_layer + (swa.swa.n_layer if swa is not None else 0)
         lo = 0 if swa is None else max(0, match.length - swa.n_swa)  # the window's first
         want = (n_layer, pool.n_head_kv, pool.head_dim, pool.dtype)
-        for pos0, k, v in match.segments():
+        d = pool.draft
+        want_d = () if d is None else ((d.n_layer, d.n_head_kv, d.head_dim, d.dtype),) * 2
+        for pos0, (k, v, *draft) in match.all_rows():
             got = (k.shape[0], k.shape[1], k.shape[3], k.dtype)
-            if got != want or v.shape != k.shape:
+            got_d = tuple((t.shape[0], t.shape[1], t.shape[3], t.dtype) for t in draft)
+            if got != want or v.shape != k.shape or got_d != want_d:
                 raise ValueError(
-                    f"segment at position {pos0} has rows {tuple(k.shape)} {k.dtype}; "
-                    f"the pool wants {want}"
+                    f"segment at position {pos0} has rows {tuple(k.shape)} {k.dtype} (draft "
+                    f"{got_d}); the pool wants {want} (draft {want_d})"
                 )
             n = k.shape[2] if fault is None else min(k.shape[2], fault - written)
             g = pool.n_layer
-            write_rows(pool, seq, list(range(pos0, pos0 + n)), k[:g, :, :n], v[:g, :, :n])
+            positions = list(range(pos0, pos0 + n))
+            write_rows(pool, seq, positions, k[:g, :, :n], v[:g, :, :n])
+            if draft:
+                write_draft_rows(pool, seq, positions, draft[0][:, :, :n], draft[1][:, :, :n])
             if swa is not None and pos0 + n > lo:
                 a = max(lo, pos0) - pos0
                 write_rows(swa.swa, seq, list(range(pos0 + a, pos0 + n)), k[g:, :, a:n],

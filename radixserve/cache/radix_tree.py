@@ -40,10 +40,15 @@ class RadixNode:
     lock_ref: int = 0  # restores in progress through this node (locks count up the path)
     last_access: int = 0
     evicted: bool = False
+    # a draft model's K/V rows of the same tokens (speculative decoding), else empty
+    draft: tuple[torch.Tensor, ...] = ()
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + self.v.nbytes + sum(t.nbytes for t in self.draft)
+
+    def rows(self) -> tuple[torch.Tensor, ...]:
+        return (self.k, self.v, *self.draft)
 
 
 @dataclass(slots=True)
@@ -55,10 +60,15 @@ class RadixMatch:
 
     def segments(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(pos0, k rows, v rows) of each matched piece, in position order."""
+        for pos0, rows in self.all_rows():
+            yield pos0, rows[0], rows[1]
+
+    def all_rows(self) -> Iterator[tuple[int, tuple[torch.Tensor, ...]]]:
+        """(pos0, (k, v, draft k, draft v...)) of each matched piece, in position order."""
         for node in self.path:
             pos0 = node.depth - len(node.tokens)
             take = min(len(node.tokens), self.length - pos0)
-            yield pos0, node.k[:, :, :take], node.v[:, :, :take]
+            yield pos0, tuple(t[:, :, :take] for t in node.rows())
 
 
 def _own_rows(t: torch.Tensor) -> torch.Tensor:
@@ -94,17 +104,20 @@ class RadixTree:
             node = child
         return RadixMatch(i, path)
 
-    def insert(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor) -> RadixNode:
-        """Store `tokens` given the rows of the part past `match(tokens)`; returns the end node."""
+    def insert(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor,
+               draft: tuple[torch.Tensor, ...] = ()) -> RadixNode:
+        """Store `tokens` given the rows of the part past `match(tokens)` (and a draft model's
+        rows of it); returns the end node."""
         m = self.match(tokens)
-        if k.shape[2] != len(tokens) - m.length or v.shape != k.shape:
+        if (k.shape[2] != len(tokens) - m.length or v.shape != k.shape
+                or any(t.shape[2] != k.shape[2] for t in draft)):
             need = len(tokens) - m.length
             raise ValueError(f"insert needs rows for {need} tokens, got {tuple(k.shape)}")
         node = m.path[-1] if m.path else self.root
         if node.depth > m.length:
             node = self._split(node, len(node.tokens) - (node.depth - m.length))
         if m.length < len(tokens):
-            leaf = RadixNode(tokens[m.length :], k, v, node, len(tokens))
+            leaf = RadixNode(tokens[m.length :], k, v, node, len(tokens), draft=tuple(draft))
             node.children[leaf.tokens[0]] = leaf
             self.bytes += leaf.nbytes
             self.n_nodes += 1
@@ -168,7 +181,7 @@ class RadixTree:
             assert p is not None and not node.evicted and node.tokens, "detached or empty node"
             assert p.children.get(node.tokens[0]) is node, "child not keyed by its first token"
             assert node.depth == p.depth + len(node.tokens), "depth off"
-            for t in (node.k, node.v):
+            for t in node.rows():
                 assert t.shape[2] == len(node.tokens), "rows do not match the edge's tokens"
                 owned = t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes
                 assert owned, "rows share storage: byte counts would be wrong"
@@ -190,6 +203,8 @@ class RadixTree:
         """Cut `child`'s edge after `at` tokens; the new upper node inherits locks and stamp."""
         head_k, head_v = _own_rows(child.k[:, :, :at]), _own_rows(child.v[:, :, :at])
         tail_k, tail_v = _own_rows(child.k[:, :, at:]), _own_rows(child.v[:, :, at:])
+        head_d = tuple(_own_rows(t[:, :, :at]) for t in child.draft)
+        tail_d = tuple(_own_rows(t[:, :, at:]) for t in child.draft)
         parent = child.parent
         assert parent is not None
         depth = child.depth - len(child.tokens) + at
@@ -201,9 +216,11 @@ class RadixTree:
             depth,
             lock_ref=child.lock_ref,
             last_access=child.last_access,
+            draft=head_d,
         )
         parent.children[mid.tokens[0]] = mid
         child.tokens, child.k, child.v, child.parent = child.tokens[at:], tail_k, tail_v, mid
+        child.draft = tail_d
         mid.children[child.tokens[0]] = child
         self.n_nodes += 1
         return mid
@@ -225,6 +242,7 @@ class RadixTree:
         self.logical_tokens -= leaf.depth
         leaf.evicted, leaf.parent = True, None
         leaf.k = leaf.v = self.root.k  # release the rows now
+        leaf.draft = ()
         if not parent.children and parent is not self.root:
             self._set_terminal(parent)
             self._push_if_evictable(parent)

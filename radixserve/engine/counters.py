@@ -30,6 +30,10 @@ class ServerMetrics:
     checkpoint_bytes: int = 0
     checkpoints_created_total: int = 0
     checkpoints_restored_total: int = 0
+    # speculative decoding (llama-server's spec_decode_* counters)
+    n_draft_tokens_total: int = 0  # draft tokens proposed
+    n_draft_accepted_total: int = 0  # draft tokens the target accepted
+    n_drafts_total: int = 0  # verification steps (forwards that checked a draft)
     # bucket since the last scrape: behind prompt_tokens_seconds / predicted_tokens_seconds
     bucket_prompt_tokens: int = 0
     bucket_prompt_seconds: float = 0.0

@@ -40,6 +40,7 @@ from radixserve.engine.host_tier import HostTier
 from radixserve.engine.prefix_plan import choose_slot, pending_prefill, take_prefix
 from radixserve.engine.slot import Slot, SlotState
 from radixserve.engine.slot_kv import SlotKV
+from radixserve.engine.speculative import Speculator, load_draft
 from radixserve.engine.task import CompletionTask, TaskError
 from radixserve.kv.batch import run, seq_step
 from radixserve.kv.pool import OutOfCells
@@ -75,9 +76,9 @@ def slot_layout(cfg: ServerConfig, n_ctx_train: int) -> tuple[int, int, bool, in
 
 class Scheduler:
     def __init__(self, model: Model, cfg: ServerConfig, metrics: ServerMetrics,
-                 cache: PromptCache | None = None) -> None:
+                 cache: PromptCache | None = None, draft: Model | None = None) -> None:
         """`cache`: a host cache to use instead of the one `cfg` describes (tests inject
-        faults this way)."""
+        faults this way); `draft`: the draft model instead of loading `cfg.spec.draft_model`."""
         self.model, self.cfg, self.metrics = model, cfg, metrics
         self.tok = model.tokenizer
         hp = model.hp
@@ -91,6 +92,19 @@ class Scheduler:
                            self.n_ctx_slot, cfg.context_shift) for i in range(n_slots)]
         self.deferred: deque[tuple[CompletionTask, Emit]] = deque()
         self._next_id = 0
+        self.spec: Speculator | None = None
+        for s in self.slots:
+            s.server_spec = cfg.spec
+        if cfg.spec.enabled:
+            if draft is None:
+                draft = load_draft(cfg, model)
+            self.spec = Speculator(cfg.spec, self.pool, n_slots, self.n_budget, draft)
+            for s in self.slots:
+                s.can_speculate = True
+            if draft is not None:
+                for s in self.slots:
+                    s.kv.sync_draft = self.spec.sync
+            log.info("speculative decoding: %s", ", ".join(cfg.spec.types))
         self.host = HostTier(cfg, self.pool, hp.arch, cache)
         log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = %s",
                  n_slots, self.n_ctx_slot, unified)
@@ -207,6 +221,9 @@ class Scheduler:
         if plan.checkpoint is not None:
             self.metrics.checkpoints_restored_total += 1
         slot.start(task, sampler, emit, plan.todo, plan.n_reused)
+        if self.spec is not None:
+            slot.speculative = bool(self.spec.spec_of(slot).types)
+            self.spec.begin(slot)
         log.info("slot %d: task %d, prompt %d tokens, %d reused", slot.id, task.id,
                  len(prompt), plan.n_reused)
 
@@ -280,6 +297,8 @@ class Scheduler:
             return
         try:
             hidden = run(self.model.transformer, self.pool, [b for _, b in batch])
+            if self.spec is not None:  # the draft model reads what the target read
+                self.spec.follow([(s.kv, b) for s, b in batch])
         except Exception as e:  # noqa: BLE001 - any compute failure fails this batch only
             self._fail_batch([s for s, _ in batch], e)
             return
@@ -296,37 +315,54 @@ class Scheduler:
 
     def _reserve(self, s: Slot, pos0: int, n: int) -> SeqStep | None:
         """Cells for n tokens of `s` at pos0.. (an idle slot is cleared to find them), as the
-        forward's view of the slot; None when even that does not make room."""
+        forward's view of the slot; None when even that does not make room. A generating
+        slot's tokens are its pending one and its draft; cells drafting reserved already
+        are kept."""
         kv = s.kv
-        while True:
-            try:
-                cells = kv.reserve(pos0, n)
-                break
-            except OutOfCells:
-                if not self.try_clear_idle_slots():
-                    return None
         if s.state is SlotState.PROCESSING_PROMPT:
             tokens = s.prompt[pos0 : pos0 + n]
         else:
             assert s.pending is not None
-            tokens = [s.pending]
+            tokens = [s.pending, *s.draft]
+        held = pos0
+        if s.state is SlotState.GENERATING:
+            held = max(pos0, self.pool.seq_pos_max(kv.seq) + 1)
+        while held < pos0 + n:
+            try:
+                kv.reserve(held, pos0 + n - held)
+                break
+            except OutOfCells:
+                if not self.try_clear_idle_slots():
+                    return None
+        cells = self.pool.cells_at(kv.seq, list(range(pos0, pos0 + n)))
         return seq_step(self.pool, kv.seq, tokens, pos0, cells)
 
     def _schedule(self) -> list[tuple[Slot, SeqStep]]:
-        """One decode token per generating slot, then prompt chunks while the budget and the
-        free cells last. A generating slot that cannot get a cell fails (its context cannot
-        grow); a prefilling one waits while others run, and fails only when nothing can."""
+        """One decode token per generating slot (and its draft, speculative decoding), then
+        prompt chunks while the budget and the free cells last. A generating slot that cannot
+        get a cell fails (its context cannot grow); a prefilling one waits while others run,
+        and fails only when nothing can."""
         batch: list[tuple[Slot, SeqStep]] = []
+        gen = []
         for s in self.slots:
             if s.state is SlotState.GENERATING and s.pending is not None:
                 if len(s.kv) + 1 >= s.n_ctx and not self._context_shift(s):
                     continue
+                gen.append(s)
+        drafts = self.spec.drafts(gen, self.n_budget - len(gen)) if self.spec and gen else {}
+        for s in gen:
+            s.draft = drafts.get(s.id, [])
+            step = self._reserve(s, len(s.kv), 1 + len(s.draft))
+            if step is None and s.draft:  # no room to verify the draft: plain decoding
+                s.kv.truncate(len(s.kv))
+                s.draft = []
                 step = self._reserve(s, len(s.kv), 1)
-                if step is None:
-                    self._fail(s, TaskError(500, "server_error", "Context size has been exceeded."))
-                    continue
-                batch.append((s, step))
-        used, starved = len(batch), []
+            if step is None:
+                self._fail(s, TaskError(500, "server_error", "Context size has been exceeded."))
+                continue
+            step.n_logits = len(step.tokens)
+            batch.append((s, step))
+        used, starved = sum(len(b.tokens) for _, b in batch), []
         for s in self.slots:
             room = self.n_budget - used
             if s.state is not SlotState.PROCESSING_PROMPT or room <= 0:
@@ -400,8 +436,15 @@ class Scheduler:
         rows: list[int] = []
         to_sample: list[Slot] = []
         row = -1
+        first: list[int] = []  # each sampled slot's first row in `rows`
         for s, b in batch:
-            row += 1 if b.n_logits else 0
+            row += b.n_logits
+            if s.state is SlotState.GENERATING:  # the draft's tokens wait for verification
+                s.kv.commit(b.pos0, b.tokens[:1])
+                first.append(len(rows))
+                rows.extend(range(row - b.n_logits + 1, row + 1))
+                to_sample.append(s)
+                continue
             s.kv.commit(b.pos0, b.tokens)
             self._slide(s)
             if s.state is SlotState.PROCESSING_PROMPT:
@@ -418,19 +461,52 @@ class Scheduler:
                     s.stop_type = "limit"
                     self._finish(s)
                     continue
+            first.append(len(rows))
             rows.append(row)
             to_sample.append(s)
         if not to_sample:
             return
         if len(rows) < hidden.shape[0]:
             hidden = hidden[rows]
+        needs = [s.sampler.head_need() for s in to_sample]
+        ends = first[1:] + [len(rows)]
         logits = self.model.transformer.w.head.logits(
-            hidden, [s.sampler.head_need() for s in to_sample])
-        # the rows stay raw (n_probs reports them); ignore_eos bans are biases in the chain
-        tokens = sample_batch([s.sampler for s in to_sample], logits)
-        for i, (s, t) in enumerate(zip(to_sample, tokens)):
-            if s.accept(t, logits[i], self.tok):
+            hidden, [needs[i] for i, (a, b) in enumerate(zip(first, ends)) for _ in range(a, b)])
+        # the rows stay raw (n_probs reports them); ignore_eos bans are biases in the chain;
+        # every slot's first row in one call (one batched argmax for the greedy ones)
+        tokens = sample_batch([s.sampler for s in to_sample], logits[first])
+        for s, i, t in zip(to_sample, first, tokens):
+            done = s.accept(t, logits[i], self.tok)
+            if s.state is SlotState.GENERATING and s.draft is not None:
+                done = self._verify(s, t, done, logits[i + 1 : i + 1 + len(s.draft)])
+            if done:
                 self._finish(s)
+
+    def _verify(self, s: Slot, t: int, done: bool, logits: torch.Tensor) -> bool:
+        """Speculative decoding: the target sampled `t` after the pending token; while it
+        equals the next draft token, that token's KV is kept and the target's next row is
+        sampled in turn (llama.cpp's rule). The rest of the draft leaves the KV."""
+        n_acc = 0
+        for d, row in zip(s.draft, logits):
+            if done or t != d:
+                break
+            s.kv.commit(len(s.kv), [d])
+            n_acc += 1
+            t = sample_batch([s.sampler], row[None])[0]
+            done = s.accept(t, row, self.tok)
+        s.kv.truncate(len(s.kv))  # rejected positions (their cells) go
+        self._slide(s)
+        if s.draft:
+            s.n_drafted += len(s.draft)
+            s.n_draft_accepted += n_acc
+            m = self.metrics
+            m.n_draft_tokens_total += len(s.draft)
+            m.n_draft_accepted_total += n_acc
+            m.n_drafts_total += 1
+            assert self.spec is not None
+            self.spec.accepted(s, n_acc)
+        s.draft = []
+        return done
 
     def _finish(self, s: Slot, emit_final: bool = True) -> None:
         now = time.perf_counter()

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from radixserve.config import SpecConfig
 from radixserve.engine.slot_kv import SlotKV
 from radixserve.engine.task import CompletionTask, FinalResult, PartialResult, Timings, TokenProbs
 from radixserve.model.sampling import Sampler
@@ -37,6 +38,8 @@ class Slot:
         self._task: CompletionTask | None = None
         self.last_task: CompletionTask | None = None  # what /slots shows once idle
         self.emit: Callable[[object], None] | None = None  # the running task's consumer
+        self.can_speculate = False  # the server drafts (/slots "speculative")
+        self.server_spec = SpecConfig()  # the server's --spec-* (a task's own may differ)
         self._reset_task_state()
 
     def _reset_task_state(self) -> None:
@@ -59,6 +62,12 @@ class Slot:
         self.has_new_line = False  # a released piece contained "\n" (llama-server's flag)
         self.last_nl_pos = 0  # n_indent: start of the line being checked
         self._piece = ""  # text the last token added
+        # speculative decoding: whether this task drafts, the draft under verification and
+        # the task's totals (timings.draft_n / draft_n_accepted)
+        self.speculative = False
+        self.draft: list[int] = []
+        self.n_drafted = 0
+        self.n_draft_accepted = 0
 
     @property
     def tokens(self) -> Sequence[int]:
@@ -218,6 +227,8 @@ class Slot:
             prompt_ms=(t_first - self.t_start) * 1e3,
             predicted_n=len(self.generated),
             predicted_ms=max((now - t_first) * 1e3, 1e-3) if self.generated else 0.0,
+            draft_n=self.n_drafted if self.speculative else None,
+            draft_n_accepted=self.n_draft_accepted,
         )
 
     def final(self, now: float) -> FinalResult:
@@ -246,7 +257,7 @@ class Slot:
         out: dict[str, Any] = {
             "id": self.id,
             "n_ctx": self.n_ctx,
-            "speculative": False,
+            "speculative": self.can_speculate,
             "is_processing": self.is_processing,
         }
         if self.kv.n_checkpoints:  # a sliding-window model: its context checkpoints
@@ -270,6 +281,7 @@ class Slot:
                 "stop": list(task.stop),
                 "id_slot": task.id_slot,
                 "cache_prompt": task.cache_prompt,
+                **(task.spec or self.server_spec).params_json(),
             },
             next_token=[
                 {

@@ -25,6 +25,7 @@ from radixserve.kv.pool import KVPool
 from radixserve.kv.state import (
     StateError,
     fingerprint_of,
+    get_draft_state,
     get_state,
     parse_state,
     swa_fingerprint,
@@ -93,9 +94,13 @@ def _save(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str, A
         raise TaskError(500, "server_error",
                         f"Unable to save slot: its KV does not match its {n} tokens")
     state = get_state(pool, slot.id, fingerprint_of(pool, sched.model.hp.arch))
+    draft = b""
+    if pool.draft is not None:  # the SDFT appendix: the draft model's rows, all of them
+        slot.kv.complete_draft()
+        draft = get_draft_state(pool, slot.id)
     try:
         n_written = write_slot_file(path, SlotFile(list(slot.tokens), state,
-                                                   list(slot.kv.checkpoints)))
+                                                   list(slot.kv.checkpoints), draft=draft))
     except OSError as e:
         log.error("slot %d: saving %r failed: %s", slot.id, filename, e)
         raise TaskError(500, "server_error",
@@ -151,14 +156,14 @@ def _restore(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str
         if len(w) > swa.swa.n_reclaimable(seq):
             raise fail(f"No available space in the sliding-window KV (need {len(w)} cells)")
         window = (w, st.swa.k, st.swa.v)
-    if sf.draft or sf.speculative:
+    if (sf.draft or sf.speculative) and pool.draft is None:
         log.info("slot %d: the draft state in %r is not used (no draft model here)", seq,
                  filename)
     if sf.checkpoints and swa is None:
         log.info("slot %d: %d checkpoints in %r are not used (the model has no sliding "
                  "window)", seq, len(sf.checkpoints), filename)
     slot.kv.load_rows(list(sf.tokens), st.k, st.v, window,
-                      sf.checkpoints if swa is not None else ())
+                      sf.checkpoints if swa is not None else (), draft=sf.draft)
     n_read = main_size(sf)  # as llama-server: the bytes its state loader consumed
     ms = (time.perf_counter() - t0) * 1e3
     log.info("slot %d: restored %d tokens from %r (%.1f ms)", seq, n, filename, ms)

@@ -31,15 +31,15 @@ the tokens into the host cache and slot files.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from radixserve.cache.base import PromptCache, common_prefix
 from radixserve.kv.checkpoint import Checkpoint, seal, unseal
 from radixserve.kv.pool import KVPool, OutOfCells
-from radixserve.kv.state import (Fingerprint, get_swa_state, parse_swa_state, set_swa_state,
-                                  write_rows)
+from radixserve.kv.state import (Fingerprint, StateError, get_swa_state, parse_swa_state,
+                                  set_draft_state, set_swa_state, write_rows)
 from radixserve.kv.swa import SWAPool, alloc_step
 
 MiB = 1024 * 1024
@@ -62,6 +62,11 @@ class SlotKV:
         self.checkpoint_min_step = checkpoint_min_step
         self.checkpoints: list[Checkpoint] = []  # oldest first
         self.saved_upto = 0  # tokens a write-through host tier holds (kv/swa.py, radix)
+        # a draft model's rows (kv/draft.py) are computed for positions < n_draft (may run past
+        # the tokens while drafting: cells reserved for a verification); `sync_draft` computes
+        # the missing ones (engine/speculative.py), set by the scheduler when there is a draft
+        self.n_draft = 0
+        self.sync_draft: Callable[[SlotKV], None] | None = None
 
     # -- reading ---------------------------------------------------------------------------
     @property
@@ -87,13 +92,20 @@ class SlotKV:
         return self.pool.n_free_for(self.seq)
 
     def save_to(self, cache: PromptCache) -> bool:
-        """Copy the contiguous prefix into the host cache (the pool is only read)."""
+        """Copy the contiguous prefix into the host cache (the pool is only read; a draft
+        model's missing rows are computed first, so the entry carries both parts whole)."""
         if self.shifted or not self._tokens:
             return False
+        self.complete_draft()
         if not cache.save(self.pool, self.seq, list(self._tokens), self.checkpoints):
             return False
         self.saved_upto = len(self._tokens)
         return True
+
+    def complete_draft(self) -> None:
+        """Make the draft rows cover every token held (no-op without a draft model)."""
+        if self.sync_draft is not None and self.n_draft < len(self._tokens):
+            self.sync_draft(self)
 
     # -- replacing the content ---------------------------------------------------------------
     def drop(self) -> None:
@@ -102,6 +114,7 @@ class SlotKV:
         self.shifted = False
         self.checkpoints = []
         self.saved_upto = 0
+        self.n_draft = 0
 
     def truncate(self, n: int) -> None:
         """Keep the first `n` tokens; everything past them (chunks ahead included) goes."""
@@ -111,9 +124,10 @@ class SlotKV:
         self._forget_past(n)
 
     def _forget_past(self, n: int) -> None:
-        """Only the first n tokens are what they were: checkpoints and write-through marks
-        past them describe other tokens now."""
+        """Only the first n tokens are what they were: checkpoints, write-through marks and
+        draft rows past them describe other tokens now."""
         self.saved_upto = min(self.saved_upto, n)
+        self.n_draft = min(self.n_draft, n)
         for c in self.checkpoints:
             if c.n_tokens > n:
                 log.debug("slot %d: erased invalidated context checkpoint (pos_min = %d, "
@@ -256,6 +270,7 @@ class SlotKV:
         except OutOfCells:
             return False
         self._tokens = list(donor.tokens[:n])
+        self.n_draft = min(donor.n_draft, n)  # the cells came with their draft rows
         return True
 
     def restore_from(self, cache: PromptCache, prompt: list[int]) -> bool:
@@ -267,14 +282,17 @@ class SlotKV:
             return False
         self._tokens, self._ahead = list(loaded), []
         self.saved_upto = len(loaded) if cache.load_always else 0  # radix keeps what it gave
+        self.n_draft = len(loaded)  # every tier restores the draft rows with the target's
         self.set_checkpoints(cks)
         return bool(loaded)
 
     def load_rows(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor,
                   swa: tuple[list[int], torch.Tensor, torch.Tensor] | None = None,
-                  checkpoints: Sequence[Checkpoint] = ()) -> None:
+                  checkpoints: Sequence[Checkpoint] = (), draft: bytes = b"") -> None:
         """Replace the content with `tokens` and their K/V rows (a slot file's state): `swa`
-        the sliding part (positions, K, V) of a sliding-window pool."""
+        the sliding part (positions, K, V) of a sliding-window pool; `draft` a draft model's
+        state of the same tokens, test-loaded: dropped (the rows recomputed when needed) when
+        it does not fit this draft model or these tokens."""
         self.drop()
         write_rows(self.pool, self.seq, list(range(len(tokens))), k, v)
         if swa is not None:
@@ -282,6 +300,13 @@ class SlotKV:
             write_rows(self.swa.swa, self.seq, *swa)
         self._tokens = list(tokens)
         self.set_checkpoints(list(checkpoints))
+        if draft and self.pool.draft is not None:
+            try:
+                set_draft_state(self.pool, self.seq, draft)
+                self.n_draft = len(tokens)
+            except StateError as e:
+                log.warning("slot %d: draft state dropped (%s); the draft rows will be "
+                            "recomputed", self.seq, e)
 
     def shift_chunks(self, prompt: list[int], n_keep: int,
                      chunks: list[tuple[int, int, int]]) -> bool:
@@ -331,6 +356,8 @@ class SlotKV:
             self.drop()
             return False
         del self._tokens[n_keep : n_keep + n_discard]
+        # draft rows moved (and re-rotated) with their cells
+        self.n_draft = n - n_discard if self.n_draft >= n else min(self.n_draft, n_keep)
         return True
 
     # -- a forward's cells ---------------------------------------------------------------------
@@ -368,3 +395,4 @@ class SlotKV:
             assert not w or len(w) <= self.swa.n_swa or self._ahead, "window not pruned"
         for c in self.checkpoints:
             assert c.n_tokens == c.pos_max + 1 <= self.n_held, f"slot {self.seq}: checkpoint"
+        assert self.n_draft <= self.n_held, f"slot {self.seq}: draft rows past the tokens"

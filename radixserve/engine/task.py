@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.config import SpecConfig
 from radixserve.model.sampling import SamplingParams
 
 
@@ -60,6 +61,9 @@ class CompletionTask:
     # chat prompts: token positions where a user message starts (llama-server's message spans):
     # sliding-window models take context checkpoints there
     user_starts: tuple[int, ...] = ()
+    # speculative decoding for this task: the server's settings with the request's
+    # `speculative.*` fields applied (None: the server's; types empty: off for this task)
+    spec: SpecConfig | None = None
     id: int = -1  # assigned by the engine
 
 
@@ -81,10 +85,14 @@ class Timings:
     prompt_ms: float = 0.0
     predicted_n: int = 0
     predicted_ms: float = 0.0
+    draft_n: int | None = None  # draft tokens proposed (None: the task did not speculate)
+    draft_n_accepted: int = 0  # of them, accepted by the target
 
     def to_json(self) -> dict[str, Any]:
         """llama-server's timings; generation rates use n-1 steps (the first token is free)."""
         steps = self.predicted_n - 1
+        draft = ({} if self.draft_n is None else
+                 {"draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted})
         return {
             "cache_n": self.cache_n,
             "prompt_n": self.prompt_n,
@@ -97,6 +105,7 @@ class Timings:
             "predicted_per_second": 1e3 * steps / self.predicted_ms
             if steps > 0 and self.predicted_ms > 0
             else 0.0,
+            **draft,
         }
 
 

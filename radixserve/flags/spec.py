@@ -166,7 +166,8 @@ def parse(flags: Sequence[Flag], argv: Sequence[str], environ: Mapping[str, str]
 
 
 def _appends(f: Flag) -> bool:
-    return f.names[0] in ("-l", "--dry-sequence-breaker", "-r", "--lora", "--control-vector")
+    return f.names[0] in ("-l", "--dry-sequence-breaker", "-r", "--lora", "--control-vector",
+                          "--spec-type")
 
 
 def render_help(flags: Sequence[Flag], prog: str) -> str:

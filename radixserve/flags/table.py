@@ -10,6 +10,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from radixserve.config import SPEC_TYPES
 from radixserve.flags.spec import (
     ACTION,
     HONORED,
@@ -27,7 +28,11 @@ from radixserve.model import sampling
 GPU = "radixserve runs on the CPU: there is no GPU offload"
 PLACEMENT = "threads are placed by the OS and PyTorch"
 NO_MULTIMODAL = "no multimodal input without a projector"
-NO_DRAFT = "speculative decoding is off (no draft model)"
+DRAFT_THREADS = "the draft model runs on the target's threads (-t), placed by the OS and PyTorch"
+DRAFT_DEVICE = "the draft model runs where the target model runs"
+# llama-server's --spec-type values this server has no drafter for
+SPEC_TYPES_LLAMA_ONLY = ("draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark",
+                         "ngram-map-k", "ngram-map-k4v", "ngram-cache")
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 
 
@@ -227,9 +232,57 @@ def _reasoning_effort(p: Parsed, v: str) -> None:
         p.cfg.chat_template_kwargs = {**p.cfg.chat_template_kwargs, "reasoning_effort": v}
 
 
+def spec_type_names(v: str) -> list[str]:
+    """A --spec-type value -> the drafters it names, in order, duplicates dropped; `none`
+    anywhere in it: none (llama.cpp's common_speculative_types_from_names)."""
+    names = _csv(v)
+    if not names:
+        raise FlagError("expected a comma-separated list of speculative types")
+    for n in names:
+        if n in SPEC_TYPES_LLAMA_ONLY:
+            raise FlagError(f"speculative type {n} is not supported; this server drafts with "
+                            f"{', '.join(SPEC_TYPES)} (or none)")
+        if n != "none" and n not in SPEC_TYPES:
+            raise FlagError(f"unknown speculative type: {n} (supported: none, "
+                            f"{', '.join(SPEC_TYPES)})")
+    return [] if "none" in names else list(dict.fromkeys(names))
+
+
 def _spec_type(p: Parsed, v: str) -> None:
-    if _csv(v) != ["none"]:
-        raise FlagError("speculative decoding is not implemented")
+    """llama-server appends each --spec-type to the list; the environment's value is replaced
+    by the command line's (the first --spec-type on the command line starts a new list)."""
+    types = spec_type_names(v)
+    if "--spec-type" in p.seen and "spec-type-cli" not in p.once:
+        p.once.add("spec-type-cli")
+        p.cfg.spec.types = []
+    p.cfg.spec.types = list(dict.fromkeys([*p.cfg.spec.types, *types]))
+
+
+def _spec_default(p: Parsed, on: bool) -> None:
+    """llama-server's --spec-default: add ngram-mod with its default sizes."""
+    s = p.cfg.spec
+    s.types = list(dict.fromkeys([*s.types, "ngram-mod"]))
+    s.ngram_mod_n_match, s.ngram_mod_n_min, s.ngram_mod_n_max = 24, 48, 64
+
+
+def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An integer within [lo, hi] (llama.cpp's range checks of the --spec-* sizes)."""
+
+    def conv(v: str) -> int:
+        n = _int(v)
+        if n < lo or (hi is not None and n > hi):
+            bounds = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+            raise FlagError(f"must be {bounds}, got {n}")
+        return n
+
+    return conv
+
+
+def _probability(v: str) -> float:
+    x = _float(v)
+    if not 0.0 <= x <= 1.0:
+        raise FlagError(f"must be within [0, 1], got {x}")
+    return x
 
 
 def _verbose(p: Parsed, on: bool) -> None:
@@ -417,10 +470,10 @@ SERVE_FLAGS: list[Flag] = [
          neg="--no-log-prefix", env="LLAMA_ARG_LOG_PREFIX"),
     flag("--log-timestamps", H, "timestamps in log lines", set_("log_timestamps", bool),
          neg="--no-log-timestamps", env="LLAMA_ARG_LOG_TIMESTAMPS"),
-    flag("--spec-draft-type-k, -ctkd, --cache-type-k-draft TYPE", NA, NO_DRAFT,
-         env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K"),
-    flag("--spec-draft-type-v, -ctvd, --cache-type-v-draft TYPE", NA, NO_DRAFT,
-         env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V"),
+    flag("--spec-draft-type-k, -ctkd, --cache-type-k-draft TYPE", NA, "the draft model's KV "
+         "is kept in the compute dtype (--dtype)", env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K"),
+    flag("--spec-draft-type-v, -ctvd, --cache-type-v-draft TYPE", NA, "the draft model's KV "
+         "is kept in the compute dtype (--dtype)", env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V"),
     # ----- sampling params (the defaults of every request) -----
     flag("--samplers SAMPLERS", H, "sampler order, names separated by ';'", _samplers),
     flag("-s, --seed SEED", H, "default sampling seed, -1 = random", set_("seed", I)),
@@ -480,49 +533,75 @@ SERVE_FLAGS: list[Flag] = [
          env="LLAMA_ARG_BACKEND_SAMPLING"),
     # ----- speculative params -----
     flag("--spec-draft-hf, -hfd, -hfrd, --hf-repo-draft <user>/<model>[:quant]", NO,
-         "speculative decoding is not implemented", env="LLAMA_ARG_SPEC_DRAFT_HF_REPO"),
-    flag("--spec-draft-threads, -td, --threads-draft N", NA, NO_DRAFT, check(I)),
-    flag("--spec-draft-threads-batch, -tbd, --threads-batch-draft N", NA, NO_DRAFT, check(I)),
-    flag("--spec-draft-cpu-mask, -Cd, --cpu-mask-draft M", NA, NO_DRAFT),
-    flag("--spec-draft-cpu-range, -Crd, --cpu-range-draft lo-hi", NA, NO_DRAFT),
-    flag("--spec-draft-cpu-strict, --cpu-strict-draft <0|1>", NA, NO_DRAFT, check(I)),
-    flag("--spec-draft-prio, --prio-draft N", NA, NO_DRAFT, check(I)),
-    flag("--spec-draft-poll, --poll-draft <0|1>", NA, NO_DRAFT, check(I)),
-    flag("--spec-draft-cpu-mask-batch, -Cbd, --cpu-mask-batch-draft M", NA, NO_DRAFT),
-    flag("--spec-draft-cpu-strict-batch, --cpu-strict-batch-draft <0|1>", NA, NO_DRAFT,
+         "downloading draft models from Hugging Face is not implemented (give a local GGUF "
+         "with -md)", env="LLAMA_ARG_SPEC_DRAFT_HF_REPO"),
+    flag("--spec-draft-threads, -td, --threads-draft N", NA, DRAFT_THREADS, check(I)),
+    flag("--spec-draft-threads-batch, -tbd, --threads-batch-draft N", NA, DRAFT_THREADS,
          check(I)),
-    flag("--spec-draft-prio-batch, --prio-batch-draft N", NA, NO_DRAFT, check(I)),
-    flag("--spec-draft-poll-batch, --poll-batch-draft <0|1>", NA, NO_DRAFT, check(I)),
+    flag("--spec-draft-cpu-mask, -Cd, --cpu-mask-draft M", NA, DRAFT_THREADS),
+    flag("--spec-draft-cpu-range, -Crd, --cpu-range-draft lo-hi", NA, DRAFT_THREADS),
+    flag("--spec-draft-cpu-strict, --cpu-strict-draft <0|1>", NA, DRAFT_THREADS, check(I)),
+    flag("--spec-draft-prio, --prio-draft N", NA, DRAFT_THREADS, check(I)),
+    flag("--spec-draft-poll, --poll-draft <0|1>", NA, DRAFT_THREADS, check(I)),
+    flag("--spec-draft-cpu-mask-batch, -Cbd, --cpu-mask-batch-draft M", NA, DRAFT_THREADS),
+    flag("--spec-draft-cpu-strict-batch, --cpu-strict-batch-draft <0|1>", NA, DRAFT_THREADS,
+         check(I)),
+    flag("--spec-draft-prio-batch, --prio-batch-draft N", NA, DRAFT_THREADS, check(I)),
+    flag("--spec-draft-poll-batch, --poll-batch-draft <0|1>", NA, DRAFT_THREADS, check(I)),
     flag("--spec-draft-override-tensor, -otd, --override-tensor-draft "
-         "<tensor name pattern>=<buffer type>,...", NA, NO_DRAFT),
-    flag("--spec-draft-cpu-moe, -cmoed, --cpu-moe-draft", NA, NO_DRAFT,
+         "<tensor name pattern>=<buffer type>,...", NA, DRAFT_DEVICE),
+    flag("--spec-draft-cpu-moe, -cmoed, --cpu-moe-draft", NA, DRAFT_DEVICE,
          env="LLAMA_ARG_SPEC_DRAFT_CPU_MOE"),
     flag("--spec-draft-n-cpu-moe, --spec-draft-ncmoe, -ncmoed, --n-cpu-moe-draft N", NA,
-         NO_DRAFT, check(I), env="LLAMA_ARG_SPEC_DRAFT_N_CPU_MOE"),
-    flag("--spec-draft-n-max N", NA, NO_DRAFT, check(I), env="LLAMA_ARG_SPEC_DRAFT_N_MAX"),
-    flag("--spec-draft-n-min N", NA, NO_DRAFT, check(I), env="LLAMA_ARG_SPEC_DRAFT_N_MIN"),
-    flag("--spec-synth-len L", NA, NO_DRAFT, env="LLAMA_ARG_SPEC_SYNTH_LEN"),
-    flag("--spec-synth-rates P0,P1,...", NA, NO_DRAFT, env="LLAMA_ARG_SPEC_SYNTH_RATES"),
-    flag("--spec-draft-p-split, --draft-p-split P", NA, NO_DRAFT, check(F),
-         env="LLAMA_ARG_SPEC_DRAFT_P_SPLIT"),
-    flag("--spec-draft-p-min, --draft-p-min P", NA, NO_DRAFT, check(F),
-         env="LLAMA_ARG_SPEC_DRAFT_P_MIN"),
-    flag("--spec-draft-backend-sampling", NA, NO_DRAFT, neg="--no-spec-draft-backend-sampling",
-         env="LLAMA_ARG_SPEC_DRAFT_BACKEND_SAMPLING"),
-    flag("--spec-draft-device, -devd, --device-draft <dev1,dev2,..>", NA, NO_DRAFT),
-    flag("--spec-draft-ngl, -ngld, --gpu-layers-draft, --n-gpu-layers-draft N", NA, NO_DRAFT,
-         check(_gpu_layers), env="LLAMA_ARG_N_GPU_LAYERS_DRAFT"),
-    flag("--spec-draft-model, -md, --model-draft FNAME", NO,
-         "speculative decoding (draft model) is not implemented",
+         DRAFT_DEVICE, check(I), env="LLAMA_ARG_SPEC_DRAFT_N_CPU_MOE"),
+    flag("--spec-draft-n-max N", H, "draft-simple: tokens the draft model proposes per step "
+         "(request: speculative.n_max)", set_("spec.n_max", _int_in(0)),
+         env="LLAMA_ARG_SPEC_DRAFT_N_MAX"),
+    flag("--spec-draft-n-min N", H, "draft-simple: drafts shorter than this are dropped "
+         "(request: speculative.n_min)", set_("spec.n_min", _int_in(0)),
+         env="LLAMA_ARG_SPEC_DRAFT_N_MIN"),
+    flag("--spec-synth-len L", NO, "synthetic draft acceptance (benchmarking) is not "
+         "implemented", env="LLAMA_ARG_SPEC_SYNTH_LEN"),
+    flag("--spec-synth-rates P0,P1,...", NO, "synthetic draft acceptance (benchmarking) is not "
+         "implemented", env="LLAMA_ARG_SPEC_SYNTH_RATES"),
+    flag("--spec-draft-p-split, --draft-p-split P", NA, "drafts are one sequence (no split "
+         "into a tree)", check(F), env="LLAMA_ARG_SPEC_DRAFT_P_SPLIT"),
+    flag("--spec-draft-p-min, --draft-p-min P", H, "draft-simple: drafting stops at a token "
+         "the draft model gives less than this probability (request: speculative.p_min)",
+         set_("spec.p_min", _probability), env="LLAMA_ARG_SPEC_DRAFT_P_MIN"),
+    flag("--spec-draft-backend-sampling", NA, "draft sampling runs in PyTorch",
+         neg="--no-spec-draft-backend-sampling", env="LLAMA_ARG_SPEC_DRAFT_BACKEND_SAMPLING"),
+    flag("--spec-draft-device, -devd, --device-draft <dev1,dev2,..>", NA, DRAFT_DEVICE),
+    flag("--spec-draft-ngl, -ngld, --gpu-layers-draft, --n-gpu-layers-draft N", NA,
+         DRAFT_DEVICE, check(_gpu_layers), env="LLAMA_ARG_N_GPU_LAYERS_DRAFT"),
+    flag("--spec-draft-model, -md, --model-draft FNAME", H, "draft model for draft-simple: a "
+         "GGUF sharing the target's vocabulary, or a name -m accepts; alone it turns "
+         "draft-simple on", set_("spec.draft_model", lambda v: v or None),
          env="LLAMA_ARG_SPEC_DRAFT_MODEL"),
     flag("--spec-type none,draft-simple,draft-eagle3,draft-mtp,draft-dflash,draft-dspark,"
          "ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,ngram-cache", H,
-         "'none' only: other types (speculative decoding) are refused", _spec_type,
+         "comma-separated drafters to use: draft-simple (needs -md), ngram-simple, ngram-mod, "
+         "or none; the other types are refused (request: speculative.type)", _spec_type,
          env="LLAMA_ARG_SPEC_TYPE"),
-    *(flag(f"--spec-ngram-{n} N", NA, NO_DRAFT, check(I)) for n in (
-        "mod-n-min", "mod-n-max", "mod-n-match", "simple-size-n", "simple-size-m",
-        "simple-min-hits", "map-k-size-n", "map-k-size-m", "map-k-min-hits", "map-k4v-size-n",
-        "map-k4v-size-m", "map-k4v-min-hits")),
+    flag("--spec-ngram-mod-n-min N", H, "ngram-mod: drafts shorter than this are dropped",
+         set_("spec.ngram_mod_n_min", _int_in(0, 1024))),
+    flag("--spec-ngram-mod-n-max N", H, "ngram-mod: most tokens drafted per step",
+         set_("spec.ngram_mod_n_max", _int_in(0, 1024))),
+    flag("--spec-ngram-mod-n-match N", H, "ngram-mod: length of the hashed lookup n-gram",
+         set_("spec.ngram_mod_n_match", _int_in(1, 1024))),
+    flag("--spec-ngram-simple-size-n N", H, "ngram-simple: length of the lookup n-gram "
+         "(request: speculative.ngram_size_n)",
+         set_("spec.ngram_simple_size_n", _int_in(1, 1024))),
+    flag("--spec-ngram-simple-size-m N", H, "ngram-simple: length of the drafted m-gram "
+         "(request: speculative.ngram_size_m)",
+         set_("spec.ngram_simple_size_m", _int_in(1, 1024))),
+    flag("--spec-ngram-simple-min-hits N", H, "ngram-simple: hits a lookup needs before its "
+         "continuation is drafted (request: speculative.ngram_min_hits)",
+         set_("spec.ngram_simple_min_hits", _int_in(1))),
+    *(flag(f"--spec-ngram-{n} N", NA, f"--spec-type ngram-{n.rsplit('-', 2)[0]} is not supported "
+           "(refused)", check(I)) for n in (
+        "map-k-size-n", "map-k-size-m", "map-k-min-hits", "map-k4v-size-n", "map-k4v-size-m",
+        "map-k4v-min-hits")),
     flag("--draft, --draft-n, --draft-max N", NO, "the argument has been removed; use "
          "--spec-draft-n-max or --spec-ngram-mod-n-max", env="LLAMA_ARG_DRAFT_MAX"),
     flag("--draft-min, --draft-n-min N", NO, "the argument has been removed; use "
@@ -704,7 +783,8 @@ SERVE_FLAGS: list[Flag] = [
         "fim-qwen-7b-default", "fim-qwen-7b-spec", "fim-qwen-14b-spec",
         "fim-qwen-30b-default", "gpt-oss-20b-default", "gpt-oss-120b-default",
         "vision-gemma-4b-default", "vision-gemma-12b-default")),
-    flag("--spec-default", NO, "speculative decoding is not implemented"),
+    flag("--spec-default", H, "add ngram-mod to --spec-type with its default sizes (n-match "
+         "24, n-min 48, n-max 64)", _spec_default),
 ]
 
 OWN_FLAGS: list[Flag] = [

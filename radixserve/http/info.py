@@ -75,7 +75,7 @@ def model_facts(model: Model) -> ModelFacts:
 
 def default_params_json(cfg: ServerConfig) -> dict[str, Any]:
     """The generation settings a request gets when it sets nothing."""
-    return params_json(replace(cfg.sampling, seed=cfg.seed), cfg.n_predict)
+    return params_json(replace(cfg.sampling, seed=cfg.seed), cfg.n_predict, spec=cfg.spec)
 
 
 def props_json(

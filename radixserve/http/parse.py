@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.config import SpecConfig
 from radixserve.engine.task import CompletionTask, TaskError, invalid_request
 from radixserve.http.fields import reject_unimplemented
 from radixserve.http.schemas import (
@@ -63,6 +64,7 @@ class ParseContext:
     default_grammar: str | None = None  # --grammar/--grammar-file/-j/-jf, compiled (llguidance)
     reasoning_format: str = "auto"  # --reasoning-format: requests may choose their own
     skip_chat_parsing: bool = False  # --skip-chat-parsing: replies stay plain content
+    spec: SpecConfig = field(default_factory=SpecConfig)  # --spec-*: speculative decoding
 
 
 @dataclass(slots=True)
@@ -82,6 +84,8 @@ class ParsedRequest:
     # chat: how a reply's text becomes content, reasoning and tool calls (None: all content);
     # shared by the tasks, each formatting its result takes its own parser from it
     chat_output: OutputFormat | None = None
+    # the server's speculative settings: what `params` reports for a task whose `spec` is None
+    server_spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         if not self.tasks:
@@ -337,6 +341,54 @@ def _limit(req: GenerationRequest, name: str, default: int, lo: int, hi: int) ->
     return int(value)
 
 
+def _spec_types(value: str, served: list[str]) -> list[str]:
+    """`speculative.type`: "none", or one or more (comma-separated) of the drafters the
+    server runs (its --spec-type); anything else is a 400 naming what it runs."""
+    names = list(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
+    if not names:
+        raise invalid_request("Field 'speculative.type': must name a speculative type or none")
+    if "none" in names:  # llama.cpp: "none" anywhere in the list turns speculation off
+        return []
+    for n in names:
+        if n not in served:
+            runs = (f"it runs {', '.join(served)} (or none)" if served
+                    else "speculative decoding is off on this server (start it with --spec-type)")
+            raise invalid_request(f"Field 'speculative.type': {n!r} is not available; {runs}")
+    return names
+
+
+def request_spec(req: GenerationRequest, server: SpecConfig) -> SpecConfig | None:
+    """The task's speculative settings: a copy of the server's (`server`) with the request's
+    `speculative.*` fields applied, or None when it sets none of them. As llama-server did
+    (before it disabled these fields): n_min = min(n_max, n_min), both at least 0; p_min is
+    a probability (400 outside [0, 1]); ngram-simple's sizes are hard limits (400)."""
+    n_max, n_min, p_min = req.speculative_n_max, req.speculative_n_min, req.speculative_p_min
+    size_n, size_m = req.speculative_ngram_size_n, req.speculative_ngram_size_m
+    min_hits, kind = req.speculative_ngram_min_hits, req.speculative_type
+    if all(v is None for v in (n_max, n_min, p_min, size_n, size_m, min_hits, kind)):
+        return None
+    spec = dataclasses.replace(server, types=list(server.types))
+    if kind is not None:
+        spec.types = _spec_types(kind, server.types)
+    spec.n_max = min(spec.n_max if n_max is None else n_max, INT32_MAX)
+    spec.n_min = max(min(spec.n_max, spec.n_min if n_min is None else n_min), 0)
+    spec.n_max = max(spec.n_max, 0)
+    if p_min is not None:
+        if not 0.0 <= p_min <= 1.0:
+            raise range_error("speculative.p_min", p_min, 0.0, 1.0)
+        spec.p_min = p_min
+    for name, value, lo, hi, attr in (
+        ("speculative.ngram_size_n", size_n, 1, 1024, "ngram_simple_size_n"),
+        ("speculative.ngram_size_m", size_m, 1, 1024, "ngram_simple_size_m"),
+        ("speculative.ngram_min_hits", min_hits, 0, INT32_MAX, "ngram_simple_min_hits"),
+    ):
+        if value is not None:
+            if not lo <= value <= hi:
+                raise range_error(name, value, lo, hi)
+            setattr(spec, attr, value)
+    return spec
+
+
 def _response_fields(value: Any) -> list[str]:
     """llama-server reads a list of strings; any other value is ignored (json_value)."""
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -378,6 +430,7 @@ def build_task(
         raise range_error("id_slot", id_slot, -1, ctx.n_slots - 1)
     if req.n_cache_reuse is not None and req.n_cache_reuse < 0:
         raise range_error("n_cache_reuse", req.n_cache_reuse, 0)
+    spec = request_spec(req, ctx.spec)
     task = CompletionTask(
         prompt_tokens=prompts[0],
         params=_sampling(req, n_probs_value, ctx),
@@ -397,6 +450,7 @@ def build_task(
         t_max_predict_ms=t_max_predict_ms,
         n_cmpl=n_cmpl,
         grammar=grammar,
+        spec=spec,
     )
     tasks: list[CompletionTask] = []
     for p in prompts:
@@ -417,6 +471,7 @@ def build_task(
         post_sampling_probs=bool(req.post_sampling_probs),
         sse_ping_interval=None if req.sse_ping_interval is None
         else _limit(req, "sse_ping_interval", -1, -1, INT32_MAX),
+        server_spec=ctx.spec,
     )
 
 

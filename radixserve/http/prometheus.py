@@ -74,19 +74,19 @@ _FAMILIES = (
         "spec_decode_num_draft_tokens_total",
         "counter",
         "Speculative: Total draft tokens generated",
-        lambda m: 0,
+        lambda m: m.n_draft_tokens_total,
     ),
     (
         "spec_decode_num_accepted_tokens_total",
         "counter",
         "Speculative: Total draft tokens accepted by the target model",
-        lambda m: 0,
+        lambda m: m.n_draft_accepted_total,
     ),
     (
         "spec_decode_num_drafts_total",
         "counter",
         "Speculative: Total speculative decoding verification steps",
-        lambda m: 0,
+        lambda m: m.n_drafts_total,
     ),
     (
         "prompt_tokens_seconds",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve import __version__
+from radixserve.config import SpecConfig
 from radixserve.engine.task import FinalResult, TokenProbs
 from radixserve.http.parse import ParsedRequest
 from radixserve.model.chat_parse import ParsedMessage, message_json
@@ -95,6 +96,14 @@ def probs_json(
     return out
 
 
+def spec_params_json(
+    spec: SpecConfig | None, server: SpecConfig | None = None
+) -> dict[str, Any]:
+    """The speculative fields of a task's `params`: `spec` (a task's), else `server` (the
+    server's --spec-* settings), else the defaults (SpecConfig.params_json)."""
+    return (spec or server or SpecConfig()).params_json()
+
+
 def params_json(
     params: SamplingParams,
     n_predict: int,
@@ -103,11 +112,12 @@ def params_json(
     stream: bool = False,
     stop: list[str] | None = None,
     post_sampling_probs: bool = False,
+    spec: SpecConfig | None = None,
 ) -> dict[str, Any]:
     """llama-server's task `params` object (to_json(only_metrics), as /props and
-    generation_settings show it): the sampling chain's settings as they are, plus the fields
-    of features this server does not have at their off values (chat parsing, speculative
-    decoding, LoRA)."""
+    generation_settings show it): the sampling chain's settings as they are, the speculative
+    settings (`spec`: the task's or the server's; None: off), plus the fields of features
+    this server does not have at their off values (chat parsing, LoRA)."""
     return {
         **params.llama_fields(),
         "max_tokens": n_predict,
@@ -120,7 +130,7 @@ def params_json(
         "reasoning_format": "none",
         "reasoning_in_content": False,
         "generation_prompt": "",
-        "speculative.types": "none",
+        **spec_params_json(spec),
         "timings_per_token": False,
         "post_sampling_probs": post_sampling_probs,
         "backend_sampling": False,
@@ -150,6 +160,7 @@ def completion_json(
             stream=req.stream,
             stop=task.stop,
             post_sampling_probs=req.post_sampling_probs,
+            spec=task.spec if task.spec is not None else req.server_spec,
         )
         | {"n_ctx": ctx.n_ctx_slot, "n_keep": task.n_keep, "n_discard": task.n_discard},
         "prompt": ctx.tokenizer.decode(task.prompt_tokens),

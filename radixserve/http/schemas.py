@@ -13,7 +13,14 @@ import logging
 import math
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from radixserve.engine.task import TaskError, invalid_request
 from radixserve.model.chat_template import flatten_content
@@ -146,6 +153,15 @@ class GenerationRequest(_Body):
     verbose: Bool | None = None
     backend_sampling: Bool | None = None
     sse_ping_interval: Int | None = None
+    # -- speculative decoding: llama-server's flat dotted keys ("speculative.n_max": 8),
+    # applied to a copy of the server's --spec-* settings in parse.py --
+    speculative_n_max: Int | None = Field(None, alias="speculative.n_max")
+    speculative_n_min: Int | None = Field(None, alias="speculative.n_min")
+    speculative_p_min: Float | None = Field(None, alias="speculative.p_min")
+    speculative_type: Str | None = Field(None, alias="speculative.type")
+    speculative_ngram_size_n: Int | None = Field(None, alias="speculative.ngram_size_n")
+    speculative_ngram_size_m: Int | None = Field(None, alias="speculative.ngram_size_m")
+    speculative_ngram_min_hits: Int | None = Field(None, alias="speculative.ngram_min_hits")
     # -- constraints and tools: checked in parse.py / model/chat_format.py --
     grammar: Any = None
     json_schema: Any = None

@@ -57,6 +57,7 @@ class AppState:
             engine.n_ctx_slot,
             engine.n_slots,
             default_n_predict=cfg.n_predict,
+            spec=cfg.spec,
             default_cache_prompt=cfg.cache_prompt,
             default_seed=cfg.seed,
             sampling=cfg.sampling,

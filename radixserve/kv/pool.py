@@ -15,8 +15,12 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from radixserve.kv.draft import DraftRows
 
 # rotate(k [n, n_head_kv, head_dim], delta_pos [n]) -> k rotated by delta_pos
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -78,6 +82,7 @@ class KVPool:
             list(range(p * self.part_size, (p + 1) * self.part_size)) for p in range(n_part)
         ]
         self._n_free = n_cells
+        self.draft: DraftRows | None = None  # a draft model's rows of these cells (kv/draft.py)
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -253,6 +258,8 @@ class KVPool:
         for layer in range(self.n_layer):
             k = self.k[layer, :, idx].transpose(0, 1)  # [n, n_head_kv, head_dim]
             self.k[layer, :, idx] = self.rotate(k, d).transpose(0, 1).to(self.dtype)
+        if self.draft is not None:
+            self.draft.rotate_cells(idx, d)
 
     def clear(self) -> None:
         for seq in range(self.n_seq):
@@ -270,6 +277,8 @@ class KVPool:
         di = torch.tensor(dst, dtype=torch.long, device=self.device)
         self.k[:, :, di] = self.k[:, :, si]
         self.v[:, :, di] = self.v[:, :, si]
+        if self.draft is not None:
+            self.draft.copy_cells(si, di)
 
     def _ordered(self, seq: int) -> _Seq:
         s = self.seqs[seq]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -87,6 +88,14 @@ def state_size(pool: KVPool, seq: int, fp: Fingerprint) -> int:
     return n
 
 
+def draft_state_size(pool: KVPool, seq: int) -> int:
+    """Bytes of `get_draft_state` (0 without a draft model)."""
+    if pool.draft is None:
+        return 0
+    n = pool.seq_len(seq)
+    return 4 + 4 + len(pool.draft.fp.pack()) + 4 + 4 * n + n * pool.draft.bytes_per_cell
+
+
 def _rows_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
@@ -104,15 +113,23 @@ def get_swa_state(pool: SWAPool, seq: int, fp: Fingerprint) -> bytes:
     return _get_block(pool.swa, seq, swa_fingerprint(pool, fp))
 
 
-def _get_block(pool: KVPool, seq: int, fp: Fingerprint) -> bytes:
+def get_draft_state(pool: KVPool, seq: int) -> bytes:
+    """The draft model's rows of `seq`'s cells (kv/draft.py), as a state of its own."""
+    assert pool.draft is not None
+    return _get_block(pool, seq, pool.draft.fp, pool.draft)
+
+
+def _get_block(pool: KVPool, seq: int, fp: Fingerprint, rows: Any = None) -> bytes:
+    """`rows`: whose K/V to read for the cells (default the pool's own; a DraftRows)."""
+    rows = pool if rows is None else rows
     positions = pool.seq_positions(seq)
     cells = torch.tensor(pool.seq_cells(seq), dtype=torch.long, device=pool.device)
     parts = [MAGIC, struct.pack("<I", VERSION), fp.pack(), struct.pack("<I", len(positions)),
              struct.pack(f"<{len(positions)}i", *positions)]
     if positions:
-        k = pool.k[:, :, cells].cpu()  # [n_layer, n_head_kv, n, head_dim]
-        v = pool.v[:, :, cells].cpu()
-        for layer in range(pool.n_layer):
+        k = rows.k[:, :, cells].cpu()  # [n_layer, n_head_kv, n, head_dim]
+        v = rows.v[:, :, cells].cpu()
+        for layer in range(rows.n_layer):
             parts.append(_rows_bytes(k[layer]))
             parts.append(_rows_bytes(v[layer]))
     return b"".join(parts)
@@ -214,6 +231,37 @@ def set_swa_state(pool: SWAPool, seq: int, data: bytes | memoryview, fp: Fingerp
     _check_room(pool.swa, seq, len(st.positions))
     pool.swa.seq_rm(seq)
     write_rows(pool.swa, seq, st.positions, st.k, st.v)
+
+
+def parse_draft_state(pool: KVPool, seq: int, data: bytes | memoryview) -> ParsedState:
+    """A draft state, checked against the draft rows' shape and against the cells `seq` holds
+    now (StateError unless it has rows for exactly their positions); touches nothing."""
+    assert pool.draft is not None
+    r = _Reader(data)
+    st = _parse_block(r, pool.draft.fp, pool.draft.dtype)
+    if r.off != len(r.data):
+        raise StateError(f"draft state has {len(r.data) - r.off} trailing bytes")
+    if st.positions != pool.seq_positions(seq):
+        raise StateError(f"draft state of {len(st.positions)} positions does not fit the "
+                         f"sequence's {pool.seq_len(seq)}")
+    return st
+
+
+def set_draft_state(pool: KVPool, seq: int, data: bytes | memoryview) -> None:
+    """Write a draft state into the draft rows of `seq`'s cells (all checks first)."""
+    st = parse_draft_state(pool, seq, data)
+    write_draft_rows(pool, seq, st.positions, st.k, st.v)
+
+
+def write_draft_rows(pool: KVPool, seq: int, positions: list[int], k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+    """Draft rows [n_layer, n_head_kv, n, head_dim] into the cells `seq` holds at `positions`."""
+    if not positions:
+        return
+    assert pool.draft is not None
+    idx = torch.tensor(pool.cells_at(seq, positions), dtype=torch.long, device=pool.device)
+    pool.draft.k[:, :, idx] = k.to(pool.device, pool.draft.dtype)
+    pool.draft.v[:, :, idx] = v.to(pool.device, pool.draft.dtype)
 
 
 def write_rows(pool: KVPool, seq: int, positions: list[int], k: torch.Tensor, v: torch.Tensor) -> None:

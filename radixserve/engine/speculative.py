@@ -1,0 +1,225 @@
+"""Speculative decoding: cheap drafts, checked by the target in the forward it runs anyway.
+
+Each step, a generating slot may propose tokens that likely follow its pending one: from a draft
+model (`draft-simple`) or from its own text (`ngram-simple`, `ngram-mod`: engine/ngram.py). The
+scheduler then feeds the target [pending, d1 .. dk] at once (k + 1 positions; every slot of the
+batch in the same forward) and samples each row in turn with the task's own sampler chain: row i
+is the target's token after d1 .. di, and d(i+1) is kept only if it equals that token
+(llama.cpp's rule, common_sampler_sample_and_accept_n). So every emitted token is the one the
+target samples at its position - the same sampler, the same random draws, and (deterministic
+mode) the same logits as without speculation: the output is identical, greedy or seeded, and
+the drafts only decide how many tokens one forward yields. Rejected positions leave the KV.
+
+With a draft model, its K/V lives in the target's cells (kv/draft.py) and follows them through
+every tier; `SlotKV.n_draft` says how many of a slot's tokens have draft rows. The draft runs
+every forward the target runs (`follow`, as llama.cpp's draft context processes every batch),
+writes the rows of the drafted positions while drafting, and computes whatever a restore did
+not bring (`sync`: a slot file whose draft part was dropped) before it drafts or is saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from radixserve.config import ServerConfig, SpecConfig
+from radixserve.engine.ngram import NgramMod, ngram_simple_draft
+from radixserve.engine.slot import Slot
+from radixserve.engine.slot_kv import SlotKV
+from radixserve.kv.batch import seq_step
+from radixserve.kv.draft import attach_draft
+from radixserve.kv.pool import KVPool, OutOfCells
+from radixserve.kv.swa import SWAPool
+from radixserve.model.forward import SeqStep
+from radixserve.model.loader import Model, load_model
+
+log = logging.getLogger(__name__)
+DRAFT_TOP_K = 10  # llama.cpp's draft sampler: top-k 10, the most likely token proposed
+
+
+def load_draft(cfg: ServerConfig, target: Model) -> Model | None:
+    """The draft model of `-md`, checked against the target (None without draft-simple). The
+    target's own file is not loaded twice: the draft then shares its weights (its KV is its
+    own)."""
+    spec = cfg.spec
+    if "draft-simple" not in spec.types or not spec.draft_model:
+        return None
+    from radixserve.model.default_model import resolve_model_path
+
+    path = resolve_model_path(spec.draft_model)
+    draft = target if path == target.path else load_model(
+        path, cfg.dtype, weights=cfg.weights, deterministic=cfg.deterministic)
+    if any(draft.hp.swa_layers) or any(target.hp.swa_layers):
+        raise ValueError("draft-simple: sliding-window models (as target or draft) are not "
+                         "supported; use ngram-simple or ngram-mod")
+    a, b = target.tokenizer, draft.tokenizer
+    if a.vocab.tokens != b.vocab.tokens or (a.bos_id, a.eos_id) != (b.bos_id, b.eos_id):
+        raise ValueError(f"draft model {path}: its vocabulary differs from the target's "
+                         f"({b.n_vocab} vs {a.n_vocab} tokens); draft-simple needs the same one")
+    log.info("draft model %s: %d layers, draft up to %d tokens (min %d, p_min %.2f)", path,
+             draft.hp.n_layer, spec.n_max, spec.n_min, spec.p_min)
+    return draft
+
+
+@dataclass(slots=True)
+class _Job:
+    """One slot's drafting with the draft model this step."""
+
+    slot: Slot
+    n_max: int
+    feed: int  # the token to feed next
+    pos: int  # at this position
+    out: list[int] = field(default_factory=list)  # the draft so far
+    last: bool = False  # `feed` is the last draft token: its rows only, no proposal
+
+
+class Speculator:
+    def __init__(self, cfg: SpecConfig, pool: KVPool, n_seq: int, n_budget: int,
+                 draft: Model | None = None) -> None:
+        self.cfg, self.pool, self.n_budget = cfg, pool, n_budget
+        self.draft = draft
+        if draft is not None:
+            assert not isinstance(pool, SWAPool)
+            hp = draft.hp
+            attach_draft(pool, hp.n_layer, hp.n_head_kv, hp.head_dim, draft.dtype,
+                         draft.rope.rotate, hp.arch)
+        self.mod = NgramMod(cfg.ngram_mod_n_match, cfg.ngram_mod_n_min, cfg.ngram_mod_n_max,
+                            n_seq) if "ngram-mod" in cfg.types else None
+
+    # -- per task ----------------------------------------------------------------------------
+    def spec_of(self, slot: Slot) -> SpecConfig:
+        return slot.task.spec if slot.task.spec is not None else self.cfg
+
+    def begin(self, slot: Slot) -> None:
+        """A task starts on `slot` (llama.cpp's common_speculative_begin)."""
+        if self.mod is not None and "ngram-mod" in self.spec_of(slot).types:
+            self.mod.begin(slot.id, slot.prompt)
+
+    def n_draft_max(self, slot: Slot) -> int:
+        """llama-server's get_n_draft_max: room left in the context, and in n_predict."""
+        if not self.spec_of(slot).types:
+            return 0
+        n = slot.n_ctx - len(slot.kv) - 2
+        n_predict = slot.task.n_predict
+        if n_predict >= 0:
+            n = min(n, n_predict - len(slot.generated) - 1)
+        return max(0, n)
+
+    # -- drafting ----------------------------------------------------------------------------
+    def drafts(self, slots: list[Slot], budget: int) -> dict[int, list[int]]:
+        """Drafts for generating slots, by slot id (tokens after the pending one), within
+        `budget` draft tokens in all. A draft model's jobs reserve the drafted positions'
+        cells and write their draft rows; an n-gram draft reserves nothing here."""
+        out: dict[int, list[int]] = {}
+        jobs: list[_Job] = []
+        for s in slots:
+            n_max = min(self.n_draft_max(s), budget)
+            spec = self.spec_of(s)
+            if n_max <= 0:
+                continue
+            assert s.pending is not None
+            for kind in spec.types:
+                d: list[int] = []
+                if kind == "draft-simple" and self.draft is not None:
+                    jobs.append(_Job(s, min(n_max, spec.n_max), s.pending, len(s.kv)))
+                    budget -= jobs[-1].n_max
+                    break
+                if kind == "ngram-simple":
+                    d = ngram_simple_draft(s.kv.tokens, s.pending, spec.ngram_simple_size_n,
+                                           spec.ngram_simple_size_m)
+                elif kind == "ngram-mod" and self.mod is not None:
+                    d = self.mod.draft(s.id, s.kv.tokens, s.pending, n_max)
+                if d:
+                    out[s.id] = d[:n_max]
+                    budget -= len(out[s.id])
+                    break
+        if jobs:
+            out.update(self._draft_model(jobs))
+        return out
+
+    def accepted(self, slot: Slot, n_accepted: int) -> None:
+        if self.mod is not None:
+            self.mod.accept(slot.id, n_accepted)
+
+    def _draft_model(self, jobs: list[_Job]) -> dict[int, list[int]]:
+        """Draft with the draft model, every job in one forward per drafted position. Rows are
+        computed for every fed position, the last draft token included (rows only), so after
+        verification every kept token has its draft rows."""
+        assert self.draft is not None
+        for j in jobs:
+            self.sync(j.slot.kv)
+        active = jobs
+        while active:
+            fed: list[tuple[_Job, SeqStep]] = []
+            for j in active:
+                kv = j.slot.kv
+                try:
+                    cells = kv.reserve(j.pos, 1)
+                except OutOfCells:  # no cell to verify this draft token at: it goes
+                    if j.pos > len(kv):
+                        j.out.pop()
+                    continue
+                fed.append((j, seq_step(self.pool, kv.seq, [j.feed], j.pos, cells,
+                                        0 if j.last else 1)))
+            if not fed:
+                break
+            h = self._hidden([st for _, st in fed])
+            row, active = 0, []
+            for j, _ in fed:
+                j.slot.kv.n_draft = j.pos + 1
+                if j.last:
+                    continue
+                tok, p = self._propose(h[row])
+                row += 1
+                if p < self.spec_of(j.slot).p_min:
+                    continue  # llama.cpp: only confident tokens are drafted
+                j.out.append(tok)
+                j.feed, j.pos, j.last = tok, j.pos + 1, len(j.out) >= j.n_max
+                active.append(j)
+        return {j.slot.id: j.out if len(j.out) >= self.spec_of(j.slot).n_min else []
+                for j in jobs}
+
+    def _propose(self, h: torch.Tensor) -> tuple[int, float]:
+        """The draft's most likely token and its probability among its top DRAFT_TOP_K."""
+        assert self.draft is not None
+        logits = self.draft.transformer.w.head.full(h[None])[0]
+        top = torch.topk(logits, DRAFT_TOP_K)
+        p = torch.softmax(top.values.float(), dim=-1)
+        return int(top.indices[0]), float(p[0])
+
+    def _hidden(self, steps: list[SeqStep]) -> torch.Tensor:
+        assert self.draft is not None and self.pool.draft is not None
+        return self.draft.transformer.hidden(self.pool.draft.k, self.pool.draft.v, steps)
+
+    # -- keeping the draft rows in step --------------------------------------------------------
+    def follow(self, steps: list[tuple[SlotKV, SeqStep]]) -> None:
+        """Run the draft over the target's forward (rows only), for the slots whose draft rows
+        reach the step's first position; the others catch up later (`sync`)."""
+        if self.draft is None:
+            return
+        todo = [(kv, dataclasses.replace(b, n_logits=0)) for kv, b in steps
+                if kv.n_draft == b.pos0]
+        if todo:
+            self._hidden([b for _, b in todo])
+            for kv, b in todo:
+                kv.n_draft = b.pos0 + len(b.tokens)
+
+    def sync(self, kv: SlotKV) -> None:
+        """Compute the draft rows of the tokens `kv` holds without them (in forward-sized
+        chunks over their cells)."""
+        if self.draft is None:
+            return
+        n = len(kv)
+        while kv.n_draft < n:
+            p0 = kv.n_draft
+            p1 = min(n, p0 + self.n_budget)
+            cells = self.pool.cells_at(kv.seq, list(range(p0, p1)))
+            view = self.pool.view(kv.seq)  # positions 0 .. n - 1: read those before p1
+            c = view.cells
+            kv_cells = slice(c.start or 0, (c.start or 0) + p1) if isinstance(c, slice) else c[:p1]
+            step = SeqStep(list(kv.tokens[p0:p1]), p0, cells, kv_cells, view.positions[:p1], 0)
+            self._hidden([step])
+            kv.n_draft = p1
