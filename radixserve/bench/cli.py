@@ -3,6 +3,11 @@
 Server flags the benchmark does not know are passed to every `radixserve serve` it starts
 (after the scenario's own `server_args`, before the mode's flags). Put them after `--` when a
 flag takes a value, so the value is not mistaken for a scenario name.
+
+Speculative decoding: `--spec none,ngram-simple,ngram-mod` runs each cache mode once per type
+(`radix`, `radix+ngram-simple`, ...; see radixserve.bench.modes). Servers started by hand
+(llama-server with the same flags): `--url URL --label NAME`, repeatable, alone or next to
+started modes, so one report compares them all (outputs identical across modes included).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import logging
 import time
 from pathlib import Path
 
-from radixserve.bench.modes import DEFAULT_MODES, EXTERNAL, parse_modes
+from radixserve.bench.modes import DEFAULT_MODES, Mode, external_modes, parse_modes
 from radixserve.bench.report import write_report
 from radixserve.bench.runner import BenchOptions, run_all
 from radixserve.bench.scenarios import load_scenario, scenario_names
@@ -24,18 +29,42 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="shipped scenarios: " + ", ".join(scenario_names()) + " (or 'all', or a .json path)")
     ap.add_argument("scenarios", nargs="+", metavar="SCENARIO")
-    ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
+    ap.add_argument("--modes", default=None,
                     help="comma separated: no-cache, slot-only, legacy, radix "
-                         "(default: %(default)s)")
+                         f"(default: {','.join(DEFAULT_MODES)})")
+    ap.add_argument("--spec", default=None,
+                    help="comma separated speculation types, each cache mode runs once per "
+                         "type with --spec-type TYPE (none = no flag): e.g. "
+                         "none,ngram-simple,ngram-mod (default: none)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="cold-start runs per mode; tables show medians (default: %(default)s)")
-    ap.add_argument("--url", default=None,
-                    help="measure this running OpenAI-compatible server instead "
-                         "(mode 'external')")
+    ap.add_argument("--url", action="append", default=None,
+                    help="measure this running OpenAI-compatible server (repeatable: one mode "
+                         "per URL) instead of starting servers; with --modes or --spec given "
+                         "too, both")
+    ap.add_argument("--label", action="append", default=None,
+                    help="the mode name of each --url in the report, in order (e.g. "
+                         "llama-server+ngram-simple; default: external)")
     ap.add_argument("--out", type=Path, default=None,
                     help="output folder (default: bench-results/<UTC time>)")
     ap.add_argument("-m", "--model", default="default", help="model for the servers we start")
     return ap
+
+
+def select_modes(modes: str | None, spec: str | None, urls: list[str] | None,
+                 labels: list[str] | None) -> list[Mode]:
+    """The modes to run: started servers (`--modes` x `--spec`) unless only `--url`s are given,
+    then one external mode per URL. Names must be distinct (they name the result files)."""
+    if labels and not urls:
+        raise ValueError("--label names a --url; give the URL(s) too")
+    out = [] if urls and modes is None and spec is None else parse_modes(
+        modes or ",".join(DEFAULT_MODES), spec or "none")
+    out += external_modes(urls, labels) if urls else []
+    names = [m.name for m in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"mode name(s) {', '.join(dup)} given twice")
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -54,12 +83,12 @@ def main(argv: list[str]) -> int:
     names = scenario_names() if a.scenarios == ["all"] else a.scenarios
     try:
         scenarios = [load_scenario(n) for n in names]
-        modes = [EXTERNAL] if a.url else parse_modes(a.modes)
+        modes = select_modes(a.modes, a.spec, a.url, a.label)
     except ValueError as e:
         ap.error(str(e))
     out = a.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     opt = BenchOptions(out_dir=out, repeats=a.repeats, model=a.model,
-                       extra_server_args=unknown + forwarded, url=a.url)
+                       extra_server_args=unknown + forwarded)
     results = run_all(scenarios, modes, opt)
     paths = write_report(results, out, {s.name: s.description for s in scenarios})
     print(paths["summary.md"].read_text())

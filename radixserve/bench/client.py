@@ -90,6 +90,9 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                 rec.cache_n, rec.prompt_n = tm.get("cache_n"), tm.get("prompt_n")
                 rec.predicted_n, rec.prompt_ms = tm.get("predicted_n"), tm.get("prompt_ms")
                 rec.predicted_ms = tm.get("predicted_ms")
+                rec.predicted_per_second = tm.get("predicted_per_second")
+                # speculative decoding only (llama-server omits them when nothing was drafted)
+                rec.draft_n, rec.draft_n_accepted = tm.get("draft_n"), tm.get("draft_n_accepted")
             usage = chunk.get("usage") or usage
     _apply_usage(rec, usage)
     return "".join(text)

@@ -1,4 +1,6 @@
-"""Cache modes under comparison: the server flags and request field that define each one.
+"""Modes under comparison: the server flags and request field that define each one.
+
+Cache modes (`--modes`):
 
 - `no-cache`: `--cache-ram 0` and every request sends `cache_prompt: false`, so nothing is reused
   at all, not even the slot's own KV. This is the seeds' strict baseline (their benchmark sets
@@ -9,11 +11,23 @@
   the host tier adds on top of slot reuse.
 - `legacy`: llama.cpp's server_prompt_cache (`--cache-radix-prompt off`).
 - `radix`: the radix-tree host cache (`--cache-radix-prompt on`, the default).
-- `external`: a server we did not start (`--url`); flags do not apply.
+
+Speculation (`--spec`, default `none`): every cache mode runs once per listed speculative
+decoding type, with llama-server's `--spec-type TYPE` appended to its flags and `+TYPE` to its
+label (`radix+ngram-simple`); `none` adds no flag and keeps the plain label (`radix`), so
+`--modes radix --spec none,ngram-simple,ngram-mod` measures `radix`, `radix+ngram-simple` and
+`radix+ngram-mod`. The drafter's own settings (`--spec-draft-n-max N`,
+`--spec-ngram-simple-size-n N`, ...) are ordinary server flags: give them after `--`; they go to
+every server started, and llama-server ignores them when no `--spec-type` is set.
+
+External servers (`--url URL`, repeatable): a server we did not start, so flags do not apply and
+the mode is only a label: `external` by default, or the matching `--label` (`--url A --label
+llama-server --url B --label llama-server+ngram-simple`: one mode per URL, in that order).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -22,6 +36,8 @@ class Mode:
     name: str
     server_flags: tuple[str, ...]
     cache_prompt: bool
+    spec: str = "none"  # the --spec-type this mode adds ("none": no speculation flag)
+    url: str | None = None  # an external server (flags do not apply)
 
 
 MODES: dict[str, Mode] = {
@@ -35,13 +51,62 @@ MODES: dict[str, Mode] = {
 }
 DEFAULT_MODES = ("no-cache", "legacy", "radix")
 EXTERNAL = Mode("external", (), cache_prompt=True)
+# llama-server's --spec-type names (common/speculative.cpp); radixserve serves a subset
+# (draft-simple, ngram-simple, ngram-mod) and rejects the others at start-up
+SPEC_TYPES = ("none", "draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash",
+              "draft-dspark", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod",
+              "ngram-cache")
 
 
-def parse_modes(spec: str) -> list[Mode]:
-    """`no-cache,legacy,radix` -> Modes, in the given order; unknown names are an error."""
-    names = [n.strip() for n in spec.split(",") if n.strip()]
+def _names(spec: str) -> list[str]:
+    return [n.strip() for n in spec.split(",") if n.strip()]
+
+
+def parse_specs(spec: str) -> list[str]:
+    """`none,ngram-simple` -> speculation types, in the given order, without repeats."""
+    names = list(dict.fromkeys(_names(spec)))
+    unknown = [n for n in names if n not in SPEC_TYPES]
+    if unknown or not names:
+        raise ValueError(f"unknown speculation type(s) {', '.join(unknown) or '(none)'}; "
+                         f"choose from {', '.join(SPEC_TYPES)}")
+    return names
+
+
+def with_spec(mode: Mode, spec: str) -> Mode:
+    """`mode` with `--spec-type spec` appended (after the cache flags) and `+spec` in its name;
+    `mode` itself for `none`."""
+    if spec == "none":
+        return mode
+    return dataclasses.replace(mode, name=f"{mode.name}+{spec}", spec=spec,
+                               server_flags=(*mode.server_flags, "--spec-type", spec))
+
+
+def parse_modes(spec: str, specs: str = "none") -> list[Mode]:
+    """`no-cache,legacy,radix` -> Modes, in the given order; unknown names are an error.
+    `specs` (`none,ngram-mod`): each cache mode once per speculation type, cache mode major
+    (`radix`, `radix+ngram-mod`, ...), so one cache mode's variants run side by side."""
+    names = _names(spec)
     unknown = [n for n in names if n not in MODES]
     if unknown or not names:
         raise ValueError(f"unknown mode(s) {', '.join(unknown) or '(none)'}; "
                          f"choose from {', '.join(MODES)}")
-    return [MODES[n] for n in names]
+    types = parse_specs(specs)
+    return [with_spec(MODES[n], t) for n in names for t in types]
+
+
+def external_modes(urls: list[str], labels: list[str] | None = None) -> list[Mode]:
+    """One mode per external server. Labels name them in the report (`llama-server+ngram-mod`);
+    without labels one URL is `external`, several are `external1`, `external2`, ..."""
+    labels = labels or []
+    if labels and len(labels) != len(urls):
+        raise ValueError(f"--label: {len(labels)} label(s) for {len(urls)} --url(s); give one "
+                         "label per URL, in the same order")
+    if not labels:
+        labels = ["external"] if len(urls) == 1 else [f"external{i + 1}"
+                                                     for i in range(len(urls))]
+    bad = [x for x in labels if not x or "/" in x or x.strip() != x]
+    if bad or len(set(labels)) != len(labels):
+        raise ValueError(f"--label: labels must be distinct, non-empty, without '/' or "
+                         f"surrounding blanks; got {labels}")
+    return [dataclasses.replace(EXTERNAL, name=label, url=url.rstrip("/"))
+            for url, label in zip(urls, labels)]

@@ -32,6 +32,8 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("gen tok/s", "gen_tok_per_s"),
     ("prefill tok/s p50", "prefill_tok_s_p50"),
     ("decode tok/s p50", "decode_tok_s_p50"),
+    ("draft accept", "draft_acceptance"),
+    ("acc / step", "draft_accepted_per_step"),
     ("host MiB", "host_cache_mib"),
     ("unique / logical tok", "stored"),
     ("peak RSS MiB", "rss_peak_mib"),
@@ -39,13 +41,70 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 
 
 def summarize(results: list[dict[str, Any]]) -> Summary:
-    """Medians per (scenario, mode) over the runs that produced figures."""
+    """Medians per (scenario, mode) over the runs that produced figures; where two or more
+    modes ran, each mode's `outputs_differ` / `outputs_compared` (`compare_outputs`)."""
     grouped: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for r in results:
         runs = grouped.setdefault(r["scenario"], {}).setdefault(r["mode"], [])
         if "figures" in r:
             runs.append(r["figures"])
-    return {s: {m: aggregate(runs) for m, runs in modes.items()} for s, modes in grouped.items()}
+    out = {s: {m: aggregate(runs) for m, runs in modes.items()} for s, modes in grouped.items()}
+    for s, cmp in compare_outputs(results).items():
+        for m, n in cmp["by_mode"].items():
+            out[s][m] |= {"outputs_differ": n, "outputs_compared": cmp["n_compared"][m]}
+    return out
+
+
+def compare_outputs(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per scenario run in two or more modes: do the modes generate the same text for the same
+    request (session, turn)? Greedy decoding makes the reply a function of the prompt, so a
+    cache or a speculation mode that changes it changed the numbers, not just the speed.
+
+    The reference is the first mode's first run. Returns {scenario: {"reference": mode,
+    "n_requests": requests the reference answered, "n_differ": those whose reply differs in
+    any other run (any mode, any repeat), "differ": their "session/turn" keys, "by_mode":
+    {mode: requests whose reply in some run of that mode differs from the reference},
+    "n_compared": {mode: requests both answered}}}. Failed requests are left out."""
+    per: dict[str, list[tuple[str, dict[tuple[str, int], str]]]] = {}
+    for r in results:
+        replies = {(q["session"], q["turn"]): q["reply"] for q in r.get("requests") or []
+                   if q.get("error") is None and q.get("reply") is not None}
+        if replies:
+            per.setdefault(r["scenario"], []).append((r["mode"], replies))
+    out: dict[str, dict[str, Any]] = {}
+    for scenario, runs in per.items():
+        modes = list(dict.fromkeys(m for m, _ in runs))
+        if len(modes) < 2:
+            continue
+        ref = runs[0][1]
+        differ: set[tuple[str, int]] = set()
+        by_mode = {m: set() for m in modes}
+        compared = {m: set() for m in modes}
+        for m, replies in runs[1:]:
+            for key, text in replies.items():
+                if key in ref:
+                    compared[m].add(key)
+                    if text != ref[key]:
+                        differ.add(key)
+                        by_mode[m].add(key)
+        compared[modes[0]] |= set(ref)
+        out[scenario] = {
+            "reference": modes[0], "n_requests": len(ref), "n_differ": len(differ),
+            "differ": [f"{sess}/{turn}" for sess, turn in sorted(differ)],
+            "by_mode": {m: len(v) for m, v in by_mode.items()},
+            "n_compared": {m: len(v) for m, v in compared.items()},
+        }
+    return out
+
+
+def outputs_line(cmp: dict[str, Any]) -> str:
+    """The report's one-line verdict of `compare_outputs` for a scenario."""
+    if not cmp["n_differ"]:
+        return (f"- outputs identical across modes: yes ({cmp['n_requests']} requests, "
+                f"{len(cmp['by_mode'])} modes)")
+    modes = ", ".join(f"{m} {n}" for m, n in cmp["by_mode"].items() if n)
+    return (f"- outputs identical across modes: no ({cmp['n_differ']} of {cmp['n_requests']} "
+            f"requests differ from {cmp['reference']}: {modes})")
 
 
 def _num(v: Any, fmt: str) -> str:
@@ -53,9 +112,11 @@ def _num(v: Any, fmt: str) -> str:
 
 
 def _cell(f: dict[str, Any], key: str) -> str:
-    if key == "hit_rate":
+    if key in ("hit_rate", "draft_acceptance"):
         return _num(None if f.get(key) is None else 100 * f[key], ".1f") + (
             "%" if f.get(key) is not None else "")
+    if key == "draft_accepted_per_step":
+        return _num(f.get(key), ".2f")
     if key == "tokens":
         return f"{_num(f.get('prompt_tokens_reused'), '.0f')} / " \
                f"{_num(f.get('prompt_tokens_computed'), '.0f')}"
@@ -112,7 +173,12 @@ def markdown_report(summary: Summary, results: list[dict[str, Any]],
     """All scenarios' tables, per-group hit rates where a scenario has groups, and failures."""
     out = ["# radixserve bench summary", "",
            "Medians over repeats (each repeat = a cold server per mode). Hit rate = reused / "
-           "(reused + computed) prompt tokens, from the server's per-request `timings`.", ""]
+           "(reused + computed) prompt tokens, from the server's per-request `timings`. "
+           "Decode tok/s: median over requests of `timings.predicted_per_second`. Draft "
+           "accept = accepted / proposed draft tokens (`timings.draft_n_accepted` / `draft_n`), "
+           "acc / step = accepted draft tokens per decode step of the target; '-' without "
+           "speculation.", ""]
+    outputs = compare_outputs(results)
     for scenario, modes in summary.items():
         out += [f"## {scenario}", ""]
         if descriptions and descriptions.get(scenario):
@@ -137,11 +203,16 @@ def markdown_report(summary: Summary, results: list[dict[str, Any]],
                 out.append(f"- {m}: prompt tokens computed {f['prompt_tokens_computed']:.0f}, "
                            f"bound {f['prompt_tokens_bound']:.0f} (what no earlier prompt "
                            "shared + 1 per request)")
+            if f.get("draft_n") is not None:
+                out.append(f"- {m}: draft tokens accepted / proposed "
+                           f"{_tok(f.get('draft_n_accepted'))} / {_tok(f['draft_n'])}")
             if f.get("n_errors"):
                 out.append(f"- {m}: {f['n_errors']:.0f} failed requests (median per run)")
         ratio = host_ratio(modes)
         if ratio is not None:
             out.append(f"- host cache bytes radix / legacy: {ratio:.2f}")
+        if scenario in outputs:
+            out.append(outputs_line(outputs[scenario]))
         out.append("")
     failed = [r for r in results if "error" in r]
     if failed:
@@ -195,11 +266,14 @@ def write_plots(summary: Summary, out_dir: Path) -> list[Path]:
 
 def write_report(results: list[dict[str, Any]], out_dir: Path,
                  descriptions: dict[str, str] | None = None) -> dict[str, Path]:
-    """summary.json, summary.md and the plots under `out_dir`; returns their paths."""
+    """summary.json, summary.md, outputs.json (`compare_outputs`) and the plots under
+    `out_dir`; returns their paths."""
     summary = summarize(results)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"summary.json": out_dir / "summary.json", "summary.md": out_dir / "summary.md"}
+    paths = {"summary.json": out_dir / "summary.json", "summary.md": out_dir / "summary.md",
+             "outputs.json": out_dir / "outputs.json"}
     paths["summary.json"].write_text(json.dumps(summary, indent=1))
+    paths["outputs.json"].write_text(json.dumps(compare_outputs(results), indent=1))
     paths["summary.md"].write_text(markdown_report(summary, results, descriptions))
     for p in write_plots(summary, out_dir):
         paths[p.name] = p

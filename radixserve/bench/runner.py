@@ -59,7 +59,7 @@ class BenchOptions:
     repeats: int = 1
     model: str = "default"
     extra_server_args: list[str] = dataclasses.field(default_factory=list)
-    url: str | None = None  # an already running server: mode "external"
+    url: str | None = None  # an already running server for every mode (else: Mode.url)
 
 
 def server_args(s: Scenario, mode: Mode, opt: BenchOptions) -> list[str]:
@@ -120,11 +120,14 @@ def run_one(s: Scenario, mode: Mode, repeat: int, opt: BenchOptions,
             on_done: Callable[[RequestRecord], None]) -> dict[str, Any]:
     """One run; its JSON goes to runs/, the server log to logs/. Failures are recorded."""
     tag = f"{s.name}__{mode.name}__r{repeat}"
-    result: dict[str, Any] = {"scenario": s.name, "mode": mode.name, "repeat": repeat}
+    url = mode.url or opt.url
+    # the speculation type we set (an external server's own flags are not known here)
+    result: dict[str, Any] = {"scenario": s.name, "mode": mode.name, "repeat": repeat,
+                              "spec": None if url else mode.spec}
     try:
-        if opt.url is not None:
-            result["url"] = opt.url
-            result |= asyncio.run(_phases(opt.url.rstrip("/"), s, mode, None, on_done))
+        if url is not None:
+            result["url"] = url
+            result |= asyncio.run(_phases(url.rstrip("/"), s, mode, None, on_done))
         else:
             args = server_args(s, mode, opt)
             result["server_args"] = args

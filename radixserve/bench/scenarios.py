@@ -5,6 +5,11 @@ A scenario file names a workload *kind* and its sizes; `build_workload` turns it
 list, so the same file gives the same prompts on every machine and run, with no downloads.
 Sizes are in tokens of the default model's tokenizer (every word of `WORDS` is one token there);
 the figures that matter (prompt tokens computed/reused) are read back from the server anyway.
+
+The `rag-quote` kind is the exception: its documents are real text shipped in the scenario file
+(excerpts of the project's Chinese seed documents), and each request asks the model to copy one
+of a document's paragraphs verbatim, named by its opening characters, so the answers quote the
+prompt (the case n-gram speculative decoding is for).
 """
 
 from __future__ import annotations
@@ -29,7 +34,14 @@ KIND_PARAMS: dict[str, tuple[str, ...]] = {
     "no-sharing": ("doc_tokens", "question_tokens", "n_requests"),
     "multi-turn": ("n_conversations", "n_turns", "system_tokens", "turn_tokens"),
     "capacity": ("n_hot", "n_cold", "cold_per_round", "doc_tokens", "question_tokens"),
+    # documents come from the file's `documents`; each is asked for `n_quotes` of its paragraphs
+    "rag-quote": ("n_quotes", "passage_min_chars", "opening_chars"),
 }
+# rag-quote: the document goes in the user message, the request after it. SmolLM2-135M copies
+# text of the document far more often so than with the document in the system message (it
+# then mostly answers in English); it still often copies another paragraph than the one asked
+QUOTE_SYSTEM = "You copy text exactly."
+QUOTE_REQUEST = 'Repeat verbatim the paragraph that begins with "{opening}".'
 
 
 @dataclass(slots=True)
@@ -52,6 +64,8 @@ class Scenario:
     cache_prompt: bool = True
     # more body fields for every measured request (e.g. a `json_schema` constraint)
     request_fields: dict[str, Any] = field(default_factory=dict)
+    # rag-quote: real documents, [{"source": where the excerpt comes from, "text": ...}]
+    documents: list[dict[str, str]] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Scenario:
@@ -70,7 +84,10 @@ class Scenario:
         if bad or int(obj.get("concurrency", 0)) < 1 or int(obj.get("n_predict", 0)) < 1:
             raise ValueError(f"scenario {obj.get('name')!r}: concurrency, n_predict and "
                              f"sizes must be >= 1 {bad or ''}")
-        return cls(kind=kind, params=params, **obj)
+        s = cls(kind=kind, params=params, **obj)
+        if kind == "rag-quote":
+            _check_documents(s)
+        return s
 
 
 @dataclass(slots=True, frozen=True)
@@ -120,6 +137,79 @@ def _question(rng: random.Random, n_tokens: int) -> str:
     return "question: " + make_text(rng, n_tokens) + "?"
 
 
+@dataclass(slots=True, frozen=True)
+class Passage:
+    """A paragraph of a document that a rag-quote request asks for, named by `opening`: its
+    first characters, as many as it takes to occur only once in the document."""
+
+    text: str
+    opening: str
+
+
+def quote_passages(doc: str, min_chars: int, opening_chars: int) -> list[Passage]:
+    """The paragraphs of `doc` (blank-line separated) a request may quote: one line of prose
+    (lists, tables and code span lines), at least `min_chars` long, in document order."""
+    out = []
+    for para in doc.split("\n\n"):
+        if "\n" in para or para != para.strip() or len(para) < min_chars:
+            continue
+        n = opening_chars
+        while n < len(para) and (doc.count(para[:n]) > 1 or not _clean_cut(para, n)):
+            n += 1
+        out.append(Passage(para, para[:n]))
+    return out
+
+
+def _clean_cut(text: str, n: int) -> bool:
+    """`text[:n]` ends neither in a blank nor inside an ASCII word or number."""
+    a, b = text[n - 1], text[n] if n < len(text) else " "
+    return not a.isspace() and not (a.isascii() and a.isalnum() and b.isascii() and b.isalnum())
+
+
+def _check_documents(s: Scenario) -> None:
+    p = s.params
+    if not s.documents or not all(isinstance(d.get("text"), str) for d in s.documents):
+        raise ValueError(f"scenario {s.name!r} (rag-quote) needs documents: "
+                         '[{"source": ..., "text": ...}, ...]')
+    for i, d in enumerate(s.documents):
+        n = len(quote_passages(d["text"], p["passage_min_chars"], p["opening_chars"]))
+        if n < p["n_quotes"]:
+            raise ValueError(f"scenario {s.name!r}: document {i} has {n} paragraphs of "
+                             f">= {p['passage_min_chars']} characters, n_quotes is "
+                             f"{p['n_quotes']}")
+
+
+def quote_request(doc: str, passage: Passage) -> str:
+    """The user message of a rag-quote request: the document, then what to copy from it."""
+    return "Document:\n" + doc + "\n\n" + QUOTE_REQUEST.format(opening=passage.opening)
+
+
+def _rag_quote(s: Scenario, rng: random.Random) -> list[Session]:
+    """`n_quotes` paragraphs per document, picked at random; every request of a document
+    starts with the same system prompt and document (the prefix the caches can reuse)."""
+    p = s.params
+    out = []
+    for d, doc in enumerate(x["text"] for x in s.documents):
+        passages = quote_passages(doc, p["passage_min_chars"], p["opening_chars"])
+        picked = sorted(rng.sample(range(len(passages)), p["n_quotes"]))
+        out += [Session(f"d{d}p{k}", f"doc{d}", QUOTE_SYSTEM, (quote_request(doc, passages[k]),))
+                for k in picked]
+    return _order(s, rng, out)
+
+
+def _order(s: Scenario, rng: random.Random, out: list[Session]) -> list[Session]:
+    """Requests in the scenario's `order`, from a list grouped by document."""
+    if s.order == "shuffle":
+        rng.shuffle(out)
+    elif s.order == "round-robin":  # one request per document in turn
+        groups: dict[str, list[Session]] = {}
+        for x in out:
+            groups.setdefault(x.group, []).append(x)
+        out = [g[i] for i in range(max(map(len, groups.values()))) for g in groups.values()
+               if i < len(g)]
+    return out
+
+
 def build_workload(s: Scenario) -> list[Session]:
     """The measured sessions, in the order clients pick them up."""
     rng = random.Random(s.seed)
@@ -142,6 +232,8 @@ def build_workload(s: Scenario) -> list[Session]:
         # the unique text comes first, so prompts share nothing past the chat template's header
         return [Session(f"u{i}", "unique", make_text(rng, p["doc_tokens"]) + "\n\n" + INSTRUCTION,
                         (_question(rng, p["question_tokens"]),)) for i in range(p["n_requests"])]
+    if s.kind == "rag-quote":
+        return _rag_quote(s, rng)
     if s.kind == "multi-turn":
         system = INSTRUCTION + "\n\n" + make_text(rng, p["system_tokens"])
         return [Session(f"c{c}", "chat", system,

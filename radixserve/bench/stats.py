@@ -34,6 +34,11 @@ class RequestRecord:
     predicted_ms: float | None = None
     error: str | None = None
     reply: str | None = None  # the generated text: runs of different modes must agree on it
+    # speculative decoding (timings.draft_n / draft_n_accepted): draft tokens proposed and
+    # accepted; None when the server sent no such fields (no speculation, or no draft made)
+    draft_n: int | None = None
+    draft_n_accepted: int | None = None
+    predicted_per_second: float | None = None  # the server's own decode rate (timings)
 
     @property
     def prefill_tok_s(self) -> float | None:
@@ -44,10 +49,21 @@ class RequestRecord:
 
     @property
     def decode_tok_s(self) -> float | None:
-        """The server's own generation rate (timings), as llama-server reports it."""
+        """The server's own generation rate: timings.predicted_per_second when sent, else
+        predicted_n / predicted_ms (llama-server's formula)."""
+        if self.predicted_per_second:
+            return self.predicted_per_second
         if not self.predicted_n or not self.predicted_ms:
             return None
         return self.predicted_n / self.predicted_ms * 1e3
+
+    @property
+    def decode_steps(self) -> int | None:
+        """Forward passes of the target model while generating: the first token comes with the
+        prompt, then each step yields 1 token plus the draft tokens it accepted."""
+        if not self.predicted_n:
+            return None
+        return max(0, self.predicted_n - 1 - (self.draft_n_accepted or 0))
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -152,6 +168,7 @@ def summarize_run(records: list[RequestRecord], wall_s: float) -> dict[str, Any]
         "prompt_tokens_computed": computed,
         "prompt_tokens_reused": reused,
         "hit_rate": hit_rate(reused, computed),
+        **draft_figures(ok),
     }
     by_turn = turn_figures(ok)
     if len(by_turn) > 1:  # multi-turn sessions: how each turn fares as the history grows
@@ -164,6 +181,25 @@ def summarize_run(records: list[RequestRecord], wall_s: float) -> dict[str, Any]
             for g in groups
         }
     return out
+
+
+def draft_figures(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Speculative decoding over a run's requests: draft tokens proposed and accepted (sums of
+    timings.draft_n / draft_n_accepted), acceptance = accepted / proposed, and accepted draft
+    tokens per decode step of the target (`RequestRecord.decode_steps`; steps that had no draft
+    count too, as the timings do not tell them apart). All None when no request reported draft
+    fields (no speculation); a request without them in a run where others have them drafted
+    nothing (llama-server leaves the fields out when draft_n is 0)."""
+    drafted = [r for r in records if r.draft_n is not None]
+    if not drafted:
+        return {"draft_n": None, "draft_n_accepted": None, "draft_acceptance": None,
+                "draft_accepted_per_step": None}
+    proposed = sum(r.draft_n or 0 for r in drafted)
+    accepted = sum(r.draft_n_accepted or 0 for r in drafted)
+    steps = sum(r.decode_steps or 0 for r in records)
+    return {"draft_n": proposed, "draft_n_accepted": accepted,
+            "draft_acceptance": accepted / proposed if proposed else None,
+            "draft_accepted_per_step": accepted / steps if steps else None}
 
 
 def turn_figures(records: Iterable[RequestRecord]) -> dict[int, dict[str, Any]]:

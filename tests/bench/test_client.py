@@ -87,3 +87,24 @@ def test_a_scenarios_request_fields_reach_every_measured_body() -> None:
     assert s.request_fields["json_schema"]["minItems"] >= s.n_predict  # cannot end early
     b = chat_body([{"role": "user", "content": "x"}], RequestOptions(7, fields=s.request_fields))
     assert b["json_schema"] == s.request_fields["json_schema"] and b["ignore_eos"] is True
+
+
+def test_speculation_timings_are_recorded_when_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    def handler(req: httpx.Request) -> httpx.Response:
+        spec = json.loads(req.content)["messages"][0]["content"] == "spec"
+        timings = {"cache_n": 0, "prompt_n": 5, "predicted_n": 4, "predicted_ms": 20.0,
+                   "predicted_per_second": 150.0}
+        if spec:
+            timings |= {"draft_n": 6, "draft_n_accepted": 2}
+        last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+                "timings": timings}
+        return httpx.Response(200, content=_sse(_delta("quoted"), _delta(" text"), last))
+
+    recs, _ = _run(monkeypatch, handler, [Session("s", "g", "spec", ("q",)),
+                                          Session("n", "g", "plain", ("q",))])
+    spec = next(r for r in recs if r.session == "s")
+    plain = next(r for r in recs if r.session == "n")
+    assert (spec.draft_n, spec.draft_n_accepted) == (6, 2)
+    assert plain.draft_n is None and plain.draft_n_accepted is None
+    assert spec.predicted_per_second == plain.predicted_per_second == 150.0
+    assert spec.reply == plain.reply == "quoted text"  # the content, kept for comparisons

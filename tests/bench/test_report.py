@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,8 +10,10 @@ import pytest
 
 from radixserve.bench.report import (
     COLUMNS,
+    compare_outputs,
     host_ratio,
     markdown_report,
+    markdown_table,
     summarize,
     turn_table,
     write_report,
@@ -130,3 +133,89 @@ def test_turn_table_absent_for_single_turn_scenarios() -> None:
     assert all("by_turn" not in f for modes in s.values() for f in modes.values())
     assert turn_table(s["s1"]) is None
     assert "Per turn" not in markdown_report(s, RESULTS)
+
+
+def _spec_run(mode: str, repeat: int, replies: list[str], drafts: list[tuple[int, int] | None],
+              pps: list[float]) -> dict:
+    """A run of 3 requests (64 tokens each) as run_one writes it: figures and requests."""
+    recs = [RequestRecord(f"d0p{i}", "doc0", 0, 0.0, 1.0, ttft_s=0.1, prompt_n=50, cache_n=50,
+                          predicted_n=64, prompt_ms=5.0, predicted_ms=500.0, reply=text,
+                          draft_n=None if d is None else d[0],
+                          draft_n_accepted=None if d is None else d[1],
+                          predicted_per_second=v)
+            for i, (text, d, v) in enumerate(zip(replies, drafts, pps))]
+    return {"scenario": "rag", "mode": mode, "repeat": repeat,
+            "figures": summarize_run(recs, wall_s=2.0),
+            "requests": [dataclasses.asdict(r) for r in recs]}
+
+
+SAME = ["quote one", "quote two", "quote three"]
+SPEC_RESULTS = [
+    _spec_run("radix", 0, SAME, [None, None, None], [100.0, 110.0, 90.0]),
+    # drafts on 2 of 3 requests: (proposed, accepted); 63 decode steps less the accepted
+    _spec_run("radix+ngram-simple", 0, SAME, [(40, 30), (20, 5), None], [200.0, 150.0, 120.0]),
+]
+
+
+def _row(md: str, mode: str) -> list[str]:
+    line = next(x for x in md.splitlines() if x.startswith(f"| {mode} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_spec_columns_from_timings_and_dashes_without_speculation() -> None:
+    s = summarize(SPEC_RESULTS)
+    titles = [t for t, _ in COLUMNS]
+    table = markdown_table(s["rag"])
+    plain, spec = _row(table, "radix"), _row(table, "radix+ngram-simple")
+    col = {t: i + 2 for i, t in enumerate(titles)}  # after "mode" and "runs"
+    assert spec[col["decode tok/s p50"]] == "150.0" and plain[col["decode tok/s p50"]] == "100.0"
+    assert spec[col["draft accept"]] == "58.3%"  # 35 / 60
+    assert spec[col["acc / step"]] == f"{35 / (63 * 3 - 35):.2f}" == "0.23"
+    assert plain[col["draft accept"]] == "-" and plain[col["acc / step"]] == "-"
+    assert s["rag"]["radix+ngram-simple"]["draft_n"] == 60
+    assert s["rag"]["radix"]["draft_acceptance"] is None
+    md = markdown_report(s, SPEC_RESULTS)
+    assert "- radix+ngram-simple: draft tokens accepted / proposed 35 / 60" in md
+    assert "- radix: draft tokens" not in md
+
+
+def test_outputs_identical_across_modes_line() -> None:
+    md = markdown_report(summarize(SPEC_RESULTS), SPEC_RESULTS)
+    assert "- outputs identical across modes: yes (3 requests, 2 modes)" in md
+    s = summarize(SPEC_RESULTS)
+    assert s["rag"]["radix+ngram-simple"]["outputs_differ"] == 0
+    assert s["rag"]["radix+ngram-simple"]["outputs_compared"] == 3
+
+
+def test_outputs_that_differ_are_counted_per_request_and_mode() -> None:
+    other = ["quote one", "quote 2", "quote three"]
+    runs = [*SPEC_RESULTS,
+            _spec_run("radix+ngram-mod", 0, other, [(9, 9)] * 3, [1.0] * 3),
+            # a second repeat of a mode that differs on another request
+            _spec_run("radix+ngram-simple", 1, ["quote one", "quote two", "3"], [None] * 3,
+                      [1.0] * 3)]
+    failed = _spec_run("llama-server", 0, ["x", "y", "z"], [None] * 3, [1.0] * 3)
+    for q in failed["requests"]:
+        q["error"] = "HTTP 500"  # failed requests are not compared
+    runs.append(failed)
+    cmp = compare_outputs(runs)["rag"]
+    assert cmp["reference"] == "radix" and cmp["n_requests"] == 3
+    assert cmp["n_differ"] == 2 and cmp["differ"] == ["d0p1/0", "d0p2/0"]
+    # llama-server answered nothing: not compared, not counted as identical
+    assert cmp["by_mode"] == {"radix": 0, "radix+ngram-simple": 1, "radix+ngram-mod": 1}
+    assert cmp["n_compared"] == {"radix": 3, "radix+ngram-simple": 3, "radix+ngram-mod": 3}
+    md = markdown_report(summarize(runs), runs)
+    assert ("- outputs identical across modes: no (2 of 3 requests differ from radix: "
+            "radix+ngram-simple 1, radix+ngram-mod 1)") in md
+    # one mode alone: nothing to compare, no line
+    assert compare_outputs(SPEC_RESULTS[:1]) == {}
+    assert "outputs identical" not in markdown_report(summarize(SPEC_RESULTS[:1]),
+                                                      SPEC_RESULTS[:1])
+
+
+def test_write_report_writes_the_output_comparison(tmp_path: Path) -> None:
+    paths = write_report(SPEC_RESULTS, tmp_path)
+    cmp = json.loads(paths["outputs.json"].read_text())
+    assert cmp["rag"]["n_differ"] == 0 and cmp["rag"]["by_mode"]["radix+ngram-simple"] == 0
+    summary = json.loads(paths["summary.json"].read_text())
+    assert summary["rag"]["radix+ngram-simple"]["draft_acceptance"] == pytest.approx(35 / 60)

@@ -5,24 +5,31 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from pathlib import Path
 
 import pytest
 
+from radixserve.bench.client import RequestOptions, chat_body
 from radixserve.bench.scenarios import (
     KIND_PARAMS,
+    QUOTE_SYSTEM,
     Scenario,
     build_workload,
     cleanup_session,
     load_scenario,
     make_text,
+    quote_passages,
     scenario_names,
     warmup_sessions,
 )
 
+# the project's seed documents (shared/seeds next to the checkout), when this machine has them
+SEEDS = Path(__file__).resolve().parents[3] / "shared" / "seeds"
+
 REQUIRED = {"shared-prefix-main", "exact-reuse", "no-sharing", "prefix-512", "prefix-1024",
             "prefix-2048", "prefix-4096", "concurrency-1", "concurrency-4", "capacity-lru-512",
             "multi-turn-chat", "shared-prefix-shuffled", "shared-prefix-long", "single-stream",
-            "decode-4"}
+            "decode-4", "rag-quote"}
 
 
 def test_engine_yardsticks_compute_every_prompt() -> None:
@@ -146,4 +153,94 @@ def test_bad_scenarios_are_rejected(tmp_path) -> None:
         load_scenario(str(bad))
     bad.write_text(json.dumps({"name": "bad", "kind": "shared-prefix", "order": "sorted"}))
     with pytest.raises(ValueError, match="order must be one of shuffle, round-robin, grouped"):
+        load_scenario(str(bad))
+
+
+def _quote_parts(user: str) -> tuple[str, str]:
+    """A rag-quote user message -> (document, opening named by the request)."""
+    head, _, request = user.rpartition("\n\n")
+    assert head.startswith("Document:\n")
+    assert request.startswith("Repeat verbatim the paragraph that begins with \"")
+    return head.removeprefix("Document:\n"), request.split('"')[1]
+
+
+def test_rag_quote_requests_quote_real_paragraphs_of_their_document() -> None:
+    s = load_scenario("rag-quote")
+    p = s.params
+    w = build_workload(s)
+    docs = [d["text"] for d in s.documents]
+    assert len(docs) >= 3 and all(len(d) > 800 for d in docs)
+    assert all(any("\u4e00" <= ch <= "\u9fff" for ch in d) for d in docs)  # Chinese text
+    assert len(w) == len(docs) * p["n_quotes"] and p["n_quotes"] >= 2
+    assert {x.group for x in w} == {f"doc{d}" for d in range(len(docs))}
+    asked = set()
+    for x in w:
+        assert x.system == QUOTE_SYSTEM and len(x.user_turns) == 1
+        doc, opening = _quote_parts(x.user_turns[0])
+        assert doc == docs[int(x.group.removeprefix("doc"))]
+        # the opening names exactly one place in the document: the start of a paragraph
+        # (one line, long enough that the whole answer can be a quote)
+        assert len(opening) >= p["opening_chars"] and doc.count(opening) == 1
+        para = next(q for q in doc.split("\n\n") if q.startswith(opening))
+        assert "\n" not in para and len(para) >= p["passage_min_chars"]
+        asked.add((x.group, opening))
+    assert len(asked) == len(w)  # every request asks for a different paragraph
+    # requests on one document share the system prompt and the document: a reusable prefix
+    for d in range(len(docs)):
+        users = [x.user_turns[0] for x in w if x.group == f"doc{d}"]
+        assert all(u.startswith("Document:\n" + docs[d] + "\n\n") for u in users)
+    # shuffled: one document's requests do not all come together
+    groups = [x.group for x in w]
+    assert any(a != b for a, b in zip(groups, sorted(groups, key=groups.index)))
+
+
+def test_rag_quote_is_greedy_and_long_enough_to_quote() -> None:
+    s = load_scenario("rag-quote")
+    assert 96 <= s.n_predict <= 256 and s.cache_prompt
+    body = chat_body([{"role": "user", "content": "x"}],
+                     RequestOptions(s.n_predict, fields=s.request_fields))
+    assert body["temperature"] == 0.0 and body["max_tokens"] == s.n_predict
+
+
+@pytest.mark.skipif(not SEEDS.is_dir(), reason="the seed documents are not on this machine")
+def test_rag_quote_documents_are_excerpts_of_the_seeds() -> None:
+    seeds = {p.name: p.read_text() for p in SEEDS.glob("*.txt")}
+    for d in load_scenario("rag-quote").documents:
+        name = d["source"].removeprefix("seeds/").split()[0]
+        assert d["text"] in seeds[name], d["source"]
+
+
+def test_quote_passages_picks_prose_paragraphs_named_uniquely() -> None:
+    prose = " ".join(["alpha beta gamma delta"] * 3)
+    doc = "\n\n".join([
+        "short one.",                       # too short
+        "code line one\n" + prose,          # spans lines: code, lists, tables
+        " " + prose,                        # indented (a list item)
+        "Same start, then " + prose,        # shares its first 10 characters with the next
+        "Same start, than " + prose,
+        "x" * 9 + "word" + prose,           # a cut inside an ASCII word moves past it
+    ])
+    ps = quote_passages(doc, min_chars=40, opening_chars=10)
+    assert [p.text[:5] for p in ps] == ["Same ", "Same ", "xxxxx"]
+    # unique from "Same start, the" on; then the cut moves to the end of the word
+    assert [p.opening for p in ps[:2]] == ["Same start, then", "Same start, than"]
+    assert ps[2].opening == "x" * 9 + "wordalpha"
+    assert all(doc.count(p.opening) == 1 and p.text.startswith(p.opening) for p in ps)
+
+
+def test_rag_quote_orders_and_bad_documents(tmp_path) -> None:
+    s = load_scenario("rag-quote")
+    rr = build_workload(dataclasses.replace(s, order="round-robin"))
+    n = len(s.documents)
+    assert [x.group for x in rr][:n + 1] == [f"doc{d}" for d in range(n)] + ["doc0"]
+    grouped = build_workload(dataclasses.replace(s, order="grouped"))
+    assert [x.group for x in grouped] == sorted(x.group for x in grouped)
+    obj = json.loads((Path(__file__).resolve().parents[2] / "radixserve" / "bench"
+                      / "scenarios" / "rag-quote.json").read_text())
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(obj | {"n_quotes": 50}))
+    with pytest.raises(ValueError, match="n_quotes is 50"):
+        load_scenario(str(bad))
+    bad.write_text(json.dumps(obj | {"documents": []}))
+    with pytest.raises(ValueError, match="needs documents"):
         load_scenario(str(bad))

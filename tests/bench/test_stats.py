@@ -10,6 +10,7 @@ from radixserve.bench.stats import (
     MIB,
     RequestRecord,
     aggregate,
+    draft_figures,
     hit_rate,
     host_cache_figures,
     median_of,
@@ -130,3 +131,37 @@ def test_prefix_bound_counts_what_no_earlier_prompt_shared() -> None:
     assert prefix_bound([]) == 0
     # the longest match counts, whichever earlier prompt it is with
     assert prefix_bound([[1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5]]) == (2 + 2 + 1) + 3
+
+
+def _rec(name: str, predicted_n: int, draft_n: int | None = None, accepted: int | None = None,
+         pps: float | None = None, error: str | None = None) -> RequestRecord:
+    return RequestRecord(name, "g", 0, 0.0, 1.0, ttft_s=0.1, prompt_n=10, cache_n=0,
+                         predicted_n=predicted_n, prompt_ms=10.0, predicted_ms=1000.0,
+                         draft_n=draft_n, draft_n_accepted=accepted, predicted_per_second=pps,
+                         error=error)
+
+
+def test_draft_figures_from_timings() -> None:
+    recs = [_rec("a", 101, draft_n=80, accepted=60, pps=150.0),
+            _rec("b", 51, draft_n=20, accepted=5, pps=60.0),
+            _rec("c", 21),  # speculation on but nothing drafted: llama-server sends no fields
+            _rec("d", 99, draft_n=1000, accepted=1000, error="HTTP 500")]  # not counted
+    s = summarize_run(recs, wall_s=1.0)
+    assert s["draft_n"] == 100 and s["draft_n_accepted"] == 65
+    assert s["draft_acceptance"] == pytest.approx(0.65)
+    # decode steps: a 100 - 60 = 40, b 50 - 5 = 45, c 20 (the first token comes with the prompt)
+    assert s["draft_accepted_per_step"] == pytest.approx(65 / 105)
+    # decode tok/s is the server's predicted_per_second where sent (150, 60), else n / ms (21)
+    assert s["decode_tok_s_p50"] == pytest.approx(60.0)
+    assert recs[2].decode_tok_s == pytest.approx(21.0) and recs[0].decode_steps == 40
+
+
+def test_draft_figures_absent_without_speculation() -> None:
+    s = summarize_run([_rec("a", 11, pps=30.0), _rec("b", 11)], wall_s=1.0)
+    assert s["draft_n"] is None and s["draft_n_accepted"] is None
+    assert s["draft_acceptance"] is None and s["draft_accepted_per_step"] is None
+    assert draft_figures([]) == {"draft_n": None, "draft_n_accepted": None,
+                                 "draft_acceptance": None, "draft_accepted_per_step": None}
+    # drafts proposed but none accepted: 0%, not unknown
+    z = draft_figures([_rec("a", 11, draft_n=4, accepted=0)])
+    assert z["draft_acceptance"] == 0.0 and z["draft_accepted_per_step"] == 0.0
