@@ -352,6 +352,8 @@ class Scheduler:
         drafts = self.spec.drafts(gen, self.n_budget - len(gen)) if self.spec and gen else {}
         for s in gen:
             s.draft = drafts.get(s.id, [])
+            if self.pool.seq_pos_max(s.kv.seq) > len(s.kv) + len(s.draft):
+                s.kv.truncate(len(s.kv))  # cells drafted into for a draft then dropped (n_min)
             step = self._reserve(s, len(s.kv), 1 + len(s.draft))
             if step is None and s.draft:  # no room to verify the draft: plain decoding
                 s.kv.truncate(len(s.kv))

@@ -84,7 +84,9 @@ SPECS = {
     "ngram-mod": (dict(types=["ngram-mod"], ngram_mod_n_match=6, ngram_mod_n_min=2,
                        ngram_mod_n_max=16), None),
     "draft-self": (dict(types=["draft-simple"], draft_model="default", n_max=4), "self"),
-    "draft-tiny": (dict(types=["draft-simple"], draft_model="tiny", n_max=3), "tiny"),
+    # n_min and p_min drop drafts (their drafted cells go again before the verification)
+    "draft-tiny": (dict(types=["draft-simple"], draft_model="tiny", n_max=3, n_min=2,
+                        p_min=0.5), "tiny"),
 }
 TIERS = {
     # the slot's own KV only, two slots running side by side
