@@ -476,7 +476,8 @@ class Scheduler:
             hidden, [needs[i] for i, (a, b) in enumerate(zip(first, ends)) for _ in range(a, b)])
         # the rows stay raw (n_probs reports them); ignore_eos bans are biases in the chain;
         # every slot's first row in one call (one batched argmax for the greedy ones)
-        tokens = sample_batch([s.sampler for s in to_sample], logits[first])
+        heads = logits if len(first) == logits.shape[0] else logits[first]  # no copy unless drafts
+        tokens = sample_batch([s.sampler for s in to_sample], heads)
         for s, i, t in zip(to_sample, first, tokens):
             done = s.accept(t, logits[i], self.tok)
             if s.state is SlotState.GENERATING and s.draft is not None:

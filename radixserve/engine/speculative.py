@@ -33,6 +33,7 @@ from radixserve.kv.batch import seq_step
 from radixserve.kv.draft import attach_draft
 from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.kv.swa import SWAPool
+from radixserve.model.default_model import resolve_model_path
 from radixserve.model.forward import SeqStep
 from radixserve.model.loader import Model, load_model
 
@@ -47,8 +48,6 @@ def load_draft(cfg: ServerConfig, target: Model) -> Model | None:
     spec = cfg.spec
     if "draft-simple" not in spec.types or not spec.draft_model:
         return None
-    from radixserve.model.default_model import resolve_model_path
-
     path = resolve_model_path(spec.draft_model)
     draft = target if path == target.path else load_model(
         path, cfg.dtype, weights=cfg.weights, deterministic=cfg.deterministic)
