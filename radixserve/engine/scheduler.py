@@ -93,18 +93,15 @@ class Scheduler:
         self.deferred: deque[tuple[CompletionTask, Emit]] = deque()
         self._next_id = 0
         self.spec: Speculator | None = None
-        for s in self.slots:
-            s.server_spec = cfg.spec
         if cfg.spec.enabled:
             if draft is None:
                 draft = load_draft(cfg, model)
             self.spec = Speculator(cfg.spec, self.pool, n_slots, self.n_budget, draft)
-            for s in self.slots:
-                s.can_speculate = True
-            if draft is not None:
-                for s in self.slots:
-                    s.kv.sync_draft = self.spec.sync
             log.info("speculative decoding: %s", ", ".join(cfg.spec.types))
+        for s in self.slots:
+            s.server_spec, s.can_speculate = cfg.spec, self.spec is not None
+            if self.spec is not None and draft is not None:
+                s.kv.sync_draft = self.spec.sync
         self.host = HostTier(cfg, self.pool, hp.arch, cache)
         log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = %s",
                  n_slots, self.n_ctx_slot, unified)
@@ -327,14 +324,16 @@ class Scheduler:
         held = pos0
         if s.state is SlotState.GENERATING:
             held = max(pos0, self.pool.seq_pos_max(kv.seq) + 1)
+        cells: list[int] = []
         while held < pos0 + n:
             try:
-                kv.reserve(held, pos0 + n - held)
+                cells = kv.reserve(held, pos0 + n - held)
                 break
             except OutOfCells:
                 if not self.try_clear_idle_slots():
                     return None
-        cells = self.pool.cells_at(kv.seq, list(range(pos0, pos0 + n)))
+        if held > pos0:  # some were reserved while drafting
+            cells = self.pool.cells_at(kv.seq, list(range(pos0, pos0 + n)))
         return seq_step(self.pool, kv.seq, tokens, pos0, cells)
 
     def _schedule(self) -> list[tuple[Slot, SeqStep]]:
@@ -473,14 +472,14 @@ class Scheduler:
         needs = [s.sampler.head_need() for s in to_sample]
         ends = first[1:] + [len(rows)]
         logits = self.model.transformer.w.head.logits(
-            hidden, [needs[i] for i, (a, b) in enumerate(zip(first, ends)) for _ in range(a, b)])
+            hidden, [nd for nd, a, b in zip(needs, first, ends) for _ in range(b - a)])
         # the rows stay raw (n_probs reports them); ignore_eos bans are biases in the chain;
         # every slot's first row in one call (one batched argmax for the greedy ones)
         heads = logits if len(first) == logits.shape[0] else logits[first]  # no copy unless drafts
         tokens = sample_batch([s.sampler for s in to_sample], heads)
         for s, i, t in zip(to_sample, first, tokens):
             done = s.accept(t, logits[i], self.tok)
-            if s.state is SlotState.GENERATING and s.draft is not None:
+            if s.state is SlotState.GENERATING:
                 done = self._verify(s, t, done, logits[i + 1 : i + 1 + len(s.draft)])
             if done:
                 self._finish(s)
@@ -497,9 +496,8 @@ class Scheduler:
             n_acc += 1
             t = sample_batch([s.sampler], row[None])[0]
             done = s.accept(t, row, self.tok)
-        s.kv.truncate(len(s.kv))  # rejected positions (their cells) go
-        self._slide(s)
         if s.draft:
+            s.kv.truncate(len(s.kv))  # rejected positions (their cells) go
             s.n_drafted += len(s.draft)
             s.n_draft_accepted += n_acc
             m = self.metrics
@@ -508,6 +506,7 @@ class Scheduler:
             m.n_drafts_total += 1
             assert self.spec is not None
             self.spec.accepted(s, n_acc)
+        self._slide(s)
         s.draft = []
         return done
 
