@@ -134,6 +134,10 @@ class ServerConfig:
     cache_radix_min_restore_tokens: int = 0
     # disk tier (issue 6)
     slot_save_path: str | None = None
+    # disk tier under the radix cache (issue 18)
+    cache_disk: str = ""  # --cache-disk DIR ("": off)
+    cache_disk_mib: int = 10240  # bound on DIR's block files, -1: none
+    cache_disk_block: int = 64  # tokens a block file holds
     # default sampling / generation (request fields start from these)
     n_predict: int = -1
     sampling: SamplingParams = field(default_factory=SamplingParams)  # --temp, --top-k, ...
@@ -170,6 +174,15 @@ class ServerConfig:
         if self.checkpoint_min_step < 0:
             raise ValueError("--checkpoint-min-step must be >= 0, got "
                              f"{self.checkpoint_min_step}")
+        if self.cache_disk and (self.cache_ram_mib == 0 or not self.cache_radix_prompt):
+            raise ValueError("--cache-disk needs the radix host cache (--cache-radix-prompt on "
+                             "and --cache-ram other than 0): disk blocks are read into it")
+        if self.cache_disk_mib == 0 or self.cache_disk_mib < -1:
+            raise ValueError(f"--cache-disk-mib must be > 0 (or -1: no limit), got "
+                             f"{self.cache_disk_mib}")
+        if not 1 <= self.cache_disk_block <= 8192:
+            raise ValueError(f"--cache-disk-block must be within [1, 8192], got "
+                             f"{self.cache_disk_block}")
         if self.timeout < 1:
             raise ValueError(f"--timeout must be >= 1 second, got {self.timeout}")
         if self.max_body_mib < 1:

@@ -257,3 +257,20 @@ def test_help_lists_every_flag_with_its_outcome() -> None:
         assert f.spellings[0] in text
     assert "[refused] multimodal projectors" in text
     assert "[not applicable] radixserve runs on the CPU" in text
+
+
+def test_disk_tier_flags_reach_the_config_and_bad_combinations_are_refused() -> None:
+    cfg = parse_serve(["--cache-disk", "/tmp/kv", "--cache-disk-mib", "512",
+                       "--cache-disk-block", "16"], {}).cfg
+    assert (cfg.cache_disk, cfg.cache_disk_mib, cfg.cache_disk_block) == ("/tmp/kv", 512, 16)
+    cfg.validate()
+    defaults = ServerConfig()
+    assert (defaults.cache_disk, defaults.cache_disk_mib, defaults.cache_disk_block) == \
+        ("", 10240, 64)
+    for bad, words in ((dict(cache_radix_prompt=False), "radix"), (dict(cache_ram_mib=0), "radix"),
+                       (dict(cache_disk_mib=0), "--cache-disk-mib"),
+                       (dict(cache_disk_mib=-2), "--cache-disk-mib"),
+                       (dict(cache_disk_block=0), "--cache-disk-block")):
+        with pytest.raises(ValueError, match=words):
+            ServerConfig(cache_disk="/tmp/kv", **bad).validate()
+    ServerConfig(cache_disk="/tmp/kv", cache_disk_mib=-1).validate()  # no bound

@@ -8,6 +8,10 @@ Speculative decoding: `--spec none,ngram-simple,ngram-mod` runs each cache mode 
 (`radix`, `radix+ngram-simple`, ...; see radixserve.bench.modes). Servers started by hand
 (llama-server with the same flags): `--url URL --label NAME`, repeatable, alone or next to
 started modes, so one report compares them all (outputs identical across modes included).
+
+Scenarios that restart the server halfway (`restart-shared-prefix`, `restart_after` in the
+JSON) need servers the benchmark starts: with `--url` they are refused. The disk tier's mode
+`radix-disk` is not in the default set: `--modes no-cache,radix,radix-disk`.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ import logging
 import time
 from pathlib import Path
 
-from radixserve.bench.modes import DEFAULT_MODES, Mode, external_modes, parse_modes
+from radixserve.bench.modes import DEFAULT_MODES, MODES, Mode, external_modes, parse_modes
 from radixserve.bench.report import write_report
-from radixserve.bench.runner import BenchOptions, run_all
+from radixserve.bench.runner import BenchOptions, check_restart, run_all
 from radixserve.bench.scenarios import load_scenario, scenario_names
+
+log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="shipped scenarios: " + ", ".join(scenario_names()) + " (or 'all', or a .json path)")
     ap.add_argument("scenarios", nargs="+", metavar="SCENARIO")
     ap.add_argument("--modes", default=None,
-                    help="comma separated: no-cache, slot-only, legacy, radix "
+                    help=f"comma separated: {', '.join(MODES)} "
                          f"(default: {','.join(DEFAULT_MODES)})")
     ap.add_argument("--spec", default=None,
                     help="comma separated speculation types, each cache mode runs once per "
@@ -81,14 +87,22 @@ def main(argv: list[str]) -> int:
         ap.error("--repeats must be >= 1")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     names = scenario_names() if a.scenarios == ["all"] else a.scenarios
-    try:
-        scenarios = [load_scenario(n) for n in names]
-        modes = select_modes(a.modes, a.spec, a.url, a.label)
-    except ValueError as e:
-        ap.error(str(e))
     out = a.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     opt = BenchOptions(out_dir=out, repeats=a.repeats, model=a.model,
                        extra_server_args=unknown + forwarded)
+    try:
+        scenarios = [load_scenario(n) for n in names]
+        modes = select_modes(a.modes, a.spec, a.url, a.label)
+        if a.scenarios == ["all"] and any(m.url for m in modes):
+            # `all` means every scenario that can run here; naming one still gets the error
+            skipped = [s.name for s in scenarios if s.restart_after is not None]
+            scenarios = [s for s in scenarios if s.restart_after is None]
+            if skipped:
+                log.warning("skipping %s: a restart needs servers the benchmark starts "
+                            "(not --url)", ", ".join(skipped))
+        check_restart(scenarios, modes, opt)  # before any server starts or any file is written
+    except ValueError as e:
+        ap.error(str(e))
     results = run_all(scenarios, modes, opt)
     paths = write_report(results, out, {s.name: s.description for s in scenarios})
     print(paths["summary.md"].read_text())

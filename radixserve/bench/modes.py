@@ -11,6 +11,13 @@ Cache modes (`--modes`):
   the host tier adds on top of slot reuse.
 - `legacy`: llama.cpp's server_prompt_cache (`--cache-radix-prompt off`).
 - `radix`: the radix-tree host cache (`--cache-radix-prompt on`, the default).
+- `radix-disk`: `radix` plus the disk tier under the radix host cache (`--cache-disk DIR`):
+  KV blocks written as content-addressed files that a later server on the same DIR and model
+  reads back. Every run of the mode gets a fresh DIR (`tempfile.mkdtemp`, made and removed by
+  the runner), so each run starts cold on disk as on RAM, and nothing is left in /tmp; the same
+  DIR is kept across a scenario's server restart (`restart_after`), which is what the mode is
+  for: a restarted `radix` server has lost its cache, a restarted `radix-disk` one has not.
+  Not in the default set (servers without the disk tier reject the flag).
 
 Speculation (`--spec`, default `none`): every cache mode runs once per listed speculative
 decoding type, with llama-server's `--spec-type TYPE` appended to its flags and `+TYPE` to its
@@ -33,11 +40,17 @@ from dataclasses import dataclass
 
 @dataclass(slots=True, frozen=True)
 class Mode:
+    """A label in the report and what makes it differ from the other modes: the server flags
+    (appended last) and the request's `cache_prompt`."""
+
     name: str
     server_flags: tuple[str, ...]
     cache_prompt: bool
     spec: str = "none"  # the --spec-type this mode adds ("none": no speculation flag)
     url: str | None = None  # an external server (flags do not apply)
+    # a fresh `--cache-disk DIR` per run, appended after `server_flags` (the directory only
+    # exists once the runner makes it, so it cannot be a constant flag)
+    cache_disk: bool = False
 
 
 MODES: dict[str, Mode] = {
@@ -47,6 +60,7 @@ MODES: dict[str, Mode] = {
         Mode("slot-only", ("--cache-ram", "0"), cache_prompt=True),
         Mode("legacy", ("--cache-radix-prompt", "off"), cache_prompt=True),
         Mode("radix", ("--cache-radix-prompt", "on"), cache_prompt=True),
+        Mode("radix-disk", ("--cache-radix-prompt", "on"), cache_prompt=True, cache_disk=True),
     )
 }
 DEFAULT_MODES = ("no-cache", "legacy", "radix")

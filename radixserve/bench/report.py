@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
-from radixserve.bench.stats import aggregate  # noqa: E402
+from radixserve.bench.stats import MIB, aggregate  # noqa: E402
 
 Summary = dict[str, dict[str, dict[str, Any]]]
 
@@ -162,6 +162,44 @@ def turn_table(modes: dict[str, dict[str, Any]]) -> str | None:
     return "\n".join([head, sep, *rows])
 
 
+RESTART_HEAD = ("after restart: requests", "TTFT p50 ms", "computed / reused tok",
+                "1st: prompt ms", "1st: computed / reused tok", "1st: TTFT ms",
+                "server start s", "disk MiB", "disk tok", "disk bytes / tok")
+
+
+def restart_table(modes: dict[str, dict[str, Any]]) -> str | None:
+    """Scenarios that restart the server, or runs with a disk tier: one row per mode with the
+    requests sent after the restart (TTFT p50, prompt tokens computed / reused), the first of
+    them alone (the server's `prompt_ms` and computed / reused: a long prefix restored from
+    disk vs computed again), the restarted server's time to /health, and the disk tier at the
+    end (`radixserve:cache_tier_bytes` / `_tokens{tier="disk"}` of the last server and their
+    ratio). '-' where unknown: no restart, no disk tier, a server without those metrics.
+    None when no mode has any of it."""
+    if not any(f.get("after_restart") or f.get("disk_bytes") is not None
+               or f.get("disk_tokens") is not None for f in modes.values()):
+        return None
+    head = "| mode | " + " | ".join(RESTART_HEAD) + " |"
+    sep = "| --- | " + " | ".join("---:" for _ in RESTART_HEAD) + " |"
+    rows = []
+    for m, f in modes.items():
+        a = f.get("after_restart") or {}
+        disk = f.get("disk_bytes")
+        cells = [
+            _tok(a.get("n_requests")),
+            _num(a.get("ttft_p50_ms"), ".1f"),
+            f"{_tok(a.get('prompt_tokens_computed'))} / {_tok(a.get('prompt_tokens_reused'))}",
+            _num(a.get("first_prompt_ms"), ".1f"),
+            f"{_tok(a.get('first_prompt_n'))} / {_tok(a.get('first_cache_n'))}",
+            _num(a.get("first_ttft_ms"), ".1f"),
+            _num(f.get("restart_start_s"), ".1f"),
+            _num(None if disk is None else disk / MIB, ".1f"),
+            _tok(f.get("disk_tokens")),
+            _num(f.get("disk_bytes_per_token"), ".0f"),
+        ]
+        rows.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join([head, sep, *rows])
+
+
 def host_ratio(modes: dict[str, dict[str, Any]]) -> float | None:
     """radix's host bytes over legacy's (medians), when both ran: issue #5 wants <= 1/3."""
     radix, legacy = (modes.get(m, {}).get("host_cache_mib") for m in ("radix", "legacy"))
@@ -184,6 +222,14 @@ def markdown_report(summary: Summary, results: list[dict[str, Any]],
         if descriptions and descriptions.get(scenario):
             out += [descriptions[scenario], ""]
         out += [markdown_table(modes), ""]
+        restart = restart_table(modes)
+        if restart is not None:
+            out += ["After the restart (the requests sent to the restarted server; 1st = the "
+                    "first of them: `timings.prompt_ms` and prompt tokens computed / reused, "
+                    "i.e. its prefix restored or computed again; server start = new process "
+                    "to /health; disk = the last server's /metrics at the end, "
+                    "`radixserve:cache_tier_bytes` / `_tokens{tier=\"disk\"}`):", "",
+                    restart, ""]
         turns = turn_table(modes)
         if turns is not None:
             out += ["Per turn (medians over the turn's requests, then over repeats; prompt "
@@ -199,6 +245,17 @@ def markdown_report(summary: Summary, results: list[dict[str, Any]],
                       "host_fallbacks") if f.get(k) is not None]
             if extra:
                 out.append(f"- {m}: host cache during measurement: {', '.join(extra)}")
+            disk = [f"{k.removeprefix('disk_').replace('_', ' ')} {f[k]:.0f}" for k in
+                    ("disk_hits", "disk_misses", "disk_hit_tokens", "disk_writes",
+                     "disk_evictions", "disk_bad_files", "disk_write_errors", "disk_dropped")
+                    if f.get(k) is not None]
+            if disk:
+                out.append(f"- {m}: disk tier during measurement (last server): "
+                           f"{', '.join(disk)}")
+            if f.get("disk_dir_bytes") is not None:
+                out.append(f"- {m}: --cache-disk directory at the end: "
+                           f"{_tok(f.get('disk_dir_files'))} files, "
+                           f"{f['disk_dir_bytes'] / MIB:.1f} MiB")
             if f.get("prompt_tokens_bound") is not None and m != "no-cache":
                 out.append(f"- {m}: prompt tokens computed {f['prompt_tokens_computed']:.0f}, "
                            f"bound {f['prompt_tokens_bound']:.0f} (what no earlier prompt "

@@ -6,6 +6,12 @@ list, so the same file gives the same prompts on every machine and run, with no 
 Sizes are in tokens of the default model's tokenizer (every word of `WORDS` is one token there);
 the figures that matter (prompt tokens computed/reused) are read back from the server anyway.
 
+A scenario may restart the server mid-way (`"restart_after": K` measured requests, or
+`"halfway"`): the runner stops the server it started once the first K requests have completed,
+starts a new one with the same flags (the same `--cache-disk` directory in the `radix-disk`
+mode) and sends the rest there (`split_at_restart`). That measures what survives a restart: a
+disk tier keeps the prefixes the first process wrote, a RAM-only cache keeps nothing.
+
 The `rag-quote` kind is the exception: its documents are real text shipped in the scenario file
 (excerpts of the project's Chinese seed documents), and each request asks the model to copy one
 of a document's paragraphs verbatim, named by its opening characters, so the answers quote the
@@ -42,6 +48,8 @@ KIND_PARAMS: dict[str, tuple[str, ...]] = {
 # then mostly answers in English); it still often copies another paragraph than the one asked
 QUOTE_SYSTEM = "You copy text exactly."
 QUOTE_REQUEST = 'Repeat verbatim the paragraph that begins with "{opening}".'
+# `restart_after`: restart once half of the measured requests (rounded down) have completed
+HALFWAY = "halfway"
 
 
 @dataclass(slots=True)
@@ -66,6 +74,9 @@ class Scenario:
     request_fields: dict[str, Any] = field(default_factory=dict)
     # rag-quote: real documents, [{"source": where the excerpt comes from, "text": ...}]
     documents: list[dict[str, str]] = field(default_factory=list)
+    # restart the server after this many measured requests (or HALFWAY); None: never.
+    # Only servers the benchmark starts can be restarted (not --url)
+    restart_after: int | str | None = None
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Scenario:
@@ -87,6 +98,8 @@ class Scenario:
         s = cls(kind=kind, params=params, **obj)
         if kind == "rag-quote":
             _check_documents(s)
+        if s.restart_after is not None:
+            split_at_restart(s)  # a restart point that leaves nothing on one side is an error
         return s
 
 
@@ -256,6 +269,37 @@ def _capacity(s: Scenario, rng: random.Random) -> list[Session]:
         out += [Session(f"hot{h}r{r}", "hot", hot[h], (_question(rng, p["question_tokens"]),))
                 for h in range(p["n_hot"])]
     return out
+
+
+def split_at_restart(s: Scenario) -> tuple[list[Session], list[Session]]:
+    """The measured sessions sent to the first server and to the restarted one, in workload
+    order (all and none without `restart_after`). A session's turns never straddle the
+    restart (its history would be lost with nothing to learn from it), so an integer
+    `restart_after` must fall between sessions; HALFWAY takes the first sessions that make up
+    at least half of the requests (rounded down). Raises ValueError when either side would be
+    empty, as the scenario would then not measure a restart."""
+    sessions = build_workload(s)
+    if s.restart_after is None:
+        return sessions, []
+    total = sum(len(x.user_turns) for x in sessions)
+    if s.restart_after == HALFWAY:
+        k = total // 2
+    elif isinstance(s.restart_after, int) and not isinstance(s.restart_after, bool):
+        k = s.restart_after
+    else:
+        raise ValueError(f"scenario {s.name!r}: restart_after must be a number of requests or "
+                         f"{HALFWAY!r}, got {s.restart_after!r}")
+    done = n = 0
+    while n < len(sessions) and done < k:
+        done += len(sessions[n].user_turns)
+        n += 1
+    if done != k and s.restart_after != HALFWAY:
+        raise ValueError(f"scenario {s.name!r}: restart_after {k} falls inside a multi-turn "
+                         "session; give a number of requests that ends a session")
+    if not 0 < n < len(sessions):
+        raise ValueError(f"scenario {s.name!r}: restart_after {s.restart_after!r} leaves no "
+                         f"requests on one side of the restart ({total} requests)")
+    return sessions[:n], sessions[n:]
 
 
 def warmup_sessions(s: Scenario) -> list[Session]:

@@ -87,16 +87,20 @@ class ServerProcess:
         except OSError:
             return ""
 
-    def stop(self) -> None:
-        """SIGINT (clean shutdown), then SIGKILL if it does not exit within 15 s."""
+    def stop(self, timeout_s: float = 15.0) -> bool:
+        """SIGINT (clean shutdown), then SIGKILL if it does not exit within `timeout_s`.
+        True unless it had to be killed: a restart scenario records whether the server had
+        the chance to finish its shutdown (e.g. a disk tier's last writes)."""
         if self.proc is None or self.proc.poll() is not None:
-            return
+            return True
         self.proc.send_signal(signal.SIGINT)
         try:
-            self.proc.wait(timeout=15)
+            self.proc.wait(timeout=timeout_s)
+            return True
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+            return False
 
 
 class RssSampler:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ class RequestRecord:
     draft_n: int | None = None
     draft_n_accepted: int | None = None
     predicted_per_second: float | None = None  # the server's own decode rate (timings)
+    # 0: sent to the first server; 1: sent after the scenario's server restart (to the new one)
+    phase: int = 0
 
     @property
     def prefill_tok_s(self) -> float | None:
@@ -85,20 +88,48 @@ def hit_rate(reused: int, computed: int) -> float:
     return reused / total if total else 0.0
 
 
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
+
+
+def series_key(name: str, labels: dict[str, str] | None = None) -> str:
+    """The key of one series in `parse_prometheus`'s dict: the bare name without labels, else
+    `name{k="v",...}` with the labels sorted, so a lookup does not depend on the order in
+    which a server writes them."""
+    if not labels:
+        return name
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+
+
 def parse_prometheus(text: str) -> dict[str, float]:
-    """`name value` lines of a Prometheus exposition (labels dropped, comments skipped)."""
+    """`name value` lines of a Prometheus exposition, comments skipped. A labelled series is
+    stored under `series_key(name, labels)` (families such as
+    `radixserve:cache_tier_bytes{tier="disk"}` have one series per label value) and, as
+    before labels were read, under its bare name too (the family's last series)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if not line or line.startswith("#"):
+        line = line.strip()
+        m = _METRIC_NAME.match(line)
+        if not line or line.startswith("#") or m is None:
             continue
-        parts = line.split()
-        if len(parts) < 2:
+        name, rest = m.group(), line[m.end():]
+        labels: dict[str, str] = {}
+        if rest.startswith("{"):
+            close = rest.rfind("}")
+            if close < 0:
+                continue
+            labels = dict(_LABEL.findall(rest[1:close]))
+            rest = rest[close + 1:]
+        parts = rest.split()
+        if not parts:
             continue
-        name = parts[0].split("{", 1)[0]
         try:
-            out[name] = float(parts[1])
+            value = float(parts[0])
         except ValueError:
             continue
+        out[name] = value
+        if labels:
+            out[series_key(name, labels)] = value
     return out
 
 
@@ -140,6 +171,41 @@ def host_cache_figures(before: dict[str, float],
     }
 
 
+# the cache hierarchy's tiers in /metrics (`radixserve:cache_tier_*{tier=...}`)
+TIERS = ("ram", "disk")
+# per-tier counters (`radixserve:cache_tier_<name>_total`)
+TIER_COUNTERS = ("hits", "misses", "hit_tokens", "writes", "evictions", "bad_files",
+                 "write_errors", "dropped")
+# of those, the disk tier's alone: files that failed their checks, writes that failed or were
+# not queued (a writer too far behind: prefixes a restarted server will not find)
+DISK_ONLY = ("bad_files", "write_errors", "dropped")
+
+
+def tier_figures(before: dict[str, float],
+                 after: dict[str, float]) -> dict[str, float | None]:
+    """Per tier of the cache hierarchy (`<tier>_...`, e.g. `disk_bytes`): bytes and tokens
+    held at the end, bytes per token (what a stored token costs on that tier, so a disk
+    format can be compared with the RAM one), and the counters as deltas over the phase.
+    None where the server exports no such series (no disk tier, older servers, other
+    servers): the report shows '-' rather than a 0 that would claim an empty tier."""
+
+    def get(d: dict[str, float], tier: str, family: str) -> float | None:
+        return d.get(series_key(f"radixserve:cache_tier_{family}", {"tier": tier}))
+
+    out: dict[str, float | None] = {}
+    for tier in TIERS:
+        size, tokens = get(after, tier, "bytes"), get(after, tier, "tokens")
+        out[f"{tier}_bytes"], out[f"{tier}_tokens"] = size, tokens
+        out[f"{tier}_bytes_per_token"] = size / tokens if size is not None and tokens else None
+        for c in TIER_COUNTERS:
+            if c in DISK_ONLY and tier != "disk":
+                continue
+            end = get(after, tier, f"{c}_total")
+            out[f"{tier}_{c}"] = None if end is None else end - (
+                get(before, tier, f"{c}_total") or 0.0)
+    return out
+
+
 def _ms(xs: list[float], q: float) -> float:
     return percentile(xs, q) * 1e3
 
@@ -170,6 +236,9 @@ def summarize_run(records: list[RequestRecord], wall_s: float) -> dict[str, Any]
         "hit_rate": hit_rate(reused, computed),
         **draft_figures(ok),
     }
+    after = restart_figures(records)
+    if after is not None:  # the scenario restarted the server: what the new one had to do
+        out["after_restart"] = after
     by_turn = turn_figures(ok)
     if len(by_turn) > 1:  # multi-turn sessions: how each turn fares as the history grows
         out["by_turn"] = by_turn
@@ -181,6 +250,33 @@ def summarize_run(records: list[RequestRecord], wall_s: float) -> dict[str, Any]
             for g in groups
         }
     return out
+
+
+def restart_figures(records: Sequence[RequestRecord]) -> dict[str, Any] | None:
+    """The requests sent after the server restart (`phase` 1): TTFT p50 and prompt tokens
+    computed / reused (sums of `prompt_n` / `cache_n`), and the first of them (the earliest
+    sent) on its own: its server-side `prompt_ms` with its `prompt_n` / `cache_n` is the
+    time to restore a long prefix from disk, or to compute it again where nothing survived.
+    The first request's figures are None when it failed. None without a restart."""
+    after = sorted((r for r in records if r.phase == 1), key=lambda r: r.t_start)
+    if not after:
+        return None
+    ok = [r for r in after if r.error is None]
+    reused = sum(r.cache_n or 0 for r in ok)
+    computed = sum(r.prompt_n or 0 for r in ok)
+    first = after[0] if after[0].error is None else None
+    return {
+        "n_requests": len(after),
+        "n_errors": len(after) - len(ok),
+        "ttft_p50_ms": _ms([r.ttft_s for r in ok if r.ttft_s is not None], 50),
+        "prompt_tokens_computed": computed,
+        "prompt_tokens_reused": reused,
+        "hit_rate": hit_rate(reused, computed),
+        "first_prompt_ms": None if first is None else first.prompt_ms,
+        "first_prompt_n": None if first is None else first.prompt_n,
+        "first_cache_n": None if first is None else first.cache_n,
+        "first_ttft_ms": None if first is None or first.ttft_s is None else 1e3 * first.ttft_s,
+    }
 
 
 def draft_figures(records: Sequence[RequestRecord]) -> dict[str, Any]:
@@ -214,6 +310,19 @@ def turn_figures(records: Iterable[RequestRecord]) -> dict[int, dict[str, Any]]:
                 "ttft_p50_ms": median_of(None if r.ttft_s is None else 1e3 * r.ttft_s
                                          for r in rs)}
             for t, rs in sorted(turns.items())}
+
+
+def sum_counter_figures(parts: Sequence[dict[str, Any]],
+                        counters: Iterable[str]) -> dict[str, Any]:
+    """Figures of a run measured on several servers in turn (a restart): the last server's
+    figures, with each of `counters` (deltas over one server's phase) summed over the servers,
+    because counters restart at 0 with each process while sizes are what the last one holds.
+    A counter is None if any server lacks it."""
+    out = dict(parts[-1])
+    for k in counters:
+        vals = [p.get(k) for p in parts]
+        out[k] = None if any(v is None for v in vals) else sum(vals)
+    return out
 
 
 def median_of(values: Iterable[Any]) -> Any:

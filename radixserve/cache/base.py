@@ -7,6 +7,11 @@ Rules every backend keeps (SGLang-style contracts):
 - `load` either leaves the sequence untouched (returns None) or replaces its KV and returns the
   tokens the sequence now holds (possibly [] after a failed restore: the caller then prefills).
 - Evicting nothing is always safe; `update` only enforces limits.
+- Namespaces: every operation takes a `salt` (a request's `cache_salt`; "" when it gave none).
+  Entries of different salts never match each other: `match` and `load` consider only entries
+  saved with the same salt, and what `save` skips or supersedes as already cached is judged
+  within that salt only. Tenants that share a server therefore never share (or can time) each
+  other's cached prefixes.
 - `check` raises AssertionError when the bookkeeping is inconsistent (tests call it after every
   operation).
 - `stats` reports the same figures under the same names whichever backend is on (`STAT_NAMES`),
@@ -55,23 +60,30 @@ class PromptCache(Protocol):
     load_always: bool  # try `load` for every new prompt, not only when the slot is overwritten
 
     def save(self, pool: KVPool, seq: int, tokens: list[int],
-             checkpoints: Sequence[Checkpoint] = ()) -> bool:
-        """Copy `seq`'s KV (token i at position i) into the cache, with the sequence's context
-        checkpoints where the backend keeps them; False if it was skipped."""
+             checkpoints: Sequence[Checkpoint] = (), salt: str = "") -> bool:
+        """Copy `seq`'s KV (token i at position i) into the cache under namespace `salt`, with
+        the sequence's context checkpoints where the backend keeps them; False if skipped."""
         ...
 
-    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> int:
-        """Tokens of `prompt` that `load` would restore into `seq` now (0: none); read-only."""
+    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
+              salt: str = "") -> int:
+        """Tokens of `prompt` that `load` would restore into `seq` now from namespace `salt`
+        (0: none); read-only."""
         ...
 
     def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
-             checkpoints: list[Checkpoint] | None = None) -> list[int] | None:
-        """Restore a better prefix of `prompt` than `slot_tokens` into `seq`, if the cache has
-        one; the checkpoints that came with it are appended to `checkpoints`."""
+             checkpoints: list[Checkpoint] | None = None, salt: str = "") -> list[int] | None:
+        """Restore a better prefix of `prompt` than `slot_tokens` into `seq` from namespace
+        `salt`, if the cache has one; the checkpoints that came with it are appended to
+        `checkpoints`."""
         ...
 
     def update(self) -> None:
         """Enforce the size limits (evict)."""
+        ...
+
+    def clear(self) -> tuple[int, int]:
+        """Drop everything (an admin flush; nothing goes to another tier): (entries, bytes)."""
         ...
 
     def stats(self) -> dict[str, float]:
@@ -89,18 +101,22 @@ class NullPromptCache:
     load_always = False
 
     def save(self, pool: KVPool, seq: int, tokens: list[int],
-             checkpoints: Sequence[Checkpoint] = ()) -> bool:
+             checkpoints: Sequence[Checkpoint] = (), salt: str = "") -> bool:
         return False
 
-    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> int:
+    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
+              salt: str = "") -> int:
         return 0
 
     def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
-             checkpoints: list[Checkpoint] | None = None) -> list[int] | None:
+             checkpoints: list[Checkpoint] | None = None, salt: str = "") -> list[int] | None:
         return None
 
     def update(self) -> None:
         pass
+
+    def clear(self) -> tuple[int, int]:
+        return 0, 0
 
     def stats(self) -> dict[str, float]:
         return stats_dict()

@@ -5,6 +5,11 @@ counted in the entry's size as llama.cpp counts them, and a draft model's state 
 tokens when there is one, restored together with the target's or not at all). Hits
 are consumed: a loaded entry moves into the slot and leaves the cache. This is what
 llama-server users know, and the baseline the radix backend is measured against. Rules and their reasons: shared/DESIGN.md and seeds/000_*.txt.
+
+Namespaces (a request's `cache_salt`, cache/base.py): each entry carries the salt it was saved
+under; a load considers only entries of the prompt's salt, and the save rules that compare
+entries with the new prompt (already cached: skip; a prefix of it: obsolete) compare it only
+with entries of its own salt. The limits and FIFO order stay shared: one RAM budget.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ PRESSURE = ("fifo", "bytes", "tokens")
 @dataclass(slots=True)
 class CacheEntry:
     tokens: list[int]
+    salt: str = ""  # the namespace it was saved under: only prompts of the same salt see it
     data: bytes = b""  # target (main model) sequence state
     draft: bytes = b""  # draft model state: restored together with `data` or not at all
     checkpoints: list[Checkpoint] = field(default_factory=list)
@@ -84,9 +90,12 @@ class LegacyPromptCache:
 
     # -- the three operations ------------------------------------------------------------------
     def alloc(self, tokens: list[int], size: int,
-              checkpoints: Sequence[Checkpoint] = ()) -> CacheEntry | None:
-        """A new entry for `tokens` (state of `size` bytes), or None if it should not be cached."""
-        for e in self.states:
+              checkpoints: Sequence[Checkpoint] = (), salt: str = "") -> CacheEntry | None:
+        """A new entry for `tokens` (state of `size` bytes) in namespace `salt`, or None if it
+        should not be cached. Only entries of the same salt can make it redundant or be made
+        obsolete by it: another salt's copy of the same tokens is not reachable from this one."""
+        same = [e for e in self.states if e.salt == salt]
+        for e in same:
             if common_prefix(e.tokens, tokens) == len(tokens):
                 log.debug(" - prompt is already in the cache, skipping")
                 return None
@@ -95,17 +104,17 @@ class LegacyPromptCache:
                         size / MiB, self.limit_size / MiB)
             self.counters["skipped"] += 1
             return None
-        for e in [e for e in self.states if common_prefix(e.tokens, tokens) == len(e.tokens)]:
+        for e in [e for e in same if common_prefix(e.tokens, tokens) == len(e.tokens)]:
             log.debug(" - removing obsolete cached prompt with length %d", len(e.tokens))
             self._remove(e, "obsolete")
         while self.limit_size > 0 and self.states and self._bytes + size > self.limit_size:
             log.warning(" - making room for prompt cache entry, removing oldest entry "
                         "(size = %.3f MiB)", self.states[0].size / MiB)
             self._pop_front("fifo")
-        return CacheEntry(tokens=list(tokens), checkpoints=list(checkpoints))
+        return CacheEntry(tokens=list(tokens), salt=salt, checkpoints=list(checkpoints))
 
     def save(self, pool: KVPool, seq: int, tokens: list[int],
-             checkpoints: Sequence[Checkpoint] = ()) -> bool:
+             checkpoints: Sequence[Checkpoint] = (), salt: str = "") -> bool:
         if not tokens:
             return False
         t0 = time.perf_counter()
@@ -113,7 +122,7 @@ class LegacyPromptCache:
         size = state_size(pool, seq, self.fp) + n_draft + sum(c.size for c in checkpoints)
         log.debug(" - saving prompt with length %d, total state size = %.3f MiB (draft: %.3f "
                   "MiB)", len(tokens), size / MiB, n_draft / MiB)
-        entry = self.alloc(tokens, size, checkpoints)
+        entry = self.alloc(tokens, size, checkpoints, salt)
         if entry is None:
             return False
         try:
@@ -138,15 +147,17 @@ class LegacyPromptCache:
         """Separate so tests can make the allocation fail (MemoryError)."""
         return get_state(pool, seq, self.fp)
 
-    def _best(self, slot_tokens: list[int], prompt: list[int]
+    def _best(self, slot_tokens: list[int], prompt: list[int], salt: str
               ) -> tuple[CacheEntry | None, int, float, float]:
-        """The entry that beats the slot on both f_keep and f_sim (llama.cpp's rule), the
-        prompt tokens it covers, and its f_keep, f_sim."""
+        """The entry of namespace `salt` that beats the slot on both f_keep and f_sim
+        (llama.cpp's rule), the prompt tokens it covers, and its f_keep, f_sim."""
         lcp = common_prefix(slot_tokens, prompt)
         f_keep_best = lcp / len(slot_tokens) if slot_tokens else -1.0
         f_sim_best = lcp / len(prompt)
         best, n_best = None, 0
         for e in self.states:
+            if e.salt != salt:
+                continue
             n = common_prefix(e.tokens, prompt)
             f_keep, f_sim = n / len(e.tokens), n / len(prompt)
             if f_keep < 0.25:  # don't trash large prompts
@@ -155,14 +166,15 @@ class LegacyPromptCache:
                 best, n_best, f_keep_best, f_sim_best = e, n, f_keep, f_sim
         return best, n_best, f_keep_best, f_sim_best
 
-    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> int:
-        return self._best(slot_tokens, prompt)[1]
+    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
+              salt: str = "") -> int:
+        return self._best(slot_tokens, prompt, salt)[1]
 
     def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
-             checkpoints: list[Checkpoint] | None = None) -> list[int] | None:
-        """Take the entry that beats the slot on both f_keep and f_sim; it leaves the cache,
-        its checkpoints going to `checkpoints`."""
-        best, n, f_keep_best, f_sim_best = self._best(slot_tokens, prompt)
+             checkpoints: list[Checkpoint] | None = None, salt: str = "") -> list[int] | None:
+        """Take the entry of namespace `salt` that beats the slot on both f_keep and f_sim; it
+        leaves the cache, its checkpoints going to `checkpoints`."""
+        best, n, f_keep_best, f_sim_best = self._best(slot_tokens, prompt, salt)
         if best is None:
             return None
         log.info(" - found better prompt with f_keep = %.3f, f_sim = %.3f", f_keep_best, f_sim_best)
@@ -207,6 +219,13 @@ class LegacyPromptCache:
                   "update took %.2f ms", len(self.states), self._bytes / MiB,
                   self.limit_size / MiB, self.limit_tokens, limit_cur,
                   (time.perf_counter() - t0) * 1e3)
+
+    def clear(self) -> tuple[int, int]:
+        """An admin flush: drop every entry; (entries, bytes) gone."""
+        out = len(self.states), self._bytes
+        self.states.clear()
+        self._bytes = self._tokens = 0
+        return out
 
     def stats(self) -> dict[str, float]:
         c = self.counters

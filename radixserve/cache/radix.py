@@ -13,25 +13,34 @@ writes the global layers' rows for all of it and the sliding layers' for its las
 slot's sliding part holds only its window, so the engine saves into the tree before the window
 drops rows the tree lacks (write-through, engine/scheduler.py); a save whose new rows have left
 the window is skipped.
+
+Tenants: a `salt` (a request's `cache_salt`) is the tree's namespace: prompts of different salts
+never match each other, in RAM or on disk.
+
+Disk tier (`disk`, cache/disk.py): every block of `disk.block` tokens a save completes is written
+through to disk (in the background), and an evicted leaf's blocks the disk lacks are written
+before it goes. `disk_lookup` starts reading a prompt's blocks past what RAM and the slots hold;
+`take_disk_loads` puts what was read into the tree (on the engine thread), from where `load`
+restores it as any other prefix.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from concurrent.futures import Future
 
 import torch
 
 from radixserve.cache.base import common_prefix, stats_dict
-from radixserve.cache.radix_tree import RadixMatch, RadixTree
-from collections.abc import Sequence
-
+from radixserve.cache.disk import DiskTier, Loaded
+from radixserve.cache.radix_tree import RadixMatch, RadixNode, RadixTree, own_rows
 from radixserve.kv.checkpoint import Checkpoint
 from radixserve.kv.pool import KVPool
 from radixserve.kv.state import write_draft_rows, write_rows
 from radixserve.kv.swa import SWAPool
 
 log = logging.getLogger(__name__)
-
 
 
 class InjectedFault(RuntimeError):
@@ -73,11 +82,14 @@ class RadixPromptCache:
 
     def __init__(
         self, limit_bytes: int, min_restore_tokens: int = 0, fault_after_tokens: int | None = None,
-        fault_restores: int | None = None,
+        fault_restores: int | None = None, disk: DiskTier | None = None,
     ) -> None:
         """`fault_after_tokens` (tests only): restores raise InjectedFault after writing that
         many tokens' cells - every restore, or only the first `fault_restores`."""
         self.tree = RadixTree()
+        self.disk = disk
+        self._inflight: dict[tuple[str, bytes], int] = {}  # (salt, last key) -> disk ticket
+        self.disk_inserts = 0  # prefixes read from disk into the tree
         self.limit_bytes = limit_bytes  # <= 0: no limit (--cache-ram -1)
         self.min_restore_tokens = min_restore_tokens
         self.fault_after_tokens = fault_after_tokens
@@ -87,7 +99,7 @@ class RadixPromptCache:
 
     # ##### PromptCache #####
     def save(self, pool: KVPool, seq: int, tokens: list[int],
-             checkpoints: Sequence[Checkpoint] = ()) -> bool:
+             checkpoints: Sequence[Checkpoint] = (), salt: str = "") -> bool:
         """Store `tokens` (token i at position i of `seq`); only rows past the stored prefix move.
 
         Skipped (False) for an empty prompt, when the new rows alone exceed the limit, or when
@@ -99,7 +111,7 @@ class RadixPromptCache:
             return False
         if pool.seq_positions(seq)[:n] != list(range(n)):
             raise ValueError(f"sequence {seq} does not hold positions 0..{n - 1} for {n} tokens")
-        m = self.tree.match(tokens).length
+        m = self.tree.match(tokens, salt).length
         if m < n and isinstance(pool, SWAPool) and not 0 <= pool.swa_pos_min(seq) <= m:
             log.debug("radix save of %d new tokens skipped: the sliding window dropped them",
                       n - m)
@@ -115,23 +127,25 @@ class RadixPromptCache:
             return False
         try:
             k, v, *draft = _copy_out(pool, seq, m, n)
-            self.tree.insert(tokens, k, v, tuple(draft))
+            node = self.tree.insert(tokens, k, v, tuple(draft), salt)
         except (MemoryError, torch.OutOfMemoryError) as e:
             log.warning("radix save of %d tokens failed (%s); cache unchanged", n, e)
             return False
         self.saves += 1
+        self._to_disk(node)
         self.update()
         return True
 
-    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int]) -> int:
-        found = self._restorable(pool, seq, slot_tokens, prompt)
+    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
+              salt: str = "") -> int:
+        found = self._restorable(pool, seq, slot_tokens, prompt, salt)
         return found.length if found is not None else 0
 
     def _restorable(self, pool: KVPool, seq: int, slot_tokens: list[int],
-                    prompt: list[int]) -> RadixMatch | None:
+                    prompt: list[int], salt: str) -> RadixMatch | None:
         """The stored prefix `load` would restore: long enough, better than the slot's own, and
         with room for it."""
-        match = self.tree.match(prompt)
+        match = self.tree.match(prompt, salt)
         m = match.length
         if m == 0 or m < self.min_restore_tokens or m <= common_prefix(slot_tokens, prompt):
             return None
@@ -139,7 +153,7 @@ class RadixPromptCache:
 
     def load(
         self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
-        checkpoints: list[Checkpoint] | None = None,
+        checkpoints: list[Checkpoint] | None = None, salt: str = "",
     ) -> list[int] | None:
         """Restore the longest stored prefix of `prompt` into `seq` if it beats what `seq` keeps.
 
@@ -147,7 +161,7 @@ class RadixPromptCache:
         and `seq` now holds nothing. Otherwise the tokens `seq` now holds, `prompt[:m]` (the
         whole match: the scheduler keeps at least one token to evaluate itself).
         """
-        match = self._restorable(pool, seq, slot_tokens, prompt)
+        match = self._restorable(pool, seq, slot_tokens, prompt, salt)
         if match is None:
             return None
         m = match.length
@@ -178,9 +192,99 @@ class RadixPromptCache:
     def update(self) -> None:
         """Evict LRU leaves until the tree fits the byte limit (locked nodes stay)."""
         if self.limit_bytes > 0:
-            nodes, tokens = self.tree.evict(self.limit_bytes)
+            on_evict = self._to_disk if self.disk is not None else None
+            nodes, tokens = self.tree.evict(self.limit_bytes, on_evict)
             self.evictions += nodes
             self.evicted_tokens += tokens
+
+    def clear(self) -> tuple[int, int]:
+        """An admin flush: drop every prefix (none is written to disk); (nodes, bytes) gone."""
+        n_bytes = self.tree.bytes
+        nodes, _ = self.tree.clear()
+        return nodes, n_bytes - self.tree.bytes
+
+    # ##### Disk tier #####
+    def disk_flush(self) -> Future[int]:
+        """Drop queued disk writes and pending reads; remove the directory's block files."""
+        assert self.disk is not None
+        self._inflight.clear()
+        return self.disk.flush()
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+    def disk_lookup(self, prompt: list[int], salt: str, n_have: int) -> int | None:
+        """Start reading the disk blocks of `prompt`'s restorable prefix (all but its last
+        token) past what the tree holds, when they would reach past `n_have` (what the tree
+        or a slot holds already); the ticket `take_disk_loads` will return, or None."""
+        if self.disk is None:
+            return None
+        b = self.disk.block
+        j1 = (len(prompt) - 1) // b
+        m = self.tree.match(prompt, salt).length
+        if j1 * b <= max(m, n_have):
+            return None
+        j0 = m // b
+        keys = self.disk.keys(salt, prompt, j1)
+        ticket = self._inflight.get((salt, keys[-1]))
+        if ticket is None:  # another task may be reading the same blocks already
+            ticket = self.disk.load(salt, prompt[:j1 * b], j0, keys[j0:])
+            self._inflight[(salt, keys[-1])] = ticket
+        return ticket
+
+    def take_disk_loads(self) -> list[int]:
+        """Put finished disk reads into the tree; returns their tickets."""
+        if self.disk is None:
+            return []
+        done = []
+        for got in self.disk.take_loaded():
+            self._inflight = {k: t for k, t in self._inflight.items() if t != got.ticket}
+            done.append(got.ticket)
+            if got.rows:
+                self._insert_loaded(got)
+        return done
+
+    def _insert_loaded(self, got: Loaded) -> None:
+        """Insert the part of a disk read the tree lacks now (it may have changed meanwhile:
+        rows that no longer join the stored prefix are dropped)."""
+        end = len(got.tokens)
+        m = self.tree.match(got.tokens, got.ns).length
+        if not got.start <= m < end:
+            return
+        cut = m - got.start
+        rows = got.rows if cut == 0 else [own_rows(t[:, :, cut:]) for t in got.rows]
+        if 0 < self.limit_bytes < sum(t.nbytes for t in rows):
+            return
+        self.tree.insert(got.tokens, rows[0], rows[1], tuple(rows[2:]), got.ns)
+        self.disk_inserts += 1
+        self.update()
+
+    def _to_disk(self, node: RadixNode) -> None:
+        """Queue the disk writes of the whole blocks on `node`'s edge (its path gives the rows
+        of blocks that start above it) that the disk lacks."""
+        disk = self.disk
+        if disk is None:
+            return
+        path = self.tree.path_to(node)
+        root = path[0].parent
+        assert root is not None
+        b, depth = disk.block, node.depth
+        tokens = [t for n in path for t in n.tokens]
+        j_first = (depth - len(node.tokens)) // b
+        keys = disk.keys(root.ns, tokens, depth // b)
+        for j in range(j_first, depth // b):
+            if keys[j] in disk.known or keys[j] in disk.queued:
+                continue
+            a, z = j * b, (j + 1) * b
+            pieces: list[list[torch.Tensor]] = [[] for _ in node.rows()]
+            for n in path:
+                lo = n.depth - len(n.tokens)
+                if n.depth <= a or lo >= z:
+                    continue
+                for i, t in enumerate(n.rows()):
+                    pieces[i].append(t[:, :, max(a, lo) - lo:min(z, n.depth) - lo])
+            disk.write(keys[j], a, tokens[a:z], pieces)
 
     def stats(self) -> dict[str, float]:
         t = self.tree
@@ -214,7 +318,7 @@ class RadixPromptCache:
     def check(self) -> None:
         """Tree integrity, plus: at idle nothing is locked and the limit holds."""
         self.tree.check()
-        assert self.tree.root.lock_ref == 1, "a restore left nodes locked"
+        assert all(r.lock_ref == 1 for r in self.tree.roots.values()), "a restore left locks"
         assert self.limit_bytes <= 0 or self.tree.bytes <= self.limit_bytes, "over the byte limit"
         assert min(self.saves, self.loads, self.hit_tokens, self.fallbacks, self.evictions) >= 0
 

@@ -13,12 +13,15 @@ Pure data structure (no pool): `radix.py` copies rows in and out of the device p
   tokens are a real prefix someone computed, and every leaf is then a stored prompt.
 - `insert` allocates (split copies) before it changes anything, so a failure leaves the tree
   exactly as it was.
+- Namespaces (`ns`, a request's `cache_salt`): each has its own root, so prompts of different
+  namespaces never match each other; they share the byte counter and the LRU heap, so
+  eviction stays one global LRU. A namespace other than "" goes when its last leaf does.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +45,7 @@ class RadixNode:
     evicted: bool = False
     # a draft model's K/V rows of the same tokens (speculative decoding), else empty
     draft: tuple[torch.Tensor, ...] = ()
+    ns: str = ""  # a namespace root's name (only read on roots)
 
     @property
     def nbytes(self) -> int:
@@ -71,7 +75,7 @@ class RadixMatch:
             yield pos0, tuple(t[:, :, :take] for t in node.rows())
 
 
-def _own_rows(t: torch.Tensor) -> torch.Tensor:
+def own_rows(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy with its own storage (pinned if `t` is), so byte counts stay exact."""
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_pinned())
     return out.copy_(t)
@@ -79,8 +83,8 @@ def _own_rows(t: torch.Tensor) -> torch.Tensor:
 
 class RadixTree:
     def __init__(self) -> None:
-        empty = torch.empty(0)
-        self.root = RadixNode([], empty, empty, None, 0, lock_ref=1)  # never evicted
+        self.root = self._new_root("")  # the shared namespace: never evicted, never removed
+        self.roots: dict[str, RadixNode] = {"": self.root}
         self.bytes = 0
         self.n_nodes = 0  # not counting the root
         self.n_terminal = 0
@@ -91,9 +95,12 @@ class RadixTree:
         self._tiebreak = 0
 
     # ##### Public API #####
-    def match(self, tokens: list[int]) -> RadixMatch:
-        """Longest stored prefix of `tokens`; changes nothing (call `touch` to count a use)."""
-        node, i, path = self.root, 0, []
+    def match(self, tokens: list[int], ns: str = "") -> RadixMatch:
+        """Longest stored prefix of `tokens` in namespace `ns`; changes nothing (call `touch`
+        to count a use)."""
+        node, i, path = self.roots.get(ns), 0, []
+        if node is None:
+            return RadixMatch(0, [])
         while i < len(tokens) and (child := node.children.get(tokens[i])) is not None:
             n = len(child.tokens)
             c = common_prefix(child.tokens, tokens[i : i + n])
@@ -105,15 +112,18 @@ class RadixTree:
         return RadixMatch(i, path)
 
     def insert(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor,
-               draft: tuple[torch.Tensor, ...] = ()) -> RadixNode:
-        """Store `tokens` given the rows of the part past `match(tokens)` (and a draft model's
-        rows of it); returns the end node."""
-        m = self.match(tokens)
+               draft: tuple[torch.Tensor, ...] = (), ns: str = "") -> RadixNode:
+        """Store `tokens` given the rows of the part past `match(tokens, ns)` (and a draft
+        model's rows of it); returns the end node."""
+        m = self.match(tokens, ns)
         if (k.shape[2] != len(tokens) - m.length or v.shape != k.shape
                 or any(t.shape[2] != k.shape[2] for t in draft)):
             need = len(tokens) - m.length
             raise ValueError(f"insert needs rows for {need} tokens, got {tuple(k.shape)}")
-        node = m.path[-1] if m.path else self.root
+        if m.path:
+            node = m.path[-1]
+        else:
+            node = self.roots.get(ns) or self.roots.setdefault(ns, self._new_root(ns))
         if node.depth > m.length:
             node = self._split(node, len(node.tokens) - (node.depth - m.length))
         if m.length < len(tokens):
@@ -131,7 +141,7 @@ class RadixTree:
         """Mark `node` and its ancestors as used now (the LRU signal)."""
         self._clock += 1
         n: RadixNode | None = node
-        while n is not None and n is not self.root:
+        while n is not None and n.parent is not None:
             n.last_access = self._clock
             n = n.parent
         self._push_if_evictable(node)
@@ -151,8 +161,11 @@ class RadixTree:
             n = n.parent
         self._push_if_evictable(node)
 
-    def evict(self, limit_bytes: int) -> tuple[int, int]:
-        """Drop LRU unlocked leaves until bytes <= limit_bytes; returns (nodes, tokens) dropped."""
+    def evict(self, limit_bytes: int,
+              on_evict: Callable[[RadixNode], None] | None = None) -> tuple[int, int]:
+        """Drop LRU unlocked leaves until bytes <= limit_bytes; returns (nodes, tokens) dropped.
+        `on_evict` sees each leaf just before it goes, its path still attached (the disk tier
+        writes what it lacks)."""
         n_nodes = n_tokens = 0
         while self.bytes > limit_bytes and self._heap:
             entry = heapq.heappop(self._heap)
@@ -160,12 +173,28 @@ class RadixTree:
                 continue  # stale: touched, locked or given a child since it was pushed
             leaf = entry[2]
             n_nodes, n_tokens = n_nodes + 1, n_tokens + len(leaf.tokens)
+            if on_evict is not None:
+                on_evict(leaf)
             self._remove_leaf(leaf)
         return n_nodes, n_tokens
 
+    def clear(self) -> tuple[int, int]:
+        """Drop every unlocked leaf, repeatedly (an admin flush); returns (nodes, tokens)."""
+        return self.evict(-1)
+
+    @staticmethod
+    def path_to(node: RadixNode) -> list[RadixNode]:
+        """The nodes from below the root down to `node`, in position order."""
+        path: list[RadixNode] = []
+        n: RadixNode | None = node
+        while n is not None and n.parent is not None:
+            path.append(n)
+            n = n.parent
+        return path[::-1]
+
     def nodes(self) -> Iterator[RadixNode]:
-        """Every node but the root, parents before children (for checks and stats)."""
-        stack = list(self.root.children.values())
+        """Every node but the roots, parents before children (for checks and stats)."""
+        stack = [c for r in self.roots.values() for c in r.children.values()]
         while stack:
             node = stack.pop()
             yield node
@@ -175,7 +204,9 @@ class RadixTree:
         """Recompute every counter from scratch and check the structure (AssertionError if off)."""
         n_bytes = n_nodes = n_terminal = unique = logical = 0
         evictable: set[int] = set()
-        assert self.root.lock_ref >= 1 and not self.root.tokens, "root changed"
+        for ns, r in self.roots.items():
+            assert r.lock_ref >= 1 and not r.tokens and r.parent is None and r.ns == ns, "root"
+            assert r.children or r is self.root, "an empty namespace was kept"
         for node in self.nodes():
             p = node.parent
             assert p is not None and not node.evicted and node.tokens, "detached or empty node"
@@ -186,7 +217,7 @@ class RadixTree:
                 owned = t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes
                 assert owned, "rows share storage: byte counts would be wrong"
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()) >= 0
-            assert p is self.root or p.last_access >= node.last_access, "parent older than child"
+            assert p.parent is None or p.last_access >= node.last_access, "parent older than child"
             assert node.terminal or node.children, "a leaf that is not a stored prompt"
             n_bytes, n_nodes, unique = n_bytes + node.nbytes, n_nodes + 1, unique + len(node.tokens)
             if node.terminal:
@@ -199,12 +230,17 @@ class RadixTree:
         assert live == evictable, "LRU heap does not hold exactly the evictable leaves"
 
     # ##### Internal helpers #####
+    @staticmethod
+    def _new_root(ns: str) -> RadixNode:
+        empty = torch.empty(0)
+        return RadixNode([], empty, empty, None, 0, lock_ref=1, ns=ns)  # never evicted
+
     def _split(self, child: RadixNode, at: int) -> RadixNode:
         """Cut `child`'s edge after `at` tokens; the new upper node inherits locks and stamp."""
-        head_k, head_v = _own_rows(child.k[:, :, :at]), _own_rows(child.v[:, :, :at])
-        tail_k, tail_v = _own_rows(child.k[:, :, at:]), _own_rows(child.v[:, :, at:])
-        head_d = tuple(_own_rows(t[:, :, :at]) for t in child.draft)
-        tail_d = tuple(_own_rows(t[:, :, at:]) for t in child.draft)
+        head_k, head_v = own_rows(child.k[:, :, :at]), own_rows(child.v[:, :, :at])
+        tail_k, tail_v = own_rows(child.k[:, :, at:]), own_rows(child.v[:, :, at:])
+        head_d = tuple(own_rows(t[:, :, :at]) for t in child.draft)
+        tail_d = tuple(own_rows(t[:, :, at:]) for t in child.draft)
         parent = child.parent
         assert parent is not None
         depth = child.depth - len(child.tokens) + at
@@ -226,7 +262,7 @@ class RadixTree:
         return mid
 
     def _set_terminal(self, node: RadixNode) -> None:
-        if not node.terminal and node is not self.root:
+        if not node.terminal and node.parent is not None:
             node.terminal = True
             self.n_terminal += 1
             self.logical_tokens += node.depth
@@ -243,9 +279,13 @@ class RadixTree:
         leaf.evicted, leaf.parent = True, None
         leaf.k = leaf.v = self.root.k  # release the rows now
         leaf.draft = ()
-        if not parent.children and parent is not self.root:
+        if parent.children:
+            return
+        if parent.parent is not None:
             self._set_terminal(parent)
             self._push_if_evictable(parent)
+        elif parent is not self.root:
+            del self.roots[parent.ns]  # the namespace's last prompt went
 
     def _evictable(self, node: RadixNode) -> bool:
         return not node.evicted and not node.children and node.lock_ref == 0
@@ -254,7 +294,7 @@ class RadixTree:
         return self._evictable(entry[2]) and entry[2].last_access == entry[0]
 
     def _push_if_evictable(self, node: RadixNode) -> None:
-        if node is self.root or not self._evictable(node):
+        if node.parent is None or not self._evictable(node):
             return
         self._tiebreak += 1
         heapq.heappush(self._heap, (node.last_access, self._tiebreak, node))

@@ -53,6 +53,10 @@ class EngineAPI(Protocol):
         """A copy of the counters (resetting their per-scrape bucket) and the cache figures."""
         ...
 
+    async def flush_cache(self) -> dict[str, int]:
+        """Empty every cache tier (slots, host RAM, disk); what was dropped."""
+        ...
+
     async def slot_action(self, id_slot: int, action: str, filename: str | None) -> dict[str, Any]:
         """POST /slots/{id}?action=save|restore|erase; raises TaskError."""
         ...

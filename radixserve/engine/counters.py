@@ -8,7 +8,7 @@ copy (`scrape()`, run on the engine thread, so no lock is needed) and renders it
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -34,6 +34,8 @@ class ServerMetrics:
     n_draft_tokens_total: int = 0  # draft tokens proposed
     n_draft_accepted_total: int = 0  # draft tokens the target accepted
     n_drafts_total: int = 0  # verification steps (forwards that checked a draft)
+    # per cache tier ("ram", "disk"): bytes, tokens, hits, misses, writes... (set at scrape)
+    tiers: dict[str, dict[str, float]] = field(default_factory=dict)
     # bucket since the last scrape: behind prompt_tokens_seconds / predicted_tokens_seconds
     bucket_prompt_tokens: int = 0
     bucket_prompt_seconds: float = 0.0

@@ -98,6 +98,8 @@ class Engine:
         self.model, self.cfg = model, cfg
         self.metrics = ServerMetrics()
         self.scheduler = Scheduler(model, cfg, self.metrics, cache)
+        if self.scheduler.radix_disk is not None and self.scheduler.radix_disk.disk is not None:
+            self.scheduler.radix_disk.disk.wake = lambda: self._post(Wake())
         self._q: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="radixserve-engine", daemon=True)
         self._stopping = False
@@ -134,6 +136,7 @@ class Engine:
         self._stopping = True
         self._post(Wake())
         self._thread.join(timeout=10)
+        self.scheduler.close()
 
     def submit(self, task: CompletionTask) -> TaskStream:
         stream = TaskStream(self, task, asyncio.get_running_loop())
@@ -174,6 +177,7 @@ class Engine:
                     msg = self._q.get_nowait()
                 except queue.Empty:
                     msg = None
+            sched.poll_io()
             if sched.has_active():
                 try:
                     sched.step()
@@ -210,7 +214,18 @@ class Engine:
         return await self.call(self.scheduler.cache.stats)
 
     async def scrape(self) -> tuple[ServerMetrics, dict[str, float]]:
-        return await self.call(lambda: (self.metrics.scrape(), self.scheduler.cache.stats()))
+        def scrape() -> tuple[ServerMetrics, dict[str, float]]:
+            self.metrics.tiers = self.scheduler.tier_figures()
+            return self.metrics.scrape(), self.scheduler.cache.stats()
+
+        return await self.call(scrape)
+
+    async def flush_cache(self) -> dict[str, int]:
+        """Empty every cache tier: slots (a busy one's KV when its task ends), host RAM, disk."""
+        out = await self.call(self.scheduler.flush)
+        fut = await self.call(self.scheduler.disk_flush)
+        out["disk_files"] = 0 if fut is None else await asyncio.wrap_future(fut)
+        return out
 
     async def slot_action(self, id_slot: int, action: str, filename: str | None) -> dict[str, Any]:
         """POST /slots/{id}?action=save|restore|erase (disk tier)."""

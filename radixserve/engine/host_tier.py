@@ -12,35 +12,67 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 
 from radixserve.cache.base import NullPromptCache, PromptCache
+from radixserve.cache.disk import DiskTier, RowSpec
 from radixserve.cache.legacy import LegacyPromptCache
 from radixserve.cache.radix import RadixPromptCache
 from radixserve.config import ServerConfig
 from radixserve.engine.slot import Slot
 from radixserve.kv.pool import KVPool
 from radixserve.kv.state import fingerprint_of
+from radixserve.kv.swa import SWAPool
+from radixserve.model.loader import Model
 
 log = logging.getLogger(__name__)
 STATS_LOG_INTERVAL_S = 30.0
 
 
-def make_cache(cfg: ServerConfig, pool: KVPool, arch: str) -> PromptCache:
+def make_cache(cfg: ServerConfig, pool: KVPool, arch: str,
+               models: tuple[Model, ...] = ()) -> PromptCache:
+    """The host cache `cfg` describes; with `--cache-disk`, `models` (the target, then a draft
+    model) name the disk tier's files."""
     if cfg.cache_ram_mib == 0:
         return NullPromptCache()
     limit = cfg.cache_ram_mib * 1024 * 1024 if cfg.cache_ram_mib > 0 else 0
     if cfg.cache_radix_prompt:
-        return RadixPromptCache(limit, cfg.cache_radix_min_restore_tokens)
+        disk = make_disk(cfg, pool, models) if cfg.cache_disk else None
+        return RadixPromptCache(limit, cfg.cache_radix_min_restore_tokens, disk=disk)
     return LegacyPromptCache(limit, pool.n_cells, fingerprint_of(pool, arch))
+
+
+def disk_layout(pool: KVPool) -> list[RowSpec]:
+    """The rows a radix segment (so a disk block) holds a token: every layer's K and V (a
+    sliding-window pool's sliding layers after its global ones), then a draft model's."""
+    n_layer = pool.n_layer + (pool.swa.n_layer if isinstance(pool, SWAPool) else 0)
+    main = RowSpec(n_layer, pool.n_head_kv, pool.head_dim, pool.dtype)
+    d = pool.draft
+    draft = [] if d is None else [RowSpec(d.n_layer, d.n_head_kv, d.head_dim, d.dtype)] * 2
+    return [main, main, *draft]
+
+
+def make_disk(cfg: ServerConfig, pool: KVPool, models: tuple[Model, ...]) -> DiskTier:
+    """The disk tier, its files keyed by the models' identities and the KV layout: another
+    model, quantization, dtype or draft never sees them."""
+    assert models, "the disk tier needs the model's identity"
+    layout = disk_layout(pool)
+    h = hashlib.blake2b(digest_size=16)
+    for m in models:
+        h.update(m.identity())
+    h.update(repr(layout).encode())
+    limit = cfg.cache_disk_mib * 2**20 if cfg.cache_disk_mib > 0 else 0
+    return DiskTier(cfg.cache_disk, limit, cfg.cache_disk_block, h.digest(), layout)
 
 
 class HostTier:
     def __init__(self, cfg: ServerConfig, pool: KVPool, arch: str,
-                 cache: PromptCache | None = None) -> None:
+                 cache: PromptCache | None = None, models: tuple[Model, ...] = ()) -> None:
         self.pool = pool
-        self.cache = cache if cache is not None else make_cache(cfg, pool, arch)
+        self.cache = cache if cache is not None else make_cache(cfg, pool, arch, models)
+        self.misses = 0  # new prompts the host cache was asked for and restored nothing
         self.idle_slots = cfg.cache_idle_slots
         if cfg.cache_idle_slots and cfg.cache_ram_mib == 0:
             log.warning("--cache-idle-slots requires --cache-ram, disabling")

@@ -15,12 +15,19 @@ taken in this module from one measure (the longest common prefix, `common_prefix
 
 `apply_plan` carries a plan out through the slot's KV owner; when a source fails (a restore
 fault, no room for a copy) the caller plans again without it.
+
+Cache namespaces (`CompletionTask.cache_salt`): every common prefix measured here counts 0
+between a slot's KV (`SlotKV.salt`) and a prompt of another salt (`_lcp`; the same test guards
+the own prefix, its chunks and the prefills worth waiting for), so no choice (slot, wait, own
+prefix, chunks, donor) ever reuses or favours another tenant's KV; the host cache is asked
+within the salt.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from radixserve.cache.base import PromptCache
@@ -78,6 +85,12 @@ class PrefixPlan:
                 if s.source is Source.OWN and s.p0 >= self.n_prefix]
 
 
+def _lcp(kv: SlotKV, tokens: Sequence[int], salt: str) -> int:
+    """Tokens of `tokens` the slot's KV holds as a prefix, for a prompt of namespace `salt`:
+    0 across salts (that KV must neither serve the prompt nor steer a choice by it)."""
+    return common_prefix(kv.tokens, tokens) if kv.salt == salt else 0
+
+
 def choose_slot(slots: list[Slot], task: CompletionTask, thold: float) -> tuple[Slot | None, bool]:
     """id_slot if given; else the idle slot with the best LCP similarity above `thold`; else
     the least recently used idle slot (ties go to the later slot, as in llama-server).
@@ -86,17 +99,17 @@ def choose_slot(slots: list[Slot], task: CompletionTask, thold: float) -> tuple[
     less than half of its tokens, or it was picked by LRU. The slot may be busy when the task
     named it: the caller then defers the task.
     """
-    prompt = task.prompt_tokens
+    prompt, salt = task.prompt_tokens, task.cache_salt
     if task.id_slot != -1:
         slot = slots[task.id_slot]
-        keep = common_prefix(slot.kv.tokens, prompt) / max(1, len(slot.kv))
+        keep = _lcp(slot.kv, prompt, salt) / max(1, len(slot.kv))
         return slot, not len(slot.kv) or keep < 0.5
     best, f_best = None, 0.0
     if thold > 0:
         for slot in slots:
             if slot.is_processing or not len(slot.kv):
                 continue
-            f_sim = common_prefix(slot.kv.tokens, prompt) / len(prompt)
+            f_sim = _lcp(slot.kv, prompt, salt) / len(prompt)
             if f_sim > f_best and f_sim > thold:
                 best, f_best = slot, f_sim
     if best is not None:
@@ -116,7 +129,9 @@ def pending_prefill(slots: list[Slot], task: CompletionTask) -> Slot | None:
     if not task.cache_prompt:  # it will compute everything anyway
         return None
     for s in slots:
-        if s.state is SlotState.PROCESSING_PROMPT and s.task is not task:
+        # its KV was claimed for its task's salt at launch: another salt's prefix is no reason
+        if (s.state is SlotState.PROCESSING_PROMPT and s.task is not task
+                and s.kv.salt == task.cache_salt):
             n = common_prefix(s.prompt, task.prompt_tokens)
             # wait until all of it is there (the last prompt token is always computed anyway)
             if n >= SHARE_MIN_TOKENS and len(s.kv) < min(n, len(task.prompt_tokens) - 1):
@@ -125,18 +140,21 @@ def pending_prefill(slots: list[Slot], task: CompletionTask) -> Slot | None:
 
 
 def plan_prefix(slot: Slot, prompt: list[int], donors: list[Slot], host: PromptCache | None,
-                cache_prompt: bool, n_reuse: int, prefer: Slot | None = None) -> PrefixPlan:
+                cache_prompt: bool, n_reuse: int, prefer: Slot | None = None, *,
+                salt: str) -> PrefixPlan:
     """The best source for the prompt's prefix, then `--cache-reuse` chunks, then compute.
 
     The host cache (when given) wins over the slot's own KV when it restores more; another
     slot wins when it holds SHARE_MIN_TOKENS more than both (`prefer`, the slot of an n_cmpl
-    parent: when it holds any more). A slot whose KV was context-shifted is never a source.
+    parent: when it holds any more). A slot whose KV was context-shifted is never a source, nor
+    is KV (own, another slot's, host-cached) of a cache namespace other than `salt`.
     """
     n = len(prompt)
     if not cache_prompt:
         return PrefixPlan([Span(0, n, Source.COMPUTE)], Source.COMPUTE)
     kv = slot.kv
-    n_lcp = common_prefix(kv.tokens, prompt) if kv.reusable else 0
+    own = kv.reusable and kv.salt == salt
+    n_lcp = common_prefix(kv.tokens, prompt) if own else 0
     n_own, ckpt = kv.usable_prefix(min(n_lcp, n - 1))
     if n_lcp and not n_own:
         log.info("slot %d: %d tokens in common, but no cache data for them (sliding window, no "
@@ -144,13 +162,13 @@ def plan_prefix(slot: Slot, prompt: list[int], donors: list[Slot], host: PromptC
                  kv.seq, n_lcp)
     source, n_src, donor = Source.OWN, n_own, None
     if host is not None:
-        n_host = host.match(kv.pool, kv.seq, kv.offered(prompt), prompt)
+        n_host = host.match(kv.pool, kv.seq, kv.offered(prompt, salt), prompt, salt=salt)
         if n_host > n_src:
             source, n_src = Source.HOST, n_host
     n_best = 0
     for other in donors:
         ok = other is not slot and len(other.kv) and other.kv.reusable
-        m = common_prefix(other.kv.tokens, prompt) if ok else 0
+        m = _lcp(other.kv, prompt, salt) if ok else 0
         m, via = other.kv.usable_prefix(min(m, n - 1))
         m = 0 if via is not None else m  # only a window as it stands is shared
         if m > n_best or (m and m == n_best and other is prefer):
@@ -164,7 +182,7 @@ def plan_prefix(slot: Slot, prompt: list[int], donors: list[Slot], host: PromptC
     if n_prefix == 0:
         source = Source.OWN  # nothing reused up front (own chunks may still follow)
     spans = [Span(0, n_prefix, source)] if n_prefix else []
-    if source is Source.OWN and n_reuse > 0 and kv.reusable:
+    if source is Source.OWN and n_reuse > 0 and own:
         spans += [Span(p, p + m, Source.OWN, c)
                   for c, p, m in find_chunks(list(kv.tokens), prompt, n_prefix, n_reuse)]
     if spans and spans[-1].p1 == n:  # the last prompt token is always computed
@@ -183,17 +201,18 @@ def plan_prefix(slot: Slot, prompt: list[int], donors: list[Slot], host: PromptC
 
 
 def apply_plan(kv: SlotKV, plan: PrefixPlan, prompt: list[int],
-               host: PromptCache | None) -> bool:
+               host: PromptCache | None, *, salt: str) -> bool:
     """Carry out `plan` through the slot's KV owner; False when its source failed (the slot
     then holds nothing; or what it held, for a legacy restore that failed its checks; or its
     prefix, for a shift without room).
 
     HOST only restores the cache's entry: a legacy entry may continue past the common prefix
     with chunks `--cache-reuse` can use, so the rest is planned again from the slot's own KV.
+    `salt`: the prompt's cache namespace, the one a HOST restore reads from.
     """
     if plan.source is Source.HOST:
         assert host is not None
-        if not kv.restore_from(host, prompt):
+        if not kv.restore_from(host, prompt, salt):
             return False
         log.info("slot %d: restored %d tokens from the %s cache", kv.seq, len(kv), host.name)
         return True
@@ -210,20 +229,25 @@ def apply_plan(kv: SlotKV, plan: PrefixPlan, prompt: list[int],
 
 
 def take_prefix(slot: Slot, prompt: list[int], slots: list[Slot], host: PromptCache | None,
-                cache_prompt: bool, n_reuse: int, prefer: Slot | None = None) -> PrefixPlan:
+                cache_prompt: bool, n_reuse: int, prefer: Slot | None = None, *,
+                salt: str) -> PrefixPlan:
     """Plan where the prompt's prefix comes from and make the slot hold it. A source that fails
     (a restore fault, no room for a copy or a shift) is left out and the plan made again; after
-    a restore, the rest is planned from what the slot now holds. Returns the plan carried out."""
+    a restore, the rest is planned from what the slot now holds. Returns the plan carried out;
+    the slot's KV then belongs to namespace `salt` (the prompt's `cache_salt`): this is where
+    a slot's KV starts belonging to a task."""
     donors = slots
     while True:
-        plan = plan_prefix(slot, prompt, donors, host, cache_prompt, n_reuse, prefer)
-        done = apply_plan(slot.kv, plan, prompt, host)
+        plan = plan_prefix(slot, prompt, donors, host, cache_prompt, n_reuse, prefer,
+                           salt=salt)
+        done = apply_plan(slot.kv, plan, prompt, host, salt=salt)
         if plan.source is Source.HOST:
             host = None
             if done:
                 donors = []  # decided against them already: what the slot holds now is better
             continue
         if done:
+            slot.kv.claim(salt)
             return plan
         if plan.source is Source.SLOT:
             donors = []

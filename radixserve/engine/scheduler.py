@@ -29,11 +29,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from radixserve.cache.base import PromptCache
+from radixserve.cache.prefix import common_prefix
+from radixserve.cache.radix import RadixPromptCache
 from radixserve.config import ServerConfig
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.host_tier import HostTier
@@ -102,7 +105,13 @@ class Scheduler:
             s.server_spec, s.can_speculate = cfg.spec, self.spec is not None
             if self.spec is not None and draft is not None:
                 s.kv.sync_draft = self.spec.sync
-        self.host = HostTier(cfg, self.pool, hp.arch, cache)
+        models = (model,) if draft is None else (model, draft)
+        self.host = HostTier(cfg, self.pool, hp.arch, cache, models)
+        hc = self.host.cache
+        # the disk tier under the radix cache: tasks wait (unslotted) while their blocks load
+        self.radix_disk = hc if isinstance(hc, RadixPromptCache) and hc.disk is not None else None
+        self._disk_wait: dict[int, int] = {}  # task id -> disk ticket it waits for
+        self._disk_asked: set[int] = set()  # task ids whose disk lookup was made
         log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = %s",
                  n_slots, self.n_ctx_slot, unified)
         if self.swa is not None:
@@ -148,6 +157,8 @@ class Scheduler:
         for i, (task, _) in enumerate(self.deferred):
             if task.id == task_id:
                 del self.deferred[i]
+                self._disk_wait.pop(task_id, None)
+                self._disk_asked.discard(task_id)
                 return
         for slot in self.slots:
             if slot.is_processing and slot.task.id == task_id:
@@ -162,7 +173,7 @@ class Scheduler:
             if task.parent is not None and self._prefilling(task.parent):
                 self.deferred.append((task, emit))  # n_cmpl child: wait for the parent's prompt
                 continue
-            if pending_prefill(self.slots, task) is not None:
+            if pending_prefill(self.slots, task) is not None or self._awaits_disk(task):
                 self.deferred.append((task, emit))
                 continue
             slot, update_cache = choose_slot(self.slots, task, self.cfg.slot_prompt_similarity)
@@ -173,6 +184,7 @@ class Scheduler:
             early = self.host.cache.load_always
             if early:
                 self.host.cache_idle_slots(self.slots, exclude=slot)
+            self._disk_asked.discard(task.id)
             try:
                 self._launch(slot, task, emit, update_cache)
             except TaskError as e:
@@ -183,6 +195,67 @@ class Scheduler:
         self.metrics.requests_deferred = len(self.deferred)
         self.metrics.requests_processing = sum(s.is_processing for s in self.slots)
         self._count_checkpoints()
+
+    def _awaits_disk(self, task: CompletionTask) -> bool:
+        """Whether `task` waits for its prompt's blocks to come from disk into the radix tree
+        (the lookup is made once, when the task is first considered; off the engine thread)."""
+        if self.radix_disk is None or not task.cache_prompt:
+            return False
+        if task.id not in self._disk_asked:
+            self._disk_asked.add(task.id)
+            prompt, salt = task.prompt_tokens, task.cache_salt
+            n_have = max((common_prefix(s.kv.tokens, prompt) for s in self.slots
+                          if s.kv.salt == salt and s.kv.reusable), default=0)
+            ticket = self.radix_disk.disk_lookup(prompt, salt, n_have)
+            if ticket is not None:
+                self._disk_wait[task.id] = ticket
+        return task.id in self._disk_wait
+
+    def poll_io(self) -> None:
+        """Take finished disk reads into the radix tree and let their tasks go on (the engine
+        calls this on every turn of its loop; the disk tier wakes it when a read ends)."""
+        if self.radix_disk is None:
+            return
+        done = set(self.radix_disk.take_disk_loads())
+        if done:
+            self._disk_wait = {t: k for t, k in self._disk_wait.items() if k not in done}
+            self.launch_deferred()
+
+    def flush(self) -> dict[str, int]:
+        """The admin flush of the engine's tiers: every slot's KV (a busy slot's when its task
+        ends) and the host cache; the disk tier's files are removed by the caller, off the
+        engine thread (`disk_flush`)."""
+        n_slots = 0
+        for s in self.slots:
+            if s.is_processing:
+                s.kv.flushed = True  # never reused nor saved: dropped when the task ends
+            elif len(s.kv):
+                s.kv.drop()
+            n_slots += 1
+        nodes, n_bytes = self.host.cache.clear()
+        return {"slots": n_slots, "ram_entries": nodes, "ram_bytes": n_bytes}
+
+    def disk_flush(self) -> Future[int] | None:
+        """Start removing the disk tier's files (None: no disk tier); call after `flush`."""
+        return None if self.radix_disk is None else self.radix_disk.disk_flush()
+
+    def tier_figures(self) -> dict[str, dict[str, float]]:
+        """Per cache tier: host RAM (when on) and disk (when on), for /metrics."""
+        out = {}
+        if self.host.cache.name != "none":
+            st = self.host.cache.stats()
+            out["ram"] = {"bytes": st["bytes"], "tokens": st["unique_tokens"],
+                          "hits": st["loads"], "misses": self.host.misses,
+                          "hit_tokens": st["hit_tokens"], "writes": st["saves"],
+                          "evictions": st["evictions"]}
+        if self.radix_disk is not None and self.radix_disk.disk is not None:
+            out["disk"] = self.radix_disk.disk.figures()
+        return out
+
+    def close(self) -> None:
+        """Let the disk tier finish its queued writes (a restart finds them)."""
+        if self.radix_disk is not None:
+            self.radix_disk.close()
 
     def _count_checkpoints(self) -> None:
         if self.swa is not None:
@@ -211,8 +284,13 @@ class Scheduler:
                 log.warning("cache reuse is not supported - ignoring n_cache_reuse = %d",
                             n_reuse)
             n_reuse = 0
-        plan = take_prefix(slot, prompt, self.slots, self.host.consulted(update_cache),
-                           task.cache_prompt, n_reuse, prefer=self._holder(task.parent))
+        host = self.host.consulted(update_cache)
+        loads = host.stats()["loads"] if host is not None and task.cache_prompt else None
+        plan = take_prefix(slot, prompt, self.slots, host,
+                           task.cache_prompt, n_reuse, prefer=self._holder(task.parent),
+                           salt=task.cache_salt)
+        if loads is not None and host is not None and host.stats()["loads"] == loads:
+            self.host.misses += 1
         if update_cache:
             self.host.cache.update()
         if plan.checkpoint is not None:
@@ -278,6 +356,7 @@ class Scheduler:
         batch (their KV may be half-written, so it is dropped) and nothing else: the server and
         the other slots carry on. Tasks waiting (on another slot's prefill, for a busy slot, or
         for room) are tried again after every step."""
+        self.poll_io()
         try:
             self._run_batch()
         finally:
@@ -525,6 +604,8 @@ class Scheduler:
                  s.id, len(s.tokens), s.truncated)
         if not s.kv.reusable:  # shifted KV is not what its tokens compute to: never reuse it
             s.kv.drop()
+        elif self.radix_disk is not None and s.kv.save_to(self.host.cache):
+            self.host.cache.update()  # on disk now, not only when the slot is reused: a restart
         s.release()
         self.launch_deferred()
 

@@ -162,6 +162,9 @@ def _restore(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str
     if sf.checkpoints and swa is None:
         log.info("slot %d: %d checkpoints in %r are not used (the model has no sliding "
                  "window)", seq, len(sf.checkpoints), filename)
+    # the restored KV is in the shared cache namespace (salt "": load_rows drops first): the
+    # file format keeps no `cache_salt`, so whatever salt the saved slot had, the file's prefix
+    # serves requests that give none (and no salted request)
     slot.kv.load_rows(list(sf.tokens), st.k, st.v, window,
                       sf.checkpoints if swa is not None else (), draft=sf.draft)
     n_read = main_size(sf)  # as llama-server: the bytes its state loader consumed

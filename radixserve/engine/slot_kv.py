@@ -26,6 +26,12 @@ prefix of the tokens is usable only while the window still holds the keys its ne
 tokens: taken before prompt chunks (`take_checkpoint`, llama.cpp's create_checkpoint rules),
 restored when a new prompt diverges where the window has gone (`keep_prefix`), and carried with
 the tokens into the host cache and slot files.
+
+Cache namespaces (a request's `cache_salt`): `salt` names the namespace the KV belongs to, and
+every writer keeps it true: `drop` (and so a slot file's rows) resets it to the shared "", a
+share copies the donor's, a host restore takes the salt it was restored under, and `claim`
+stamps the task's once the prefix planner made the slot hold only what that task may reuse. The
+planner never reuses KV across salts; `save_to` files it under its own salt.
 """
 
 from __future__ import annotations
@@ -56,12 +62,14 @@ class SlotKV:
         self._tokens: list[int] = []
         self._ahead: list[tuple[int, list[int]]] = []  # (pos0, tokens), ascending, past tokens
         self.shifted = False  # a context shift ran: the KV must not be reused (docstring)
+        self.flushed = False  # an admin flush came while a task ran: never reused either
         self.swa = pool if isinstance(pool, SWAPool) else None
         self.fp = fp
         self.n_checkpoints = n_checkpoints if self.swa is not None and fp is not None else 0
         self.checkpoint_min_step = checkpoint_min_step
         self.checkpoints: list[Checkpoint] = []  # oldest first
         self.saved_upto = 0  # tokens a write-through host tier holds (kv/swa.py, radix)
+        self.salt = ""  # the cache namespace (`cache_salt`) of the KV held: see the docstring
         # a draft model's rows (kv/draft.py) are computed for positions < n_draft (may run past
         # the tokens while drafting: cells reserved for a verification); `sync_draft` computes
         # the missing ones (engine/speculative.py), set by the scheduler when there is a draft
@@ -85,7 +93,7 @@ class SlotKV:
     @property
     def reusable(self) -> bool:
         """Whether another request, tier or file may take this KV as that of its tokens."""
-        return not self.shifted
+        return not (self.shifted or self.flushed)
 
     def n_free(self) -> int:
         """Cells this sequence could still get from the pool."""
@@ -94,10 +102,11 @@ class SlotKV:
     def save_to(self, cache: PromptCache) -> bool:
         """Copy the contiguous prefix into the host cache (the pool is only read; a draft
         model's missing rows are computed first, so the entry carries both parts whole)."""
-        if self.shifted or not self._tokens:
+        if not self.reusable or not self._tokens:
             return False
         self.complete_draft()
-        if not cache.save(self.pool, self.seq, list(self._tokens), self.checkpoints):
+        if not cache.save(self.pool, self.seq, list(self._tokens), self.checkpoints,
+                          salt=self.salt):
             return False
         self.saved_upto = len(self._tokens)
         return True
@@ -108,10 +117,19 @@ class SlotKV:
             self.sync_draft(self)
 
     # -- replacing the content ---------------------------------------------------------------
+    def claim(self, salt: str) -> None:
+        """The KV now serves a task of namespace `salt`: what the slot still holds must be that
+        salt's already (the prefix planner empties a slot of another salt's KV), so later saves,
+        shares and plans see the KV under the salt of the task that extends it."""
+        assert not self.n_held or self.salt == salt, \
+            f"slot {self.seq}: KV of another cache_salt kept for a task"
+        self.salt = salt
+
     def drop(self) -> None:
         self.pool.seq_rm(self.seq)
         self._tokens, self._ahead = [], []
-        self.shifted = False
+        self.salt = ""
+        self.shifted = self.flushed = False
         self.checkpoints = []
         self.saved_upto = 0
         self.n_draft = 0
@@ -160,10 +178,13 @@ class SlotKV:
                 best, m_best = ck, m
         return m_best, best
 
-    def offered(self, prompt: Sequence[int]) -> list[int]:
-        """The tokens this slot offers a host cache as its own for `prompt`: all of them, but
-        with a sliding window only the prefix it can reuse (a cache must not decline to restore
-        what the window has dropped)."""
+    def offered(self, prompt: Sequence[int], salt: str) -> list[int]:
+        """The tokens this slot offers a host cache as its own for a `prompt` of namespace
+        `salt`: all of them, but with a sliding window only the prefix it can reuse (a cache
+        must not decline to restore what the window has dropped); none for another salt (that
+        KV will not be kept, so it must not make the cache decline either)."""
+        if salt != self.salt:
+            return []
         if self.swa is None:
             return list(self._tokens)
         want = min(common_prefix(self._tokens, prompt), len(prompt) - 1)
@@ -270,17 +291,21 @@ class SlotKV:
         except OutOfCells:
             return False
         self._tokens = list(donor.tokens[:n])
+        self.salt = donor.salt
         self.n_draft = min(donor.n_draft, n)  # the cells came with their draft rows
         return True
 
-    def restore_from(self, cache: PromptCache, prompt: list[int]) -> bool:
-        """Let the host cache write its best prefix of `prompt`; False if it had none better
-        (slot untouched) or the restore failed (slot emptied: the caller plans again)."""
+    def restore_from(self, cache: PromptCache, prompt: list[int], salt: str) -> bool:
+        """Let the host cache write its best prefix of `prompt` from namespace `salt`; False if
+        it had none better (slot untouched) or the restore failed (slot emptied: the caller
+        plans again)."""
         cks: list[Checkpoint] = []
-        loaded = cache.load(self.pool, self.seq, self.offered(prompt), prompt, cks)
+        loaded = cache.load(self.pool, self.seq, self.offered(prompt, salt), prompt, cks,
+                            salt=salt)
         if loaded is None:
             return False
         self._tokens, self._ahead = list(loaded), []
+        self.salt = salt
         self.saved_upto = len(loaded) if cache.load_always else 0  # radix keeps what it gave
         self.n_draft = len(loaded)  # every tier restores the draft rows with the target's
         self.set_checkpoints(cks)

@@ -38,6 +38,10 @@ class CompletionTask:
     id_slot: int = -1
     cache_prompt: bool = True
     n_cache_reuse: int | None = None  # None: the server's --cache-reuse
+    # vLLM's `cache_salt`: the cache namespace of this prompt's KV. Requests of different salts
+    # never share a cached prefix in any tier (a tenant's prompt cannot speed up, so cannot be
+    # probed by, another's); "" is the shared namespace of requests that give none
+    cache_salt: str = ""
     ignore_eos: bool = False
     special: bool = False  # -sp: special tokens (EOS, <|im_end|>...) appear in the text
     timings_per_token: bool = False  # every partial result carries the timings so far

@@ -799,6 +799,12 @@ OWN_FLAGS: list[Flag] = [
          set_("cache_radix_prompt", parse_bool)),
     flag("--cache-radix-min-restore-tokens N", H, "restore from the radix cache only when at "
          "least this many tokens match", set_("cache_radix_min_restore_tokens", I)),
+    flag("--cache-disk DIR", H, "disk tier under the radix cache: prompt KV blocks written to "
+         "DIR survive restarts and are shared by the servers using DIR", set_("cache_disk")),
+    flag("--cache-disk-mib N", H, "bound on the block files in --cache-disk (LRU; -1: none)",
+         set_("cache_disk_mib", I)),
+    flag("--cache-disk-block N", H, "tokens a --cache-disk block file holds",
+         set_("cache_disk_block", I)),
     flag("--max-body-mib N", H, "largest request body in MiB (413 beyond)",
          set_("max_body_mib", I)),
 ]

@@ -126,6 +126,10 @@ def props_json(
             # chunks shifted by --cache-reuse carry KV computed for other text: not in
             # deterministic mode
             "cache_reuse": 0 if model.deterministic else cfg.cache_reuse,
+            # the disk tier under the radix cache (issue 18): on, bound, tokens a file
+            "cache_disk": bool(cfg.cache_disk),
+            "cache_disk_mib": cfg.cache_disk_mib,
+            "cache_disk_block": cfg.cache_disk_block,
             **cache_stats,
         },
     }

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 INT32_MAX = 2**31 - 1  # n_predict is capped by the context anyway; keep it a sane int
 MAX_N_PROBS = 100
+MAX_CACHE_SALT = 512  # characters of a `cache_salt` (vLLM's field; a tenant's key)
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's "random seed" value
 FLT_MAX = 3.4028234663852886e38
 
@@ -396,6 +397,21 @@ def _response_fields(value: Any) -> list[str]:
     return []
 
 
+def _cache_salt(req: GenerationRequest) -> str:
+    """The request's cache namespace ("" when absent). As vLLM, a given salt must be a
+    non-empty string: an empty one would silently join the shared namespace a client that
+    sends a salt means to leave; the length cap bounds what each slot and cache entry keeps."""
+    salt = req.cache_salt
+    if salt is None:
+        return ""
+    if not salt:
+        raise invalid_request("Field 'cache_salt': Value must be a non-empty string")
+    if len(salt) > MAX_CACHE_SALT:
+        raise invalid_request(f"Field 'cache_salt': Value must be at most {MAX_CACHE_SALT} "
+                              f"characters long, but got {len(salt)}")
+    return salt
+
+
 def _child_seed(seed: int, j: int) -> int:
     """Seed of the j-th extra completion (llama-server's add_child: seed + j, as uint32)."""
     if seed == -1:
@@ -439,6 +455,7 @@ def build_task(
         id_slot=id_slot,
         cache_prompt=ctx.default_cache_prompt if req.cache_prompt is None else req.cache_prompt,
         n_cache_reuse=req.n_cache_reuse,
+        cache_salt=_cache_salt(req),  # prompt arrays and n_cmpl children copy it (replace)
         ignore_eos=ctx.default_ignore_eos if req.ignore_eos is None else req.ignore_eos,
         special=ctx.special,
         timings_per_token=bool(req.timings_per_token),

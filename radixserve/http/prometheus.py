@@ -128,6 +128,20 @@ _OWN_FAMILIES = (
      lambda m: m.checkpoints_restored_total),
 )
 
+# per cache tier (label tier="ram"|"disk"), as radixserve:cache_tier_<name>
+_TIER_FAMILIES = (
+    ("bytes", "gauge", "Bytes the tier holds (disk: the directory, every process's files)"),
+    ("tokens", "gauge", "Tokens of KV the tier holds (disk: whole blocks)"),
+    ("hits", "counter", "Lookups the tier served (disk: reads that found a block)"),
+    ("misses", "counter", "Lookups the tier could not serve"),
+    ("hit_tokens", "counter", "Prompt tokens the tier supplied"),
+    ("writes", "counter", "Saves into the tier (disk: block files written)"),
+    ("evictions", "counter", "Entries, leaves or files evicted by the tier's bound"),
+    ("bad_files", "counter", "Disk block files that failed their checks (removed)"),
+    ("write_errors", "counter", "Disk block writes that failed (a full disk...)"),
+    ("dropped", "counter", "Disk block writes not queued: the writer was too far behind"),
+)
+
 _BAD_NAME_CHARS = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -150,6 +164,14 @@ class _Snapshot(Collector):
             yield family("radixserve:" + name, doc, value=float(get(self.m)))
         for key, value in sorted(self.cache_stats.items()):
             yield GaugeMetricFamily(metric_name(key), f"Host prompt cache: {key}", value=value)
+        tiers = self.m.tiers
+        for name, kind, doc in _TIER_FAMILIES if tiers else ():
+            make = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            fam = make(f"radixserve:cache_tier_{name}", doc, labels=["tier"])
+            for tier, figures in tiers.items():
+                if name in figures:
+                    fam.add_metric([tier], float(figures[name]))
+            yield fam
 
 
 def render_metrics(m: ServerMetrics, cache_stats: dict[str, float]) -> bytes:

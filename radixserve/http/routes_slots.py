@@ -1,4 +1,6 @@
-"""/slots (GET) and /slots/{id}?action=save|restore|erase (POST): llama-server's slot routes."""
+"""/slots (GET) and /slots/{id}?action=save|restore|erase (POST): llama-server's slot routes; and
+the admin flush of every cache tier (ours), under SGLang's name `POST /flush_cache` and vLLM's
+`POST /reset_prefix_cache`: behind the API key, like every route but /health."""
 
 from __future__ import annotations
 
@@ -45,3 +47,11 @@ def add_routes(r: APIRouter, state: AppState) -> None:
             if not isinstance(filename, str):
                 raise invalid_request("Field 'filename' is required and must be a string")
         return JSONResponse(await state.eng.slot_action(sid, action, filename))
+
+    async def flush(request: Request) -> Response:
+        """Empty the slots' KV (a busy slot's when its task ends: the request itself is
+        unaffected), the host cache and the disk tier's directory; says what went."""
+        return JSONResponse({"flushed": await state.eng.flush_cache()})
+
+    r.add_api_route("/flush_cache", flush, methods=["POST"])
+    r.add_api_route("/reset_prefix_cache", flush, methods=["POST"])

@@ -105,6 +105,9 @@ class GenerationRequest(_Body):
     return_tokens: Bool | None = None
     id_slot: Int | None = None
     n_cache_reuse: Int | None = None
+    # vLLM's cache namespace (a non-empty string of at most 512 characters, checked in
+    # parse.py): requests of different salts never share cached prompt KV
+    cache_salt: Str | None = None
     model: Str | None = None  # accepted and ignored: one model per server
     # -- sampling (model/sampling.py; llama.cpp's common_params_sampling) --
     temperature: Float | None = None

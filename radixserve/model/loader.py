@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -23,6 +24,28 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+WHOLE_FILE_HASH_MAX = 1 << 30  # larger GGUFs are hashed by samples (start-up time)
+
+
+def weights_digest(path: str) -> bytes:
+    """A digest of the GGUF file: all of it up to 1 GiB; beyond, its size, first 64 MiB (the
+    metadata) and 256 evenly spaced 1 MiB samples, which any other fine-tune or quantization
+    changes too."""
+    h = hashlib.blake2b(digest_size=16)
+    size = os.path.getsize(path)
+    h.update(size.to_bytes(8, "little"))
+    with open(path, "rb") as f:
+        if size <= WHOLE_FILE_HASH_MAX:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        else:
+            h.update(f.read(1 << 26))
+            for i in range(256):
+                f.seek((size - (1 << 20)) * i // 255)
+                h.update(f.read(1 << 20))
+    return h.digest()
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -74,6 +97,15 @@ class Model:
     @property
     def name(self) -> str:
         return os.path.basename(self.path)
+
+    def identity(self) -> bytes:
+        """What the KV this model computes depends on: the GGUF's bytes, the hyper-parameters as
+        loaded (overrides included), the compute dtype, the weight path and the kernels (they
+        set the KV's last bits). The disk cache keys its files by it."""
+        tr = self.transformer
+        desc = repr((self.hp, str(self.dtype), self.weights, self.deterministic,
+                     tr.kern is not None, tr.own_attention))
+        return hashlib.blake2b(weights_digest(self.path) + desc.encode(), digest_size=16).digest()
 
 
 def resolve_weights(name: str, dtype: torch.dtype) -> str:

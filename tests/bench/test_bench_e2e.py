@@ -77,3 +77,30 @@ def test_tiny_bench_run(tmp_path: Path, tiny_path: str) -> None:
 
     md = (out / "summary.md").read_text()
     assert "| no-cache | 1 |" in md and "| radix | 1 |" in md
+
+
+def test_tiny_restart_run_reuses_the_disk_tier(tmp_path: Path, tiny_path: str) -> None:
+    """The restart scenario, radix against radix-disk: the same replies before and after the
+    restart in both modes; after it, only radix-disk reuses the documents (from disk)."""
+    scenario = tmp_path / "tiny-restart.json"
+    scenario.write_text(json.dumps(TINY_SCENARIO | {
+        "name": "tiny-restart", "doc_tokens": 300, "n_questions": 2,
+        "restart_after": "halfway"}))
+    out = tmp_path / "out"
+    rc = main([str(scenario), "--modes", "radix,radix-disk", "--out", str(out), "-m", tiny_path,
+               "--", "-t", "1", "--dtype", "f32", "--weights", "native",
+               "--cache-disk-block", "16"])
+    assert rc == 0, (out / "summary.md").read_text()
+    replies = {}
+    for mode in ("radix", "radix-disk"):
+        run = json.loads((out / "runs" / f"tiny-restart__{mode}__r0.json").read_text())
+        assert "error" not in run, run.get("traceback")
+        replies[mode] = [(r["session"], r["reply"]) for r in run["requests"]]
+    assert replies["radix"] == replies["radix-disk"] and len(replies["radix"]) == 4
+    s = json.loads((out / "summary.json").read_text())["tiny-restart"]
+    plain, disk = s["radix"]["after_restart"], s["radix-disk"]["after_restart"]
+    assert plain["n_requests"] == disk["n_requests"] == 2
+    # without the disk tier only what the warm-up and the other document share comes again
+    assert plain["first_cache_n"] < 16 and plain["prompt_tokens_reused"] < 64
+    assert disk["first_cache_n"] >= 288 and disk["prompt_tokens_reused"] >= 2 * 288
+    assert disk["prompt_tokens_computed"] < plain["prompt_tokens_computed"]

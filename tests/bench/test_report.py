@@ -14,11 +14,12 @@ from radixserve.bench.report import (
     host_ratio,
     markdown_report,
     markdown_table,
+    restart_table,
     summarize,
     turn_table,
     write_report,
 )
-from radixserve.bench.stats import RequestRecord, summarize_run
+from radixserve.bench.stats import MIB, RequestRecord, summarize_run
 
 
 def _run(scenario: str, mode: str, repeat: int, hit: float, ttft: float) -> dict:
@@ -219,3 +220,101 @@ def test_write_report_writes_the_output_comparison(tmp_path: Path) -> None:
     assert cmp["rag"]["n_differ"] == 0 and cmp["rag"]["by_mode"]["radix+ngram-simple"] == 0
     summary = json.loads(paths["summary.json"].read_text())
     assert summary["rag"]["radix+ngram-simple"]["draft_acceptance"] == pytest.approx(35 / 60)
+
+
+def _restart_run(mode: str, repeat: int, first_after: tuple[int, int, float],
+                 disk: tuple[float, float] | None = None, first_fails: bool = False) -> dict:
+    """restart-shared-prefix as run_one writes it: 2 requests before the restart, 3 after.
+    `first_after` = (prompt_n, cache_n, prompt_ms) of the first request after the restart
+    (sent first, at t=10 s; the others reuse 4000 tokens); `disk` = (bytes, tokens) of the
+    second server's disk tier, None for a server without one."""
+    before = [RequestRecord(f"d{d}q0", f"doc{d}", 0, float(d), 1.0, ttft_s=4.0,
+                            prompt_n=4050, cache_n=0, prompt_ms=3900.0, reply=f"a{d}")
+              for d in range(2)]
+    n, c, ms = first_after
+    after = [RequestRecord("d0q1", "doc0", 0, 10.0, 1.0, ttft_s=ms / 1e3 + 0.05, prompt_n=n,
+                           cache_n=c, prompt_ms=ms, reply="b0", phase=1),
+             RequestRecord("d1q1", "doc1", 0, 11.0, 1.0, ttft_s=0.3, prompt_n=50, cache_n=4000,
+                           prompt_ms=40.0, reply="b1", phase=1),
+             RequestRecord("d0q2", "doc0", 0, 12.0, 1.0, ttft_s=0.1, prompt_n=50, cache_n=4000,
+                           prompt_ms=40.0, reply="c0", phase=1)]
+    if first_fails:
+        after[0].error, after[0].reply = "HTTP 500", None
+    recs = before + after
+    figures = summarize_run(recs[::-1], wall_s=20.0)  # the order of completion must not matter
+    figures["restart_start_s"] = 3.5
+    if disk is not None:
+        figures |= {"disk_bytes": disk[0], "disk_tokens": disk[1],
+                    "disk_bytes_per_token": disk[0] / disk[1], "disk_hit_tokens": 4000.0,
+                    "disk_writes": 130.0, "disk_bad_files": 0.0,
+                    "disk_dir_files": 128, "disk_dir_bytes": disk[0]}
+    return {"scenario": "restart", "mode": mode, "repeat": repeat, "figures": figures,
+            "requests": [dataclasses.asdict(r) for r in recs]}
+
+
+DISK = (4050 * 23040.0, 4050.0)
+RESTART_RESULTS = [
+    _restart_run("no-cache", 0, (4060, 0, 3800.0)),
+    _restart_run("radix", 0, (4060, 0, 4000.0)),
+    _restart_run("radix-disk", 0, (60, 4000, 120.0), DISK),
+    _restart_run("radix-disk", 1, (60, 4000, 140.0), DISK),
+]
+
+
+def test_after_restart_figures_from_the_requests_after_the_restart() -> None:
+    f = summarize(RESTART_RESULTS)["restart"]
+    disk = f["radix-disk"]["after_restart"]
+    assert disk["n_requests"] == 3 and disk["n_errors"] == 0
+    # the 3 requests after the restart only: TTFTs 0.17 / 0.19 (repeats), 0.3, 0.1 s
+    assert disk["ttft_p50_ms"] == pytest.approx(180.0)
+    assert disk["prompt_tokens_computed"] == 160 and disk["prompt_tokens_reused"] == 12000
+    # the first request after the restart on its own (median over the 2 repeats)
+    assert (disk["first_prompt_ms"], disk["first_prompt_n"], disk["first_cache_n"]) == (
+        130.0, 60, 4000)
+    radix = f["radix"]["after_restart"]
+    assert (radix["first_prompt_ms"], radix["first_cache_n"]) == (4000.0, 0)
+    assert radix["prompt_tokens_computed"] == 4160 and radix["prompt_tokens_reused"] == 8000
+    # the whole run's figures still count both halves
+    assert f["radix"]["n_requests"] == 5
+    assert f["radix-disk"]["disk_bytes_per_token"] == 23040.0
+
+
+def test_restart_table_columns_and_dashes() -> None:
+    s = summarize(RESTART_RESULTS)["restart"]
+    table = restart_table(s)
+    assert table is not None
+    lines = table.splitlines()
+    assert lines[0] == ("| mode | after restart: requests | TTFT p50 ms | computed / reused tok "
+                        "| 1st: prompt ms | 1st: computed / reused tok | 1st: TTFT ms "
+                        "| server start s | disk MiB | disk tok | disk bytes / tok |")
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+            for line in lines[2:]}
+    mib = f"{DISK[0] / MIB:.1f}"
+    assert rows["radix-disk"] == ["radix-disk", "3", "180.0", "160 / 12000", "130.0",
+                                  "60 / 4000", "180.0", "3.5", mib, "4050", "23040"]
+    # no disk tier: its figures are unknown, not 0
+    assert rows["radix"] == ["radix", "3", "300.0", "4160 / 8000", "4000.0", "4060 / 0",
+                             "4050.0", "3.5", "-", "-", "-"]
+    md = markdown_report(summarize(RESTART_RESULTS), RESTART_RESULTS)
+    assert table in md and "After the restart" in md
+    assert "- radix-disk: disk tier during measurement (last server): hit tokens 4000, " \
+           "writes 130, bad files 0" in md
+    assert f"- radix-disk: --cache-disk directory at the end: 128 files, {mib} MiB" in md
+    # greedy replies compared over both halves of the run, every mode
+    assert "- outputs identical across modes: yes (5 requests, 3 modes)" in md
+    # no restart, no disk tier: no table
+    assert restart_table(summarize(RESULTS)["s1"]) is None
+    assert "After the restart" not in markdown_report(summarize(RESULTS), RESULTS)
+
+
+def test_restart_table_when_the_first_request_after_the_restart_failed() -> None:
+    runs = [_restart_run("radix-disk", 0, (60, 4000, 120.0), first_fails=True)]
+    f = summarize(runs)["restart"]["radix-disk"]
+    assert f["after_restart"]["n_errors"] == 1 and f["after_restart"]["first_prompt_ms"] is None
+    row = restart_table(summarize(runs)["restart"]).splitlines()[2]
+    assert row == ("| radix-disk | 3 | 200.0 | 100 / 8000 | - | - / - | - | 3.5 "
+                   "| - | - | - |")
+    # summary.json round trip keeps the table
+    again = json.loads(json.dumps(summarize(RESTART_RESULTS)))["restart"]
+    assert restart_table(again) == restart_table(summarize(RESTART_RESULTS)["restart"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 from pathlib import Path
 
@@ -20,15 +21,18 @@ from radixserve.bench.scenarios import (
     make_text,
     quote_passages,
     scenario_names,
+    split_at_restart,
     warmup_sessions,
 )
+from radixserve.model.chat_template import ChatTemplate
+from radixserve.model.tokenizer import Tokenizer
 
 # the project's seed documents (shared/seeds next to the checkout), when this machine has them
 
 REQUIRED = {"shared-prefix-main", "exact-reuse", "no-sharing", "prefix-512", "prefix-1024",
             "prefix-2048", "prefix-4096", "concurrency-1", "concurrency-4", "capacity-lru-512",
             "multi-turn-chat", "shared-prefix-shuffled", "shared-prefix-long", "single-stream",
-            "decode-4", "rag-quote"}
+            "decode-4", "rag-quote", "restart-shared-prefix"}
 
 
 def test_engine_yardsticks_compute_every_prompt() -> None:
@@ -235,3 +239,66 @@ def test_rag_quote_orders_and_bad_documents(tmp_path) -> None:
     bad.write_text(json.dumps(obj | {"documents": []}))
     with pytest.raises(ValueError, match="needs documents"):
         load_scenario(str(bad))
+
+
+def test_restart_scenario_restarts_halfway_before_a_return_to_a_document() -> None:
+    s = load_scenario("restart-shared-prefix")
+    assert s.kind == "shared-prefix" and s.restart_after == "halfway" and s.cache_prompt
+    assert s.n_predict <= 16 and s.concurrency in (1, 2)  # short greedy answers
+    before, after = split_at_restart(s)
+    assert len(before) == len(after) == 6
+    # the first request after the restart needs a document the first server saw: a disk tier
+    # can give its prefix back, a RAM-only cache cannot
+    assert after[0].system in {x.system for x in before}
+    assert {x.group for x in before} == {x.group for x in after} == {"doc0", "doc1"}
+    assert split_at_restart(load_scenario("prefix-512")) == (
+        build_workload(load_scenario("prefix-512")), [])
+
+
+def test_restart_scenario_prefix_is_about_4k_tokens_and_fits(
+        tok_tmpl: tuple[Tokenizer, ChatTemplate]) -> None:
+    """On the default model's tokenizer and template (the tiny model's are copies)."""
+    tok, tmpl = tok_tmpl
+    s = load_scenario("restart-shared-prefix")
+    w = build_workload(s)
+
+    def ids(x: object) -> list[int]:
+        return tok.encode(tmpl.render([{"role": "system", "content": x.system},
+                                       {"role": "user", "content": x.user_turns[0]}]))
+
+    same = [ids(x) for x in w if x.group == "doc0"][:2]
+    other = next(ids(x) for x in w if x.group == "doc1")
+    prefix = len(os.path.commonprefix(same))
+    assert 3500 <= prefix <= 4500
+    assert len(os.path.commonprefix([same[0], other])) < 100  # the documents differ early
+    # both documents' prompts and answers fit the (unified) context at once
+    ctx = int(s.server_args[s.server_args.index("-c") + 1])
+    assert 2 * (max(len(same[0]), len(other)) + s.n_predict) <= ctx
+
+
+def _with_restart(tmp_path: Path, name: str, restart_after: object, **kw: object) -> Path:
+    """A small scenario file: 2 documents x 2 questions unless `kw` gives another kind."""
+    path = tmp_path / f"{name}.json"
+    sizes = kw or {"kind": "shared-prefix", "n_docs": 2, "doc_tokens": 8, "n_questions": 2,
+                   "question_tokens": 4}
+    obj = {"name": name, "seed": 1, "concurrency": 1, "n_predict": 1,
+           "restart_after": restart_after, **sizes}
+    path.write_text(json.dumps(obj))
+    return path
+
+
+def test_restart_points_are_checked(tmp_path: Path) -> None:
+    s = load_scenario(str(_with_restart(tmp_path, "three", 3)))
+    assert [len(x) for x in split_at_restart(s)] == [3, 1]
+    for bad, match in ((0, "no requests on one side"), (4, "no requests on one side"),
+                       ("soon", "number of requests or 'halfway'"),
+                       (True, "number of requests")):
+        with pytest.raises(ValueError, match=match):
+            load_scenario(str(_with_restart(tmp_path, "bad", bad)))
+    # multi-turn sessions are not cut in two: 3 conversations x 2 turns
+    chat = {"kind": "multi-turn", "n_conversations": 3, "n_turns": 2, "system_tokens": 8,
+            "turn_tokens": 4}
+    with pytest.raises(ValueError, match="inside a multi-turn session"):
+        load_scenario(str(_with_restart(tmp_path, "chat", 3, **chat)))
+    s = load_scenario(str(_with_restart(tmp_path, "chat", "halfway", **chat)))
+    assert [len(x) for x in split_at_restart(s)] == [2, 1]  # 4 of 6 requests, then 2

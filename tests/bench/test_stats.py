@@ -17,7 +17,10 @@ from radixserve.bench.stats import (
     parse_prometheus,
     percentile,
     prefix_bound,
+    series_key,
+    sum_counter_figures,
     summarize_run,
+    tier_figures,
 )
 
 
@@ -89,6 +92,55 @@ def test_parse_prometheus() -> None:
     assert m["llamacpp:prompt_tokens_total"] == 1234.0
     assert m["radixserve:bytes"] == 2 * MIB
     assert m["labelled"] == 3.0 and "garbage" not in m
+    assert m['labelled{a="b"}'] == 3.0
+
+
+TIERS = """# HELP radixserve:cache_tier_bytes Bytes held per cache tier
+# TYPE radixserve:cache_tier_bytes gauge
+radixserve:cache_tier_bytes{tier="ram"} 4.6e+06
+radixserve:cache_tier_bytes{tier="disk"} 9.2e+07
+radixserve:cache_tier_tokens{tier="ram"} 200.0
+radixserve:cache_tier_tokens{ tier = "disk" } 4000.0
+radixserve:cache_tier_hits_total{tier="disk"} 3.0
+radixserve:cache_tier_hit_tokens_total{tier="disk",model="a b}c"} 4032.0 1700000000
+radixserve:cache_tier_writes_total{tier="disk"} 70.0
+radixserve:cache_tier_bad_files_total{tier="disk"} 1.0
+radixserve:cache_tier_writes_total{tier="ram"} 12.0
+"""
+
+
+def test_parse_prometheus_keeps_one_series_per_label_set() -> None:
+    m = parse_prometheus(TIERS)
+    assert m[series_key("radixserve:cache_tier_bytes", {"tier": "disk"})] == 9.2e7
+    assert m['radixserve:cache_tier_bytes{tier="ram"}'] == 4.6e6
+    assert m['radixserve:cache_tier_tokens{tier="disk"}'] == 4000.0  # blanks around labels
+    # labels sorted in the key; a '}' inside a quoted value; a timestamp after the value
+    assert m['radixserve:cache_tier_hit_tokens_total{model="a b}c",tier="disk"}'] == 4032.0
+
+
+def test_tier_figures_and_their_absence() -> None:
+    before = parse_prometheus('radixserve:cache_tier_writes_total{tier="disk"} 6\n'
+                              'radixserve:cache_tier_hits_total{tier="disk"} 1\n')
+    f = tier_figures(before, parse_prometheus(TIERS))
+    assert (f["disk_bytes"], f["disk_tokens"]) == (9.2e7, 4000.0)
+    assert f["disk_bytes_per_token"] == 23000.0 and f["ram_bytes_per_token"] == 23000.0
+    assert f["disk_writes"] == 64 and f["disk_hits"] == 2 and f["disk_bad_files"] == 1
+    assert f["ram_writes"] == 12 and "ram_bad_files" not in f and "ram_dropped" not in f
+    assert f["disk_misses"] is None and f["disk_hit_tokens"] is None  # other labels than tier
+    # a server without the families: every figure unknown, never 0
+    none = tier_figures({}, parse_prometheus(METRICS))
+    assert set(none.values()) == {None}
+    # no tokens on disk yet: no ratio
+    empty = tier_figures({}, {'radixserve:cache_tier_bytes{tier="disk"}': 0.0,
+                              'radixserve:cache_tier_tokens{tier="disk"}': 0.0})
+    assert empty["disk_bytes"] == 0 and empty["disk_bytes_per_token"] is None
+
+
+def test_counters_are_summed_over_a_restart_and_sizes_are_the_last_servers() -> None:
+    first = {"host_saves": 3.0, "host_loads": 1.0, "host_cache_mib": 90.0}
+    second = {"host_saves": 4.0, "host_loads": None, "host_cache_mib": 50.0}
+    f = sum_counter_figures([first, second], ("host_saves", "host_loads"))
+    assert f == {"host_saves": 7.0, "host_loads": None, "host_cache_mib": 50.0}
 
 
 def test_host_cache_figures_radix_deltas() -> None:

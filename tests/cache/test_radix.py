@@ -218,7 +218,7 @@ def test_failed_split_leaves_tree_exactly_as_before(monkeypatch: pytest.MonkeyPa
     ins(tree, [1, 2, 3, 4])
     ins(tree, [1, 2, 3, 9])
     before = snapshot(tree)
-    real, calls = radix_tree._own_rows, []
+    real, calls = radix_tree.own_rows, []
 
     def fail_on_third_copy(t: torch.Tensor) -> torch.Tensor:
         calls.append(1)
@@ -226,7 +226,7 @@ def test_failed_split_leaves_tree_exactly_as_before(monkeypatch: pytest.MonkeyPa
             raise MemoryError("injected")
         return real(t)
 
-    monkeypatch.setattr(radix_tree, "_own_rows", fail_on_third_copy)
+    monkeypatch.setattr(radix_tree, "own_rows", fail_on_third_copy)
     with pytest.raises(MemoryError):
         tree.insert([1, 5], *rows([1, 5], 1))
     assert len(calls) == 3

@@ -25,17 +25,10 @@ from radixserve.engine.prefix_plan import PrefixPlan, Source
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.slot_actions import slot_action
 from radixserve.engine.task import CompletionTask, FinalResult
-from radixserve.model.loader import Model, load_model
+from radixserve.model.loader import Model
 from radixserve.model.sampling import SamplingParams
 
 N_DOCS, N_Q, N_PREDICT = 25, 4, 64
-
-
-@pytest.fixture(scope="module")
-def model() -> Model:
-    m = load_model("default", "bf16", deterministic="on")
-    assert m.deterministic
-    return m
 
 
 @pytest.fixture(scope="module")
@@ -86,19 +79,30 @@ class Recorder:
         return c
 
 
-def drive(sched: Scheduler, tasks: list[CompletionTask]) -> list[list[int]]:
-    """Submit every task, step until all are done; each task's tokens."""
+def run_to_end(sched: Scheduler, tasks: list[CompletionTask],
+               check_steps: bool = False) -> list[FinalResult]:
+    """Submit every task, step until all are done (checking every invariant after each step
+    with `check_steps`, and at the end); each task's final result."""
     outs: list[list[Any]] = [[] for _ in tasks]
     for t, out in zip(tasks, outs):
         sched.submit(t, out.append)
     steps = 0
     while sched.has_active() or sched.deferred:
         sched.step()
+        if check_steps:
+            sched.check()
         steps += 1
-        assert steps < 200_000
+        assert steps < 2_000_000
     sched.check()
     finals = [o[-1] for o in outs]
-    assert all(isinstance(f, FinalResult) and not f.truncated for f in finals), finals
+    assert all(isinstance(f, FinalResult) for f in finals), finals
+    return finals
+
+
+def drive(sched: Scheduler, tasks: list[CompletionTask]) -> list[list[int]]:
+    """Every task run to its end, none truncated; each task's tokens."""
+    finals = run_to_end(sched, tasks)
+    assert not any(f.truncated for f in finals), finals
     return [f.tokens for f in finals]
 
 

@@ -31,13 +31,6 @@ N_PREDICT = 40
 
 
 @pytest.fixture(scope="module")
-def model() -> Model:
-    m = load_model("default", "bf16", deterministic="on")
-    assert m.deterministic
-    return m
-
-
-@pytest.fixture(scope="module")
 def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Model:
     """A random 2-layer llama with the default model's vocabulary: a poor draft."""
     path = write_tiny_gguf(str(tmp_path_factory.mktemp("draft") / "draft.gguf"), seed=3)

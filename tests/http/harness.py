@@ -10,9 +10,25 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from radixserve.bench.server_proc import ServerProcess, free_port
+from fastapi.testclient import TestClient
 
-__all__ = ["ServerProcess", "free_port", "running_server"]
+from radixserve.bench.server_proc import ServerProcess, free_port
+from radixserve.config import ServerConfig
+from radixserve.engine.engine import Engine
+from radixserve.http.app import create_app
+
+__all__ = ["ServerProcess", "app_client", "free_port", "running_server"]
+
+
+@contextmanager
+def app_client(engine: Engine, cfg: ServerConfig) -> Iterator[TestClient]:
+    """The app over a started `engine`, in process; the engine is stopped afterwards."""
+    engine.start()
+    try:
+        with TestClient(create_app(engine, cfg)) as c:
+            yield c
+    finally:
+        engine.stop()
 
 
 @contextmanager

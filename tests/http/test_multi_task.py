@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 
 from radixserve.config import ServerConfig
 from radixserve.engine.engine import Engine
-from radixserve.http.app import create_app
 from radixserve.model.loader import load_model
+from tests.http.harness import app_client
 
 pytestmark = pytest.mark.model
 N_CTX_SLOT = 256
@@ -26,13 +26,8 @@ N_CTX_SLOT = 256
 def client(default_path):
     cfg = ServerConfig(model=default_path, dtype="f32", weights="dequant", n_parallel=2,
                        ctx_size=2 * N_CTX_SLOT, cache_ram_mib=0, context_shift=True)
-    engine = Engine(load_model(default_path, "f32", weights="dequant"), cfg)
-    engine.start()
-    try:
-        with TestClient(create_app(engine, cfg)) as c:
-            yield c
-    finally:
-        engine.stop()
+    with app_client(Engine(load_model(default_path, "f32", weights="dequant"), cfg), cfg) as c:
+        yield c
 
 
 def post(c: TestClient, path: str, **body: Any) -> Any:
