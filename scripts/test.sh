@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q -rs "$@"  # -rs: any skip is named (a skip is a defect)

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import struct
 import threading
 import time
@@ -53,6 +54,7 @@ DIGEST = 16  # bytes of BLAKE2b in keys and checksums
 MAX_PENDING_WRITE_BYTES = 256 * 2**20  # queued writes beyond this are dropped (counted)
 RESCAN_S = 10.0  # other processes write too: re-read the directory's size this often
 STALE_TMP_S = 600.0  # a temporary file this old belongs to a writer that died
+MAX_HEADER = 1 << 20  # a block file's header is far smaller (its tokens, in JSON)
 IO_NICE = 19  # the I/O thread's nice value: it hashes and copies, it must not slow decoding
 
 
@@ -175,7 +177,7 @@ class DiskTier:
     # ##### engine thread #####
     def keys(self, ns: str, tokens: Sequence[int], n_blocks: int) -> list[bytes]:
         """The keys of the first `n_blocks` blocks of `tokens` in namespace `ns`."""
-        b, key = self.block, _h(self.fingerprint, ns.encode())
+        b, key = self.block, _h(self.fingerprint, ns.encode("utf-8", "surrogatepass"))
         out = []
         for j in range(n_blocks):
             key = _h(key, _token_bytes(tokens[j * b:(j + 1) * b]))
@@ -218,13 +220,15 @@ class DiskTier:
                        Loaded(got.ticket, got.ns, got.tokens, got.start, [], got.epoch))
 
     def flush(self) -> Future[int]:
-        """Drop queued writes and remove every block file in the directory (every model's,
-        every process's); the future gives the number of files removed."""
+        """Drop queued writes and reads and remove every block file in the directory (every
+        model's, every process's); the future gives the number of files removed. The removal
+        goes before any job queued after it (loads included), and a read already running
+        belongs to the old epoch: nothing read before the flush reaches the tree after it."""
         self.epoch += 1
         self.known.clear()
         self.queued.clear()
         fut: Future[int] = Future()
-        self._put(1, ("flush", fut))
+        self._put(-1, ("flush", fut))
         return fut
 
     def figures(self) -> dict[str, float]:
@@ -257,19 +261,33 @@ class DiskTier:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IO_NICE)
         except (AttributeError, OSError):
             pass
+        t_scan = time.monotonic()
         while True:
             try:
                 _, _, job = self._jobs.get(timeout=RESCAN_S)
             except queue.Empty:
                 job = "scan"
-            try:
-                if job == "stop":
-                    return
-                self._do(job)
-            except Exception as e:  # never let one job kill the tier
-                log.exception("disk cache job failed")
-                if isinstance(job, tuple) and not job[1].done():
-                    job[1].set_exception(e)
+            if job == "stop":
+                return
+            if job == "scan" or time.monotonic() - t_scan > RESCAN_S:
+                t_scan = time.monotonic()  # other processes write and evict too: re-read
+                self._guarded("scan")
+            if job != "scan":
+                self._guarded(job)
+
+    def _guarded(self, job: object) -> None:
+        """Run one job; a failure is logged and answered (a load as found nothing, so its
+        task goes on), never the end of the I/O thread."""
+        try:
+            self._do(job)
+        except Exception as e:
+            log.exception("disk cache job failed")
+            if isinstance(job, _Load):
+                self._done.put(Loaded(job.ticket, job.ns, job.tokens, job.j0 * self.block, [],
+                                      job.epoch))
+                self.wake()
+            elif isinstance(job, tuple) and not job[1].done():
+                job[1].set_exception(e)
 
     def _do(self, job: object) -> None:
         if isinstance(job, _Write):
@@ -310,12 +328,12 @@ class DiskTier:
         parts: list[bytes | memoryview] = [MAGIC, struct.pack("<I", len(header)), header]
         parts += [memoryview(r.data).cast("B") for r in rows]
         parts.append(_h(*parts))
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp = f"{path}.{secrets.token_hex(8)}.tmp"  # unique across processes and hosts
         try:
             if self.fault is not None:
                 self.fault("write")
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "wb") as f:
+            with open(tmp, "xb") as f:
                 for p in parts:
                     f.write(p)
             os.replace(tmp, path)
@@ -372,7 +390,9 @@ class DiskTier:
             self.fault("read")
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                size = os.fstat(f.fileno()).st_size
+                # longer than a block of this layout can be: not read at all
+                data = b"" if size > self.block_bytes + MAX_HEADER else f.read()
         except OSError:  # absent, or evicted by another process since
             return None
         rows = self._decode(data, key, pos0, tokens)
@@ -380,10 +400,10 @@ class DiskTier:
             with self.stats.lock:
                 self.stats.bad_files += 1
             log.warning("disk cache: %s is damaged or not this block's; removed", path)
-            if _unlink(path):
+            if _unlink(path) and key in self.known:
                 with self.stats.lock:
-                    self.stats.bytes -= len(data)
-                    self.stats.blocks -= 1
+                    self.stats.bytes = max(0, self.stats.bytes - size)
+                    self.stats.blocks = max(0, self.stats.blocks - 1)
             self.known.discard(key)
             return None
         try:
@@ -393,7 +413,7 @@ class DiskTier:
         if key not in self.known:  # another process wrote it since the last scan
             self.known.add(key)
             with self.stats.lock:
-                self.stats.bytes += len(data)
+                self.stats.bytes += size
                 self.stats.blocks += 1
         return rows
 

@@ -226,6 +226,10 @@ class RadixPromptCache:
         if j1 * b <= max(m, n_have):
             return None
         j0 = m // b
+        if self.limit_bytes > 0:  # never read more than the tree could hold
+            j1 = min(j1, j0 + self.limit_bytes // self.disk.block_bytes)
+            if j1 * b <= max(m, n_have):
+                return None
         keys = self.disk.keys(salt, prompt, j1)
         ticket = self._inflight.get((salt, keys[-1]))
         if ticket is None:  # another task may be reading the same blocks already
@@ -241,8 +245,11 @@ class RadixPromptCache:
         for got in self.disk.take_loaded():
             self._inflight = {k: t for k, t in self._inflight.items() if t != got.ticket}
             done.append(got.ticket)
-            if got.rows:
-                self._insert_loaded(got)
+            try:
+                if got.rows:
+                    self._insert_loaded(got)
+            except (MemoryError, torch.OutOfMemoryError) as e:  # the task computes instead
+                log.warning("disk cache: %d tokens read but not kept (%s)", len(got.tokens), e)
         return done
 
     def _insert_loaded(self, got: Loaded) -> None:

@@ -177,12 +177,12 @@ class Engine:
                     msg = self._q.get_nowait()
                 except queue.Empty:
                     msg = None
-            sched.poll_io()
-            if sched.has_active():
-                try:
+            try:
+                sched.poll_io()
+                if sched.has_active():
                     sched.step()
-                except Exception:  # never let one bad step kill the engine
-                    log.exception("engine step failed")
+            except Exception:  # never let one bad step kill the engine
+                log.exception("engine step failed")
 
     def _handle(self, msg: Message) -> None:
         try:
@@ -222,8 +222,7 @@ class Engine:
 
     async def flush_cache(self) -> dict[str, int]:
         """Empty every cache tier: slots (a busy one's KV when its task ends), host RAM, disk."""
-        out = await self.call(self.scheduler.flush)
-        fut = await self.call(self.scheduler.disk_flush)
+        out, fut = await self.call(self.scheduler.flush)
         out["disk_files"] = 0 if fut is None else await asyncio.wrap_future(fut)
         return out
 

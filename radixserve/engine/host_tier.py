@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 
 from radixserve.cache.base import NullPromptCache, PromptCache
@@ -60,8 +61,9 @@ def make_disk(cfg: ServerConfig, pool: KVPool, models: tuple[Model, ...]) -> Dis
     assert models, "the disk tier needs the model's identity"
     layout = disk_layout(pool)
     h = hashlib.blake2b(digest_size=16)
+    os.makedirs(cfg.cache_disk, exist_ok=True)
     for m in models:
-        h.update(m.identity())
+        h.update(m.identity(cfg.cache_disk))
     h.update(repr(layout).encode())
     limit = cfg.cache_disk_mib * 2**20 if cfg.cache_disk_mib > 0 else 0
     return DiskTier(cfg.cache_disk, limit, cfg.cache_disk_block, h.digest(), layout)

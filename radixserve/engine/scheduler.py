@@ -221,23 +221,23 @@ class Scheduler:
             self._disk_wait = {t: k for t, k in self._disk_wait.items() if k not in done}
             self.launch_deferred()
 
-    def flush(self) -> dict[str, int]:
-        """The admin flush of the engine's tiers: every slot's KV (a busy slot's when its task
-        ends) and the host cache; the disk tier's files are removed by the caller, off the
-        engine thread (`disk_flush`)."""
+    def flush(self) -> tuple[dict[str, int], Future[int] | None]:
+        """The admin flush of every tier: the disk tier's reads and writes in flight are
+        dropped first (so none lands in RAM afterwards) and its files go off the engine thread
+        (the future: files removed; None without a disk tier); then every slot's KV (a busy
+        slot's when its task ends) and the host cache. Returns what went."""
+        disk = None if self.radix_disk is None else self.radix_disk.disk_flush()
         n_slots = 0
         for s in self.slots:
             if s.is_processing:
                 s.kv.flushed = True  # never reused nor saved: dropped when the task ends
-            elif len(s.kv):
+            elif not len(s.kv):
+                continue
+            else:
                 s.kv.drop()
             n_slots += 1
         nodes, n_bytes = self.host.cache.clear()
-        return {"slots": n_slots, "ram_entries": nodes, "ram_bytes": n_bytes}
-
-    def disk_flush(self) -> Future[int] | None:
-        """Start removing the disk tier's files (None: no disk tier); call after `flush`."""
-        return None if self.radix_disk is None else self.radix_disk.disk_flush()
+        return {"slots": n_slots, "ram_entries": nodes, "ram_bytes": n_bytes}, disk
 
     def tier_figures(self) -> dict[str, dict[str, float]]:
         """Per cache tier: host RAM (when on) and disk (when on), for /metrics."""

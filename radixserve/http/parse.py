@@ -409,6 +409,10 @@ def _cache_salt(req: GenerationRequest) -> str:
     if len(salt) > MAX_CACHE_SALT:
         raise invalid_request(f"Field 'cache_salt': Value must be at most {MAX_CACHE_SALT} "
                               f"characters long, but got {len(salt)}")
+    try:
+        salt.encode()  # JSON lets a lone surrogate through: it names no namespace on disk
+    except UnicodeEncodeError:
+        raise invalid_request("Field 'cache_salt': Value must be valid UTF-8 text") from None
     return salt
 
 

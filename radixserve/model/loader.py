@@ -26,25 +26,33 @@ _DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
-WHOLE_FILE_HASH_MAX = 1 << 30  # larger GGUFs are hashed by samples (start-up time)
-
-
-def weights_digest(path: str) -> bytes:
-    """A digest of the GGUF file: all of it up to 1 GiB; beyond, its size, first 64 MiB (the
-    metadata) and 256 evenly spaced 1 MiB samples, which any other fine-tune or quantization
-    changes too."""
+def weights_digest(path: str, cache_dir: str | None = None) -> bytes:
+    """A digest of every byte of the GGUF file (~1 s a GB). With `cache_dir`, it is kept there
+    under the file's path, size, mtime and inode, so a restart on an unchanged file reads it
+    back instead of hashing again."""
+    st = os.stat(path)
+    memo = None
+    if cache_dir is not None:
+        stamp = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+        name = hashlib.blake2b(stamp.encode(), digest_size=16).hexdigest()
+        memo = os.path.join(cache_dir, f"weights-{name}.digest")
+        try:
+            with open(memo) as f:
+                return bytes.fromhex(f.read().strip())
+        except (OSError, ValueError):
+            pass
     h = hashlib.blake2b(digest_size=16)
-    size = os.path.getsize(path)
-    h.update(size.to_bytes(8, "little"))
     with open(path, "rb") as f:
-        if size <= WHOLE_FILE_HASH_MAX:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-        else:
-            h.update(f.read(1 << 26))
-            for i in range(256):
-                f.seek((size - (1 << 20)) * i // 255)
-                h.update(f.read(1 << 20))
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    if memo is not None:
+        tmp = f"{memo}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(h.hexdigest())
+            os.replace(tmp, memo)
+        except OSError:
+            pass
     return h.digest()
 
 
@@ -98,14 +106,15 @@ class Model:
     def name(self) -> str:
         return os.path.basename(self.path)
 
-    def identity(self) -> bytes:
+    def identity(self, cache_dir: str | None = None) -> bytes:
         """What the KV this model computes depends on: the GGUF's bytes, the hyper-parameters as
         loaded (overrides included), the compute dtype, the weight path and the kernels (they
         set the KV's last bits). The disk cache keys its files by it."""
         tr = self.transformer
         desc = repr((self.hp, str(self.dtype), self.weights, self.deterministic,
                      tr.kern is not None, tr.own_attention))
-        return hashlib.blake2b(weights_digest(self.path) + desc.encode(), digest_size=16).digest()
+        digest = weights_digest(self.path, cache_dir)
+        return hashlib.blake2b(digest + desc.encode(), digest_size=16).digest()
 
 
 def resolve_weights(name: str, dtype: torch.dtype) -> str:

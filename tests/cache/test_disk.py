@@ -142,6 +142,55 @@ def test_truncated_at_every_offset_and_flipped_bytes_are_misses(tmp_path):
     d.close()
 
 
+def test_a_file_longer_than_a_block_is_removed_unread(tmp_path):
+    d = tier(tmp_path)
+    key = d.keys("", TOKENS, 1)[0]
+    os.makedirs(os.path.dirname(d._path(key)))
+    with open(d._path(key), "wb") as f:
+        f.truncate(d.block_bytes + (1 << 21))
+    assert read_prompt(d, TOKENS[:4]).rows == [] and not os.path.exists(d._path(key))
+    assert d.figures()["bad_files"] == 1 and d.figures()["bytes"] == 0
+    d.close()
+
+
+def test_nothing_read_before_a_flush_reaches_the_tree_after_it(tmp_path):
+    """A read running when the flush comes belongs to the old epoch; the removal runs before
+    any read queued after the flush, which then finds nothing."""
+    gate, started = threading.Event(), threading.Event()
+
+    def slow(op: str) -> None:
+        if op == "read":
+            started.set()
+            assert gate.wait(30)
+
+    d = tier(tmp_path, fault=slow)
+    write_prompt(d, TOKENS)
+    old = d.load("", TOKENS[:16], 0, d.keys("", TOKENS, 4))
+    assert started.wait(30)
+    fut = d.flush()
+    new = d.load("", TOKENS[:16], 0, d.keys("", TOKENS, 4))
+    gate.set()
+    assert fut.result(30) == 4
+    d.drain()
+    got = {g.ticket: g for g in d.take_loaded()}
+    assert got[old].rows == [] and got[new].rows == []
+    d.fault = None
+    d.close()
+
+
+def test_a_failing_read_still_answers_its_ticket(tmp_path):
+    def broken(op: str) -> None:
+        if op == "read":
+            raise RuntimeError("injected")
+
+    d = tier(tmp_path, fault=broken)
+    write_prompt(d, TOKENS)
+    assert read_prompt(d, TOKENS).rows == []  # answered (empty), the thread still alive
+    d.fault = None
+    assert read_prompt(d, TOKENS).rows
+    d.close()
+
+
 def test_lru_bound_keeps_recently_read_blocks(tmp_path):
     probe = tier(tmp_path / "probe")
     write_prompt(probe, TOKENS[:4])
@@ -264,9 +313,10 @@ def test_evicted_leaves_reach_disk_and_come_back(tmp_path):
     cache.update()  # evicts the leaf: its 2 whole blocks are written first
     d.drain()
     assert cache.tree.n_nodes == 0 and d.figures()["writes"] == 4
+    assert cache.disk_lookup(a + [5], "", 0) is None  # 1 byte of RAM: nothing worth reading
+    cache.limit_bytes = 0
     ticket = cache.disk_lookup(a + [5], "", 0)
     d.drain()
-    cache.limit_bytes = 0
     assert cache.take_disk_loads() == [ticket] and cache.tree.match(a).length == 8
     cache.check()
     cache.close()

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from radixserve.bench.scenarios import make_text
+from radixserve.cache.disk import SUFFIX
 from radixserve.cache.prefix import common_prefix
 from radixserve.config import ServerConfig, SpecConfig
 from radixserve.engine.counters import ServerMetrics
@@ -66,7 +67,9 @@ def reference(model: Model, prompts: list[list[int]]) -> dict[tuple[int, ...], l
 
 
 def files(d: Any) -> list[str]:
-    return sorted(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs)
+    """The block files under `d` (not the weights digest kept beside them)."""
+    return sorted(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs
+                  if f.endswith(SUFFIX))
 
 
 def on_disk(first: list[int], prompt: list[int]) -> int:
@@ -202,15 +205,35 @@ def test_a_disk_read_does_not_hold_up_other_slots(model, prompts, reference, tmp
     s.close()
 
 
+def test_a_failing_disk_read_lets_the_task_compute(model, prompts, reference, tmp_path):
+    s = engine(model, tmp_path)
+    run_to_end(s, [task(prompts[0])])
+    s = restart(s, model, tmp_path)
+    broken = threading.Event()
+    broken.set()
+
+    def fault(op: str) -> None:
+        if op == "read" and broken.is_set():
+            raise RuntimeError("injected read failure")
+
+    s.radix_disk.disk.fault = fault
+    got = run_to_end(s, [task(prompts[1])])[0]  # answered, not left waiting
+    assert got.tokens == reference[tuple(prompts[1])] and got.timings.cache_n == 0
+    broken.clear()  # the same prefix is not stuck on the failed read
+    got = run_to_end(s, [task(prompts[3])])[0]
+    assert got.tokens == reference[tuple(prompts[3])]
+    s.close()
+
+
 def test_flush_empties_every_tier(model, prompts, reference, tmp_path):
     s = engine(model, tmp_path)
     run_to_end(s, [task(prompts[0])])
     s.radix_disk.disk.drain()
     assert files(tmp_path) and any(len(sl.kv) for sl in s.slots)
     n_files = len(files(tmp_path))
-    out = s.flush()
-    assert out["ram_bytes"] > 0 and out["ram_entries"] >= 1
-    assert s.disk_flush().result(30) == n_files
+    out, disk = s.flush()
+    assert out["ram_bytes"] > 0 and out["ram_entries"] >= 1 and out["slots"] == 1
+    assert disk is not None and disk.result(30) == n_files
     assert files(tmp_path) == [] and s.cache.stats()["bytes"] == 0
     assert not any(len(sl.kv) for sl in s.slots)
     got = run_to_end(s, [task(prompts[1])])[0]
@@ -221,13 +244,16 @@ def test_flush_empties_every_tier(model, prompts, reference, tmp_path):
 def test_flush_while_a_task_runs_spares_it_and_keeps_nothing(model, prompts, reference,
                                                              tmp_path):
     s = engine(model, tmp_path)
+    run_to_end(s, [task(prompts[2])])  # something on disk and in RAM to flush
+    s.radix_disk.disk.drain()
     out: list[Any] = []
     s.submit(task(prompts[0]), out.append)
-    while not any(sl.generated for sl in s.slots):
+    while not any(sl.is_processing and sl.generated for sl in s.slots):
         s.step()
-    s.flush()
-    s.disk_flush().result(30)
-    while s.has_active():
+    gone, disk = s.flush()
+    assert gone["slots"] >= 1 and gone["ram_bytes"] > 0
+    assert disk is not None and disk.result(30) == len(prompts[2]) // B
+    while s.has_active() or s.deferred:
         s.step()
     assert out[-1].tokens == reference[tuple(prompts[0])]  # the request itself is unaffected
     s.radix_disk.disk.drain()

@@ -8,6 +8,7 @@ computed the whole prompt.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -75,6 +76,11 @@ def test_malformed_salts_are_400_and_the_server_keeps_serving(client: TestClient
         r = client.post(path, json={**body, "n_predict": 1, "cache_salt": bad})
         assert_error(r, 400, "invalid_request_error")
         assert "'cache_salt'" in r.json()["error"]["message"], bad
+    # a lone surrogate is valid JSON but no text: it could not name a namespace on disk
+    raw = json.dumps({**body, "n_predict": 1})[:-1] + ', "cache_salt": "a\\ud800"}'
+    r = client.post(path, content=raw, headers={"Content-Type": "application/json"})
+    assert_error(r, 400, "invalid_request_error")
+    assert "UTF-8" in r.json()["error"]["message"]
     assert post(client, path, body, "x" * 512)[1]  # the longest salt allowed
     assert post(client, path, body, None)[1]  # null / absent: the shared namespace
     r = client.post(path, json={**body, "n_predict": 1, "cache_salt": None})

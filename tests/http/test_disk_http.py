@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from radixserve.bench.scenarios import make_text
+from radixserve.cache.disk import SUFFIX
 from radixserve.cache.prefix import common_prefix
 from tests.http.harness import running_server
 from tests.http.test_host_cache import parse_metrics
@@ -69,7 +70,8 @@ def expected_reuse(url: str, first: str, prompt: str) -> int:
 
 
 def n_files(d) -> int:
-    return sum(len(fs) for _, _, fs in os.walk(d))
+    """Block files under `d` (not the weights digest kept beside them)."""
+    return sum(f.endswith(SUFFIX) for _, _, fs in os.walk(d) for f in fs)
 
 
 def test_two_servers_share_a_directory_and_a_restart_reuses_it(tmp_path):
