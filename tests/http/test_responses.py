@@ -398,6 +398,7 @@ def test_props_shape(tiny_model: Any) -> None:
     assert ours["prompt_cache"] == {
         "backend": "radix", "cache_ram_mib": 8192, "cache_idle_slots": True,
         "cache_radix_min_restore_tokens": 0, "cache_reuse": 0, "nodes": 1.0,
+        "cache_disk": False, "cache_disk_mib": 10240, "cache_disk_block": 64,
     }
     assert ours["default_generation_settings"]["n_ctx"] == 4096
 
