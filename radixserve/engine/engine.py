@@ -178,9 +178,10 @@ class Engine:
                 except queue.Empty:
                     msg = None
             try:
-                sched.poll_io()
                 if sched.has_active():
-                    sched.step()
+                    sched.step()  # polls the disk tier first
+                else:
+                    sched.poll_io()
             except Exception:  # never let one bad step kill the engine
                 log.exception("engine step failed")
 

@@ -17,10 +17,10 @@ taken in this module from one measure (the longest common prefix, `common_prefix
 fault, no room for a copy) the caller plans again without it.
 
 Cache namespaces (`CompletionTask.cache_salt`): every common prefix measured here counts 0
-between a slot's KV (`SlotKV.salt`) and a prompt of another salt (`_lcp`; the same test guards
-the own prefix, its chunks and the prefills worth waiting for), so no choice (slot, wait, own
-prefix, chunks, donor) ever reuses or favours another tenant's KV; the host cache is asked
-within the salt.
+between a slot's KV (`SlotKV.salt`) and a prompt of another salt (`salted_lcp`, also what the
+scheduler's disk lookup measures; the same test guards the own prefix, its chunks and the
+prefills worth waiting for), so no choice (slot, wait, own prefix, chunks, donor) ever reuses
+or favours another tenant's KV; the host cache is asked within the salt.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class PrefixPlan:
                 if s.source is Source.OWN and s.p0 >= self.n_prefix]
 
 
-def _lcp(kv: SlotKV, tokens: Sequence[int], salt: str) -> int:
+def salted_lcp(kv: SlotKV, tokens: Sequence[int], salt: str) -> int:
     """Tokens of `tokens` the slot's KV holds as a prefix, for a prompt of namespace `salt`:
     0 across salts (that KV must neither serve the prompt nor steer a choice by it)."""
     return common_prefix(kv.tokens, tokens) if kv.salt == salt else 0
@@ -102,14 +102,14 @@ def choose_slot(slots: list[Slot], task: CompletionTask, thold: float) -> tuple[
     prompt, salt = task.prompt_tokens, task.cache_salt
     if task.id_slot != -1:
         slot = slots[task.id_slot]
-        keep = _lcp(slot.kv, prompt, salt) / max(1, len(slot.kv))
+        keep = salted_lcp(slot.kv, prompt, salt) / max(1, len(slot.kv))
         return slot, not len(slot.kv) or keep < 0.5
     best, f_best = None, 0.0
     if thold > 0:
         for slot in slots:
             if slot.is_processing or not len(slot.kv):
                 continue
-            f_sim = _lcp(slot.kv, prompt, salt) / len(prompt)
+            f_sim = salted_lcp(slot.kv, prompt, salt) / len(prompt)
             if f_sim > f_best and f_sim > thold:
                 best, f_best = slot, f_sim
     if best is not None:
@@ -168,7 +168,7 @@ def plan_prefix(slot: Slot, prompt: list[int], donors: list[Slot], host: PromptC
     n_best = 0
     for other in donors:
         ok = other is not slot and len(other.kv) and other.kv.reusable
-        m = _lcp(other.kv, prompt, salt) if ok else 0
+        m = salted_lcp(other.kv, prompt, salt) if ok else 0
         m, via = other.kv.usable_prefix(min(m, n - 1))
         m = 0 if via is not None else m  # only a window as it stands is shared
         if m > n_best or (m and m == n_best and other is prefer):

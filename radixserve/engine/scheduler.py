@@ -35,12 +35,12 @@ from typing import Any
 import torch
 
 from radixserve.cache.base import PromptCache
-from radixserve.cache.prefix import common_prefix
 from radixserve.cache.radix import RadixPromptCache
 from radixserve.config import ServerConfig
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.host_tier import HostTier
-from radixserve.engine.prefix_plan import choose_slot, pending_prefill, take_prefix
+from radixserve.engine.prefix_plan import (choose_slot, pending_prefill, salted_lcp,
+                                           take_prefix)
 from radixserve.engine.slot import Slot, SlotState
 from radixserve.engine.slot_kv import SlotKV
 from radixserve.engine.speculative import Speculator, load_draft
@@ -204,8 +204,8 @@ class Scheduler:
         if task.id not in self._disk_asked:
             self._disk_asked.add(task.id)
             prompt, salt = task.prompt_tokens, task.cache_salt
-            n_have = max((common_prefix(s.kv.tokens, prompt) for s in self.slots
-                          if s.kv.salt == salt and s.kv.reusable), default=0)
+            n_have = max((salted_lcp(s.kv, prompt, salt) for s in self.slots if s.kv.reusable),
+                         default=0)
             ticket = self.radix_disk.disk_lookup(prompt, salt, n_have)
             if ticket is not None:
                 self._disk_wait[task.id] = ticket
