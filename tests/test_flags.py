@@ -104,7 +104,9 @@ def sample(f: Flag, tmp: Path) -> list[str]:
         "--spec-draft-device": "none", "--api-key": "k", "-c": "512", "--port": "9000", "-lv": "4",
         "--grammar": 'root ::= "a" | "b"', "--grammar-file": str(tmp / "g.gbnf"),
         "-j": '{"type": "array"}', "-jf": str(tmp / "s.json"),
+        "--ui-config": '{"temperature": 0.1}', "--ui-config-file": str(tmp / "ui.json"),
     }
+    (tmp / "ui.json").write_text('{"systemMessage": "Be brief."}')
     name = f.spellings[0]
     if f.hint is None:
         return [name]
@@ -223,6 +225,9 @@ def test_api_key_sources(tmp_path: Path) -> None:
     (["--chat-template", "llama3"], "built-in chat template"),
     (["--chat-template", "{% for %}"], "chat template"),
     (["--chat-template-kwargs", "[1]"], "JSON object"),
+    (["--ui-config", "[1]"], "JSON object"),
+    (["--ui-config", "{temperature: 1}"], "not valid JSON"),
+    (["--ui-config-file", "/nonexistent/ui.json"], "failed to open"),
     (["--mmproj", "x.gguf"], "multimodal"),
     (["-fa", "maybe"], "expected one of"),
     (["-ngl"], "expected 1 value"),
@@ -235,6 +240,19 @@ def test_refused_values_name_the_feature(argv: list[str], feature: str) -> None:
 
 def test_negative_spelling_of_a_refused_feature_is_fine() -> None:
     assert parse_serve(["--no-agent", "-no-ag", "--no-ui-mcp-proxy"], {}).cfg == ServerConfig()
+
+
+def test_ui_flags(tmp_path: Path) -> None:
+    """--ui-config(-file) become /props ui_settings (the page's defaults); --no-ui turns the
+    page off (tests/http/test_webui.py checks what is served)."""
+    f = tmp_path / "ui.json"
+    f.write_text('{"systemMessage": "Be brief.", "temperature": 0.2}')
+    want = {"systemMessage": "Be brief.", "temperature": 0.2}
+    assert parse_serve(["--ui-config-file", str(f)], {}).cfg.ui_settings == want
+    assert parse_serve(["--webui-config", f.read_text()], {}).cfg.ui_settings == want
+    assert parse_serve([], {"LLAMA_ARG_UI_CONFIG_FILE": str(f)}).cfg.ui_settings == want
+    assert ServerConfig().webui and not parse_serve(["--no-webui"], {}).cfg.webui
+    assert not parse_serve([], {"LLAMA_ARG_UI": "0"}).cfg.webui
 
 
 def test_sampling_defaults_reach_the_config() -> None:

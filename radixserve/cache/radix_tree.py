@@ -91,6 +91,7 @@ class RadixTree:
         self.unique_tokens = 0  # tokens stored (shared prefixes once)
         self.logical_tokens = 0  # sum of terminal depths (shared prefixes once per prompt)
         self._clock = 0
+        self.version = 0  # bumped by every change a reader could see (the cache view's memo)
         self._heap: list[tuple[int, int, RadixNode]] = []  # (last_access, tiebreak, leaf)
         self._tiebreak = 0
 
@@ -140,6 +141,7 @@ class RadixTree:
     def touch(self, node: RadixNode) -> None:
         """Mark `node` and its ancestors as used now (the LRU signal)."""
         self._clock += 1
+        self.version += 1
         n: RadixNode | None = node
         while n is not None and n.parent is not None:
             n.last_access = self._clock
@@ -148,12 +150,14 @@ class RadixTree:
 
     def lock(self, node: RadixNode) -> None:
         """Pin `node` and its ancestors: eviction skips them until `unlock`."""
+        self.version += 1
         n: RadixNode | None = node
         while n is not None:
             n.lock_ref += 1
             n = n.parent
 
     def unlock(self, node: RadixNode) -> None:
+        self.version += 1
         n: RadixNode | None = node
         while n is not None:
             n.lock_ref -= 1
@@ -259,6 +263,7 @@ class RadixTree:
         child.draft = tail_d
         mid.children[child.tokens[0]] = child
         self.n_nodes += 1
+        self.version += 1
         return mid
 
     def _set_terminal(self, node: RadixNode) -> None:
@@ -271,6 +276,7 @@ class RadixTree:
         parent = leaf.parent
         assert parent is not None and not leaf.children and leaf.terminal
         del parent.children[leaf.tokens[0]]
+        self.version += 1
         self.bytes -= leaf.nbytes
         self.n_nodes -= 1
         self.n_terminal -= 1

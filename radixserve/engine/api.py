@@ -53,6 +53,11 @@ class EngineAPI(Protocol):
         """A copy of the counters (resetting their per-scrape bucket) and the cache figures."""
         ...
 
+    async def cache_view(self) -> dict[str, Any]:
+        """GET /cache (engine/cache_view.py): slots, tree, tiers, reuse over time; every
+        `text` is token ids (or None: not shown)."""
+        ...
+
     async def flush_cache(self) -> dict[str, int]:
         """Empty every cache tier (slots, host RAM, disk); what was dropped."""
         ...

@@ -8,7 +8,11 @@ copy (`scrape()`, run on the engine thread, so no lock is needed) and renders it
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections import deque
 from dataclasses import dataclass, field
+
+RECENT_PROMPTS = 120  # the page's chart of reuse over time (engine/cache_view.py)
 
 
 @dataclass(slots=True)
@@ -18,6 +22,10 @@ class ServerMetrics:
     prompt_tokens_total: int = 0  # prompt tokens computed (cached ones excluded)
     prompt_tokens_cached_total: int = 0  # prompt tokens reused from a slot or the host cache
     prompt_seconds_total: float = 0.0
+    prompts_done_total: int = 0
+    # (unix time, tokens computed, tokens reused) of the last prompts, oldest first
+    recent_prompts: deque[tuple[float, int, int]] = field(
+        default_factory=lambda: deque(maxlen=RECENT_PROMPTS))
     tokens_predicted_total: int = 0
     tokens_predicted_seconds_total: float = 0.0
     n_decode_total: int = 0  # forward passes
@@ -47,6 +55,8 @@ class ServerMetrics:
         self.prompt_tokens_total += n_prompt
         self.prompt_tokens_cached_total += n_cached
         self.prompt_seconds_total += seconds
+        self.prompts_done_total += 1
+        self.recent_prompts.append((time.time(), n_prompt, n_cached))
         self.bucket_prompt_tokens += n_prompt
         self.bucket_prompt_seconds += seconds
         self.observe_n_tokens(n_prompt + n_cached)
@@ -72,7 +82,7 @@ class ServerMetrics:
 
         Call it on the engine thread (`await engine.call(engine.metrics.scrape)`).
         """
-        snap = dataclasses.replace(self)
+        snap = dataclasses.replace(self, recent_prompts=deque(self.recent_prompts))
         self.bucket_prompt_tokens = self.bucket_predicted_tokens = 0
         self.bucket_prompt_seconds = self.bucket_predicted_seconds = 0.0
         return snap

@@ -24,6 +24,7 @@ import torch
 
 from radixserve.cache.base import PromptCache
 from radixserve.config import ServerConfig
+from radixserve.engine import cache_view
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.slot_actions import slot_action
@@ -98,6 +99,7 @@ class Engine:
         self.model, self.cfg = model, cfg
         self.metrics = ServerMetrics()
         self.scheduler = Scheduler(model, cfg, self.metrics, cache)
+        self.view = cache_view.CacheView()
         if self.scheduler.radix_disk is not None and self.scheduler.radix_disk.disk is not None:
             self.scheduler.radix_disk.disk.wake = lambda: self._post(Wake())
         self._q: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -220,6 +222,9 @@ class Engine:
             return self.metrics.scrape(), self.scheduler.cache.stats()
 
         return await self.call(scrape)
+
+    async def cache_view(self) -> dict[str, Any]:
+        return await self.call(lambda: self.view.snapshot(self.scheduler))
 
     async def flush_cache(self) -> dict[str, int]:
         """Empty every cache tier: slots (a busy one's KV when its task ends), host RAM, disk."""

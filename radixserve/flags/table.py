@@ -202,14 +202,32 @@ def _chat_template(p: Parsed, v: str) -> None:
                         "template (or 'chatml'), or --chat-template-file")
 
 
-def _chat_template_kwargs(p: Parsed, v: str) -> None:
+def _json_object(v: str) -> dict[str, Any]:
     try:
         obj = json.loads(v)
     except json.JSONDecodeError as e:
         raise FlagError(f"not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise FlagError("must be a JSON object")
-    p.cfg.chat_template_kwargs = {**p.cfg.chat_template_kwargs, **obj}
+    return obj
+
+
+def _chat_template_kwargs(p: Parsed, v: str) -> None:
+    p.cfg.chat_template_kwargs = {**p.cfg.chat_template_kwargs, **_json_object(v)}
+
+
+def _ui_config(p: Parsed, v: str) -> None:
+    """llama-server fails at start on JSON it cannot parse; the page reads an object's keys."""
+    p.cfg.ui_settings = _json_object(v)
+
+
+def _ui_config_file(p: Parsed, v: str) -> None:
+    try:
+        with open(v, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise FlagError(f"failed to open file '{v}': {e.strerror}") from None
+    _ui_config(p, text)
 
 
 def _reasoning_format(p: Parsed, v: str) -> None:
@@ -675,7 +693,8 @@ SERVE_FLAGS: list[Flag] = [
     flag("--port PORT", H, "port to listen on", set_("port", I), env="LLAMA_ARG_PORT"),
     flag("--reuse-port", H, "let several servers bind the same port (SO_REUSEPORT)",
          set_("reuse_port", bool), env="LLAMA_ARG_REUSE_PORT"),
-    flag("--path PATH", H, "serve static files from this directory at /", set_("static_path"),
+    flag("--path PATH", H, "serve static files from this directory at / instead of the page",
+         set_("static_path"),
          env="LLAMA_ARG_STATIC_PATH"),
     flag("--cors-origins ORIGINS", H, "allowed CORS origins, comma separated; 'localhost' "
          "reflects local origins only", set_("cors_origins"), env="LLAMA_ARG_CORS_ORIGINS"),
@@ -688,10 +707,11 @@ SERVE_FLAGS: list[Flag] = [
          env="LLAMA_ARG_CORS_CREDENTIALS"),
     flag("--api-prefix PREFIX", H, "path prefix of every route, without a trailing slash",
          set_("api_prefix", lambda v: v.rstrip("/")), env="LLAMA_ARG_API_PREFIX"),
-    flag("--ui-config, --webui-config JSON", NA, "there is no web UI yet",
-         env="LLAMA_ARG_UI_CONFIG"),
-    flag("--ui-config-file, --webui-config-file PATH", NA, "there is no web UI yet",
-         env="LLAMA_ARG_UI_CONFIG_FILE"),
+    flag("--ui-config, --webui-config JSON", H, "JSON object of the page's default settings "
+         "(/props ui_settings: systemMessage, temperature, top_k, top_p, min_p, max_tokens, "
+         "seed)", _ui_config, env="LLAMA_ARG_UI_CONFIG"),
+    flag("--ui-config-file, --webui-config-file PATH", H, "file holding the --ui-config JSON",
+         _ui_config_file, env="LLAMA_ARG_UI_CONFIG_FILE"),
     flag("--ui-mcp-proxy, --webui-mcp-proxy", NO, "the MCP CORS proxy is not implemented",
          lambda p, on: None, neg="--no-ui-mcp-proxy, --no-webui-mcp-proxy",
          env="LLAMA_ARG_UI_MCP_PROXY"),
@@ -705,7 +725,8 @@ SERVE_FLAGS: list[Flag] = [
          env="LLAMA_ARG_MCP_SERVERS_JSON"),
     flag("-ag, --agent", NO, "the agent mode (CORS proxy, built-in tools) is not implemented",
          lambda p, on: None, neg="-no-ag, --no-agent", env="LLAMA_ARG_AGENT"),
-    flag("--ui, --webui", NA, "there is no web UI yet", neg="--no-ui, --no-webui",
+    flag("--ui, --webui", H, "the page at / (chat and a live view of the cache); --no-ui: "
+         "neither it nor --path is served", set_("webui", bool), neg="--no-ui, --no-webui",
          env="LLAMA_ARG_UI"),
     flag("--embedding, --embeddings", NO, "embeddings are not implemented",
          env="LLAMA_ARG_EMBEDDINGS"),

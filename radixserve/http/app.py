@@ -16,12 +16,12 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
-from fastapi.staticfiles import StaticFiles
 from starlette.middleware.cors import CORSMiddleware
 
 from radixserve.config import ServerConfig
 from radixserve.engine.api import EngineAPI
-from radixserve.http import routes_completions, routes_info, routes_slots, routes_tokenize
+from radixserve.http import (routes_completions, routes_info, routes_slots, routes_tokenize,
+                             webui)
 from radixserve.http.errors import GuardedRoute, install_error_handlers
 from radixserve.http.middleware import BodyGuard, GateMiddleware
 from radixserve.http.state import AppState
@@ -39,7 +39,7 @@ def create_app(
     """An app over a ready engine, or over `factory() -> EngineAPI` (started, ready to serve),
     which runs in a thread at startup; the app stops an engine it built when it shuts down."""
     cfg = cfg or getattr(engine_or_factory, "cfg", None) or ServerConfig()
-    state = AppState(cfg)
+    state = AppState(cfg, ui_paths=webui.public_paths(cfg))
     factory: Callable[[], EngineAPI] | None = None
     if _is_engine(engine_or_factory):
         state.set_engine(engine_or_factory)  # type: ignore[arg-type]
@@ -66,11 +66,10 @@ def create_app(
     app.add_middleware(GateMiddleware, state=state)
     app.add_middleware(CORSMiddleware, **cors_options(cfg))
     router = APIRouter(route_class=GuardedRoute)
-    for family in (routes_info, routes_slots, routes_completions, routes_tokenize):
+    for family in (routes_info, routes_slots, routes_completions, routes_tokenize, webui):
         family.add_routes(router, state)
     app.include_router(router, prefix=cfg.api_prefix)
-    if cfg.static_path:  # --path: files for the routes the API does not answer
-        app.mount(cfg.api_prefix or "/", StaticFiles(directory=cfg.static_path, html=True))
+    webui.mount_page(app, cfg)  # after the API: --path's files answer what the API does not
     return app
 
 

@@ -100,8 +100,8 @@ def props_json(
         "endpoint_slots": cfg.slots_endpoint,
         "endpoint_props": cfg.props_endpoint,
         "endpoint_metrics": cfg.metrics,
-        "ui": False,
-        "ui_settings": {},
+        "ui": cfg.webui,
+        "ui_settings": cfg.ui_settings,
         "chat_template": tmpl.source,
         "chat_template_caps": {
             "supports_string_content": True,

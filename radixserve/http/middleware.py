@@ -26,6 +26,7 @@ PUBLIC_PATHS = ("/health", "/v1/health")
 class GateState(Protocol):
     engine: Any  # None while the model loads
     load_error: str | None
+    ui_paths: frozenset[str]  # the page's files: public, and served while the model loads
 
     @property
     def api_prefix(self) -> str: ...
@@ -55,14 +56,17 @@ class GateMiddleware:
             await self.app(scope, receive, send)
             return
         state = self.state
-        if state.engine is None:  # every route, /health included, as llama-server
+        path = scope["path"].removeprefix(state.api_prefix)
+        if path in state.ui_paths:  # the page shows "loading" and asks for the key itself
+            await self.app(scope, receive, send)
+            return
+        if state.engine is None:  # every other route, /health included, as llama-server
             if state.load_error is not None:
                 resp = error_response(500, f"Failed to load model: {state.load_error}")
             else:
                 resp = error_response(503, "Loading model")
             await resp(scope, receive, send)
             return
-        path = scope["path"].removeprefix(state.api_prefix)
         guarded = scope["method"] != "OPTIONS" and path not in PUBLIC_PATHS
         if (
             state.api_keys

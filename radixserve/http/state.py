@@ -25,6 +25,7 @@ class AppState:
     load_error: str | None = None
     parse_ctx: ParseContext | None = None
     started: int = field(default_factory=lambda: int(time.time()))
+    ui_paths: frozenset[str] = frozenset()  # the page's files (http/webui.py)
     _facts: info.ModelFacts | None = None
 
     @property

@@ -97,6 +97,12 @@ class ScriptedEngine:
     async def slot_action(self, id_slot: int, action: str, filename: str | None) -> dict:
         return await self._call(lambda: self.on_slot_action(id_slot, action, filename))
 
+    async def cache_view(self) -> dict:
+        """Token ids where the page shows text (the HTTP side decodes them)."""
+        return await self._call(lambda: {"tree": {"roots": [
+            {"namespace": "", "children": [{"text": [10, 11, 12], "children": []}]},
+            {"namespace": "salted #1", "children": [{"text": None, "children": []}]}]}})
+
     def on_slot_action(self, id_slot: int, action: str, filename: str | None) -> dict:
         raise AssertionError("no slot action expected")
 

@@ -110,6 +110,12 @@ def test_two_servers_share_a_directory_and_a_restart_reuses_it(tmp_path):
         assert again[1]["timings"]["cache_n"] > 250
         ram = parse_metrics(httpx.get(a2.url + "/metrics", headers=auth).text)
         assert ram['radixserve:cache_tier_bytes{tier="ram"}'] > 0
+        # the page's cache view shows the same tiers (GET /cache)
+        view = httpx.get(a2.url + "/cache", headers=auth, timeout=60).json()
+        assert view["ram"]["bytes"] == ram['radixserve:cache_tier_bytes{tier="ram"}']
+        assert view["disk"]["bytes"] == ram['radixserve:cache_tier_bytes{tier="disk"}'] > 0
+        assert view["disk"]["hits"] == ram['radixserve:cache_tier_hits_total{tier="disk"}'] >= 2
+        assert view["disk"]["tokens"] == ram['radixserve:cache_tier_tokens{tier="disk"}'] > 0
         assert httpx.post(a2.url + "/flush_cache").status_code == 401
         r = httpx.post(a2.url + "/flush_cache", headers=auth, timeout=60)
         assert r.status_code == 200, r.text
