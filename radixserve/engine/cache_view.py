@@ -101,13 +101,13 @@ def cells_json(sched: Scheduler) -> tuple[dict[str, int], list[int]]:
 
 
 def slot_json(slot: Any, shared_cells: int) -> dict[str, Any]:
-    task = slot.task if slot.is_processing else slot.last_task
     return {
         "id": slot.id, "state": slot.state.value, "n_ctx": slot.n_ctx,
         "n_tokens": len(slot.kv.tokens), "shared_cells": shared_cells,
         "salted": bool(slot.kv.salt),
-        "n_prompt_tokens_cache": slot.n_cached if task is not None else 0,
-        "n_prompt_tokens_processed": slot.n_prompt_processed if task is not None else 0,
+        # the current (or last) task's reuse; 0 before a slot's first task
+        "n_prompt_tokens_cache": slot.n_cached,
+        "n_prompt_tokens_processed": slot.n_prompt_processed,
     }
 
 
@@ -115,7 +115,7 @@ def tree_json(tree: RadixTree) -> dict[str, Any]:
     """Each namespace's largest subtrees (widest branches first, `MAX_NODES` in all) and the
     stored prompts next in line for eviction."""
     agg: dict[int, tuple[int, int, int]] = {}  # id(node) -> (subtree tokens, leaves, bytes)
-    leaves: list[RadixNode] = []
+    leaves: list[tuple[RadixNode, bool]] = []  # (leaf, in the shared namespace)
 
     def total(node: RadixNode) -> tuple[int, int, int]:
         stack, order = [node], []
@@ -130,7 +130,7 @@ def tree_json(tree: RadixTree) -> dict[str, Any]:
                 toks, nl, nb = toks + ct, nl + cl, nb + cb
             if not n.children and n.parent is not None:
                 nl = 1
-                leaves.append(n)
+                leaves.append((n, not node.ns))
             agg[id(n)] = (toks, nl, nb)
         return agg[id(node)]
 
@@ -144,13 +144,13 @@ def tree_json(tree: RadixTree) -> dict[str, Any]:
         roots.append({"namespace": f"salted #{i}" if ns else "", "subtree_tokens": toks,
                       "leaves": nl, "bytes": nb, "children": children, "more": more})
     # what eviction takes first: unlocked leaves, least recently used first
-    lru = heapq.nsmallest(MAX_LRU, (n for n in leaves if n.lock_ref == 0),
-                          key=lambda n: n.last_access)
+    lru = heapq.nsmallest(MAX_LRU, (e for e in leaves if e[0].lock_ref == 0),
+                          key=lambda e: e[0].last_access)
     return {
         "nodes": tree.n_nodes,
         "roots": roots,
         "lru": [{"depth": n.depth, "tokens": len(n.tokens), "bytes": n.nbytes,
-                 "text": _tail(n) if _namespace(n) == "" else None} for n in lru],
+                 "text": _tail(n) if shown else None} for n, shown in lru],
     }
 
 
@@ -162,12 +162,6 @@ def _tail(node: RadixNode) -> list[int]:
         out = n.tokens[-(PREVIEW - len(out)):] + out
         n = n.parent
     return out
-
-
-def _namespace(node: RadixNode) -> str:
-    while node.parent is not None:
-        node = node.parent
-    return node.ns
 
 
 def _draw(node: RadixNode, agg: dict[int, tuple[int, int, int]], budget: list[int],

@@ -24,7 +24,7 @@ import torch
 
 from radixserve.cache.base import PromptCache
 from radixserve.config import ServerConfig
-from radixserve.engine import cache_view
+from radixserve.engine.cache_view import CacheView
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.slot_actions import slot_action
@@ -99,7 +99,7 @@ class Engine:
         self.model, self.cfg = model, cfg
         self.metrics = ServerMetrics()
         self.scheduler = Scheduler(model, cfg, self.metrics, cache)
-        self.view = cache_view.CacheView()
+        self.view = CacheView()
         if self.scheduler.radix_disk is not None and self.scheduler.radix_disk.disk is not None:
             self.scheduler.radix_disk.disk.wake = lambda: self._post(Wake())
         self._q: queue.SimpleQueue[Message] = queue.SimpleQueue()

@@ -127,12 +127,17 @@ def _api_key(p: Parsed, v: str) -> None:
     p.cfg.api_key += _csv(v)
 
 
-def _api_key_file(p: Parsed, v: str) -> None:
+def _read_text(path: str) -> str:
+    """A flag's file, or llama.cpp's error naming it."""
     try:
-        with open(v, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        with open(path, encoding="utf-8") as f:
+            return f.read()
     except OSError as e:
-        raise FlagError(f"failed to open file '{v}': {e.strerror}") from None
+        raise FlagError(f"failed to open file '{path}': {e.strerror}") from None
+
+
+def _api_key_file(p: Parsed, v: str) -> None:
+    lines = _read_text(v).splitlines()
     p.cfg.api_key += [k for k in lines if k and not k.startswith("#")]
 
 
@@ -167,14 +172,6 @@ def _sampling_seq(p: Parsed, v: str) -> None:
 
 def _reverse_prompt(p: Parsed, v: str) -> None:
     p.cfg.stop = [*p.cfg.stop, v]
-
-
-def _read_text(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except OSError as e:
-        raise FlagError(f"cannot read {path!r}: {e.strerror}") from None
 
 
 def _grammar(p: Parsed, v: str, kind: str) -> None:
@@ -219,15 +216,6 @@ def _chat_template_kwargs(p: Parsed, v: str) -> None:
 def _ui_config(p: Parsed, v: str) -> None:
     """llama-server fails at start on JSON it cannot parse; the page reads an object's keys."""
     p.cfg.ui_settings = _json_object(v)
-
-
-def _ui_config_file(p: Parsed, v: str) -> None:
-    try:
-        with open(v, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise FlagError(f"failed to open file '{v}': {e.strerror}") from None
-    _ui_config(p, text)
 
 
 def _reasoning_format(p: Parsed, v: str) -> None:
@@ -711,7 +699,7 @@ SERVE_FLAGS: list[Flag] = [
          "(/props ui_settings: systemMessage, temperature, top_k, top_p, min_p, max_tokens, "
          "seed)", _ui_config, env="LLAMA_ARG_UI_CONFIG"),
     flag("--ui-config-file, --webui-config-file PATH", H, "file holding the --ui-config JSON",
-         _ui_config_file, env="LLAMA_ARG_UI_CONFIG_FILE"),
+         lambda p, v: _ui_config(p, _read_text(v)), env="LLAMA_ARG_UI_CONFIG_FILE"),
     flag("--ui-mcp-proxy, --webui-mcp-proxy", NO, "the MCP CORS proxy is not implemented",
          lambda p, on: None, neg="--no-ui-mcp-proxy, --no-webui-mcp-proxy",
          env="LLAMA_ARG_UI_MCP_PROXY"),

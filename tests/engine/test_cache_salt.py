@@ -293,19 +293,13 @@ def host_steps(texts: dict[str, list[int]]) -> list[tuple[list[int], str, int]]:
 
 
 @pytest.mark.model
-def test_legacy_host_cache(model: Model, texts: dict[str, list[int]], alone: Alone) -> None:
-    cfg = ServerConfig(n_parallel=1, ctx_size=512, cache_radix_prompt=False)
+@pytest.mark.parametrize("backend", ["legacy", "radix"])
+def test_host_cache(model: Model, texts: dict[str, list[int]], alone: Alone,
+                    backend: str) -> None:
+    """Legacy entries carry their salt; the radix backend keeps one tree namespace per salt
+    (cache/radix.py)."""
+    cfg = ServerConfig(n_parallel=1, ctx_size=512, cache_radix_prompt=backend == "radix")
     sched = Scheduler(model, cfg, ServerMetrics())
-    assert sched.cache.name == "legacy"
-    check_one_by_one(sched, alone, host_steps(texts))
-    assert sched.cache.stats()["loads"] == 3
-
-
-@pytest.mark.model
-def test_radix_host_cache(model: Model, texts: dict[str, list[int]], alone: Alone) -> None:
-    """The radix backend keeps one tree namespace per salt (cache/radix.py)."""
-    cfg = ServerConfig(n_parallel=1, ctx_size=512, cache_radix_prompt=True)
-    sched = Scheduler(model, cfg, ServerMetrics())
-    assert sched.cache.name == "radix"
+    assert sched.cache.name == backend
     check_one_by_one(sched, alone, host_steps(texts))
     assert sched.cache.stats()["loads"] == 3
