@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("serve", help="start the HTTP server (llama-server's flags: serve --help)",
                    add_help=False)
+    sub.add_parser("cluster", help="replicas on Ray Serve, routed by prompt prefix "
+                   "(cluster --help)", add_help=False)
     pf = sub.add_parser("perf", help="engine micro-benchmark (prefill/decode tok/s), prints JSON",
                         formatter_class=fmt, allow_abbrev=False)
     pf.add_argument("-m", "--model", default="default")
@@ -125,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     if argv[:1] == ["serve"]:
         return run_serve(argv[1:])
+    if argv[:1] == ["cluster"]:  # its own flags, then serve's (radixserve/cluster/cli.py)
+        from radixserve.cluster.cli import main as cluster_main
+
+        return cluster_main(argv[1:])
     ap = build_parser()
     a = ap.parse_args(argv)
     if getattr(a, "threads", -1) > 0 and a.cmd != "serve":  # serve: set on the engine thread

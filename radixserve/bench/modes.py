@@ -51,16 +51,26 @@ class Mode:
     # a fresh `--cache-disk DIR` per run, appended after `server_flags` (the directory only
     # exists once the runner makes it, so it cannot be a constant flag)
     cache_disk: bool = False
+    # the radixserve command that serves the mode, before --host/--port and the flags:
+    # `serve`, or `cluster` with its own flags (Ray Serve replicas, radixserve/cluster/)
+    command: tuple[str, ...] = ("serve",)
 
 
+RADIX = ("--cache-radix-prompt", "on")
 MODES: dict[str, Mode] = {
     m.name: m
     for m in (
         Mode("no-cache", ("--cache-ram", "0"), cache_prompt=False),
         Mode("slot-only", ("--cache-ram", "0"), cache_prompt=True),
         Mode("legacy", ("--cache-radix-prompt", "off"), cache_prompt=True),
-        Mode("radix", ("--cache-radix-prompt", "on"), cache_prompt=True),
-        Mode("radix-disk", ("--cache-radix-prompt", "on"), cache_prompt=True, cache_disk=True),
+        Mode("radix", RADIX, cache_prompt=True),
+        Mode("radix-disk", RADIX, cache_prompt=True, cache_disk=True),
+        # `radixserve cluster` (issue #20): the scenario's flags go to every replica
+        Mode("cluster-1", RADIX, cache_prompt=True, command=("cluster", "--replicas", "1")),
+        Mode("cluster-prefix", RADIX, cache_prompt=True,
+             command=("cluster", "--replicas", "2", "--router", "prefix")),
+        Mode("cluster-pow2", RADIX, cache_prompt=True,
+             command=("cluster", "--replicas", "2", "--router", "pow2")),
     )
 }
 DEFAULT_MODES = ("no-cache", "legacy", "radix")

@@ -225,6 +225,12 @@ async def _phases(url: str, s: Scenario, mode: Mode, pid: int | None,
     return await _result(url, [part])
 
 
+def _rss_pid(srv: ServerProcess, mode: Mode) -> int | None:
+    """The process whose memory the run reports: the server's; none for a cluster, whose
+    command only drives Ray (its replicas are other processes)."""
+    return srv.pid if mode.command == ("serve",) else None
+
+
 def _run_with_restart(s: Scenario, mode: Mode, args: list[str], log_path: Path,
                       on_done: Callable[[RequestRecord], None]) -> dict[str, Any]:
     """The restart of the module docstring: the sessions before `restart_after` on one server,
@@ -232,16 +238,16 @@ def _run_with_restart(s: Scenario, mode: Mode, args: list[str], log_path: Path,
     (`<tag>__restarted.log`); `restart` in the result records the stop and start times and
     whether the first server exited on SIGINT or had to be killed."""
     first, rest = split_at_restart(s)
-    with ServerProcess(args, log_path) as srv:
-        part1 = asyncio.run(_measure(srv.url, s, mode, srv.pid, on_done, first))
+    with ServerProcess(args, log_path, command=mode.command) as srv:
+        part1 = asyncio.run(_measure(srv.url, s, mode, _rss_pid(srv, mode), on_done, first))
         t = time.perf_counter()
         clean = srv.stop(RESTART_STOP_TIMEOUT_S)
         stop_s = time.perf_counter() - t
     log2 = log_path.with_name(log_path.stem + "__restarted" + log_path.suffix)
     t = time.perf_counter()
-    with ServerProcess(args, log2) as srv:
+    with ServerProcess(args, log2, command=mode.command) as srv:
         start_s = time.perf_counter() - t  # to /health: model load plus any disk-tier scan
-        part2 = asyncio.run(_measure(srv.url, s, mode, srv.pid, on_done, rest))
+        part2 = asyncio.run(_measure(srv.url, s, mode, _rss_pid(srv, mode), on_done, rest))
         out = asyncio.run(_result(srv.url, [part1, part2]))
     out["restart"] = {"after_requests": sum(len(x.user_turns) for x in first),
                       "stop_s": stop_s, "stopped_on_sigint": clean, "start_s": start_s,
@@ -285,8 +291,8 @@ def run_one(s: Scenario, mode: Mode, repeat: int, opt: BenchOptions,
             if s.restart_after is not None:
                 result |= _run_with_restart(s, mode, args, log_path, on_done)
             else:
-                with ServerProcess(args, log_path) as srv:
-                    result |= asyncio.run(_phases(srv.url, s, mode, srv.pid, on_done))
+                with ServerProcess(args, log_path, command=mode.command) as srv:
+                    result |= asyncio.run(_phases(srv.url, s, mode, _rss_pid(srv, mode), on_done))
     except Exception as e:  # one broken run must not lose the others
         log.error("run %s failed: %s", tag, e)
         result["error"] = "".join(traceback.format_exception_only(e)).strip()

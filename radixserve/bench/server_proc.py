@@ -32,18 +32,23 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m radixserve.cli serve --port P ARGS...`, logged to `log_path`."""
+    """`python -m radixserve.cli serve --port P ARGS...` (or `command` in place of `serve`,
+    e.g. `cluster --replicas 2`), logged to `log_path`."""
 
     def __init__(self, args: list[str], log_path: Path, ready_timeout_s: float = 300.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 command: tuple[str, ...] = ("serve",), ready_path: str = "/health") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args, self.log_path, self.ready_timeout_s = args, log_path, ready_timeout_s
-        self.env = env or {}
+        self.env, self.command, self.ready_path = env or {}, command, ready_path
+        # a cluster's ingress answers /health as soon as one replica is up; the command says
+        # this once every replica is
+        self.ready_text = "radixserve cluster: listening on" if command[0] == "cluster" else ""
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> ServerProcess:
-        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "radixserve.cli", *self.command, "--host", "127.0.0.1",
                "--port", str(self.port), *self.args]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
@@ -74,7 +79,8 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if (httpx.get(self.url + self.ready_path, timeout=2).status_code == 200
+                        and self.ready_text in self.log_tail(1 << 20)):
                     return
             except httpx.HTTPError:
                 pass
@@ -87,12 +93,15 @@ class ServerProcess:
         except OSError:
             return ""
 
-    def stop(self, timeout_s: float = 15.0) -> bool:
-        """SIGINT (clean shutdown), then SIGKILL if it does not exit within `timeout_s`.
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """SIGINT (clean shutdown), then SIGKILL if it does not exit within `timeout_s` (15 s;
+        60 s for a cluster, which stops its Ray instance).
         True unless it had to be killed: a restart scenario records whether the server had
         the chance to finish its shutdown (e.g. a disk tier's last writes)."""
         if self.proc is None or self.proc.poll() is not None:
             return True
+        if timeout_s is None:
+            timeout_s = 60.0 if self.command[0] == "cluster" else 15.0
         self.proc.send_signal(signal.SIGINT)
         try:
             self.proc.wait(timeout=timeout_s)
