@@ -229,3 +229,36 @@ def test_cluster_refuses_bad_flags_before_starting_ray(
     err = capsys.readouterr().err
     assert err.startswith("radixserve cluster: error:") and says in err, err
 
+
+
+def test_the_ingress_refuses_a_body_over_max_body_mib_before_reading_it_whole() -> None:
+    from starlette.requests import Request
+
+    from radixserve.cluster.deployments import Ingress
+
+    me = SimpleNamespace(cfg=SimpleNamespace(max_body_mib=1))
+    mib = 1 << 20
+
+    def request(chunks: list[bytes], length: int | None) -> tuple[Request, list[int]]:
+        read: list[int] = []  # chunks handed to the ingress
+
+        async def receive() -> dict[str, Any]:
+            read.append(1)
+            body = chunks[len(read) - 1]
+            return {"type": "http.request", "body": body, "more_body": len(read) < len(chunks)}
+
+        headers = [(b"content-length", str(length).encode())] if length is not None else []
+        return Request({"type": "http", "method": "POST", "path": "/completion",
+                        "headers": headers, "query_string": b""}, receive), read
+
+    async def body(chunks: list[bytes], length: int | None) -> tuple[Any, int]:
+        req, read = request(chunks, length)
+        return await Ingress._body(me, req), len(read)  # type: ignore[arg-type]
+
+    got, n = asyncio.run(body([b"x" * 100], 2 * mib))  # refused from Content-Length
+    assert got.status_code == 413 and n == 0
+    assert b"--max-body-mib" in got.body
+    got, n = asyncio.run(body([b"x" * (mib // 2)] * 4, None))  # chunked: refused mid-way
+    assert got.status_code == 413 and n == 3
+    got, n = asyncio.run(body([b"ab", b"cd"], None))
+    assert got == b"abcd" and n == 2
