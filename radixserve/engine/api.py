@@ -30,6 +30,9 @@ class ResultStream(Protocol):
 class EngineAPI(Protocol):
     cfg: ServerConfig
     model: Model  # tokenizer, chat template and file facts (read-only, any thread)
+    # bumped on the event loop when a task is submitted or ends: a snapshot taken at another
+    # count is stale (GET /cache shares one between polls only while this is unchanged)
+    changes: int
 
     @property
     def n_ctx_slot(self) -> int: ...

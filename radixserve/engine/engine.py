@@ -80,17 +80,20 @@ class TaskStream:
         if self.done:
             raise StopAsyncIteration
         item = await self.queue.get()
-        if isinstance(item, TaskError):
-            self.done = True
-            raise item
-        if isinstance(item, FinalResult):
-            self.done = True
+        if isinstance(item, (TaskError, FinalResult)):
+            self._end()
+            if isinstance(item, TaskError):
+                raise item
         return item
 
     def cancel(self) -> None:
         if not self.done:
-            self.done = True
+            self._end()
             self.engine._post(Cancel(self.task.id))
+
+    def _end(self) -> None:
+        self.done = True
+        self.engine.changes += 1
 
 
 class Engine:
@@ -100,6 +103,7 @@ class Engine:
         self.metrics = ServerMetrics()
         self.scheduler = Scheduler(model, cfg, self.metrics, cache)
         self.view = CacheView()
+        self.changes = 0  # EngineAPI.changes; event loop only
         if self.scheduler.radix_disk is not None and self.scheduler.radix_disk.disk is not None:
             self.scheduler.radix_disk.disk.wake = lambda: self._post(Wake())
         self._q: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -142,6 +146,7 @@ class Engine:
 
     def submit(self, task: CompletionTask) -> TaskStream:
         stream = TaskStream(self, task, asyncio.get_running_loop())
+        self.changes += 1
         self._post(Submit(task, stream))
         return stream
 

@@ -78,20 +78,22 @@ def _serve(file: Path) -> Any:
 
 def add_routes(r: APIRouter, state: AppState) -> None:
     lock = asyncio.Lock()
-    last: list[Any] = [-1.0, None]  # (monotonic time, body) of the latest snapshot
+    last: list[Any] = [-1.0, None, -1]  # (monotonic time, body, eng.changes) of the latest
 
     @r.get("/cache")
     async def cache() -> Response:
         """What every cache tier holds and what reuse saved (docs/WEBUI.md). Polls within
-        `FRESH_S` of a snapshot share it: open tabs do not multiply the engine's work."""
+        `FRESH_S` of a snapshot share it (open tabs do not multiply the engine's work) unless a
+        task started or ended since: a client asking right after its answer sees it counted."""
         if not state.cfg.slots_endpoint:
             return error_response(
                 501, "This server does not support the cache view. Start it with `--slots`")
         async with lock:
-            if time.monotonic() - last[0] > FRESH_S:
+            if time.monotonic() - last[0] > FRESH_S or last[2] != state.eng.changes:
+                changes = state.eng.changes  # before the snapshot: a change during it counts
                 view = await state.eng.cache_view()
                 last[1] = await run_in_threadpool(with_text, view, state.model.tokenizer)
-                last[0] = time.monotonic()
+                last[0], last[2] = time.monotonic(), changes
             body = last[1]
         return JSONResponse(body)
 

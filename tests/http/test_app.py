@@ -65,6 +65,7 @@ class ScriptedEngine:
     def __init__(self, model: Model, cfg: ServerConfig, script: list[Any] | None = None) -> None:
         self.model, self.cfg = model, cfg
         self.n_ctx_slot, self.n_slots = 128, 2
+        self.changes = 0
         self.metrics = ServerMetrics()
         self.script = script or []
         self.tasks: list[CompletionTask] = []

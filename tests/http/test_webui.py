@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from radixserve.config import ServerConfig
 from radixserve.engine.engine import Engine
 from radixserve.http.app import create_app
+from radixserve.http import webui
 from radixserve.http.webui import UI_DIR, ui_files
 from radixserve.model.loader import Model, load_model
 from tests.http.harness import app_client
@@ -117,15 +118,19 @@ def test_the_page_loads_while_the_model_does(model: Model) -> None:
 
 
 @pytest.mark.model
-def test_cache_view_on_the_default_model(default_path: str) -> None:
+def test_cache_view_on_the_default_model(default_path: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Two chats with one system prompt, then another: the view's totals and history are the
-    responses' own timings, and the tree's node reads as the start of the conversation."""
+    responses' own timings, and the tree's node reads as the start of the conversation. Polls
+    share a snapshot only while no task started or ended (however long it is kept)."""
+    monkeypatch.setattr(webui, "FRESH_S", 3600.0)
     cfg = ServerConfig(model=default_path, dtype="f32", weights="dequant", n_parallel=2,
                        ctx_size=1024)
     system = ("You answer questions about the printing press, movable type and the book "
               "trade of fifteenth-century Europe, briefly and precisely.")
     timings: list[dict[str, Any]] = []
     with app_client(Engine(load_model(default_path, "f32", weights="dequant"), cfg), cfg) as c:
+        assert c.get("/cache").json()["totals"]["requests"] == 0
         chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
                  for q in ("Who built the first press?", "When did printing reach Venice?")]
         for messages in chats + [[{"role": "user", "content": "Name three rivers."}]]:
@@ -133,6 +138,7 @@ def test_cache_view_on_the_default_model(default_path: str) -> None:
                 "messages": messages, "max_tokens": 8, "temperature": 0})
             timings.append(r.json()["timings"])
         view = c.get("/cache").json()
+        assert c.get("/cache").json()["time"] == view["time"]  # nothing changed: shared
         assert timings[1]["cache_n"] > 20  # the system prompt was reused
         assert view["totals"] == {
             "requests": 3, "prompt_tokens": sum(t["prompt_n"] for t in timings),
