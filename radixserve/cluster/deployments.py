@@ -41,7 +41,7 @@ from radixserve.cluster.metrics import aggregate
 from radixserve.config import ServerConfig
 from radixserve.engine.task import TaskError
 from radixserve.http.errors import error_response
-from radixserve.http.middleware import key_ok, request_api_key
+from radixserve.http.middleware import key_ok, request_api_key, too_large
 from radixserve.http.sse import sse_error
 
 log = logging.getLogger(__name__)
@@ -339,16 +339,14 @@ class Ingress:
         """The body, refused past --max-body-mib as one server refuses it (413), before it is
         read whole or shipped to a replica."""
         cap = self.cfg.max_body_mib << 20
-        too_large = error_response(413, f"request body larger than {cap} bytes "
-                                   "(--max-body-mib)", "invalid_request_error")
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > cap:
-            return too_large
+            return too_large(cap)
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > cap:
-                return too_large
+                return too_large(cap)
         return bytes(body)
 
     @app.api_route("/{path:path}", methods=METHODS)

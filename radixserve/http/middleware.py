@@ -93,7 +93,7 @@ class BodyGuard:
             return
         length = Headers(scope=scope).get("content-length", "")
         if length.isdigit() and int(length) > self.max_bytes:
-            await self._too_large()(scope, receive, send)
+            await too_large(self.max_bytes)(scope, receive, send)
             return
         seen, done = 0, False
 
@@ -111,15 +111,18 @@ class BodyGuard:
                 seen += len(msg.get("body", b""))
                 done = not msg.get("more_body", False)
                 if seen > self.max_bytes:
-                    raise TaskError(413, "invalid_request_error", self._message())
+                    raise TaskError(413, "invalid_request_error", too_large_message(self.max_bytes))
             else:
                 done = True
             return msg
 
         await self.app(scope, guarded, send)
 
-    def _message(self) -> str:
-        return f"request body larger than {self.max_bytes} bytes (--max-body-mib)"
 
-    def _too_large(self) -> Any:
-        return error_response(413, self._message(), "invalid_request_error")
+def too_large_message(max_bytes: int) -> str:
+    return f"request body larger than {max_bytes} bytes (--max-body-mib)"
+
+
+def too_large(max_bytes: int) -> Any:
+    """The 413 for a body past --max-body-mib (one server's and the cluster ingress's)."""
+    return error_response(413, too_large_message(max_bytes), "invalid_request_error")
