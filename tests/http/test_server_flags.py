@@ -130,10 +130,10 @@ def test_chat_template_flags(tiny_path: str) -> None:
 
 
 def test_sse_ping_while_the_engine_is_silent(model: Model) -> None:
-    script = [PartialResult("Hel", [10]), 1.3, final()]
+    script = [PartialResult("Hel", [10]), 1.7, final()]
     c, _ = client(model, script, sse_ping_interval=1)
     body = c.post("/completion", json={"prompt": "hi", "stream": True}).text
-    assert body.count(":\n\n") == 1  # one ping in the 1.3 s of silence, none elsewhere
+    assert body.count(":\n\n") == 1  # one ping in the 1.7 s of silence, none elsewhere
     c, _ = client(model, script, sse_ping_interval=-1)
     assert ":\n\n" not in c.post("/completion", json={"prompt": "hi", "stream": True}).text
     # the request's own interval wins; several prompts in one stream get pings too
@@ -188,11 +188,11 @@ def test_seed_command_line_starts_a_server(tmp_path: Path) -> None:
         assert r.status_code == 200 and r.json()["tokens_predicted"] == 4
 
         # --timeout 2: a client that stops sending its body gets 408, others are served
+        t0 = time.monotonic()  # before the server's timer can start: the wait is never under
         with socket.create_connection(("127.0.0.1", srv.port)) as s:
             s.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer env-key"
                       b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pr")
             s.settimeout(30)
-            t0 = time.monotonic()
             reply = s.recv(4096).decode()
             assert reply.startswith("HTTP/1.1 408") and time.monotonic() - t0 >= 1.5
         assert httpx.get(srv.url + "/health").status_code == 200
