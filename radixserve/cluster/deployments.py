@@ -220,10 +220,6 @@ class Ingress:
         except asyncio.TimeoutError:
             raise Unavailable(f"no answer within {FIGURES_WAIT_S:g} s") from None
 
-    def _auth(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        """The headers that carry the client's key, for the calls the ingress makes itself."""
-        return [(k, v) for k, v in headers if k.lower() in (b"authorization", b"x-api-key")]
-
     async def _chat_template(self) -> Any:
         """The model's template, from a replica's /props (asked again at most every 10 s until
         one answers): the ingress renders chat prompts with it to route them. Without it a
@@ -265,24 +261,29 @@ class Ingress:
                                            FIGURES_WAIT_S)
             await asyncio.sleep(0.2)
 
-    async def _each(self, fwd: Forwarded) -> list[tuple[str, int, bytes]]:
-        """`fwd` on every replica, one after the other: (replica, status, body); Unavailable
-        if any fails. Not at once: Ray Serve's router matches a routed replica to its request
-        by the id of the HTTP request it came from, which concurrent calls made for one
-        request share (one would take the other's replica and the other wait forever)."""
+    async def _each_ok(self, fwd: Forwarded) -> list[bytes] | Response:
+        """`fwd` on every replica, one after the other: their bodies; or the response that
+        ends the request: a 503 if a replica did not answer, the first answer that is not a
+        200 as is (--metrics off, a bad key: as one server says it). Not at once: Ray Serve's
+        router matches a routed replica to its request by the id of the HTTP request it came
+        from, which concurrent calls made for one request share (one would take the other's
+        replica and the other wait forever)."""
         ids = await self.replica_ids()
-
-        async def one(rid: str) -> tuple[str, int, bytes]:
+        if not ids:
+            return error_response(503, "no replica is running", "unavailable_error")
+        bodies = []
+        for rid in ids:
             pinned = Forwarded(fwd.method, fwd.path, fwd.query, fwd.headers, fwd.body,
                                fwd.client, target=rid)
             try:
-                return (rid, *await self._call(pinned))
+                status, body = await self._call(pinned)
             except (Unavailable, *DEAD) as e:
-                raise Unavailable(f"replica {rid} did not answer: {e}") from None
-
-        if not ids:
-            raise Unavailable("no replica is running")
-        return [await one(rid) for rid in ids]
+                return error_response(503, f"replica {rid} did not answer: {e}",
+                                      "unavailable_error")
+            if status != 200:
+                return Response(body, status_code=status, media_type="application/json")
+            bodies.append(body)
+        return bodies
 
     async def _replicas(self) -> Response:
         router = self._router()
@@ -303,30 +304,22 @@ class Ingress:
     async def _metrics(self, fwd: Forwarded) -> Response:
         """Every replica's /metrics, summed; a replica that gives none makes the scrape fail
         (503) rather than make the cluster's counters drop and jump back."""
-        try:
-            answers = await self._each(fwd)
-        except Unavailable as e:
-            return error_response(503, str(e), "unavailable_error")
-        for _, status, body in answers:
-            if status != 200:  # --metrics off (501), a bad key (401): as one server says it
-                return Response(body, status_code=status, media_type="application/json")
-        return Response(aggregate([body.decode() for _, _, body in answers]),
+        answers = await self._each_ok(fwd)
+        if isinstance(answers, Response):
+            return answers
+        return Response(aggregate([body.decode() for body in answers]),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _flush(self, fwd: Forwarded) -> Response:
         """A cache flush empties every replica's cache, and so the router's record of them."""
-        try:
-            answers = await self._each(fwd)
-        except Unavailable as e:
-            return error_response(503, str(e), "unavailable_error")
-        for _, status, body in answers:
-            if status != 200:
-                return Response(body, status_code=status, media_type="application/json")
+        answers = await self._each_ok(fwd)
+        if isinstance(answers, Response):
+            return answers
         router = self._router()
         if router is not None:
             router.index.clear()
         flushed: dict[str, int] = {}  # what went, over all replicas
-        for _, _, body in answers:
+        for body in answers:
             for k, v in json.loads(body).get("flushed", {}).items():
                 flushed[k] = flushed.get(k, 0) + v
         return Response(json.dumps({"flushed": flushed}), media_type="application/json")
@@ -377,7 +370,7 @@ class Ingress:
                 return error_response(404, f"no replica {m.group(1)} (there are {len(ids)})",
                                       "not_found_error")
             fwd.path, fwd.target = prefix + m.group(2), ids[int(m.group(1))]
-        elif route in keys.CHAT_PATHS | keys.COMPLETION_PATHS:
+        elif route in keys.PROMPT_PATHS:
             template = await self._chat_template() if route in keys.CHAT_PATHS else None
             fwd.route_key = keys.route_key(route, body, template, self.cfg.chat_template_kwargs)
         return await self._forward(fwd)

@@ -20,6 +20,7 @@ from radixserve.model.chat_template import ChatTemplate, flatten_content
 
 CHAT_PATHS = frozenset({"/chat/completions", "/v1/chat/completions"})
 COMPLETION_PATHS = frozenset({"/completion", "/completions", "/v1/completions"})
+PROMPT_PATHS = CHAT_PATHS | COMPLETION_PATHS  # the routes with a routing key
 
 
 def _prompt_text(prompt: Any) -> str:
