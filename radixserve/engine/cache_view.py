@@ -7,8 +7,12 @@ only where cells can be shared (unified KV), and the HTTP side serves one snapsh
 poll within half a second. Text previews leave the engine as token ids (`PREVIEW` of them) and
 are detokenized by the HTTP side, off this thread.
 
-Tenants stay apart here too: a `cache_salt` namespace shows its sizes under an ordinal label
-("salted #1"), never its salt or its tokens.
+Who sees what follows llama-server's `/slots` (whose prompt text appears only with
+`LLAMA_SERVER_SLOTS_DEBUG` set): with `--no-slots` there is no view at all (the route's 501);
+prompt text (`text`) is shown only when the server runs with that variable (`show_text`), else
+every `text` is None, so a key holder learns sizes and reuse, never what others asked; and a
+`cache_salt` namespace never shows its salt or its tokens, whatever the setting: its sizes
+appear under an ordinal label ("salted #1").
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ class CacheView:
     """Builds snapshots; the tree's part is kept while the tree is unchanged (its `version`),
     so an idle server's polls cost one pass over the slots' cells, not a walk of the tree."""
 
-    def __init__(self) -> None:
+    def __init__(self, show_text: bool = False) -> None:
+        self.show_text = show_text  # the unsalted namespace's text (LLAMA_SERVER_SLOTS_DEBUG)
         self._memo: tuple[RadixTree | None, int, dict[str, Any] | None] = (None, -1, None)
 
     def snapshot(self, sched: Scheduler) -> dict[str, Any]:
@@ -47,6 +52,7 @@ class CacheView:
         device, per_slot = cells_json(sched)
         return {
             "time": time.time(),
+            "text_shown": self.show_text,
             "backend": cache.name,
             "device": device,
             "slots": [slot_json(s, n) for s, n in zip(sched.slots, per_slot)],
@@ -65,7 +71,8 @@ class CacheView:
                 "writes": int(disk["writes"]),
             },
             "tree": self._tree(cache.tree) if isinstance(cache, RadixPromptCache) else None,
-            "entries": legacy_entries(cache) if isinstance(cache, LegacyPromptCache) else [],
+            "entries": (legacy_entries(cache, self.show_text)
+                        if isinstance(cache, LegacyPromptCache) else []),
             "totals": {"requests": m.prompts_done_total, "prompt_tokens": m.prompt_tokens_total,
                        "cached_tokens": m.prompt_tokens_cached_total},
             "history": [{"time": t, "prompt_n": n, "cache_n": c}
@@ -75,14 +82,14 @@ class CacheView:
     def _tree(self, tree: RadixTree) -> dict[str, Any]:
         held, version, out = self._memo
         if held is not tree or version != tree.version or out is None:
-            out = tree_json(tree)
+            out = tree_json(tree, self.show_text)
             self._memo = (tree, tree.version, out)
         return out
 
 
-def snapshot(sched: Scheduler) -> dict[str, Any]:
+def snapshot(sched: Scheduler, show_text: bool = True) -> dict[str, Any]:
     """One snapshot, nothing kept (tests)."""
-    return CacheView().snapshot(sched)
+    return CacheView(show_text).snapshot(sched)
 
 
 def cells_json(sched: Scheduler) -> tuple[dict[str, int], list[int]]:
@@ -111,9 +118,10 @@ def slot_json(slot: Any, shared_cells: int) -> dict[str, Any]:
     }
 
 
-def tree_json(tree: RadixTree) -> dict[str, Any]:
+def tree_json(tree: RadixTree, show_text: bool) -> dict[str, Any]:
     """Each namespace's largest subtrees (widest branches first, `MAX_NODES` in all) and the
-    stored prompts next in line for eviction."""
+    stored prompts next in line for eviction; text only of the unsalted namespace, and only
+    with `show_text`."""
     agg: dict[int, tuple[int, int, int]] = {}  # id(node) -> (subtree tokens, leaves, bytes)
     leaves: list[tuple[RadixNode, bool]] = []  # (leaf, in the shared namespace)
 
@@ -130,7 +138,7 @@ def tree_json(tree: RadixTree) -> dict[str, Any]:
                 toks, nl, nb = toks + ct, nl + cl, nb + cb
             if not n.children and n.parent is not None:
                 nl = 1
-                leaves.append((n, not node.ns))
+                leaves.append((n, show_text and not node.ns))
             agg[id(n)] = (toks, nl, nb)
         return agg[id(node)]
 
@@ -140,7 +148,7 @@ def tree_json(tree: RadixTree) -> dict[str, Any]:
     roots = []
     for i, ns in enumerate(["", *salted]):
         toks, nl, nb = sizes[ns]
-        children, more = _draw(tree.roots[ns], agg, budget, show_text=not ns)
+        children, more = _draw(tree.roots[ns], agg, budget, show_text=show_text and not ns)
         roots.append({"namespace": f"salted #{i}" if ns else "", "subtree_tokens": toks,
                       "leaves": nl, "bytes": nb, "children": children, "more": more})
     # what eviction takes first: unlocked leaves, least recently used first
@@ -181,7 +189,8 @@ def _draw(node: RadixNode, agg: dict[int, tuple[int, int, int]], budget: list[in
     return out, len(kids) - len(out)
 
 
-def legacy_entries(cache: LegacyPromptCache) -> list[dict[str, Any]]:
+def legacy_entries(cache: LegacyPromptCache, show_text: bool) -> list[dict[str, Any]]:
     """llama.cpp's whole-prompt entries, oldest (next to go) first."""
     return [{"tokens": len(e.tokens), "bytes": e.size,
-             "text": e.tokens[-PREVIEW:] if not e.salt else None} for e in cache.states]
+             "text": e.tokens[-PREVIEW:] if show_text and not e.salt else None}
+            for e in cache.states]

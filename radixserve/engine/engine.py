@@ -44,7 +44,11 @@ class Submit:
 
 @dataclass(slots=True, frozen=True)
 class Cancel:
-    task_id: int
+    """Stop `task`: named by the object, not its id, because the id is assigned on the engine
+    thread when it takes the Submit, and a client can leave before that (a cancel by id then
+    matched nothing and the orphan decoded to n_predict, holding its slot)."""
+
+    task: CompletionTask
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,7 +93,7 @@ class TaskStream:
     def cancel(self) -> None:
         if not self.done:
             self._end()
-            self.engine._post(Cancel(self.task.id))
+            self.engine._post(Cancel(self.task))
 
     def _end(self) -> None:
         self.done = True
@@ -102,7 +106,7 @@ class Engine:
         self.model, self.cfg = model, cfg
         self.metrics = ServerMetrics()
         self.scheduler = Scheduler(model, cfg, self.metrics, cache)
-        self.view = CacheView()
+        self.view = CacheView(cfg.slots_debug)
         self.changes = 0  # EngineAPI.changes; event loop only
         if self.scheduler.radix_disk is not None and self.scheduler.radix_disk.disk is not None:
             self.scheduler.radix_disk.disk.wake = lambda: self._post(Wake())
@@ -197,7 +201,7 @@ class Engine:
             if isinstance(msg, Submit):
                 self.scheduler.submit(msg.task, msg.stream.emit)
             elif isinstance(msg, Cancel):
-                self.scheduler.cancel(msg.task_id)
+                self.scheduler.cancel(msg.task)
             elif isinstance(msg, Call):
                 msg.run()
         except Exception:

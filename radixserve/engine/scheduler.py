@@ -153,16 +153,19 @@ class Scheduler:
             raise TaskError(400, "invalid_request_error",
                             f"id_slot {task.id_slot} is out of range [0, {len(self.slots)})")
 
-    def cancel(self, task_id: int) -> None:
-        for i, (task, _) in enumerate(self.deferred):
-            if task.id == task_id:
+    def cancel(self, task: CompletionTask) -> None:
+        """Stop `task` (its client left): dropped while it waits, its slot freed while it runs,
+        nothing once it ended. Matched by identity: it may have been cancelled before it was
+        submitted here, as long as the Submit came first (one queue keeps that order)."""
+        for i, (t, _) in enumerate(self.deferred):
+            if t is task:
                 del self.deferred[i]
-                self._disk_wait.pop(task_id, None)
-                self._disk_asked.discard(task_id)
+                self._disk_wait.pop(task.id, None)
+                self._disk_asked.discard(task.id)
                 return
         for slot in self.slots:
-            if slot.is_processing and slot.task.id == task_id:
-                log.info("slot %d: task %d cancelled", slot.id, task_id)
+            if slot.is_processing and slot.task is task:
+                log.info("slot %d: task %d cancelled", slot.id, task.id)
                 self._finish(slot, emit_final=False)
                 return
 

@@ -211,6 +211,10 @@ function renderTree(el, data) {
         ul));
     }
   }
+  if (data.text_shown === false && backend !== 'none') {
+    out.push(h('p', { class: 'muted', text: 'Prompt text is hidden, as llama-server\'s /slots hides it: ' +
+      'start the server with LLAMA_SERVER_SLOTS_DEBUG=1 to show it.' }));
+  }
   el.replaceChildren(...out);
 }
 
@@ -334,7 +338,7 @@ export function createCachePanel({ interval = 1000 } = {}) {
     if (changed('totals', data.totals)) renderTotals(document.getElementById('totals'), data.totals || {});
     if (changed('slots', data.slots)) renderSlots(document.getElementById('slots'), arr(data.slots));
     if (changed('tiers', [data.backend, data.device, data.ram, data.disk])) renderTiers(data);
-    if (changed('tree', [data.backend, data.tree && data.tree.roots, data.entries])) renderTree(document.getElementById('tree'), data);
+    if (changed('tree', [data.backend, data.text_shown, data.tree && data.tree.roots, data.entries])) renderTree(document.getElementById('tree'), data);
     if (changed('lru', data.tree && data.tree.lru)) renderLru(document.getElementById('lru'), arr(data.tree && data.tree.lru));
     const chart = document.getElementById('history-chart');
     const width = chartWidth(chart);

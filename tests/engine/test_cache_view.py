@@ -120,6 +120,28 @@ def test_a_salted_namespace_is_shown_without_its_salt_or_text(
     assert "tenant-secret-7" not in json.dumps(view)
 
 
+@pytest.mark.parametrize("legacy", [False, True])
+def test_no_text_at_all_unless_the_server_shows_it(model: Model, prompts: dict[str, list[int]],
+                                                   legacy: bool) -> None:
+    """The engine's view as `serve` builds it without LLAMA_SERVER_SLOTS_DEBUG: no namespace's
+    text, in the tree, the eviction order or the legacy entries."""
+    cfg = ServerConfig(ctx_size=1024, n_parallel=2, cache_radix_prompt=not legacy)
+    sched = Scheduler(model, cfg, ServerMetrics())
+    run_to_end(sched, [greedy(prompts["a"])])
+    run_to_end(sched, [greedy(prompts["b"], salt="s")])
+    sched.host.cache_idle_slots(sched.slots)
+
+    def texts(v: object) -> list[object]:
+        if isinstance(v, dict):
+            return [x for k, w in v.items() for x in ([w] if k == "text" else texts(w))]
+        return [x for w in v for x in texts(w)] if isinstance(v, list) else []
+
+    shown, hidden = snapshot(sched, show_text=True), snapshot(sched, show_text=False)
+    assert any(t is not None for t in texts(shown))  # there is text to hide
+    assert texts(hidden) and all(t is None for t in texts(hidden))
+    assert (shown["text_shown"], hidden["text_shown"]) == (True, False)
+
+
 def test_legacy_entries_oldest_first(model: Model, prompts: dict[str, list[int]]) -> None:
     cfg = ServerConfig(ctx_size=1024, n_parallel=2, cache_radix_prompt=False)
     sched = Scheduler(model, cfg, ServerMetrics())
@@ -146,7 +168,7 @@ def test_the_tree_part_is_kept_until_the_tree_changes_and_locked_leaves_are_not_
     sched = Scheduler(model, ServerConfig(ctx_size=1024, n_parallel=1), ServerMetrics())
     run_to_end(sched, [greedy(prompts["a"])])
     sched.host.cache_idle_slots(sched.slots)
-    view = CacheView()
+    view = CacheView(show_text=True)
     first = view.snapshot(sched)
     assert view.snapshot(sched)["tree"] is first["tree"]  # unchanged: not walked again
     # a prompt one token past the stored one: its own edge is 1 token (any rows will do here:

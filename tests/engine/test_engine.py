@@ -46,3 +46,37 @@ def test_boot_raises_what_loading_raised() -> None:
 
     with pytest.raises(FileNotFoundError, match="nowhere.gguf"):
         Engine.boot(ServerConfig(), load)
+
+
+def test_a_cancel_sent_before_the_engine_took_the_task_still_stops_it(tiny_path: str) -> None:
+    """The client leaves before the engine thread took its Submit off the queue (the id is
+    assigned there): the cancel must still find the task. Reproduced with the engine thread not
+    yet started, so the Submit and the Cancel are both queued before the engine reads either;
+    then a task submitted after it must be served while the cancelled one never runs."""
+    cfg = ServerConfig(ctx_size=512, n_parallel=1, cache_ram_mib=0)
+    engine = Engine(load_model(tiny_path, "f32"), cfg)
+
+    async def run() -> FinalResult:
+        gone = engine.submit(CompletionTask(list(range(1, 40)), SamplingParams(temperature=0),
+                                            n_predict=400, ignore_eos=True))
+        gone.cancel()  # before the engine thread even started: id still unassigned
+        engine.start()
+        stream = engine.submit(CompletionTask([1, 2, 3, 4], SamplingParams(temperature=0),
+                                              n_predict=3, ignore_eos=True))
+        return [item async for item in stream][-1]
+
+    try:
+        final = asyncio.run(run())
+        assert isinstance(final, FinalResult) and len(final.tokens) == 3
+
+        async def slots() -> list[dict]:
+            return await engine.slots_json()
+
+        (slot,) = asyncio.run(slots())
+        assert slot["is_processing"] is False and not engine.scheduler.deferred
+        # only the second task's 4-token prompt was computed: the cancelled one never ran (a
+        # lost cancel let it prefill its 39 tokens and decode 400 before the second one)
+        m = engine.metrics
+        assert (m.prompts_done_total, m.prompt_tokens_total) == (1, 4), m
+    finally:
+        engine.stop()

@@ -107,7 +107,7 @@ class EngineMachine(RuleBasedStateMachine):
     def cancel(self, data: st.DataObject) -> None:
         live = sorted(i for i in self.tasks if not self.done(i))
         tid = data.draw(st.sampled_from(live))
-        self.sched.cancel(tid)
+        self.sched.cancel(self.tasks[tid])
         self.cancelled.add(tid)
 
     @rule(slot=st.integers(0, N_SLOTS - 1))

@@ -125,7 +125,7 @@ def test_cache_view_on_the_default_model(default_path: str,
     share a snapshot only while no task started or ended (however long it is kept)."""
     monkeypatch.setattr(webui, "FRESH_S", 3600.0)
     cfg = ServerConfig(model=default_path, dtype="f32", weights="dequant", n_parallel=2,
-                       ctx_size=1024)
+                       ctx_size=1024, slots_debug=True)  # LLAMA_SERVER_SLOTS_DEBUG=1: text
     system = ("You answer questions about the printing press, movable type and the book "
               "trade of fifteenth-century Europe, briefly and precisely.")
     timings: list[dict[str, Any]] = []
@@ -154,3 +154,32 @@ def test_cache_view_on_the_default_model(default_path: str,
         (node,) = root["children"]
         assert len(node["text"]) > 20 and rendered.startswith(node["text"])
         assert view["ram"]["prompts"] >= 1 and view["ram"]["bytes"] == root["bytes"] > 0
+        assert view["text_shown"] is True
+
+
+def test_the_cache_view_shows_no_prompt_text_by_default(default_path: str) -> None:
+    """As llama-server's /slots, which shows prompt text only with LLAMA_SERVER_SLOTS_DEBUG: a
+    key holder sees sizes and reuse, never what another client asked (the real engine's view)."""
+    cfg = ServerConfig(model=default_path, dtype="f32", weights="dequant", n_parallel=2,
+                       ctx_size=1024)
+    assert cfg.slots_debug is False
+    with app_client(Engine(load_model(default_path, "f32", weights="dequant"), cfg), cfg) as c:
+        secret = ("My account number is 4417-2231 and my address is 12 Quay Street; write a "
+                  "short letter to my bank asking them to close the account this month.")
+        for q in (secret, "Name three rivers of Europe and the seas they flow into.",
+                  "Say hello to the reader in three languages, one line each."):
+            r = c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": q}], "max_tokens": 4,
+                "temperature": 0})
+            assert r.status_code == 200, r.text
+        body = c.get("/cache")
+        view = body.json()
+        assert view["text_shown"] is False and view["ram"]["prompts"] >= 1
+
+        def texts(v: Any) -> list[Any]:
+            if isinstance(v, dict):
+                return [x for k, w in v.items() for x in ([w] if k == "text" else texts(w))]
+            return [x for w in v for x in texts(w)] if isinstance(v, list) else []
+
+        assert texts(view["tree"]) and set(texts(view["tree"])) == {""}
+        assert "4417" not in body.text and "rivers" not in body.text

@@ -39,7 +39,10 @@ UI_SETTINGS = {"systemMessage": "You are a terse geography tutor.", "temperature
 def server(output_dir: Path) -> Iterator[ServerProcess]:
     args = ["-c", "2048", "-np", "2", "--deterministic", "on", "--api-key", KEY,
             "--ui-config", json.dumps(UI_SETTINGS)]
-    with running_server(args, str(output_dir / "server.log")) as srv:
+    # LLAMA_SERVER_SLOTS_DEBUG=1: the cache view's text (the tree's first words), hidden by
+    # default as llama-server's /slots hides prompts
+    with running_server(args, str(output_dir / "server.log"),
+                        env={"LLAMA_SERVER_SLOTS_DEBUG": "1"}) as srv:
         yield srv
 
 
@@ -257,8 +260,10 @@ def test_opened_while_the_model_loads_the_page_waits_for_it(browser: Any,
     with open(output_dir / "loading-server.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        while True:  # the page is up while the API still answers 503 "Loading model"
+        deadline = time.monotonic() + 120  # the page is up while the API still answers 503
+        while True:
             assert proc.poll() is None, "the server exited"
+            assert time.monotonic() < deadline, "the page was not served within 120 s"
             try:
                 if httpx.get(url + "/", timeout=1).status_code == 200:
                     break
