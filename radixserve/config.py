@@ -95,6 +95,9 @@ class ServerConfig:
     cache_reuse: int = 0
     cache_prompt: bool = True
     slots_endpoint: bool = True
+    # LLAMA_SERVER_SLOTS_DEBUG (llama-server's switch for prompt text in /slots): GET /cache
+    # shows the unsalted namespace's prompt text only with it
+    slots_debug: bool = False
     metrics: bool = False
     props_endpoint: bool = False  # --props: POST /props allowed
     log_verbosity: int = 3
@@ -140,6 +143,7 @@ class ServerConfig:
     cache_disk: str = ""  # --cache-disk DIR ("": off)
     cache_disk_mib: int = 10240  # bound on DIR's block files, -1: none
     cache_disk_block: int = 64  # tokens a block file holds
+    cache_disk_key: str = ""  # --cache-disk-key FILE: keys DIR's names and checksums ("": none)
     # default sampling / generation (request fields start from these)
     n_predict: int = -1
     sampling: SamplingParams = field(default_factory=SamplingParams)  # --temp, --top-k, ...
@@ -179,6 +183,8 @@ class ServerConfig:
         if self.cache_disk and (self.cache_ram_mib == 0 or not self.cache_radix_prompt):
             raise ValueError("--cache-disk needs the radix host cache (--cache-radix-prompt on "
                              "and --cache-ram other than 0): disk blocks are read into it")
+        if self.cache_disk_key and not self.cache_disk:
+            raise ValueError("--cache-disk-key keys the disk tier's files: it needs --cache-disk")
         if self.cache_disk_mib == 0 or self.cache_disk_mib < -1:
             raise ValueError(f"--cache-disk-mib must be > 0 (or -1: no limit), got "
                              f"{self.cache_disk_mib}")

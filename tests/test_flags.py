@@ -292,3 +292,26 @@ def test_disk_tier_flags_reach_the_config_and_bad_combinations_are_refused() -> 
         with pytest.raises(ValueError, match=words):
             ServerConfig(cache_disk="/tmp/kv", **bad).validate()
     ServerConfig(cache_disk="/tmp/kv", cache_disk_mib=-1).validate()  # no bound
+
+
+@pytest.mark.parametrize("value,on", [(None, False), ("0", False), ("1", True), ("2", True),
+                                      ("yes", False), (" 1x", True), ("", False)])
+def test_slots_debug_is_read_as_llama_server_reads_it(value: str | None, on: bool) -> None:
+    """LLAMA_SERVER_SLOTS_DEBUG (atoi != 0) turns the cache view's prompt text on."""
+    env = {} if value is None else {"LLAMA_SERVER_SLOTS_DEBUG": value}
+    assert parse_serve([], env).cfg.slots_debug is on
+
+
+def test_cache_disk_key_names_a_readable_secret_file(tmp_path: Path) -> None:
+    """The file is read at parse time: a bad one stops start-up before the model loads."""
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    cfg = parse_serve(["--cache-disk", "/tmp/kv", "--cache-disk-key", str(key)], {}).cfg
+    assert cfg.cache_disk_key == str(key) and ServerConfig().cache_disk_key == ""
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(FlagError, match=r"--cache-disk-key: the disk cache key file .* empty"):
+        parse_serve(["--cache-disk-key", str(tmp_path / "empty")], {})
+    with pytest.raises(FlagError, match=r"--cache-disk-key: cannot read .*missing"):
+        parse_serve(["--cache-disk-key", str(tmp_path / "missing")], {})
+    with pytest.raises(ValueError, match="--cache-disk-key .* needs --cache-disk"):
+        parse_serve(["--cache-disk-key", str(key)], {}).cfg.validate()

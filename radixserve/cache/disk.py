@@ -8,17 +8,26 @@ L3 and LMCache do this for SGLang and vLLM).
   (a draft model's too), whatever radix edges the tokens lie on. Fixed, aligned blocks make a
   prefix's files findable from the tokens alone, with no index another process must share.
 - Key of block j: key(-1) = H(model fingerprint, salt), key(j) = H(key(j-1), tokens of block j),
-  so a name covers the model (weights, dtype, KV layout), the tenant and the whole token chain
-  up to the block. A prompt's tail shorter than a block is not stored.
+  so a name covers the model (weights, dtype, KV layout, kernels, torch), the tenant and the
+  whole token chain up to the block. A prompt's tail shorter than a block is not stored.
 - File (`<dir>/<2 hex>/<32 hex>.kvb`, docs/FORMATS.md): magic, a JSON header (fingerprint, key,
   position, tokens, row shapes), the rows, then a BLAKE2b checksum of all that. Anything that
   does not check out (short, flipped bytes, another fingerprint, key, tokens or shape) is a miss
   and the file is removed: never an error, never wrong KV.
+- The directory is a trust boundary (docs/SECURITY.md): whoever can write it could plant KV
+  under a name, and a checksum anyone can compute does not stop them. With a secret `key`
+  (`--cache-disk-key`) H is keyed BLAKE2b: the checksum becomes a MAC and the names a keyed
+  chain, so processes without the key neither find (nor so remove) the files nor forge one,
+  and a listing of names tells nothing about the prompts. Directories and files are created
+  owner-only whatever the umask: the tokens are in clear inside.
 - Writes go to a temporary file then `os.replace`: readers in any process see a whole file or
   none. Readers tolerate eviction by others: a file gone between lookup and open is a miss.
 - Bytes are bounded (`limit_bytes`) by LRU over the directory: a read touches the file's mtime;
   when the directory (as last scanned, plus this process's writes) is over the limit, the
-  oldest files go. Every process enforces it on the shared directory.
+  oldest files go. Every process enforces it on the shared directory, and that bound is the
+  only reason a file is evicted: a full disk (ENOSPC, EDQUOT), maybe filled by someone else,
+  pauses this process's writes instead, its offered writes dropped, for a growing interval or
+  (a full filesystem, not a quota) until the filesystem reports room again.
 - One I/O thread does every file operation; the engine thread only queues jobs and collects
   finished loads (`take_loaded`), so loading never stalls other slots' decoding. Write jobs
   carry numpy views of the tree's rows (the tree never writes rows in place, and views keep
@@ -29,6 +38,7 @@ L3 and LMCache do this for SGLang and vLLM).
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import itertools
 import json
@@ -51,6 +61,9 @@ log = logging.getLogger(__name__)
 MAGIC = b"RSKVBLK1"
 SUFFIX = ".kvb"
 DIGEST = 16  # bytes of BLAKE2b in keys and checksums
+NAME_PERSON, FILE_PERSON = b"radixserve.name", b"radixserve.file"  # BLAKE2b domains
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})  # write failures that pause writing
+BACKOFF_S = (1.0, 60.0)  # the first pause after a full disk, and the longest (it doubles)
 MAX_PENDING_WRITE_BYTES = 256 * 2**20  # queued writes beyond this are dropped (counted)
 RESCAN_S = 10.0  # other processes write too: re-read the directory's size this often
 STALE_TMP_S = 600.0  # a temporary file this old belongs to a writer that died
@@ -58,11 +71,43 @@ MAX_HEADER = 1 << 20  # a block file's header is far smaller (its tokens, in JSO
 IO_NICE = 19  # the I/O thread's nice value: it hashes and copies, it must not slow decoding
 
 
-def _h(*parts: bytes | memoryview) -> bytes:
-    h = hashlib.blake2b(digest_size=DIGEST)
+def _h(person: bytes, key: bytes, *parts: bytes | memoryview) -> bytes:
+    """BLAKE2b of `parts`, keyed by `key` (b"": plain); `person` keeps names and checksums
+    apart, so no value computed for one can serve as the other."""
+    h = hashlib.blake2b(digest_size=DIGEST, key=key, person=person)
     for p in parts:
         h.update(p)
     return h.digest()
+
+
+def load_key(path: str) -> bytes:
+    """The MAC key of `--cache-disk-key FILE`: BLAKE2b-256 of the file's bytes (a trailing
+    newline dropped: `echo secret > FILE` and an editor's file give the same key), so a
+    secret of any length fits BLAKE2b's 64-byte key. An unreadable or empty file is refused:
+    a server that silently ran unkeyed would accept anyone's files."""
+    try:
+        with open(path, "rb") as f:
+            secret = f.read().rstrip(b"\r\n")
+    except OSError as e:
+        raise ValueError(f"cannot read the disk cache key file {path!r}: {e.strerror}") from None
+    if not secret:
+        raise ValueError(f"the disk cache key file {path!r} is empty")
+    return hashlib.blake2b(secret, digest_size=32).digest()
+
+
+def private_dir(path: str) -> None:
+    """Create directory `path` (and missing parents) owner-only whatever the umask: its files
+    hold prompts in clear. An existing directory keeps the mode its owner gave it."""
+    path = os.path.abspath(path)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return
+    except FileNotFoundError:
+        private_dir(os.path.dirname(path))
+        private_dir(path)
+        return
+    os.chmod(path, 0o700)  # the umask may have taken the owner's bits too
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
@@ -134,7 +179,9 @@ class DiskStats:
     misses: int = 0  # loads that found none
     hit_tokens: int = 0
     writes: int = 0  # blocks written
-    write_errors: int = 0  # writes that failed (a full disk...): nothing is left behind
+    # writes that failed (a full disk...), or were dropped while a full disk pauses writing:
+    # nothing is left behind
+    write_errors: int = 0
     dropped: int = 0  # writes not queued: the I/O thread was too far behind
     evictions: int = 0  # files removed by the LRU bound
     bad_files: int = 0  # files that did not check out (removed)
@@ -144,19 +191,27 @@ class DiskStats:
 
 class DiskTier:
     def __init__(self, directory: str, limit_bytes: int, block: int, fingerprint: bytes,
-                 layout: Sequence[RowSpec],
-                 fault: Callable[[str], None] | None = None) -> None:
-        """`limit_bytes` <= 0: no bound. `fault` (tests only) is called with "write" before
-        each file is written (it may raise OSError: a full disk) and with "read" before each
-        file is read (it may block: a slow disk)."""
+                 layout: Sequence[RowSpec], *, key: bytes = b"",
+                 backoff: tuple[float, float] = BACKOFF_S,
+                 fault: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`limit_bytes` <= 0: no bound. `key` (`load_key`; b"": none) keys names and
+        checksums. After a full disk, writes pause for `backoff[0]` seconds, doubling up to
+        `backoff[1]` while the disk stays full. Tests only: `fault` is called with "write"
+        before each file is written and with "room" before the filesystem is asked for free
+        space (either may raise OSError: a full disk), and with "read" before each file is read
+        (it may block: a slow disk); `clock` times the pauses."""
         if block < 1:
             raise ValueError(f"disk block must be >= 1 token, got {block}")
         self.dir = os.path.abspath(directory)
-        os.makedirs(self.dir, exist_ok=True)
+        private_dir(self.dir)
         self.limit_bytes, self.block = limit_bytes, block
         self.fingerprint, self.layout = fingerprint, tuple(layout)
         self.block_bytes = sum(r.nbytes(block) for r in self.layout)
-        self.fault = fault
+        self._name = functools.partial(_h, NAME_PERSON, key)
+        self._mac = functools.partial(_h, FILE_PERSON, key)
+        self.backoff, self._pause_s, self._resume_at, self._pause_errno = backoff, 0.0, 0.0, 0
+        self.fault, self._clock = fault, clock
         self.stats = DiskStats()
         self.known: set[bytes] = set()  # keys on disk, as far as this process knows
         self.queued: set[bytes] = set()  # keys whose write is queued
@@ -170,17 +225,18 @@ class DiskTier:
         self._thread = threading.Thread(target=self._run, name="radixserve-disk", daemon=True)
         self._thread.start()
         self._put(0, "scan")
-        log.info("disk cache: %s, %s, %d tokens a block (%.2f MiB)", self.dir,
+        log.info("disk cache: %s, %s, %d tokens a block (%.2f MiB), %s", self.dir,
                  f"{limit_bytes / 2**20:.0f} MiB" if limit_bytes > 0 else "no byte limit",
-                 block, self.block_bytes / 2**20)
+                 block, self.block_bytes / 2**20, "keyed" if key else "no key")
+        _warn_if_open(self.dir, bool(key))
 
     # ##### engine thread #####
     def keys(self, ns: str, tokens: Sequence[int], n_blocks: int) -> list[bytes]:
         """The keys of the first `n_blocks` blocks of `tokens` in namespace `ns`."""
-        b, key = self.block, _h(self.fingerprint, ns.encode("utf-8", "surrogatepass"))
+        b, key = self.block, self._name(self.fingerprint, ns.encode("utf-8", "surrogatepass"))
         out = []
         for j in range(n_blocks):
-            key = _h(key, _token_bytes(tokens[j * b:(j + 1) * b]))
+            key = self._name(key, _token_bytes(tokens[j * b:(j + 1) * b]))
             out.append(key)
         return out
 
@@ -317,6 +373,33 @@ class DiskTier:
         if os.path.exists(path):  # another process wrote it
             self.known.add(job.key)
             return
+        if self._paused():
+            self._write_failed(None)
+            return
+        parts = self._encode(job)
+        tmp = f"{path}.{secrets.token_hex(8)}.tmp"  # unique across processes and hosts
+        try:
+            if self.fault is not None:
+                self.fault("write")
+            private_dir(os.path.dirname(path))
+            _write_private(tmp, parts)
+            os.replace(tmp, path)
+        except OSError as e:
+            _unlink(tmp)
+            self._write_failed(e)
+            return
+        self._pause_s = 0.0  # there is room again: the next full disk pauses briefly first
+        size = sum(len(p) for p in parts)
+        self.known.add(job.key)
+        with self.stats.lock:
+            self.stats.writes += 1
+            self.stats.bytes += size
+            self.stats.blocks += 1
+        if 0 < self.limit_bytes < self.stats.bytes:
+            self._enforce()
+
+    def _encode(self, job: _Write) -> list[bytes | memoryview]:
+        """A block file's bytes, in pieces (the rows are views, not copies)."""
         rows = [np.concatenate(p, axis=2) if len(p) > 1 else np.ascontiguousarray(p[0])
                 for p in job.pieces]
         header = json.dumps({
@@ -327,35 +410,51 @@ class DiskTier:
         }).encode()
         parts: list[bytes | memoryview] = [MAGIC, struct.pack("<I", len(header)), header]
         parts += [memoryview(r.data).cast("B") for r in rows]
-        parts.append(_h(*parts))
-        tmp = f"{path}.{secrets.token_hex(8)}.tmp"  # unique across processes and hosts
+        parts.append(self._mac(*parts))
+        return parts
+
+    def _paused(self) -> bool:
+        """Whether writing is paused: after a full disk, until the pause is over or, when the
+        filesystem itself was full (a quota does not show in its figures), it reports room for
+        blocks again: someone freed space, no need to wait."""
+        if self._clock() >= self._resume_at:
+            return False
+        if self._pause_errno == errno.ENOSPC and self._has_room():
+            self._resume_at = 0.0
+            return False
+        return True
+
+    def _has_room(self) -> bool:
+        """Room for two blocks and a header's bound: a margin, as others write too."""
         try:
             if self.fault is not None:
-                self.fault("write")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "xb") as f:
-                for p in parts:
-                    f.write(p)
-            os.replace(tmp, path)
-        except OSError as e:
-            with self.stats.lock:
-                self.stats.write_errors += 1
-                n = self.stats.write_errors
-            _unlink(tmp)
-            if n == 1 or n % 100 == 0:
-                log.warning("disk cache: writing a block failed (%s; %d failures so far); "
-                            "serving goes on without it", e, n)
-            if e.errno == errno.ENOSPC:
-                self._enforce(shrink=True)
-            return
-        size = sum(len(p) for p in parts)
-        self.known.add(job.key)
+                self.fault("room")
+            st = os.statvfs(self.dir)
+        except OSError:
+            return False
+        return st.f_favail > 0 and st.f_bavail * st.f_frsize >= 2 * self.block_bytes + MAX_HEADER
+
+    def _write_failed(self, e: OSError | None) -> None:
+        """Count a write that failed (`e`) or was dropped while writing is paused. A full disk
+        pauses writing, for twice as long each time it is still full: retrying every block
+        would cost I/O for nothing, and evicting to make room would empty every process's
+        cache for a disk someone else may have filled (only `limit_bytes` evicts)."""
         with self.stats.lock:
-            self.stats.writes += 1
-            self.stats.bytes += size
-            self.stats.blocks += 1
-        if 0 < self.limit_bytes < self.stats.bytes:
-            self._enforce()
+            self.stats.write_errors += 1
+            n = self.stats.write_errors
+        if e is None:
+            return
+        if e.errno in NO_SPACE:
+            first, longest = self.backoff
+            self._pause_s = min(longest, self._pause_s * 2 or first)
+            self._resume_at, self._pause_errno = self._clock() + self._pause_s, e.errno
+            if self._pause_s == first or n % 100 == 0:  # a new pause, or now and then
+                log.warning("disk cache: the disk is full (%s); no block writes for %g s, "
+                            "serving goes on without them (%d write errors so far)", e,
+                            self._pause_s, n)
+        elif n == 1 or n % 100 == 0:
+            log.warning("disk cache: writing a block failed (%s; %d failures so far); "
+                        "serving goes on without it", e, n)
 
     def _load(self, job: _Load) -> Loaded:
         b = self.block
@@ -424,7 +523,7 @@ class DiskTier:
         fixed = len(MAGIC) + 4
         if len(data) < fixed + DIGEST or data[:len(MAGIC)] != MAGIC:
             return None
-        if _h(data[:-DIGEST]) != data[-DIGEST:]:
+        if self._mac(data[:-DIGEST]) != data[-DIGEST:]:
             return None
         (hlen,) = struct.unpack_from("<I", data, len(MAGIC))
         try:
@@ -472,15 +571,12 @@ class DiskTier:
                     _unlink(e.path)
         return out
 
-    def _enforce(self, shrink: bool = False) -> None:
+    def _enforce(self) -> None:
         """Re-read the directory; remove the least recently used files while over the limit (to
-        90% of it, so this does not run on every write; `shrink`: the disk is full, also take
-        10% of what is there)."""
+        90% of it, so this does not run on every write)."""
         files = self._scan()
         total = sum(s for _, s, _ in files)
         goal = self.limit_bytes * 0.9 if self.limit_bytes > 0 else float("inf")
-        if shrink:
-            goal = min(goal, total * 0.9)
         removed = 0
         if total > goal:
             files.sort()
@@ -506,6 +602,27 @@ class DiskTier:
             self.stats.bytes = self.stats.blocks = 0
         self.known.clear()
         return removed
+
+
+def _write_private(path: str, parts: Sequence[bytes | memoryview]) -> None:
+    """Write a new file `path` readable by its owner only, whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with open(fd, "wb") as f:
+        os.fchmod(fd, 0o600)
+        for p in parts:
+            f.write(p)
+
+
+def _warn_if_open(directory: str, keyed: bool) -> None:
+    """Others who can write the directory can plant KV unless the files are keyed."""
+    try:
+        mode = os.stat(directory).st_mode
+    except OSError:
+        return
+    if mode & 0o022 and not keyed:
+        log.warning("disk cache: %s is writable by other users, who could plant KV in it: "
+                    "make it owner-only or give every server on it --cache-disk-key "
+                    "(docs/SECURITY.md)", directory)
 
 
 def _is_key(name: str) -> bool:

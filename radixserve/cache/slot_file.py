@@ -1,16 +1,23 @@
 """Slot snapshot files (`POST /slots/{id}?action=save|restore`): the format and safe file I/O.
 
-Layout (little-endian, byte tables in docs/FORMATS.md): the main part ("RXSL", u32 version,
-u32 n_tokens, i32 tokens[n], u64 state length + the sequence state of kv/state.py, u32 CRC-32 of
-everything before it); then the checkpoint appendix ("SCKP", u32 version 1, u32 count, per
-checkpoint i64 n_tokens, i32 pos_min, i32 pos_max and three u64-length-prefixed buffers: target,
-draft, speculative); then the draft appendix ("SDFT", u32 version 1, u64-length-prefixed draft
-and speculative states; omitted when both are empty).
+Layout (little-endian, byte tables in docs/FORMATS.md): the main part ("RXSL", u32 version 2,
+u32 salt length + the UTF-8 `cache_salt` of the KV, u32 n_tokens, i32 tokens[n], u64 state
+length + the sequence state of kv/state.py, u32 CRC-32 of everything before it); then the
+checkpoint appendix ("SCKP", u32 version 1, u32 count, per checkpoint i64 n_tokens, i32 pos_min,
+i32 pos_max and three u64-length-prefixed buffers: target, draft, speculative); then the draft
+appendix ("SDFT", u32 version 1, u64-length-prefixed draft and speculative states; omitted when
+both are empty).
+
+The salt is in the file because the KV belongs to a cache namespace (a request's `cache_salt`)
+and must come back in it: a restored file serves requests of its own salt and no other. Version
+1 (the same main part without the salt field) still loads, in the shared namespace "": where a
+version-1 restore always put the KV (the salt it was saved from was not recorded).
 
 Reading rules: every length is checked against the bytes left before anything is allocated; a
 bad main part raises `SlotFileError`; a bad or truncated appendix is dropped with a warning and
 the main part is kept (the seed's "written half when the process was killed" case).
 Writing is atomic: a hidden temp file in the same directory, fsync, rename, fsync the directory.
+A new file is owner-only (0600): it holds a tenant's prompt tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +35,11 @@ from radixserve.kv.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 
-MAGIC, VERSION = b"RXSL", 1
+MAGIC, VERSION = b"RXSL", 2
+VERSIONS = (1, 2)  # readable; version 1 has no salt field
+MAX_SALT = 512  # characters: http/parse.py's MAX_CACHE_SALT (no request has a longer salt)
+_MAX_SALT_BYTES = 4 * MAX_SALT  # UTF-8, surrogatepass: at most 4 bytes a character
+NEW_FILE_MODE = 0o600
 CKPT_MAGIC, CKPT_VERSION = b"SCKP", 1
 DRAFT_MAGIC, DRAFT_VERSION = b"SDFT", 1
 MAX_CHECKPOINTS = 1024  # the seed's writer rejects more; the reader too
@@ -48,6 +59,9 @@ class SlotFile:
     checkpoints: list[Checkpoint] = field(default_factory=list)
     draft: bytes = b""
     speculative: bytes = b""
+    salt: str = ""  # the `cache_salt` namespace of the KV in `state`
+    # the version the file was read with (main_size depends on it); the writer writes VERSION
+    version: int = field(default=VERSION, compare=False)
 
 
 # -- file names ---------------------------------------------------------------------------
@@ -94,13 +108,22 @@ def _lp(b: bytes) -> list[bytes]:
     return [struct.pack("<Q", len(b)), b]
 
 
+def _salt_bytes(salt: str) -> bytes:
+    """As the disk tier names a namespace (cache/disk.py): surrogatepass, so any str a salt can
+    be encodes, and decodes back to the same str."""
+    return salt.encode("utf-8", "surrogatepass")
+
+
 def pack_slot_file(sf: SlotFile) -> list[bytes]:
     """The file as a list of byte strings (so large states are not concatenated)."""
     if len(sf.checkpoints) > MAX_CHECKPOINTS:
         raise ValueError(f"{len(sf.checkpoints)} checkpoints, at most {MAX_CHECKPOINTS}")
+    if len(sf.salt) > MAX_SALT:  # the reader would refuse the file
+        raise ValueError(f"salt of {len(sf.salt)} characters, at most {MAX_SALT}")
+    salt = _salt_bytes(sf.salt)
     try:
-        head = MAGIC + struct.pack(f"<II{len(sf.tokens)}iQ", VERSION, len(sf.tokens),
-                                   *sf.tokens, len(sf.state))
+        head = MAGIC + struct.pack(f"<II{len(salt)}sI{len(sf.tokens)}iQ", VERSION, len(salt),
+                                   salt, len(sf.tokens), *sf.tokens, len(sf.state))
         crc = zlib.crc32(sf.state, zlib.crc32(head))
         parts = [head, sf.state, struct.pack("<I", crc),
                  CKPT_MAGIC + struct.pack("<II", CKPT_VERSION, len(sf.checkpoints))]
@@ -116,8 +139,10 @@ def pack_slot_file(sf: SlotFile) -> list[bytes]:
 
 
 def main_size(sf: SlotFile) -> int:
-    """Bytes of the main part (what llama-server reports as a restore's n_read)."""
-    return 4 + 8 + 4 * len(sf.tokens) + 8 + len(sf.state) + 4
+    """Bytes of the main part (what llama-server reports as a restore's n_read), in the layout
+    of the version `sf` was read with."""
+    salt_field = 4 + len(_salt_bytes(sf.salt)) if sf.version >= 2 else 0
+    return 4 + 4 + salt_field + 4 + 4 * len(sf.tokens) + 8 + len(sf.state) + 4
 
 
 class _Cursor:
@@ -143,13 +168,23 @@ class _Cursor:
         return bytes(self.take(n))
 
 
-def _parse_main(data: memoryview) -> tuple[list[int], bytes, int]:
+def _parse_main(data: memoryview) -> tuple[SlotFile, int]:
     r = _Cursor(data, 0, "slot file")
     if bytes(r.take(4)) != MAGIC:
         raise SlotFileError("not a radixserve slot file (bad magic)")
-    version, n = r.unpack("<II")
-    if version != VERSION:
-        raise SlotFileError(f"unsupported slot file version {version} (expected {VERSION})")
+    (version,) = r.unpack("<I")
+    if version not in VERSIONS:
+        raise SlotFileError(f"unsupported slot file version {version} (expected "
+                            f"{' or '.join(map(str, VERSIONS))})")
+    raw_salt = b""
+    if version >= 2:
+        (n_salt,) = r.unpack("<I")
+        if n_salt > _MAX_SALT_BYTES:
+            raise SlotFileError(f"bad salt length: {n_salt} bytes, at most {_MAX_SALT_BYTES}")
+        if n_salt > r.left:
+            raise SlotFileError(f"slot file truncated: salt of {n_salt} bytes, {r.left} left")
+        raw_salt = bytes(r.take(n_salt))
+    (n,) = r.unpack("<I")
     if n > r.left // 4:
         raise SlotFileError(f"slot file truncated: {n} tokens announced, {r.left} bytes left")
     tokens = list(struct.unpack(f"<{n}i", r.take(4 * n)))
@@ -161,7 +196,13 @@ def _parse_main(data: memoryview) -> tuple[list[int], bytes, int]:
     (crc,) = r.unpack("<I")
     if zlib.crc32(data[:end]) != crc:
         raise SlotFileError("slot file is corrupt (checksum mismatch)")
-    return tokens, bytes(state), r.off
+    try:  # after the checksum, so a flipped salt byte reads as corruption, not as bad text
+        salt = raw_salt.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        raise SlotFileError("bad salt: not UTF-8 text") from None
+    if len(salt) > MAX_SALT:
+        raise SlotFileError(f"bad salt: {len(salt)} characters, at most {MAX_SALT}")
+    return SlotFile(tokens, bytes(state), salt=salt, version=version), r.off
 
 
 def _parse_checkpoints(r: _Cursor) -> list[Checkpoint]:
@@ -190,8 +231,8 @@ def parse_slot_file(data: bytes | memoryview) -> tuple[SlotFile, list[str]]:
     """Decode a whole file. Raises SlotFileError for a bad main part; appendix problems are
     returned (and logged) as warnings, with that appendix and anything after it dropped."""
     mv = memoryview(data).cast("B")
-    tokens, state, off = _parse_main(mv)
-    sf, warnings = SlotFile(tokens, state), []
+    sf, off = _parse_main(mv)
+    warnings: list[str] = []
     r = _Cursor(mv, off, "appendix")
     for magic, name in ((CKPT_MAGIC, "checkpoint"), (DRAFT_MAGIC, "draft")):
         if r.left == 0:
@@ -248,13 +289,16 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def write_slot_file(path: str | os.PathLike[str], sf: SlotFile) -> int:
     """Write atomically: the real name holds the old file or the whole new one, never a torn
-    one. On any error the temp file is removed and the error raised. Returns the bytes written."""
+    one. On any error the temp file is removed and the error raised. Returns the bytes written.
+
+    A new file is owner-only (it holds a tenant's prompt tokens); a replaced one keeps its
+    permission bits, so an operator who opened one up (or locked it down) is not overruled."""
     parts = pack_slot_file(sf)
     path = Path(path)
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except OSError:
-        mode = 0o644
+        mode = NEW_FILE_MODE
     fd, tmp = tempfile.mkstemp(prefix=".rxsl-", suffix=".tmp", dir=path.parent)
     try:
         try:

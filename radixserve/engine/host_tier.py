@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import time
 
 from radixserve.cache.base import NullPromptCache, PromptCache
-from radixserve.cache.disk import DiskTier, RowSpec
+from radixserve.cache.disk import DiskTier, RowSpec, load_key, private_dir
 from radixserve.cache.legacy import LegacyPromptCache
 from radixserve.cache.radix import RadixPromptCache
 from radixserve.config import ServerConfig
@@ -57,16 +56,21 @@ def disk_layout(pool: KVPool) -> list[RowSpec]:
 
 def make_disk(cfg: ServerConfig, pool: KVPool, models: tuple[Model, ...]) -> DiskTier:
     """The disk tier, its files keyed by the models' identities and the KV layout: another
-    model, quantization, dtype or draft never sees them."""
+    model, quantization, dtype, draft, kernel build or torch never sees them; with
+    `--cache-disk-key`, names and checksums are keyed too (docs/SECURITY.md)."""
     assert models, "the disk tier needs the model's identity"
+    key = load_key(cfg.cache_disk_key) if cfg.cache_disk_key else b""
     layout = disk_layout(pool)
     h = hashlib.blake2b(digest_size=16)
-    os.makedirs(cfg.cache_disk, exist_ok=True)
+    private_dir(cfg.cache_disk)
+    # the weights' digest is kept in DIR, unless keyed: a writer without the key could plant a
+    # false one there, and so have one model's files read as another's
+    memo = None if key else cfg.cache_disk
     for m in models:
-        h.update(m.identity(cfg.cache_disk))
+        h.update(m.identity(memo))
     h.update(repr(layout).encode())
     limit = cfg.cache_disk_mib * 2**20 if cfg.cache_disk_mib > 0 else 0
-    return DiskTier(cfg.cache_disk, limit, cfg.cache_disk_block, h.digest(), layout)
+    return DiskTier(cfg.cache_disk, limit, cfg.cache_disk_block, h.digest(), layout, key=key)
 
 
 class HostTier:

@@ -4,7 +4,8 @@ Responses are llama-server's. Beyond it: file names must stay inside `--slot-sav
 (cache/slot_file.py), saves are atomic, a busy slot is refused with 409 instead of waiting, and a
 restore checks the whole file (format, checksum, model fingerprint, tokens, positions, free
 cells) before it touches the slot, so a failed restore leaves the slot exactly as it was
-(llama-server clears it).
+(llama-server clears it). A file keeps the `cache_salt` of the KV it holds and a restore puts
+the KV back in that namespace: tenants never share prompt KV, in this tier either.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def _save(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str, A
         draft = get_draft_state(pool, slot.id)
     try:
         n_written = write_slot_file(path, SlotFile(list(slot.tokens), state,
-                                                   list(slot.kv.checkpoints), draft=draft))
+                                                   list(slot.kv.checkpoints), draft=draft,
+                                                   salt=slot.kv.salt))
     except OSError as e:
         log.error("slot %d: saving %r failed: %s", slot.id, filename, e)
         raise TaskError(500, "server_error",
@@ -162,11 +164,10 @@ def _restore(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str
     if sf.checkpoints and swa is None:
         log.info("slot %d: %d checkpoints in %r are not used (the model has no sliding "
                  "window)", seq, len(sf.checkpoints), filename)
-    # the restored KV is in the shared cache namespace (salt "": load_rows drops first): the
-    # file format keeps no `cache_salt`, so whatever salt the saved slot had, the file's prefix
-    # serves requests that give none (and no salted request)
+    # the restored KV is back in the cache namespace it was saved from (the file's
+    # `cache_salt`; "" for a version-1 file): it serves requests of that salt and no other
     slot.kv.load_rows(list(sf.tokens), st.k, st.v, window,
-                      sf.checkpoints if swa is not None else (), draft=sf.draft)
+                      sf.checkpoints if swa is not None else (), draft=sf.draft, salt=sf.salt)
     n_read = main_size(sf)  # as llama-server: the bytes its state loader consumed
     ms = (time.perf_counter() - t0) * 1e3
     log.info("slot %d: restored %d tokens from %r (%.1f ms)", seq, n, filename, ms)

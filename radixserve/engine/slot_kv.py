@@ -28,8 +28,8 @@ restored when a new prompt diverges where the window has gone (`keep_prefix`), a
 the tokens into the host cache and slot files.
 
 Cache namespaces (a request's `cache_salt`): `salt` names the namespace the KV belongs to, and
-every writer keeps it true: `drop` (and so a slot file's rows) resets it to the shared "", a
-share copies the donor's, a host restore takes the salt it was restored under, and `claim`
+every writer keeps it true: `drop` resets it to the shared "", a slot file's rows take the
+salt the file carries, a share copies the donor's, a host restore takes the salt it was restored under, and `claim`
 stamps the task's once the prefix planner made the slot hold only what that task may reuse. The
 planner never reuses KV across salts; `save_to` files it under its own salt.
 """
@@ -313,12 +313,15 @@ class SlotKV:
 
     def load_rows(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor,
                   swa: tuple[list[int], torch.Tensor, torch.Tensor] | None = None,
-                  checkpoints: Sequence[Checkpoint] = (), draft: bytes = b"") -> None:
+                  checkpoints: Sequence[Checkpoint] = (), draft: bytes = b"", *,
+                  salt: str = "") -> None:
         """Replace the content with `tokens` and their K/V rows (a slot file's state): `swa`
         the sliding part (positions, K, V) of a sliding-window pool; `draft` a draft model's
         state of the same tokens, test-loaded: dropped (the rows recomputed when needed) when
-        it does not fit this draft model or these tokens."""
+        it does not fit this draft model or these tokens; `salt` the cache namespace the rows
+        belong to (a slot file's), so the planner serves them to that namespace alone."""
         self.drop()
+        self.salt = salt
         write_rows(self.pool, self.seq, list(range(len(tokens))), k, v)
         if swa is not None:
             assert self.swa is not None

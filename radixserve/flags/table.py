@@ -10,6 +10,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from radixserve.cache.disk import load_key
 from radixserve.config import SPEC_TYPES
 from radixserve.flags.spec import (
     ACTION,
@@ -98,6 +99,15 @@ def check(conv: Callable[[str], Any]) -> Handler:
             conv(v)
 
     return h
+
+
+def _key_file(path: str) -> str:
+    """A --cache-disk-key file, read now: a bad one stops start-up before the model loads."""
+    try:
+        load_key(path)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+    return path
 
 
 def _choice(*allowed: str) -> Callable[[str], str]:
@@ -814,6 +824,9 @@ OWN_FLAGS: list[Flag] = [
          set_("cache_disk_mib", I)),
     flag("--cache-disk-block N", H, "tokens a --cache-disk block file holds",
          set_("cache_disk_block", I)),
+    flag("--cache-disk-key FILE", H, "secret file keying --cache-disk's file names and "
+         "checksums: only servers given the same file share (or can plant) blocks "
+         "(docs/SECURITY.md)", set_("cache_disk_key", _key_file)),
     flag("--max-body-mib N", H, "largest request body in MiB (413 beyond)",
          set_("max_body_mib", I)),
 ]

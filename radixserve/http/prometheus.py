@@ -138,7 +138,8 @@ _TIER_FAMILIES = (
     ("writes", "counter", "Saves into the tier (disk: block files written)"),
     ("evictions", "counter", "Entries, leaves or files evicted by the tier's bound"),
     ("bad_files", "counter", "Disk block files that failed their checks (removed)"),
-    ("write_errors", "counter", "Disk block writes that failed (a full disk...)"),
+    ("write_errors", "counter", "Disk block writes that failed (a full disk...), and writes "
+                                "dropped while a full disk pauses writing"),
     ("dropped", "counter", "Disk block writes not queued: the writer was too far behind"),
 )
 

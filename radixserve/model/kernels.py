@@ -30,6 +30,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
+_PREFIX = "radixserve-kernels-"  # the shared object's name: this, then its build key
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
           "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 
@@ -66,7 +67,7 @@ def build() -> Path | None:
     parts = [p.read_bytes() for p in sorted(_CSRC.iterdir())]
     key = hashlib.sha256(b"\0".join([*parts, version, " ".join(_FLAGS).encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
-    out = cache_dir() / f"radixserve-kernels-{key}.so"
+    out = cache_dir() / f"{_PREFIX}{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -109,9 +110,12 @@ class Kernels:
     the residual add fused with RMSNorm-to-bf16, the SiLU gate, the head's int8 pass and its
     exact f32 dot products.
     Pointers go to C unchecked, so every entry point checks dtype and layout first (cheaply, or
-    once per step)."""
+    once per step). `build_key` names the build (sources, compiler, flags, CPU features): the
+    bits these kernels compute depend on it, so KV kept across processes is keyed by it
+    (Model.identity)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, build_key: str = "") -> None:
+        self.build_key = build_key
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         seqs: list[Any] = [i32, p, p, p, p, i32, i32, i32, f32, p, p, i64]  # n_seq .. work
         self._attn = lib.attn_causal_win_bf16
@@ -445,4 +449,4 @@ def kernels() -> Kernels | None:
     if os.environ.get("RADIXSERVE_KERNELS", "1") == "0":
         return None
     path = build()
-    return Kernels(ctypes.CDLL(str(path))) if path else None
+    return Kernels(ctypes.CDLL(str(path)), path.stem.removeprefix(_PREFIX)) if path else None

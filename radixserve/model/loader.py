@@ -108,11 +108,15 @@ class Model:
 
     def identity(self, cache_dir: str | None = None) -> bytes:
         """What the KV this model computes depends on: the GGUF's bytes, the hyper-parameters as
-        loaded (overrides included), the compute dtype, the weight path and the kernels (they
-        set the KV's last bits). The disk cache keys its files by it."""
+        loaded (overrides included), the compute dtype, the weight path and the code computing
+        it, which sets the KV's last bits: our kernels' build (sources, compiler, flags, CPU
+        features), torch's version and the vector width its CPU ops run at. The disk cache keys
+        its files by it, so machines or installs that differ there never share them."""
         tr = self.transformer
-        desc = repr((self.hp, str(self.dtype), self.weights, self.deterministic,
-                     tr.kern is not None, tr.own_attention))
+        kern = tr.kern.build_key if tr.kern is not None else None
+        desc = repr((self.hp, str(self.dtype), self.weights, self.deterministic, kern,
+                     tr.own_attention, str(torch.__version__),
+                     torch.backends.cpu.get_cpu_capability()))
         digest = weights_digest(self.path, cache_dir)
         return hashlib.blake2b(digest + desc.encode(), digest_size=16).digest()
 

@@ -1,18 +1,32 @@
 """The disk tier's files (cache/disk.py) on their own: keys, round trips, damage, the LRU bound,
-a full disk, two tiers on one directory, flush; and the radix cache writing through to it."""
+a full disk (injected, and a real one filled by others), processes sharing a directory, flush,
+the directory as a trust boundary (modes, a key, what names the files); and the radix cache
+writing through to it."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
+import multiprocessing
 import os
 import random
+import stat
+import subprocess
 import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from radixserve.cache.disk import SUFFIX, DiskTier, RowSpec
+from radixserve.cache.disk import DIGEST, FILE_PERSON, SUFFIX, DiskTier, RowSpec, load_key
 from radixserve.cache.radix import RadixPromptCache
+from radixserve.config import ServerConfig
+from radixserve.engine.host_tier import make_disk
+from radixserve.model.kernels import cache_dir, kernels
+from radixserve.model.loader import Model
 from tests.cache.test_radix import fake_pool, fill, pool_rows, prefix_hashes
 
 B = 4  # tokens a block
@@ -32,8 +46,8 @@ def block_rows(tokens: list[int], pos0: int, n: int) -> list[torch.Tensor]:
     return out
 
 
-def tier(path, fp: bytes = b"model-a", limit: int = 0, fault=None) -> DiskTier:
-    return DiskTier(str(path), limit, B, fp, LAYOUT, fault=fault)
+def tier(path, fp: bytes = b"model-a", limit: int = 0, **kw) -> DiskTier:
+    return DiskTier(str(path), limit, B, fp, LAYOUT, **kw)
 
 
 def write_prompt(d: DiskTier, tokens: list[int], ns: str = "") -> int:
@@ -213,23 +227,133 @@ def test_lru_bound_keeps_recently_read_blocks(tmp_path):
     d.close()
 
 
-def test_full_disk_leaves_nothing_behind_and_serving_goes_on(tmp_path):
-    full = threading.Event()
-    full.set()
+class FullDisk:
+    """A `fault` whose writes (and free-space queries) fail with `code` while `full`, on a clock
+    the test moves; it records when each write was tried."""
 
-    def fault(op: str) -> None:
-        if op == "write" and full.is_set():
-            raise OSError(errno.ENOSPC, "No space left on device")
+    def __init__(self, code: int = errno.ENOSPC) -> None:
+        self.code, self.full, self.now, self.tries = code, False, 0.0, []
 
-    d = tier(tmp_path, fault=fault)
-    write_prompt(d, TOKENS)
+    def __call__(self, op: str) -> None:
+        if op == "write":
+            self.tries.append(self.now)
+        if op in ("write", "room") and self.full:
+            raise OSError(self.code, os.strerror(self.code))
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_full_disk_pauses_writes_for_a_doubling_interval_and_evicts_nothing(tmp_path, code):
+    disk = FullDisk(code)
+    d = tier(tmp_path, fault=disk, backoff=(1.0, 4.0), clock=lambda: disk.now)
+    other = [7, 8, 9, 10]
+    write_prompt(d, other)  # a block from before the disk filled
+    before = {p: open(p, "rb").read() for p in files(tmp_path)}
+    disk.full = True
+    write_prompt(d, TOKENS)  # the first block is tried and fails; the other three dropped
     f = d.figures()
-    assert f["write_errors"] == 4 and f["writes"] == 0 and files(tmp_path) == []
-    assert not d.known and not d.queued  # a later save tries again
-    full.clear()
-    assert write_prompt(d, TOKENS) == 4 and len(files(tmp_path)) == 4
-    assert read_prompt(d, TOKENS).rows
+    assert (f["write_errors"], f["writes"], len(disk.tries)) == (4, 1, 2)
+    assert {p: open(p, "rb").read() for p in files(tmp_path)} == before  # nothing evicted
+    assert not set(d.keys("", TOKENS, 4)) & (d.known | d.queued)  # a later save tries again
+    for pause in (1.0, 2.0, 4.0, 4.0):  # doubling, up to the longest
+        n = len(disk.tries)
+        disk.now += pause - 0.25
+        write_prompt(d, TOKENS)
+        assert len(disk.tries) == n  # still paused: dropped untried
+        disk.now += 0.25
+        write_prompt(d, TOKENS)
+        assert len(disk.tries) == n + 1  # one try once the pause is over: fails, pauses again
+    assert torch.equal(read_prompt(d, other).rows[0], block_rows(other, 0, 4)[0])  # reads go on
+    disk.full = False
+    if code == errno.EDQUOT:  # a quota does not show in the filesystem's free space: wait
+        write_prompt(d, TOKENS)
+        assert d.figures()["writes"] == 1
+        disk.now += 4.0
+    # a full filesystem: writing resumes as soon as it reports room again
+    assert write_prompt(d, TOKENS) == 4 and d.figures()["writes"] == 5
+    assert len(files(tmp_path)) == 5
+    assert all(p.endswith(SUFFIX) for p in files(tmp_path))  # no temporary file left
+    disk.full = True  # full again: a success reset the pause to the first one
+    write_prompt(d, [1, 2, 3, 4])
+    disk.now += 1.0
+    n = len(disk.tries)
+    write_prompt(d, [1, 2, 3, 4])
+    assert len(disk.tries) == n + 1
     d.close()
+
+
+def test_other_write_errors_do_not_pause_writing(tmp_path):
+    disk = FullDisk(errno.EIO)
+    disk.full = True
+    d = tier(tmp_path, fault=disk, clock=lambda: disk.now)
+    write_prompt(d, TOKENS)
+    assert len(disk.tries) == 4 and d.figures()["write_errors"] == 4 and files(tmp_path) == []
+    d.close()
+
+
+@contextlib.contextmanager
+def small_filesystem(path, size: str = "2m") -> Iterator[None]:
+    """A tmpfs of `size` mounted at `path` (needs root): a disk that really fills."""
+    os.makedirs(path)
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                            str(path)], capture_output=True, text=True, timeout=30)
+        err = r.stderr.strip() if r.returncode else ""
+    except OSError as e:
+        err = str(e)
+    if err:
+        pytest.fail(f"this test mounts a {size} tmpfs at {path} to fill a real disk, which "
+                    f"needs root (or CAP_SYS_ADMIN): mount failed: {err}")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", str(path)], check=True, timeout=30)
+
+
+def fill_up(path) -> None:
+    """Write `path` until the filesystem is full (to the last page)."""
+    with open(path, "wb", buffering=0) as f:
+        for chunk in (1 << 16, 1 << 12, 1):
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\xff" * chunk)
+
+
+def test_a_disk_filled_by_others_costs_only_our_writes(tmp_path):
+    """A real full disk (ENOSPC): everything that was there stays there (another server's
+    blocks, our older ones, a file of someone else), nothing half-written is left, reads go on,
+    and writes come back once there is room and the pause is over."""
+    fs = tmp_path / "fs"
+    with small_filesystem(fs):
+        d = tier(fs, backoff=(0.05, 0.2))
+        write_prompt(d, TOKENS)  # ours, from before the disk filled
+        other = tier(fs, fp=b"model-b")  # another server's blocks
+        for p in range(20):
+            write_prompt(other, [p * 10 + i for i in range(4)])
+        other.close()
+        filler = fs / "someone-else.bin"
+        fill_up(filler)
+        os.truncate(filler, os.path.getsize(filler) - 6 * 4096)  # room for a few blocks
+        before = {p: open(p, "rb").read() for p in files(fs)}
+        prompts = ([1000 + p * 10 + i for i in range(4)] for p in range(1000))
+        while d.figures()["write_errors"] == 0:  # until the disk is full
+            write_prompt(d, next(prompts))
+            assert d.figures()["writes"] < 100, "the tmpfs never filled up"
+        write_prompt(d, next(prompts))  # offered while writing is paused: dropped, counted
+        now = {p: open(p, "rb").read() for p in files(fs)}
+        assert {p: now.get(p) for p in before} == before  # every file that was there, intact
+        assert not [p for p in now if p.endswith(".tmp")]
+        f = d.figures()
+        assert f["write_errors"] >= 2 and f["evictions"] == 0
+        got = read_prompt(d, TOKENS)  # serving from what is on disk goes on
+        assert got.tokens == TOKENS[:16]
+        assert all(torch.equal(a, b) for a, b in zip(got.rows, block_rows(TOKENS, 0, 16)))
+        os.unlink(filler)
+        time.sleep(0.25)  # past the longest pause
+        p = next(prompts)
+        write_prompt(d, p)
+        assert d.figures()["writes"] == f["writes"] + 1
+        assert os.path.exists(d._path(d.keys("", p, 1)[0]))
+        d.close()
 
 
 def test_two_tiers_on_one_directory_share_blocks(tmp_path):
@@ -243,6 +367,60 @@ def test_two_tiers_on_one_directory_share_blocks(tmp_path):
     assert read_prompt(b, TOKENS).rows == [] and b.figures()["bad_files"] == 0
     a.close()
     b.close()
+
+
+SHARED = [list(range(200 + 8 * p, 208 + 8 * p)) for p in range(6)]  # 2 blocks each
+
+
+def own_prompts(name: str) -> list[list[int]]:
+    """Prompts only process `name` writes (6 of 2 blocks; they share no block with others')."""
+    base = 5000 if name == "a" else 9000
+    return [list(range(base + 8 * p, base + 8 * p + 8)) for p in range(6)]
+
+
+def share_worker(directory: str, name: str, other: str, barrier, out) -> None:
+    """One server process: write the shared prompts and its own, at the same time as the other
+    process, then read the other's blocks back and check them bitwise."""
+    try:
+        d = tier(directory)
+        barrier.wait(120)
+        for p in [*SHARED, *own_prompts(name)]:
+            write_prompt(d, p)
+        barrier.wait(120)  # both wrote everything
+        bitwise = []
+        for p in [*own_prompts(other), *SHARED]:
+            got = read_prompt(d, p)
+            bitwise.append(got.tokens == p and all(
+                torch.equal(a, b) for a, b in zip(got.rows, block_rows(p, 0, 8))))
+        d.close()
+        out.put((name, all(bitwise), d.figures()))
+    except BaseException as e:  # reported, not hung: the parent waits on `out`
+        out.put((name, False, repr(e)))
+        raise
+
+
+def test_processes_sharing_a_directory_read_each_others_blocks(tmp_path):
+    """Two real processes write overlapping and distinct blocks to one directory at the same
+    time, then each reads the other's bitwise."""
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process running torch threads
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=share_worker, args=(str(tmp_path), a, b, barrier, out))
+             for a, b in (("a", "b"), ("b", "a"))]
+    for p in procs:
+        p.start()
+    try:
+        results = {name: (ok, figs) for name, ok, figs in (out.get(timeout=300) for _ in procs)}
+    finally:
+        for p in procs:
+            p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0], results
+    for name, (ok, figs) in results.items():
+        assert ok, (name, figs)
+        assert figs["bad_files"] == 0 and figs["write_errors"] == 0 and figs["hits"] == 12
+    names = files(tmp_path)
+    assert not [f for f in names if not f.endswith(SUFFIX)]  # no temporary file left
+    assert len(names) == 2 * (len(SHARED) + 2 * 6)  # each block once
+    assert results["a"][1]["writes"] + results["b"][1]["writes"] >= len(names)  # races: both
 
 
 def test_stale_temporary_files_are_removed_and_fresh_ones_kept(tmp_path):
@@ -265,6 +443,139 @@ def test_flush_removes_every_block_and_drops_queued_writes(tmp_path):
     assert d.flush().result(10) == 4 and files(tmp_path) == []
     assert d.figures()["bytes"] == 0 and read_prompt(d, TOKENS).rows == []
     d.close()
+
+
+# ----- the directory as a trust boundary ------------------------------------------------
+@pytest.mark.parametrize("umask", [0o000, 0o277])
+def test_directories_and_files_are_owner_only_whatever_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        d = tier(tmp_path / "new" / "kv")
+        write_prompt(d, TOKENS)
+        d.close()
+    finally:
+        os.umask(old)
+    assert d.figures()["writes"] == 4
+
+    def mode(p) -> int:
+        return stat.S_IMODE(os.stat(p).st_mode)
+
+    assert mode(tmp_path / "new") == mode(tmp_path / "new" / "kv") == 0o700
+    for f in files(tmp_path / "new"):
+        assert mode(f) == 0o600 and mode(os.path.dirname(f)) == 0o700
+
+
+def key_file(path, secret: bytes) -> bytes:
+    path.write_bytes(secret)
+    return load_key(str(path))
+
+
+def test_the_key_file_is_read_once_and_must_hold_a_secret(tmp_path):
+    k = key_file(tmp_path / "a", b"s3cret\n")
+    assert len(k) == 32 and k == key_file(tmp_path / "b", b"s3cret")  # the newline is not key
+    assert k != key_file(tmp_path / "c", b"s3cret2")
+    for secret in (b"", b"\n"):
+        with pytest.raises(ValueError, match="is empty"):
+            key_file(tmp_path / "e", secret)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_key(str(tmp_path / "missing"))
+
+
+def test_with_a_key_only_the_same_key_finds_the_files(tmp_path):
+    k1, k2 = key_file(tmp_path / "k1", b"one"), key_file(tmp_path / "k2", b"two")
+    kv = tmp_path / "kv"
+    tiers = {"none": tier(kv), "k1": tier(kv, key=k1), "k1 again": tier(kv, key=k1),
+             "k2": tier(kv, key=k2)}
+    names = {n: set(t.keys("", TOKENS, 4)) for n, t in tiers.items()}
+    assert names["k1"] == names["k1 again"]
+    assert not names["none"] & names["k1"] and not names["k1"] & names["k2"]
+    write_prompt(tiers["k1"], TOKENS)
+    assert read_prompt(tiers["none"], TOKENS).rows == []
+    assert read_prompt(tiers["k2"], TOKENS).rows == []
+    got = read_prompt(tiers["k1 again"], TOKENS)
+    assert all(torch.equal(a, b) for a, b in zip(got.rows, block_rows(TOKENS, 0, 16)))
+    write_prompt(tiers["none"], TOKENS)
+    write_prompt(tiers["k2"], TOKENS)
+    assert len(files(kv)) == 12  # nobody removed anybody's files
+    assert all(t.figures()["bad_files"] == 0 for t in tiers.values())
+    for t in tiers.values():
+        t.close()
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_block_forged_without_the_key_is_a_miss(tmp_path, keyed):
+    """Someone who can write the directory but has no key rewrites a block's rows and its
+    checksum as the format says: accepted without a key (the trust model: docs/SECURITY.md),
+    a miss (removed) with one."""
+    d = tier(tmp_path, key=key_file(tmp_path / "k", b"secret") if keyed else b"")
+    write_prompt(d, TOKENS[:4])
+    path = d._path(d.keys("", TOKENS, 1)[0])
+    data = bytearray(open(path, "rb").read())
+    data[-DIGEST - 1] ^= 0x40  # the last byte of the last row
+    body = bytes(data[:-DIGEST])
+    forged = body + hashlib.blake2b(body, digest_size=DIGEST, person=FILE_PERSON).digest()
+    with open(path, "wb") as f:
+        f.write(forged)
+    got = read_prompt(d, TOKENS[:4])
+    if keyed:
+        assert got.rows == [] and d.figures()["bad_files"] == 1 and not os.path.exists(path)
+    else:
+        assert got.rows and not torch.equal(got.rows[3], block_rows(TOKENS, 0, 4)[3])
+    d.close()
+
+
+class Identified:
+    """A model as make_disk sees it: its identity (it records where its digest may be kept)."""
+
+    def __init__(self) -> None:
+        self.memo: list[str | None] = []
+
+    def identity(self, cache_dir: str | None = None) -> bytes:
+        self.memo.append(cache_dir)
+        return b"identity"
+
+
+def test_make_disk_keys_the_tier_with_the_key_file(tmp_path):
+    """With a key, names are keyed and the weights' digest is not kept in the directory (a
+    writer without the key could plant a false one there)."""
+    pool, model = fake_pool(), Identified()
+    (tmp_path / "key").write_bytes(b"secret\n")
+    base = dict(cache_disk=str(tmp_path / "kv"), cache_disk_block=B)
+    plain = make_disk(ServerConfig(**base), pool, (model,))
+    keyed = make_disk(ServerConfig(**base, cache_disk_key=str(tmp_path / "key")), pool,
+                      (model,))
+    assert stat.S_IMODE(os.stat(tmp_path / "kv").st_mode) == 0o700
+    assert plain.keys("", TOKENS, 1) != keyed.keys("", TOKENS, 1)
+    assert model.memo == [str(tmp_path / "kv"), None]
+    plain.close()
+    keyed.close()
+    with pytest.raises(ValueError, match="disk cache key file .* is empty"):
+        (tmp_path / "empty").write_bytes(b"")
+        make_disk(ServerConfig(**base, cache_disk_key=str(tmp_path / "empty")), pool, (model,))
+
+
+def test_model_identity_covers_kernel_build_torch_and_cpu_capability(tmp_path, monkeypatch):
+    """What can change the KV's bits names the files: two identities that differ only in the
+    kernels' build, torch's version or its CPU capability differ."""
+    kern = kernels()
+    assert kern is not None, "the kernels did not build (is a C compiler installed?)"
+    assert (cache_dir() / f"radixserve-kernels-{kern.build_key}.so").exists()
+    (tmp_path / "m.gguf").write_bytes(b"weights")
+    tr = SimpleNamespace(kern=kern, own_attention=True, deterministic=True)
+    m = Model(str(tmp_path / "m.gguf"), "hparams", None, None, tr, torch.bfloat16,
+              torch.device("cpu"), 0.0, "native")  # type: ignore[arg-type]
+    base = m.identity()
+    seen = {base}
+    with monkeypatch.context() as mp:
+        mp.setattr(tr, "kern", SimpleNamespace(build_key="another build"))
+        seen.add(m.identity())
+    with monkeypatch.context() as mp:
+        mp.setattr(torch, "__version__", "0.0.0+another")
+        seen.add(m.identity())
+    with monkeypatch.context() as mp:
+        mp.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "ANOTHER")
+        seen.add(m.identity())
+    assert len(seen) == 4 and m.identity() == base
 
 
 # ----- the radix cache over a disk tier -------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import zlib
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixserve.cache.slot_file import (
+    MAX_SALT,
     Checkpoint,
     SlotFile,
     SlotFileError,
@@ -23,12 +25,14 @@ from radixserve.cache.slot_file import (
     validate_filename,
     write_slot_file,
 )
+from radixserve.http.parse import MAX_CACHE_SALT
 from radixserve.kv.batch import BatchSeq, forward
 from radixserve.kv.state import fingerprint_of, get_state, parse_state
 from radixserve.model.forward import Transformer
 from tests.conftest import make_pool
 
 TOKENS = [11, 22, 33, 44, 55]
+SALT = "tenant-Ä\U0001f600"  # 1-, 2- and 4-byte UTF-8 characters
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +47,26 @@ def real_states(tiny_tr: Transformer) -> tuple[bytes, bytes]:
 def full_file(states: tuple[bytes, bytes]) -> SlotFile:
     main, ckpt = states
     return SlotFile(TOKENS, main, [Checkpoint(2, 0, 1, ckpt, b"dft", b""),
-                                   Checkpoint(-1, -5, 7, b"", b"", b"spec")], b"draft", b"spec!")
+                                   Checkpoint(-1, -5, 7, b"", b"", b"spec")], b"draft", b"spec!",
+                    salt=SALT)
 
 
 def packed(sf: SlotFile) -> bytes:
     return b"".join(pack_slot_file(sf))
+
+
+def pack_v1(tokens: list[int], state: bytes) -> bytes:
+    """A version-1 main part, packed as the version-1 writer did (no salt field)."""
+    head = b"RXSL" + struct.pack(f"<II{len(tokens)}iQ", 1, len(tokens), *tokens, len(state))
+    return head + state + struct.pack("<I", zlib.crc32(state, zlib.crc32(head)))
+
+
+def main_v2(raw_salt: bytes, tokens: list[int], state: bytes) -> bytes:
+    """A version-2 main part packed by hand, with any salt bytes (the writer only packs good
+    ones) and a right CRC."""
+    head = b"RXSL" + struct.pack(f"<II{len(raw_salt)}sI{len(tokens)}iQ", 2, len(raw_salt),
+                                 raw_salt, len(tokens), *tokens, len(state))
+    return head + state + struct.pack("<I", zlib.crc32(state, zlib.crc32(head)))
 
 
 def boundaries(sf: SlotFile) -> tuple[int, int, int]:
@@ -64,23 +83,28 @@ def test_round_trip_with_real_state(real_states, tiny_tr: Transformer, tmp_path:
     n = write_slot_file(tmp_path / "a.bin", sf)
     assert n == (tmp_path / "a.bin").stat().st_size
     got, warnings = read_slot_file(tmp_path / "a.bin")
-    assert got == sf and warnings == []
+    assert got == sf and warnings == [] and got.salt == SALT
     st_ = parse_state(got.state, fingerprint_of(make_pool(tiny_tr), tiny_tr.hp.arch), tiny_tr.dtype)
     assert st_.positions == list(range(len(TOKENS)))
 
 
-def test_plain_file_layout(real_states):
+@pytest.mark.parametrize("salt", ["", SALT])
+def test_plain_file_layout(real_states, salt: str):
     """No checkpoints, no draft: SCKP with count 0 and no SDFT, byte for byte."""
     state = real_states[0]
-    data = packed(SlotFile(TOKENS, state))
-    n = len(TOKENS)
-    assert data[:12] == b"RXSL" + struct.pack("<II", 1, n)
-    assert struct.unpack_from(f"<{n}i", data, 12) == tuple(TOKENS)
-    assert struct.unpack_from("<Q", data, 12 + 4 * n) == (len(state),)
-    assert data[20 + 4 * n : 20 + 4 * n + len(state)] == state
-    end = 20 + 4 * n + len(state) + 4
-    assert data[end:] == b"SCKP" + struct.pack("<II", 1, 0)
-    assert parse_slot_file(data) == (SlotFile(TOKENS, state), [])
+    sf = SlotFile(TOKENS, state, salt=salt)
+    data = packed(sf)
+    n, raw = len(TOKENS), salt.encode()
+    k = len(raw)
+    assert data[: 12 + k + 4] == b"RXSL" + struct.pack("<II", 2, k) + raw + struct.pack("<I", n)
+    assert struct.unpack_from(f"<{n}i", data, 16 + k) == tuple(TOKENS)
+    assert struct.unpack_from("<Q", data, 16 + k + 4 * n) == (len(state),)
+    assert data[24 + k + 4 * n : 24 + k + 4 * n + len(state)] == state
+    end = 24 + k + 4 * n + len(state)
+    assert struct.unpack_from("<I", data, end) == (zlib.crc32(data[:end]),)
+    assert main_size(sf) == end + 4
+    assert data[end + 4 :] == b"SCKP" + struct.pack("<II", 1, 0)
+    assert parse_slot_file(data) == (sf, [])
 
 
 def test_appendix_layout():
@@ -98,6 +122,8 @@ def test_writer_rejects_out_of_range_fields():
         pack_slot_file(SlotFile([2**31], b""))
     with pytest.raises(ValueError):
         pack_slot_file(SlotFile([], b"", [Checkpoint(0, 0, 0, b"")] * 1025))
+    with pytest.raises(ValueError, match="salt"):  # the reader would refuse it
+        pack_slot_file(SlotFile([1], b"", salt="x" * (MAX_SALT + 1)))
 
 
 # -- reading rules ---------------------------------------------------------------------------
@@ -144,7 +170,7 @@ def test_bad_appendices_are_dropped_with_a_warning(real_states):
     assert got == sf and "3 trailing bytes" in warnings[0]
     # no checkpoint appendix at all, the draft one directly: accepted
     no_ckpt = data[:main] + data[ckpt_end:]
-    want = SlotFile(sf.tokens, sf.state, [], sf.draft, sf.speculative)
+    want = SlotFile(sf.tokens, sf.state, [], sf.draft, sf.speculative, sf.salt)
     assert parse_slot_file(no_ckpt) == (want, [])
 
 
@@ -153,9 +179,10 @@ def test_bad_main_part_is_an_error(real_states):
     n = len(TOKENS)
     cases = {
         "bad magic": put(data, 0, b"GGSQ"),
-        "version 2": put(data, 4, struct.pack("<I", 2)),
-        "tokens announced": put(data, 8, struct.pack("<I", 2**32 - 1)),
-        "state of": put(data, 12 + 4 * n, struct.pack("<Q", 2**63)),
+        "version 3": put(data, 4, struct.pack("<I", 3)),
+        "version 0": put(data, 4, struct.pack("<I", 0)),
+        "tokens announced": put(data, 12, struct.pack("<I", 2**32 - 1)),
+        "state of": put(data, 16 + 4 * n, struct.pack("<Q", 2**63)),
         "checksum": put(data, 30, bytes([data[30] ^ 0x40])),
     }
     for what, bad in cases.items():
@@ -174,6 +201,74 @@ def test_read_slot_file_io_errors(tmp_path: Path):
     write_slot_file(tmp_path / "f", SlotFile([1], b"abc"))
     with pytest.raises(SlotFileError, match="exceeds the limit"):
         read_slot_file(tmp_path / "f", max_bytes=10)
+
+
+# -- the cache namespace (cache_salt) ------------------------------------------------------
+def test_salt_bound_is_the_requests():
+    assert MAX_SALT == MAX_CACHE_SALT
+
+
+@pytest.mark.parametrize("salt", ["", "A", SALT, "\U0001f600" * MAX_SALT, "x" * MAX_SALT,
+                                  "lone \ud800 surrogate"])
+def test_salt_round_trip(real_states, tmp_path: Path, salt: str):
+    """Whatever salt a slot's KV can have comes back the same str (the longest ones too: 512
+    four-byte characters; a lone surrogate as the disk tier encodes it, surrogatepass)."""
+    sf = full_file(real_states)
+    sf.salt = salt
+    write_slot_file(tmp_path / "s.bin", sf)
+    got, warnings = read_slot_file(tmp_path / "s.bin")
+    assert warnings == [] and got == sf and got.salt == salt
+    assert main_size(got) == main_size(sf) == boundaries(sf)[0]
+    assert got.checkpoints == sf.checkpoints and got.draft == sf.draft
+
+
+def test_version_1_file_loads_unsalted(real_states, tmp_path: Path):
+    """A file of the version-1 writer (no salt field) still loads, in the shared namespace, with
+    its appendices, and main_size is the bytes of its own main part."""
+    state = real_states[0]
+    salted = packed(full_file(real_states))
+    v1 = pack_v1(TOKENS, state)
+    assert len(v1) == 24 + 4 * len(TOKENS) + len(state)
+    (tmp_path / "v1.bin").write_bytes(v1 + salted[main_size(full_file(real_states)) :])
+    got, warnings = read_slot_file(tmp_path / "v1.bin")
+    assert warnings == [] and got.salt == "" and got.version == 1
+    want = full_file(real_states)
+    want.salt = ""
+    assert got == want
+    assert main_size(got) == len(v1)
+    assert parse_slot_file(v1) == (SlotFile(TOKENS, state), [])
+    for n in range(len(v1)):  # a torn version-1 main part is still an error
+        with pytest.raises(SlotFileError):
+            parse_slot_file(v1[:n])
+    with pytest.raises(SlotFileError, match="checksum"):  # still checked
+        parse_slot_file(put(v1, 40, bytes([v1[40] ^ 0x10])))
+
+
+def test_bad_salt_field_is_a_bad_main_part(real_states):
+    """Torn, corrupted, oversized or undecodable: the file is refused, never read as another
+    namespace (the shared one above all)."""
+    sf = full_file(real_states)
+    data = packed(sf)
+    k = len(SALT.encode())
+    for n in range(8, 12 + k + 4):  # cut inside the salt length, the salt, right after it
+        with pytest.raises(SlotFileError, match="truncated"):
+            parse_slot_file(data[:n])
+    cases = {
+        "bad salt length": put(data, 8, struct.pack("<I", 4 * MAX_SALT + 1)),
+        "salt of 2048 bytes": put(packed(SlotFile([1], b"", salt="ab")), 8,
+                                  struct.pack("<I", 4 * MAX_SALT)),
+        "checksum": put(data, 12, b"T"),  # "tenant" read as "Tenant": another namespace
+        "not UTF-8": main_v2(b"ab\xff", [1], b"S"),  # a right CRC: written so, not corrupted
+        "513 characters": main_v2(b"x" * (MAX_SALT + 1), [1], b"S"),
+    }
+    for what, bad in cases.items():
+        with pytest.raises(SlotFileError, match=what):
+            parse_slot_file(bad)
+    for off in range(8, 12 + k):  # any flip in the length or the salt: never a clean read
+        for bit in range(8):
+            flipped = put(data, off, bytes([data[off] ^ (1 << bit)]))
+            with pytest.raises(SlotFileError):
+                parse_slot_file(flipped)
 
 
 # -- file names ----------------------------------------------------------------------------
@@ -243,13 +338,24 @@ def test_failed_write_keeps_old_file(real_states, tmp_path: Path, monkeypatch: p
     assert read_slot_file(path) == (old, [])
 
 
+def test_new_file_is_owner_only(tmp_path: Path):
+    """It holds a tenant's prompt tokens: 0600 whatever the umask."""
+    old = os.umask(0o002)
+    try:
+        write_slot_file(tmp_path / "s.bin", SlotFile([1], b"x"))
+    finally:
+        os.umask(old)
+    assert ((tmp_path / "s.bin").stat().st_mode & 0o777) == 0o600
+
+
 def test_write_replaces_whole_file_and_keeps_mode(real_states, tmp_path: Path):
+    """An operator's chmod of a saved file survives saving over it (not 0600 again)."""
     path = tmp_path / "s.bin"
     write_slot_file(path, full_file(real_states))
-    path.chmod(0o600)
+    path.chmod(0o640)
     small = SlotFile([3], b"tiny")
     assert write_slot_file(path, small) == path.stat().st_size == len(packed(small))
-    assert read_slot_file(path) == (small, []) and (path.stat().st_mode & 0o777) == 0o600
+    assert read_slot_file(path) == (small, []) and (path.stat().st_mode & 0o777) == 0o640
     assert os.listdir(tmp_path) == ["s.bin"]
 
 
@@ -267,6 +373,8 @@ def test_fuzz_random_bytes(data: bytes):
     check_parse(data)
     check_parse(b"RXSL" + data)
     check_parse(b"RXSL\x01\x00\x00\x00" + data)
+    check_parse(b"RXSL\x02\x00\x00\x00" + data)
+    check_parse(b"RXSL\x02\x00\x00\x00\x00\x00\x00\x00" + data)
 
 
 i32 = st.integers(-(2**31), 2**31 - 1)
@@ -279,6 +387,7 @@ slot_files = st.builds(
                                    st.binary(max_size=16)), max_size=3),
     draft=st.binary(max_size=16),
     speculative=st.binary(max_size=16),
+    salt=st.text(max_size=8),
 )
 
 

@@ -157,7 +157,9 @@ def test_salt_follows_the_kv_through_every_writer() -> None:
     assert slot.kv.salt == ""
     assert slot.kv.share_from(holder.kv, 10) and slot.kv.salt == "a"
     k = torch.zeros(1, 1, 3, 2)
-    slot.kv.load_rows([1, 2, 3], k, k)  # a slot file's rows: the shared namespace
+    slot.kv.load_rows([1, 2, 3], k, k, salt="b")  # a slot file's rows: the file's namespace
+    assert slot.kv.salt == "b"
+    slot.kv.load_rows([1, 2, 3], k, k)  # an unsalted (or version-1) file's: the shared one
     assert slot.kv.salt == ""
     with pytest.raises(AssertionError):
         slot.kv.claim("a")  # KV of "" kept for a task of "a": the planner never does this

@@ -61,6 +61,28 @@ def test_save_erase_restore_continue(server):
     assert cont["tokens"] == complete(server, follow, id_slot=1, cache_prompt=False)["tokens"]
 
 
+def test_restore_keeps_the_cache_salt(server):
+    """A slot saved under one `cache_salt` is, once restored, reused by that salt alone."""
+    prompt = list(range(5200, 5260))  # no prefix shared with the other tests' slots
+    first = complete(server, prompt, id_slot=0, cache_salt="tenant-a")
+    held = len(prompt) + len(first["tokens"]) - 1
+    r = action(server, 0, "save", "salted.bin")
+    assert r.status_code == 200 and r.json()["n_saved"] == held, r.text
+    assert os.stat(server.save_dir / "salted.bin").st_mode & 0o777 == 0o600
+    assert action(server, 0, "erase").status_code == 200
+    follow = prompt + first["tokens"] + [777, 778]
+    # uncached, and under a salt of its own: what slot 1 keeps must not serve the runs below
+    fresh = complete(server, follow, id_slot=1, cache_prompt=False, cache_salt="fresh")
+    assert fresh["timings"]["cache_n"] == 0
+    for salt, want_cached in ((None, 0), ("tenant-b", 0), ("tenant-a", held)):
+        r = action(server, 0, "restore", "salted.bin")
+        assert r.status_code == 200 and r.json()["n_restored"] == held, r.text
+        extra = {} if salt is None else {"cache_salt": salt}
+        cont = complete(server, follow, id_slot=0, **extra)
+        assert cont["timings"]["cache_n"] == want_cached, salt
+        assert cont["tokens"] == fresh["tokens"], salt
+
+
 @pytest.mark.parametrize("name", ["../x", "/etc/passwd", "a/b", ".hidden", "x" * 256, "a\x00b",
                                   "..", "link"])
 def test_bad_filenames_are_rejected(server, name):
