@@ -48,7 +48,9 @@ def test_documents_stay_on_one_replica_and_compute_what_one_server_does(
         by_doc.setdefault(a.doc, set()).add(a.replica)
     assert all(len(r) == 1 and None not in r for r in by_doc.values()), by_doc
     computed, alone = sum(a.prompt_n for a in got), sum(a.prompt_n for a in single)
-    assert abs(computed - alone) <= 0.1 * alone, (computed, alone)
+    # the README's claim: what one server computes, not "about" it (each document is computed
+    # once, on its replica, as on one server)
+    assert computed == alone, (computed, alone)
     reused = [a.cache_n for a in got[len(documents()):]]  # every later question reuses
     assert min(reused) > 200, reused
     # /metrics sums the replicas', which count exactly what the replies said
