@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -46,13 +47,46 @@ def task_error_response(e: TaskError) -> Response:
     return JSONResponse(e.to_json(), status_code=e.status)
 
 
+# a UTF-16 surrogate in the raw body: an escape (\uD800-\uDFFF) or its UTF-8 form, which
+# json.loads lets through too (surrogatepass); only then are the decoded strings checked
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
 async def read_json(request: Request) -> Any:
-    """The decoded body; malformed JSON is a 400 (llama-server gives 500, tests accept both)."""
+    """The decoded body; malformed JSON is a 400 (llama-server gives 500, tests accept both).
+    So are what Python's decoder cannot take (JSON nested deeper than it recurses, an integer
+    of more than 4300 digits) and a lone surrogate in a string (valid JSON to Python, but no
+    text: it fails wherever the string is encoded; llama-server's parser refuses it)."""
     raw = await request.body()
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, int digits limit
         raise invalid_request(f"Invalid JSON in request body: {e}") from None
+    except RecursionError:
+        raise invalid_request("Invalid JSON in request body: nested too deeply") from None
+    if _MAYBE_SURROGATE.search(raw) and not _all_text(body):
+        raise invalid_request("Invalid JSON in request body: a string holds a lone UTF-16 "
+                              "surrogate (not UTF-8 text)")
+    return body
+
+
+def _all_text(value: Any) -> bool:
+    """Every string in `value` (keys too) is encodable as UTF-8 (no lone surrogate)."""
+    stack = [value]
+    while stack:  # not recursive: bodies nest as deep as the decoder allows
+        v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return False
+        elif isinstance(v, dict):
+            stack += v
+            stack += v.values()
+        elif isinstance(v, list):
+            stack += v
+    return True
 
 
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]

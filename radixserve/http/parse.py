@@ -8,6 +8,7 @@ n_predict aliases, soft limits clamped silently and hard limits rejected, OpenAI
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ from radixserve.http.schemas import (
     validate_body,
 )
 from radixserve.model import grammar as grammars
+from radixserve.model.chat_caps import render
 from radixserve.model.chat_format import ChatInputs, ChatPlan, plan_chat
 from radixserve.model.chat_parse import OutputFormat
 from radixserve.model.chat_template import ChatTemplate, flatten_content
@@ -236,9 +238,12 @@ def _sampling(req: GenerationRequest, n_probs: int, ctx: ParseContext) -> Sampli
     if req.logit_bias is None:
         logit_bias = list(d.logit_bias)
     else:
-        logit_bias = parse_logit_bias(
-            req.logit_bias, tok.n_vocab,
-            lambda text: tok.encode(text, add_special=False, parse_special=False))
+        try:
+            logit_bias = parse_logit_bias(
+                req.logit_bias, tok.n_vocab,
+                lambda text: tok.encode(text, add_special=False, parse_special=False))
+        except ValueError as e:  # a key of digits past int()'s 4300-digit limit
+            raise invalid_request(f"Field 'logit_bias': {e}") from None
 
     params = SamplingParams(
         temperature=pick(req.temperature, d.temperature, 0.0),
@@ -505,7 +510,14 @@ def parse_completion(body: Any, ctx: ParseContext) -> ParsedRequest:
                       grammar=request_grammar(req, ctx))
 
 
-RESERVED_TEMPLATE_VARS = ("messages", "add_generation_prompt")
+RESERVED_TEMPLATE_VARS = ("messages", "add_generation_prompt", "tools")
+# the chat renderer's own keyword parameters (model/chat_caps.render, ChatTemplate.render): a
+# template variable of one of these names would collide with them (a TypeError, a 500)
+RENDER_PARAMS = frozenset(
+    name for fn in (render, ChatTemplate.render)
+    for name, p in inspect.signature(fn).parameters.items()
+    if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+) - set(RESERVED_TEMPLATE_VARS)
 
 
 def chat_plan(req: ChatRequest, template: ChatTemplate, tok: Tokenizer,
@@ -531,6 +543,9 @@ def chat_plan(req: ChatRequest, template: ChatTemplate, tok: Tokenizer,
         if name in extra:
             raise invalid_request(f"Field 'chat_template_kwargs': '{name}' is set by the "
                                   "request itself and cannot be overridden")
+    clash = sorted(RENDER_PARAMS & set(extra))
+    if clash:
+        raise invalid_request(f"Field 'chat_template_kwargs': '{clash[0]}' is a reserved name")
     inputs = ChatInputs(
         msgs, add_gen, extra, tools=req.tools, tool_choice=req.tool_choice,
         parallel_tool_calls=req.parallel_tool_calls, json_schema=response_schema(req),

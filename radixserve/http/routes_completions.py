@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from radixserve.http import info
+from radixserve.http import info, openapi
 from radixserve.http.errors import read_json
 from radixserve.http.parse import ParsedRequest, parse_chat, parse_completion
 from radixserve.http.responses import (
@@ -74,16 +74,16 @@ def add_routes(r: APIRouter, state: AppState) -> None:
 
         return JSONResponse(await run_in_threadpool(shape))
 
-    @r.post("/completion")
-    @r.post("/completions")
+    @r.post("/completion", openapi_extra=openapi.COMPLETION)
+    @r.post("/completions", openapi_extra=openapi.COMPLETION)
     async def native_completion(request: Request) -> Response:
         return await complete(request, "native")
 
-    @r.post("/v1/completions")
+    @r.post("/v1/completions", openapi_extra=openapi.COMPLETION)
     async def oai_completion(request: Request) -> Response:
         return await complete(request, "text")
 
-    @r.post("/chat/completions")
-    @r.post("/v1/chat/completions")
+    @r.post("/chat/completions", openapi_extra=openapi.CHAT)
+    @r.post("/v1/chat/completions", openapi_extra=openapi.CHAT)
     async def chat_completion(request: Request) -> Response:
         return await complete(request, "chat")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from radixserve.http import info
 from radixserve.http.errors import error_response
@@ -40,7 +40,7 @@ def add_routes(r: APIRouter, state: AppState) -> None:
                                 state.started)
         return JSONResponse(body)
 
-    @r.get("/metrics")
+    @r.get("/metrics", response_class=PlainTextResponse)  # documents the media type
     async def metrics() -> Response:
         if not state.cfg.metrics:
             return error_response(

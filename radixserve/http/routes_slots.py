@@ -4,10 +4,13 @@ the admin flush of every cache tier (ours), under SGLang's name `POST /flush_cac
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixserve.engine.task import invalid_request
+from radixserve.http import openapi
 from radixserve.http.errors import error_response, read_json
 from radixserve.http.state import AppState
 
@@ -15,7 +18,7 @@ SLOT_ACTIONS = ("save", "restore", "erase")
 
 
 def add_routes(r: APIRouter, state: AppState) -> None:
-    @r.get("/slots")
+    @r.get("/slots", openapi_extra=openapi.SLOTS)
     async def slots(request: Request) -> Response:
         e = state.eng
         if not state.cfg.slots_endpoint:
@@ -27,8 +30,8 @@ def add_routes(r: APIRouter, state: AppState) -> None:
             return error_response(503, "no slot available")
         return JSONResponse(await e.slots_json())
 
-    @r.post("/slots/{id_slot}")
-    async def slot_action(id_slot: str, request: Request) -> Response:
+    @r.post("/slots/{id_slot}", openapi_extra=openapi.SLOT_ACTION)
+    async def slot_action(id_slot: Annotated[str, openapi.SLOT_ID], request: Request) -> Response:
         if not state.cfg.slot_save_path:
             return error_response(
                 501, "This server does not support slots action. Start it with `--slot-save-path`"

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from radixserve.engine.task import invalid_request
+from radixserve.http import openapi
 from radixserve.http.errors import read_json
 from radixserve.http.parse import render_chat, tokenize_mixed
 from radixserve.http.schemas import ChatRequest, DetokenizeRequest, TokenizeRequest, validate_body
@@ -57,17 +58,17 @@ def detokenize(body: Any, tok: Tokenizer) -> dict[str, str]:
 
 
 def add_routes(r: APIRouter, state: AppState) -> None:
-    @r.post("/tokenize")
+    @r.post("/tokenize", openapi_extra=openapi.TOKENIZE)
     async def tokenize_route(request: Request) -> Response:
         body = await read_json(request)
         return JSONResponse(await run_in_threadpool(tokenize, body, state.model.tokenizer))
 
-    @r.post("/detokenize")
+    @r.post("/detokenize", openapi_extra=openapi.DETOKENIZE)
     async def detokenize_route(request: Request) -> Response:
         body = await read_json(request)
         return JSONResponse(await run_in_threadpool(detokenize, body, state.model.tokenizer))
 
-    @r.post("/apply-template")
+    @r.post("/apply-template", openapi_extra=openapi.APPLY_TEMPLATE)
     async def apply_template(request: Request) -> Response:
         req = validate_body(ChatRequest, await read_json(request))
         m = state.model

@@ -210,6 +210,7 @@ class ChatMessage(_Body):
 
     role: Str
     content: Any = None
+    tool_calls: Any = None  # checked here only as far as the template polyfills read it
 
     @field_validator("role")
     @classmethod
@@ -223,6 +224,22 @@ class ChatMessage(_Body):
     def _content_shape(cls, content: Any) -> Any:
         flatten_content(content)  # ValueError for anything but a string or a list of text parts
         return content
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls_shape(cls, calls: Any) -> Any:
+        """An array of objects whose `function`, where given, is an object (model/chat_caps.py
+        reads them so when the template cannot show tool calls itself)."""
+        if calls is None:
+            return calls
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise ValueError(f"Value must be an array of tool call objects, but got "
+                             f"{_show(calls)}")
+        for c in calls:
+            if c.get("function") is not None and not isinstance(c["function"], dict):
+                raise ValueError(f"a tool call's 'function' must be an object, but got "
+                                 f"{_show(c['function'])}")
+        return calls
 
     def to_template(self) -> dict[str, Any]:
         """The message as the chat template sees it, extra keys included, nulls dropped."""

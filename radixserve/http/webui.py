@@ -55,6 +55,8 @@ def public_paths(cfg: ServerConfig) -> frozenset[str]:
 
 
 def mount_page(app: FastAPI, cfg: ServerConfig) -> None:
+    """The page's own files (and --path's directory): static files, not API routes, so they
+    stay out of the OpenAPI document; `GET /cache` is an API route (add_routes)."""
     if not cfg.webui:
         return
     prefix = cfg.api_prefix

@@ -57,6 +57,44 @@ def test_bad_requests(server, path, body, raw, status, type_):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+# bodies Python's json module decodes badly (found by tests/http/test_fuzz_schema.py's hunt):
+# each was a 500 before read_json refused it
+DEEP = b"[" * 100_000 + b"]" * 100_000  # RecursionError in the decoder
+HUGE_INT = b'{"prompt": "hi", "n_predict": ' + b"9" * 5000 + b"}"  # int() digit limit
+LONE_ESCAPE = rb'{"prompt": "hi", "stop": ["\ud800"]}'  # a surrogate: no UTF-8 text
+LONE_UTF8 = b'{"prompt": "a\xed\xa0\x80"}'  # the same as raw bytes (json.loads: surrogatepass)
+
+
+@pytest.mark.parametrize("path,raw,words", [
+    ("/completion", DEEP, ["nested too deeply"]),
+    (CHAT, b'{"messages": ' + DEEP + b"}", ["nested too deeply"]),
+    ("/completion", HUGE_INT, ["4300 digits"]),
+    ("/tokenize", b'{"content": [' + b"1" * 4301 + b"]}", ["4300 digits"]),
+    ("/completion", LONE_ESCAPE, ["surrogate"]),
+    ("/completion", LONE_UTF8, ["surrogate"]),
+    ("/completion", rb'{"prompt": "\udfff"}', ["surrogate"]),
+    (CHAT, rb'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "\ud800"}',
+     ["surrogate"]),
+    ("/tokenize", rb'{"content": "\ud800", "with_pieces": true}', ["surrogate"]),
+    ("/apply-template", rb'{"messages": [{"role": "user", "content": "\udbff"}]}',
+     ["surrogate"]),
+])
+def test_bodies_json_decodes_badly_are_400(server, path, raw, words):
+    assert_error(call(server, path, raw=raw), 400, "invalid_request_error",
+                 "Invalid JSON in request body", *words)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_surrogate_pairs_and_moderate_nesting_are_fine(server):
+    """A pair escapes one character (json.dumps' default for emoji): text, accepted."""
+    pair = rb'{"prompt": "hi \ud83d\ude00", "n_predict": 1, "stop": ["\uD83D\uDE00"]}'
+    assert call(server, "/completion", raw=pair).status_code == 200
+    r = call(server, "/tokenize", raw=rb'{"content": "\ud83d\ude00"}')
+    assert r.status_code == 200 and r.json()["tokens"]
+    nested = b'{"prompt": "hi", "n_predict": 1, "extra": ' + b"[" * 200 + b"]" * 200 + b"}"
+    assert call(server, "/completion", raw=nested).status_code == 200
+
+
 def test_prompt_longer_than_context_names_both_numbers(server):
     r = call(server, "/completion", {"prompt": list(range(1000, 1300))})
     err = assert_error(r, 400, "exceed_context_size_error", "300", "128")

@@ -393,6 +393,22 @@ def test_chat_known_roles(ctx: ParseContext, role: str) -> None:
             "Field 'messages[1].content' is required",
         ),
         ([], "Field 'messages' must not be empty"),
+        # tool_calls the template polyfills could not read (were 500s: TypeError,
+        # AttributeError in model/chat_caps.py)
+        (
+            [{"role": "user", "content": "hi", "tool_calls": 7}],
+            "Field 'messages[0].tool_calls': Value must be an array of tool call objects",
+        ),
+        (
+            [{"role": "user", "content": "a"},
+             {"role": "assistant", "content": "x", "tool_calls": ["f"]},
+             {"role": "user", "content": "b"}],
+            "Field 'messages[1].tool_calls': Value must be an array of tool call objects",
+        ),
+        (
+            [{"role": "user", "content": "hi", "tool_calls": [{"function": 5}]}],
+            "Field 'messages[0].tool_calls': a tool call's 'function' must be an object",
+        ),
         ("hi", "Field 'messages': Input should be a valid list"),
         (["hi"], "Field 'messages[0]': Input should be a valid dictionary"),
     ],
@@ -471,6 +487,32 @@ def test_chat_template_kwargs_and_errors(ctx: ParseContext, tok: Tokenizer) -> N
     assert tok.decode(r.task.prompt_tokens) == "Yo Hi"
     ctx.chat_template = ChatTemplate("{{ raise_exception('no system role') }}")
     assert "no system role" in bad_request(chat, ctx)
+
+
+def test_chat_tool_calls_in_history_still_render(ctx: ParseContext, tok: Tokenizer) -> None:
+    """The tiny template shows no tool calls: they are polyfilled into the content."""
+    ctx.n_ctx_slot = 4096
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    msgs = [{"role": "user", "content": "a"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+            {"role": "user", "content": "b"}]
+    assert '"name": "f"' in tok.decode(chat(ctx, messages=msgs).task.prompt_tokens)
+    assert chat(ctx, messages=[{"role": "user", "content": "a", "tool_calls": []}])
+
+
+@pytest.mark.parametrize("name", ["tools", "t", "caps", "merge_system", "self"])
+def test_chat_template_kwargs_cannot_collide_with_the_renderer(ctx: ParseContext,
+                                                               name: str) -> None:
+    """Were 500s (TypeError: render() got multiple values for argument ...)."""
+    msg = bad_request(chat, ctx, chat_template_kwargs={name: 5})
+    assert msg.startswith(f"Field 'chat_template_kwargs': '{name}' is ")
+
+
+def test_logit_bias_key_past_the_int_digit_limit_is_400(ctx: ParseContext) -> None:
+    """Was a 500 (int() refuses strings of more than 4300 digits)."""
+    assert bad_request(cmpl, ctx, logit_bias={"9" * 5000: 1.0}).startswith("Field 'logit_bias'")
+    assert cmpl(ctx, logit_bias={"9" * 30: 1.0}).task.params.logit_bias == []  # out of range
 
 
 def test_chat_prompt_too_long_for_context(ctx: ParseContext) -> None:

@@ -1,0 +1,287 @@
+"""The OpenAPI document's request bodies, parameters and responses (`app.openapi()`).
+
+Routes read their bodies by hand (`errors.read_json`, then the pydantic models of schemas.py
+and the checks of parse.py), so FastAPI sees no body to describe. The pieces here describe
+them: built from schemas.py's models (a field added there is documented at once), with what
+the models leave loose (`Any` fields; value ranges checked in parse.py; fields refused as
+not implemented, fields.py) spelled out, so that a client generator or a schema fuzzer
+(tests/http/test_fuzz_schema.py) sends real field names with real shapes. Documentation only:
+nothing here validates a request, and `null` is always allowed ("absent", as llama-server).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from fastapi import Path
+from pydantic import BaseModel
+
+from radixserve.http.fields import _UNIMPLEMENTED
+from radixserve.http.parse import INT32_MAX, MAX_CACHE_SALT, MAX_N_PROBS
+from radixserve.http.schemas import (
+    CHAT_ROLES,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from radixserve.model.chat_format import REASONING_FORMATS, TOOL_CHOICES
+
+Schema = dict[str, Any]
+
+
+def _int(lo: int | None = None, hi: int | None = None, doc: str = "") -> Schema:
+    s: Schema = {"type": "integer"}
+    if lo is not None:
+        s["minimum"] = lo
+    if hi is not None:
+        s["maximum"] = hi
+    return {**s, "description": doc} if doc else s
+
+
+def _num(lo: float, hi: float) -> Schema:
+    return {"type": "number", "minimum": lo, "maximum": hi}
+
+
+_STRINGS: Schema = {"type": "array", "items": {"type": "string"}}
+_OBJECT: Schema = {"type": "object"}
+_TOKEN_IDS: Schema = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_MIXED: Schema = {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "integer"}]}}
+_PROMPT_IDS: Schema = {**_TOKEN_IDS, "minItems": 1}  # token ids below the vocabulary's size
+_PROMPT_MIXED: Schema = {**_MIXED, "minItems": 1}
+_PROMPT_OBJECT: Schema = {
+    "type": "object", "required": ["prompt_string"],
+    "properties": {"prompt_string": {"type": "string", "minLength": 1}},
+}
+_ONE_PROMPT: list[Schema] = [{"type": "string", "minLength": 1}, _PROMPT_IDS, _PROMPT_MIXED,
+                             _PROMPT_OBJECT]
+_TOOL: Schema = {
+    "type": "object", "required": ["type", "function"],
+    "properties": {
+        "type": {"enum": ["function"]},
+        "function": {
+            "type": "object", "required": ["name"],
+            "properties": {"name": {"type": "string", "minLength": 1},
+                           "description": {"type": "string"}, "parameters": _OBJECT},
+        },
+    },
+}
+
+# Fields of the generation requests whose model type is loose (`Any`) or whose hard limits
+# parse.py checks (400 outside them). Soft limits (clamped silently: temperature, top_p...)
+# are not bounds. `id_slot` and `n`/`n_cmpl` are also below the server's slot count.
+GENERATION_FIELDS: dict[str, Schema] = {
+    "n_predict": _int(-1, doc="tokens to generate; -1: until EOS or the context is full "
+                              "(the server's --n-predict caps it)"),
+    "max_tokens": _int(-1, doc="alias of n_predict"),
+    "max_completion_tokens": _int(-1, doc="alias of n_predict"),
+    "id_slot": _int(-1, doc="the slot to run in (below the server's slot count); -1: any"),
+    "n_cache_reuse": _int(0),
+    "cache_salt": {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT,
+                   "description": "the prompt cache's namespace: different salts share no KV"},
+    "repeat_last_n": _int(0),
+    "repeat_penalty": {"type": "number", "exclusiveMinimum": 0},
+    "dry_allowed_length": _int(0),
+    "dry_penalty_last_n": _int(0),
+    "min_keep": _int(0),
+    "adaptive_decay": _num(0.0, 0.99),
+    "seed": _int(-1, 2**64 - 1, doc="-1 (or 4294967295): random"),
+    "n_probs": _int(0, MAX_N_PROBS),
+    "n_keep": _int(-1),
+    "n_discard": _int(0),
+    "n_indent": _int(0),
+    "t_max_predict_ms": _int(-1),
+    "n": _int(1, doc="completions per prompt (at most the server's slot count)"),
+    "n_cmpl": _int(1, doc="alias of n"),
+    "sse_ping_interval": _int(-1, INT32_MAX),
+    "speculative.p_min": _num(0.0, 1.0),
+    "speculative.ngram_size_n": _int(1, 1024),
+    "speculative.ngram_size_m": _int(1, 1024),
+    "speculative.ngram_min_hits": _int(0),
+    "stop": {"anyOf": [{"type": "string"}, _STRINGS]},
+    "dry_sequence_breakers": {**_STRINGS, "minItems": 1},
+    "logit_bias": {
+        "description": "[[token id or text, bias or false], ...] or {token id or text: bias "
+                       "or false}; false bans the token",
+        "anyOf": [
+            {"type": "array", "items": {
+                "type": "array", "minItems": 2, "maxItems": 2,
+                "prefixItems": [{"anyOf": [{"type": "integer"}, {"type": "string"}]},
+                                {"anyOf": [{"type": "number"}, {"enum": [False]}]}]}},
+            {"type": "object",
+             "additionalProperties": {"anyOf": [{"type": "number"}, {"enum": [False]}]}},
+        ],
+    },
+    "samplers": {"anyOf": [_STRINGS, {"type": "string"}],
+                 "description": "sampler names, or a string of sampler chars"},
+    "response_fields": _STRINGS,
+    "grammar": {"type": "string", "description": "GBNF, or a %llguidance Lark grammar"},
+    "json_schema": _OBJECT,
+    "response_format": {
+        "type": "object",
+        "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "schema": _OBJECT,
+            "json_schema": {"type": "object", "properties": {"name": {"type": "string"},
+                                                             "schema": _OBJECT}},
+        },
+    },
+    "tools": {"type": "array", "items": _TOOL},
+    "tool_choice": {"anyOf": [
+        {"enum": list(TOOL_CHOICES)},
+        {"type": "object", "required": ["type", "function"],
+         "properties": {"type": {"enum": ["function"]},
+                        "function": {"type": "object", "required": ["name"],
+                                     "properties": {"name": {"type": "string"}}}}},
+    ]},
+    "parallel_tool_calls": {"type": "boolean"},
+    "reasoning_format": {"enum": list(REASONING_FORMATS)},
+    # not implemented: only the values that ask for nothing (fields.py); others are a 400
+    **{name: {"enum": list(harmless), "description": f"not implemented ({feature}): any "
+              "other value is refused"} if harmless else
+       {"type": "null", "description": f"not implemented ({feature})"}
+       for name, (harmless, feature) in _UNIMPLEMENTED.items()},
+}
+
+COMPLETION_FIELDS: dict[str, Schema] = {
+    "prompt": {
+        "description": "a string, token ids, a mixed list of strings and token ids, a "
+                       "{prompt_string} object, or a list of such prompts (one task each)",
+        "anyOf": [*_ONE_PROMPT, {"type": "array", "minItems": 1,
+                                 "items": {"anyOf": [{"type": "string", "minLength": 1},
+                                                     _PROMPT_MIXED, _PROMPT_OBJECT]}}],
+    },
+    "logprobs": _int(0, MAX_N_PROBS, doc="OpenAI's alias of n_probs"),
+}
+
+_MESSAGE: Schema = {
+    "type": "object", "required": ["role", "content"],
+    "properties": {
+        "role": {"enum": list(CHAT_ROLES)},
+        "content": {
+            "description": "a string or a list of text parts (null only in an assistant "
+                           "message with tool_calls)",
+            "anyOf": [{"type": "string"},
+                      {"type": "array", "items": {
+                          "type": "object", "required": ["type", "text"],
+                          "properties": {"type": {"enum": ["text"]},
+                                         "text": {"type": "string"}}}}],
+        },
+        "name": {"type": "string"},
+        "tool_call_id": {"type": "string"},
+        "tool_calls": {"type": "array", "items": _OBJECT},
+    },
+}
+
+CHAT_FIELDS: dict[str, Schema] = {
+    "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+    "top_logprobs": _int(0, MAX_N_PROBS, doc="needs logprobs: true"),
+}
+
+TOKENIZE_FIELDS: dict[str, Schema] = {
+    "content": {"anyOf": [{"type": "string"}, _MIXED],
+                "description": "text, or a mixed list of texts and token ids"},
+}
+
+DETOKENIZE_FIELDS: dict[str, Schema] = {"tokens": _TOKEN_IDS}
+
+
+def _inline(node: Any, defs: dict[str, Any]) -> Any:
+    """`node` with every `#/$defs/...` reference replaced by its definition, titles dropped."""
+    if isinstance(node, dict):
+        ref = node.get("$ref", "")
+        if ref.startswith("#/$defs/"):
+            return _inline(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline(v, defs) for k, v in node.items() if k not in ("title", "$defs")}
+    if isinstance(node, list):
+        return [_inline(v, defs) for v in node]
+    return node
+
+
+def body_schema(model: type[BaseModel], fields: dict[str, Schema],
+                required: tuple[str, ...] = ()) -> Schema:
+    """The JSON schema of `model`'s body: every field under its JSON name, inlined, with
+    `fields` replacing the model's own type (each nullable; one holding only a description
+    keeps the model's type), and `required` added."""
+    raw = model.model_json_schema(by_alias=True)
+    schema = _inline(raw, raw.get("$defs", {}))
+    props: dict[str, Any] = schema["properties"]
+    for name, s in fields.items():
+        if name in props:
+            s = copy.deepcopy(s)
+            doc = s.pop("description", None)
+            if not s:
+                props[name] = {**props[name], "description": doc}
+            elif name in schema.get("required", ()) or name in required:
+                props[name] = s if doc is None else {**s, "description": doc}
+            else:
+                props[name] = {"anyOf": [s, {"type": "null"}], "default": None,
+                               **({"description": doc} if doc else {})}
+    req = list(dict.fromkeys([*schema.get("required", ()), *required]))
+    if req:
+        schema["required"] = req
+    schema.pop("description", None)
+    return schema
+
+
+def _request_body(schema: Schema, required: bool = True) -> Schema:
+    return {"requestBody": {"required": required,
+                            "content": {"application/json": {"schema": schema}}}}
+
+
+ERROR: Schema = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {
+        "type": "object", "required": ["code", "message", "type"],
+        "properties": {"code": {"type": "integer"}, "message": {"type": "string"},
+                       "type": {"type": "string"}},
+    }},
+}
+
+# every route's failures: the router adds this to each operation (errors.py shapes them all)
+ERROR_RESPONSES: dict[int | str, Any] = {
+    "default": {"description": "An error, in OpenAI's shape (errors.py)",
+                "content": {"application/json": {"schema": ERROR}}},
+}
+
+_SSE = {"200": {"description": "One JSON body, or with `stream: true` server-sent events",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+COMPLETION: Schema = {**_request_body(body_schema(
+    CompletionRequest, {**GENERATION_FIELDS, **COMPLETION_FIELDS}, ("prompt",))), "responses": _SSE}
+CHAT: Schema = {**_request_body(body_schema(
+    ChatRequest, {**GENERATION_FIELDS, **CHAT_FIELDS})), "responses": _SSE}
+# /apply-template checks a chat request's types but renders only: of the generation fields it
+# reads those that shape the prompt; the others (their ranges, the unimplemented ones) are not
+# looked at
+_TEMPLATE_READS = ("grammar", "json_schema", "response_format", "tools", "tool_choice",
+                   "parallel_tool_calls", "reasoning_format")
+_IGNORED: Schema = {"description": "not used by this route (only its type is checked)"}
+APPLY_TEMPLATE: Schema = _request_body(body_schema(ChatRequest, {
+    **{k: _IGNORED for k in GENERATION_FIELDS if k not in _TEMPLATE_READS},
+    **{k: GENERATION_FIELDS[k] for k in _TEMPLATE_READS},
+    **CHAT_FIELDS,
+}))
+TOKENIZE: Schema = _request_body(body_schema(TokenizeRequest, TOKENIZE_FIELDS))
+DETOKENIZE: Schema = _request_body(body_schema(DetokenizeRequest, DETOKENIZE_FIELDS))
+
+SLOTS: Schema = {"parameters": [{
+    "name": "fail_on_no_slot", "in": "query", "required": False,
+    "schema": {"type": "string"},
+    "description": "any value but '', '0' or 'false': 503 when no slot is idle",
+}]}
+
+SLOT_ACTION: Schema = {
+    "parameters": [{"name": "action", "in": "query", "required": True,
+                    "schema": {"enum": ["save", "restore", "erase"]}}],
+    **_request_body({
+        "type": "object",
+        "properties": {"filename": {"type": "string", "minLength": 1, "maxLength": 255,
+                                    "description": "a file in --slot-save-path (save, "
+                                                   "restore; erase reads no body)"}},
+    }, required=False),
+}
+# the path's slot id: read as a string by the route (400 "Invalid slot ID" when not an integer,
+# as llama-server), documented as what it must be
+SLOT_ID = Path(json_schema_extra={"type": "integer", "minimum": 0})
