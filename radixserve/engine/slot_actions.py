@@ -103,6 +103,8 @@ def _save(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str, A
         n_written = write_slot_file(path, SlotFile(list(slot.tokens), state,
                                                    list(slot.kv.checkpoints), draft=draft,
                                                    salt=slot.kv.salt))
+    except IsADirectoryError:  # the client named a directory: its error, not the server's
+        raise _bad(f"Unable to save slot: {filename!r} is a directory") from None
     except OSError as e:
         log.error("slot %d: saving %r failed: %s", slot.id, filename, e)
         raise TaskError(500, "server_error",

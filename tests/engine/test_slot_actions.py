@@ -176,6 +176,11 @@ def test_guards(model: Model, tmp_path: Path):
         sched.step()
     assert isinstance(out[-1], FinalResult)
     assert slot_action(sched, 0, "save", "x.bin")["n_saved"] > 0
+    # a directory's name is the client's mistake (400, as its restore), not a server error
+    (tmp_path / "adir").mkdir()
+    for action in ("save", "restore"):
+        expect_error(400, slot_action, sched, 0, action, "adir")
+    assert (tmp_path / "adir").is_dir() and not list((tmp_path / "adir").iterdir())
 
 
 def test_restore_rejects_other_model_and_dtype(model: Model, tiny_paths: dict[str, str],
