@@ -7,19 +7,8 @@ L3 and LMCache do this for SGLang and vLLM).
 - Unit: a block of `block` tokens at positions [j*block, (j+1)*block), every layer's K/V rows
   (a draft model's too), whatever radix edges the tokens lie on. Fixed, aligned blocks make a
   prefix's files findable from the tokens alone, with no index another process must share.
-- Key of block j: key(-1) = H(model fingerprint, salt), key(j) = H(key(j-1), tokens of block j),
-  so a name covers the model (weights, dtype, KV layout, kernels, torch), the tenant and the
-  whole token chain up to the block. A prompt's tail shorter than a block is not stored.
-- File (`<dir>/<2 hex>/<32 hex>.kvb`, docs/FORMATS.md): magic, a JSON header (fingerprint, key,
-  position, tokens, row shapes), the rows, then a BLAKE2b checksum of all that. Anything that
-  does not check out (short, flipped bytes, another fingerprint, key, tokens or shape) is a miss
-  and the file is removed: never an error, never wrong KV.
-- The directory is a trust boundary (docs/SECURITY.md): whoever can write it could plant KV
-  under a name, and a checksum anyone can compute does not stop them. With a secret `key`
-  (`--cache-disk-key`) H is keyed BLAKE2b: the checksum becomes a MAC and the names a keyed
-  chain, so processes without the key neither find (nor so remove) the files nor forge one,
-  and a listing of names tells nothing about the prompts. Directories and files are created
-  owner-only whatever the umask: the tokens are in clear inside.
+- Names, bytes, checks and the trust model of one block file: cache/disk_block.py (a file that
+  does not check out is a miss and is removed: never an error, never wrong KV).
 - Writes go to a temporary file then `os.replace`: readers in any process see a whole file or
   none. Readers tolerate eviction by others: a file gone between lookup and open is a miss.
 - Bytes are bounded (`limit_bytes`) by LRU over the directory: a read touches the file's mtime;
@@ -38,15 +27,11 @@ L3 and LMCache do this for SGLang and vLLM).
 from __future__ import annotations
 
 import errno
-import functools
-import hashlib
 import itertools
-import json
 import logging
 import os
 import queue
 import secrets
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -56,82 +41,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from radixserve.cache.disk_block import (MAX_HEADER, SUFFIX, BlockFormat, RowSpec, is_key,
+                                         private_dir, unlink, warn_if_open, write_private)
+
 log = logging.getLogger(__name__)
 
-MAGIC = b"RSKVBLK1"
-SUFFIX = ".kvb"
-DIGEST = 16  # bytes of BLAKE2b in keys and checksums
-NAME_PERSON, FILE_PERSON = b"radixserve.name", b"radixserve.file"  # BLAKE2b domains
 NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})  # write failures that pause writing
 BACKOFF_S = (1.0, 60.0)  # the first pause after a full disk, and the longest (it doubles)
 MAX_PENDING_WRITE_BYTES = 256 * 2**20  # queued writes beyond this are dropped (counted)
 RESCAN_S = 10.0  # other processes write too: re-read the directory's size this often
 STALE_TMP_S = 600.0  # a temporary file this old belongs to a writer that died
-MAX_HEADER = 1 << 20  # a block file's header is far smaller (its tokens, in JSON)
 IO_NICE = 19  # the I/O thread's nice value: it hashes and copies, it must not slow decoding
-
-
-def _h(person: bytes, key: bytes, *parts: bytes | memoryview) -> bytes:
-    """BLAKE2b of `parts`, keyed by `key` (b"": plain); `person` keeps names and checksums
-    apart, so no value computed for one can serve as the other."""
-    h = hashlib.blake2b(digest_size=DIGEST, key=key, person=person)
-    for p in parts:
-        h.update(p)
-    return h.digest()
-
-
-def load_key(path: str) -> bytes:
-    """The MAC key of `--cache-disk-key FILE`: BLAKE2b-256 of the file's bytes (a trailing
-    newline dropped: `echo secret > FILE` and an editor's file give the same key), so a
-    secret of any length fits BLAKE2b's 64-byte key. An unreadable or empty file is refused:
-    a server that silently ran unkeyed would accept anyone's files."""
-    try:
-        with open(path, "rb") as f:
-            secret = f.read().rstrip(b"\r\n")
-    except OSError as e:
-        raise ValueError(f"cannot read the disk cache key file {path!r}: {e.strerror}") from None
-    if not secret:
-        raise ValueError(f"the disk cache key file {path!r} is empty")
-    return hashlib.blake2b(secret, digest_size=32).digest()
-
-
-def private_dir(path: str) -> None:
-    """Create directory `path` (and missing parents) owner-only whatever the umask: its files
-    hold prompts in clear. An existing directory keeps the mode its owner gave it."""
-    path = os.path.abspath(path)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        return
-    except FileNotFoundError:
-        private_dir(os.path.dirname(path))
-        private_dir(path)
-        return
-    os.chmod(path, 0o700)  # the umask may have taken the owner's bits too
-
-
-def _token_bytes(tokens: Sequence[int]) -> bytes:
-    return np.asarray(tokens, dtype="<u4").tobytes()
-
-
-@dataclass(slots=True, frozen=True)
-class RowSpec:
-    """One row tensor of a block: [n_layer, n_head_kv, block, head_dim] of `dtype`."""
-
-    n_layer: int
-    n_head_kv: int
-    head_dim: int
-    dtype: torch.dtype
-
-    def shape(self, n: int) -> list[int]:
-        return [self.n_layer, self.n_head_kv, n, self.head_dim]
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
-
-    def nbytes(self, n: int) -> int:
-        return self.n_layer * self.n_head_kv * n * self.head_dim * self.dtype.itemsize
 
 
 @dataclass(slots=True)
@@ -207,9 +127,8 @@ class DiskTier:
         private_dir(self.dir)
         self.limit_bytes, self.block = limit_bytes, block
         self.fingerprint, self.layout = fingerprint, tuple(layout)
+        self.format = BlockFormat(fingerprint, layout, key)
         self.block_bytes = sum(r.nbytes(block) for r in self.layout)
-        self._name = functools.partial(_h, NAME_PERSON, key)
-        self._mac = functools.partial(_h, FILE_PERSON, key)
         self.backoff, self._pause_s, self._resume_at, self._pause_errno = backoff, 0.0, 0.0, 0
         self.fault, self._clock = fault, clock
         self.stats = DiskStats()
@@ -228,17 +147,12 @@ class DiskTier:
         log.info("disk cache: %s, %s, %d tokens a block (%.2f MiB), %s", self.dir,
                  f"{limit_bytes / 2**20:.0f} MiB" if limit_bytes > 0 else "no byte limit",
                  block, self.block_bytes / 2**20, "keyed" if key else "no key")
-        _warn_if_open(self.dir, bool(key))
+        warn_if_open(self.dir, bool(key))
 
     # ##### engine thread #####
     def keys(self, ns: str, tokens: Sequence[int], n_blocks: int) -> list[bytes]:
         """The keys of the first `n_blocks` blocks of `tokens` in namespace `ns`."""
-        b, key = self.block, self._name(self.fingerprint, ns.encode("utf-8", "surrogatepass"))
-        out = []
-        for j in range(n_blocks):
-            key = self._name(key, _token_bytes(tokens[j * b:(j + 1) * b]))
-            out.append(key)
-        return out
+        return self.format.keys(ns, tokens, self.block, n_blocks)
 
     def write(self, key: bytes, pos0: int, tokens: list[int],
               pieces: list[list[torch.Tensor]]) -> bool:
@@ -376,16 +290,16 @@ class DiskTier:
         if self._paused():
             self._write_failed(None)
             return
-        parts = self._encode(job)
+        parts = self.format.encode(job.key, job.pos0, job.tokens, job.pieces)
         tmp = f"{path}.{secrets.token_hex(8)}.tmp"  # unique across processes and hosts
         try:
             if self.fault is not None:
                 self.fault("write")
             private_dir(os.path.dirname(path))
-            _write_private(tmp, parts)
+            write_private(tmp, parts)
             os.replace(tmp, path)
         except OSError as e:
-            _unlink(tmp)
+            unlink(tmp)
             self._write_failed(e)
             return
         self._pause_s = 0.0  # there is room again: the next full disk pauses briefly first
@@ -397,21 +311,6 @@ class DiskTier:
             self.stats.blocks += 1
         if 0 < self.limit_bytes < self.stats.bytes:
             self._enforce()
-
-    def _encode(self, job: _Write) -> list[bytes | memoryview]:
-        """A block file's bytes, in pieces (the rows are views, not copies)."""
-        rows = [np.concatenate(p, axis=2) if len(p) > 1 else np.ascontiguousarray(p[0])
-                for p in job.pieces]
-        header = json.dumps({
-            "fingerprint": self.fingerprint.hex(), "key": job.key.hex(), "pos0": job.pos0,
-            "tokens": job.tokens,
-            "rows": [{"dtype": r.dtype_name, "shape": r.shape(len(job.tokens))}
-                     for r in self.layout],
-        }).encode()
-        parts: list[bytes | memoryview] = [MAGIC, struct.pack("<I", len(header)), header]
-        parts += [memoryview(r.data).cast("B") for r in rows]
-        parts.append(self._mac(*parts))
-        return parts
 
     def _paused(self) -> bool:
         """Whether writing is paused: after a full disk, until the pause is over or, when the
@@ -494,12 +393,12 @@ class DiskTier:
                 data = b"" if size > self.block_bytes + MAX_HEADER else f.read()
         except OSError:  # absent, or evicted by another process since
             return None
-        rows = self._decode(data, key, pos0, tokens)
+        rows = self.format.decode(data, key, pos0, tokens)
         if rows is None:
             with self.stats.lock:
                 self.stats.bad_files += 1
             log.warning("disk cache: %s is damaged or not this block's; removed", path)
-            if _unlink(path) and key in self.known:
+            if unlink(path) and key in self.known:
                 with self.stats.lock:
                     self.stats.bytes = max(0, self.stats.bytes - size)
                     self.stats.blocks = max(0, self.stats.blocks - 1)
@@ -515,37 +414,6 @@ class DiskTier:
                 self.stats.bytes += size
                 self.stats.blocks += 1
         return rows
-
-    def _decode(self, data: bytes, key: bytes, pos0: int,
-                tokens: list[int]) -> list[np.ndarray] | None:
-        """Every check a block must pass; None if any fails."""
-        n = len(tokens)
-        fixed = len(MAGIC) + 4
-        if len(data) < fixed + DIGEST or data[:len(MAGIC)] != MAGIC:
-            return None
-        if self._mac(data[:-DIGEST]) != data[-DIGEST:]:
-            return None
-        (hlen,) = struct.unpack_from("<I", data, len(MAGIC))
-        try:
-            header = json.loads(data[fixed:fixed + hlen])
-        except ValueError:
-            return None
-        want_rows = [{"dtype": r.dtype_name, "shape": r.shape(n)} for r in self.layout]
-        if (not isinstance(header, dict) or header.get("fingerprint") != self.fingerprint.hex()
-                or header.get("key") != key.hex() or header.get("pos0") != pos0
-                or header.get("tokens") != tokens or header.get("rows") != want_rows):
-            return None
-        at = fixed + hlen
-        if len(data) - DIGEST - at != sum(r.nbytes(n) for r in self.layout):
-            return None
-        out = []
-        for r in self.layout:
-            size = r.nbytes(n)
-            arr = np.frombuffer(data, np.uint8, size, at).reshape(
-                r.n_layer, r.n_head_kv, n, r.head_dim * r.dtype.itemsize)
-            out.append(arr)
-            at += size
-        return out
 
     def _scan(self) -> list[tuple[float, int, str]]:
         """(mtime, size, path) of every block file; removes temporary files of dead writers."""
@@ -565,10 +433,10 @@ class DiskTier:
                     st = e.stat()
                 except OSError:
                     continue  # removed meanwhile
-                if e.name.endswith(SUFFIX) and _is_key(e.name[:-len(SUFFIX)]):
+                if e.name.endswith(SUFFIX) and is_key(e.name[:-len(SUFFIX)]):
                     out.append((st.st_mtime, st.st_size, e.path))
                 elif e.name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_S:
-                    _unlink(e.path)
+                    unlink(e.path)
         return out
 
     def _enforce(self) -> None:
@@ -583,7 +451,7 @@ class DiskTier:
             for _, size, path in files:
                 if total <= goal:
                     break
-                if _unlink(path):
+                if unlink(path):
                     total -= size
                     removed += 1
         keys = set()
@@ -596,7 +464,7 @@ class DiskTier:
             self.stats.bytes, self.stats.blocks = total, len(keys)
 
     def _flush(self) -> int:
-        removed = sum(_unlink(p) for _, _, p in self._scan())
+        removed = sum(unlink(p) for _, _, p in self._scan())
         with self.stats.lock:
             self.stats.flushed += removed
             self.stats.bytes = self.stats.blocks = 0
@@ -604,37 +472,3 @@ class DiskTier:
         return removed
 
 
-def _write_private(path: str, parts: Sequence[bytes | memoryview]) -> None:
-    """Write a new file `path` readable by its owner only, whatever the umask."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    with open(fd, "wb") as f:
-        os.fchmod(fd, 0o600)
-        for p in parts:
-            f.write(p)
-
-
-def _warn_if_open(directory: str, keyed: bool) -> None:
-    """Others who can write the directory can plant KV unless the files are keyed."""
-    try:
-        mode = os.stat(directory).st_mode
-    except OSError:
-        return
-    if mode & 0o022 and not keyed:
-        log.warning("disk cache: %s is writable by other users, who could plant KV in it: "
-                    "make it owner-only or give every server on it --cache-disk-key "
-                    "(docs/SECURITY.md)", directory)
-
-
-def _is_key(name: str) -> bool:
-    try:
-        return len(bytes.fromhex(name)) == DIGEST
-    except ValueError:
-        return False
-
-
-def _unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except OSError:
-        return False

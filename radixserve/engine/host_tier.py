@@ -17,7 +17,8 @@ import logging
 import time
 
 from radixserve.cache.base import NullPromptCache, PromptCache
-from radixserve.cache.disk import DiskTier, RowSpec, load_key, private_dir
+from radixserve.cache.disk import DiskTier
+from radixserve.cache.disk_block import RowSpec, load_key, private_dir
 from radixserve.cache.legacy import LegacyPromptCache
 from radixserve.cache.radix import RadixPromptCache
 from radixserve.config import ServerConfig

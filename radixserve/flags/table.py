@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from radixserve.cache.disk import load_key
+from radixserve.cache.disk_block import load_key
 from radixserve.config import SPEC_TYPES
 from radixserve.flags.spec import (
     ACTION,

@@ -21,7 +21,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from radixserve.cache.disk import DIGEST, FILE_PERSON, SUFFIX, DiskTier, RowSpec, load_key
+from radixserve.cache.disk import DiskTier
+from radixserve.cache.disk_block import DIGEST, FILE_PERSON, SUFFIX, RowSpec, load_key
 from radixserve.cache.radix import RadixPromptCache
 from radixserve.config import ServerConfig
 from radixserve.engine.host_tier import make_disk

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from radixserve.bench.scenarios import make_text
-from radixserve.cache.disk import SUFFIX
+from radixserve.cache.disk_block import SUFFIX
 from radixserve.cache.prefix import common_prefix
 from radixserve.config import ServerConfig, SpecConfig
 from radixserve.engine.counters import ServerMetrics

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from radixserve.bench.scenarios import make_text
-from radixserve.cache.disk import SUFFIX
+from radixserve.cache.disk_block import SUFFIX
 from radixserve.cache.prefix import common_prefix
 from tests.http.harness import running_server
 from tests.http.test_host_cache import parse_metrics
