@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="radixserve bench", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="shipped scenarios: " + ", ".join(scenario_names()) + " (or 'all', or a .json path)")
+        epilog="shipped scenarios: " + ", ".join(scenario_names()) + " (or 'all', or a .json "
+               "path). `radixserve bench soak --help`: the reliability soak of one server")
     ap.add_argument("scenarios", nargs="+", metavar="SCENARIO")
     ap.add_argument("--modes", default=None,
                     help=f"comma separated: {', '.join(MODES)} "
@@ -75,7 +76,11 @@ def select_modes(modes: str | None, spec: str | None, urls: list[str] | None,
 
 def main(argv: list[str]) -> int:
     """Entry point of `radixserve bench` and `python -m radixserve.bench`; returns the exit code
-    (1 if any run failed, so scripts notice)."""
+    (1 if any run failed, so scripts notice). `soak` first: the soak's own parser."""
+    if argv[:1] == ["soak"]:
+        from radixserve.bench.soak import main as soak_main
+
+        return soak_main(argv[1:])
     if "--" in argv:
         i = argv.index("--")
         argv, forwarded = argv[:i], argv[i + 1:]

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from radixserve.engine.task import TaskError, invalid_request
 
@@ -105,7 +106,7 @@ class GuardedRoute(APIRoute):
                 if e.status >= 500:
                     log.error("%s %s: %s", request.method, request.url.path, e.message)
                 return task_error_response(e)
-            except ClientDisconnected:
+            except (ClientDisconnected, ClientDisconnect):  # ours, or starlette's mid-body
                 log.info("%s %s: client disconnected", request.method, request.url.path)
                 return Response(status_code=499)
             except (StarletteHTTPException, RequestValidationError):

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
+from starlette.requests import ClientDisconnect
 
+from radixserve.http.errors import GuardedRoute, read_json
 from tests.http.harness import running_server
 
 KEY = {"Authorization": "Bearer sekrit"}
@@ -146,3 +150,21 @@ def test_model_that_fails_to_load_stops_the_server(tmp_path):
                             "--port", str(free_port())], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 1 and "failed to load the model" in r.stderr
+
+
+def test_a_client_gone_mid_body_is_a_499_not_a_logged_500(caplog) -> None:
+    """starlette raises its own ClientDisconnect when the body stops coming (a client that left,
+    broken chunked framing): the client's doing, so the 499 our ClientDisconnected gets, and
+    no error logged."""
+    app = FastAPI()
+    app.router.route_class = GuardedRoute
+
+    @app.post("/gone")
+    async def gone(request: Request) -> dict:
+        await read_json(request)
+        raise ClientDisconnect()
+
+    with caplog.at_level("INFO", logger="radixserve.http.errors"):
+        r = TestClient(app).post("/gone", json={})
+    assert r.status_code == 499
+    assert not [rec for rec in caplog.records if rec.levelname == "ERROR"]
