@@ -183,7 +183,7 @@ def test_seed_command_line_starts_a_server(tmp_path: Path) -> None:
             assert props["model_alias"] == "local" and props["total_slots"] == 4
             # unified KV: any one slot may fill the whole context
             assert props["default_generation_settings"]["n_ctx"] == 8192
-        r = httpx.post(srv.url + "/completion", headers=h,
+        r = httpx.post(srv.url + "/completion", headers=h, timeout=120,
                        json={"prompt": "Hello", "n_predict": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["tokens_predicted"] == 4
 
