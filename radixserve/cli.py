@@ -96,6 +96,19 @@ def setup_logging(cfg: ServerConfig) -> None:
                         [logging.NullHandler()], force=True)
 
 
+def kernels_env_error() -> str | None:
+    """What is wrong with RADIXSERVE_KERNELS (an unknown value, a variant this CPU cannot
+    run: model/kernels.py), or None: checked before a command loads a model, so the message
+    ends start-up rather than a model load on another thread."""
+    from radixserve.model.kernels import KernelsError, select_variant
+
+    try:
+        select_variant()
+    except KernelsError as e:
+        return str(e)
+    return None
+
+
 def run_serve(argv: list[str]) -> int:
     """`radixserve serve`: llama-server's command line, parsed llama.cpp's way (flags/)."""
     from radixserve.flags import FlagError, FlagExit, parse_serve
@@ -109,6 +122,10 @@ def run_serve(argv: list[str]) -> int:
     except (FlagError, ValueError) as e:
         print(f"radixserve serve: error: {e}\n(run `radixserve serve --help` for the flags)",
               file=sys.stderr)
+        return 1
+    error = kernels_env_error()
+    if error is not None:  # before listening: a server that cannot load never answers
+        print(f"radixserve serve: error: {error}", file=sys.stderr)
         return 1
     cfg = parsed.cfg
     setup_logging(cfg)
@@ -127,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     if argv[:1] == ["serve"]:
         return run_serve(argv[1:])
+    if argv[:1] in (["cluster"], ["perf"], ["generate"]) and "-h" not in argv \
+            and "--help" not in argv and (error := kernels_env_error()) is not None:
+        print(f"radixserve {argv[0]}: error: {error}", file=sys.stderr)
+        return 1
     if argv[:1] == ["cluster"]:  # its own flags, then serve's (radixserve/cluster/cli.py)
         from radixserve.cluster.cli import main as cluster_main
 

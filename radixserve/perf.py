@@ -24,6 +24,7 @@ from radixserve.kv.pool import KVPool
 from radixserve.kv.swa import model_pool
 from radixserve.model.forward import Transformer
 from radixserve.model.head import RowNeed
+from radixserve.model.kernels import variant_name
 from radixserve.model.loader import Model, load_model, resolve_dtype, resolve_weights
 
 
@@ -93,8 +94,9 @@ def _figures(model: Model, dtype: str, fig: dict[str, list[float]], rss_load: fl
         "dtype": dtype,
         "weights": model.weights,
         "deterministic": model.deterministic,
-        # our C step kernels (model/csrc/); RADIXSERVE_KERNELS=0 measures torch's ops instead
-        "kernels": model.transformer.kern is not None,
+        # our C step kernels' variant (model/kernels.py), "none" for torch's ops
+        # (RADIXSERVE_KERNELS=0, f32 compute); RADIXSERVE_KERNELS=avx2 etc. measures another
+        "kernels": variant_name(model.transformer.kern),
         "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "load_s": round(model.load_s, 3),

@@ -16,6 +16,7 @@ import gguf
 from radixserve.config import ServerConfig
 from radixserve.http.responses import BUILD_INFO, params_json
 from radixserve.model.chat_caps import template_caps
+from radixserve.model.kernels import variant_name
 from radixserve.model.loader import Model
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,9 @@ def props_json(
         "cors_proxy_enabled": False,
         # ours: whether a token's logits depend only on the token sequence (docs/PERFORMANCE.md)
         "deterministic": model.deterministic,
+        # ours: the variant of radixserve's C kernels the model runs (RADIXSERVE_KERNELS,
+        # model/kernels.py), "none" on torch's ops
+        "kernels": variant_name(model.transformer.kern),
         "prompt_cache": {
             "backend": "none" if cfg.cache_ram_mib == 0
             else ("radix" if cfg.cache_radix_prompt else "legacy"),

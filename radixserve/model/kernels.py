@@ -1,10 +1,27 @@
 """Kernels of our own (model/csrc/*.c), compiled on first use with the system C compiler.
 
 Why compiled here rather than shipped: the sources are plain C with no torch headers, so a build
-takes ~1 s, and `-march=native` gives them the vector width of the CPU at hand. The shared
-object is cached under the user's cache directory, keyed by the source, the compiler, the flags
-and the CPU's feature flags, and written atomically (a crash mid-build leaves no half file).
-Without a compiler, or with RADIXSERVE_KERNELS=0, callers keep their torch path.
+takes a few seconds. Each build is a *variant*: the same sources with fixed flags, so a build
+is reproducible (the same bits on any machine with the same compiler) and every variant can be
+built and tested on one machine that runs them all:
+
+    avx512bf16  -march=x86-64-v4 -mavx512bf16 -mavx512vnni  (every kernel: the 4-bit and bf16
+                matmuls, the VNNI head pass, the AVX-512 attention path)
+    avx512      -march=x86-64-v4 -mavx512vnni  (no BF16: torch's int4 kernel and bf16 GEMM
+                take the matmuls; the head's int8 pass stays ours)
+    avx2        -march=x86-64-v3  (AVX2, FMA, F16C, BMI: the plain-C paths, auto-vectorized)
+    generic     -march=x86-64 (SSE2), or no -march off x86: plain C, correct everywhere
+
+RADIXSERVE_KERNELS picks one: `auto` (the default; `1` is the same) takes the best this CPU's
+flags (/proc/cpuinfo) allow, a variant's name forces it, `0` turns the kernels off (callers keep
+their torch path, as they do when no compiler is found). An unknown value, or a variant this
+CPU lacks a flag for, is a KernelsError at start-up (`radixserve serve` exits naming it).
+
+Each source becomes an object file with the common flags, which allow reassociation, except
+the sources in _STRICT_FP, whose sums must run in the order written; the objects are linked into
+one shared object per variant, cached under the user's cache directory, keyed by the variant,
+the sources, the compiler and every flag, and written atomically (a crash mid-build leaves no
+half file).
 
 Calls go through ctypes with raw pointers into torch tensors; the caller guarantees dtype,
 layout and bounds (checked here once per call, cheaply), and the kernel's OpenMP calls resolve to
@@ -22,8 +39,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,8 +50,52 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _PREFIX = "radixserve-kernels-"  # the shared object's name: this, then its build key
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
-          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
+ENV = "RADIXSERVE_KERNELS"
+# every object file: optimized, position-independent, OpenMP, no errno from libm
+_COMMON = ("-O3", "-fopenmp", "-fPIC", "-fno-math-errno")
+# and, except for the sources in _STRICT_FP, sums the compiler may reorder (vectorize)
+_REASSOC = ("-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
+# sources whose floating-point sums must run exactly as written (no reassociation)
+_STRICT_FP = frozenset({"qmm.c"})
+_LINK = ("-shared", "-fopenmp")
+
+
+class KernelsError(ValueError):
+    """RADIXSERVE_KERNELS names no variant, or one this CPU cannot run (or that did not build):
+    start-up stops with this message."""
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    name: str
+    x86_flags: tuple[str, ...]  # its -march (and extensions) on x86-64
+    needs: tuple[str, ...]  # /proc/cpuinfo flags it needs ("a|b": either)
+    what: str  # for the log: "x86-64-v3 build"
+
+    def flags(self, machine: str | None = None) -> tuple[str, ...]:
+        """Its compiler flags on `machine` (default this one's): none off x86-64 (generic)."""
+        return self.x86_flags if _is_x86(machine) else ()
+
+
+# x86-64-v2 (SSE3 is "pni"), then -v3 (LZCNT is "abm" on Linux), then -v4's AVX-512 set
+_V2 = ("pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "cx16", "lahf_lm")
+_V3 = (*_V2, "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm|lzcnt", "xsave")
+_V4 = (*_V3, "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd")
+# best first: `auto` takes the first this CPU runs
+VARIANTS: dict[str, Variant] = {v.name: v for v in (
+    Variant("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+            (*_V4, "avx512_vnni", "avx512_bf16"), "x86-64-v4 + AVX512-VNNI + AVX512-BF16 build"),
+    Variant("avx512", ("-march=x86-64-v4", "-mavx512vnni"), (*_V4, "avx512_vnni"),
+            "x86-64-v4 + AVX512-VNNI build"),
+    Variant("avx2", ("-march=x86-64-v3",), _V3, "x86-64-v3 build"),
+    Variant("generic", ("-march=x86-64",), (), "x86-64 baseline build"),
+)}
+CHOICES = ("auto", *VARIANTS, "0")  # what RADIXSERVE_KERNELS takes (and "1", meaning auto)
+
+
+def _is_x86(machine: str | None = None) -> bool:
+    m = (machine if machine is not None else platform.machine()).lower()
+    return m in ("x86_64", "amd64", "x64")
 
 
 def cache_dir() -> Path:
@@ -40,20 +103,87 @@ def cache_dir() -> Path:
     return Path(base) / "radixserve" / "kernels"
 
 
-def _cpu_signature() -> str:
-    """The CPU's model and feature flags: a cached -march=native build must match them."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="ignore")
-    except OSError:
-        return platform.processor() or platform.machine()
-    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
-    return "\n".join(dict.fromkeys(keep))  # one copy per distinct line, not one per core
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str] | None:
+    """The CPU's feature flags: those every core lists in /proc/cpuinfo (or in `cpuinfo`, the
+    text of one); None when there is no such file."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="ignore")
+        except OSError:
+            return None
+    sets = [frozenset(line.split(":", 1)[1].split()) for line in cpuinfo.splitlines()
+            if line.split(":", 1)[0].strip() in ("flags", "Features") and ":" in line]
+    return frozenset.intersection(*sets) if sets else frozenset()
 
 
-def build() -> Path | None:
-    """Compile every csrc/*.c into one shared object (or reuse the cached build); None when it
-    cannot be built."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def missing_flags(variant: str, flags: frozenset[str] | None,
+                  machine: str | None = None) -> list[str]:
+    """The CPU flags `variant` needs that `flags` lacks (["x86-64"] for an x86 variant on
+    another machine); [] when it runs here."""
+    v = VARIANTS[variant]
+    if not v.needs:
+        return []
+    if not _is_x86(machine):
+        return ["x86-64"]
+    have = flags or frozenset()
+    return [n for n in v.needs if not any(a in have for a in n.split("|"))]
+
+
+def supported_variants(cpuinfo: str | None = None, machine: str | None = None) -> list[str]:
+    """The variants this CPU runs, best first (generic always)."""
+    flags = cpu_flags(cpuinfo)
+    return [name for name in VARIANTS if not missing_flags(name, flags, machine)]
+
+
+def select_variant(value: str | None = None, cpuinfo: str | None = None,
+                   machine: str | None = None) -> str | None:
+    """The variant RADIXSERVE_KERNELS asks for (`value`; by default the environment's): None
+    for 0 (kernels off); for auto, 1 or unset the best this CPU runs; a name forces that
+    variant. Raises KernelsError for an unknown value, or a variant the CPU lacks flags for.
+    `cpuinfo` and `machine` stand in for /proc/cpuinfo and platform.machine() (tests)."""
+    raw = os.environ.get(ENV) if value is None else value
+    choice = (raw or "auto").strip().lower()
+    if choice == "0":
+        return None
+    if choice in ("auto", "1"):
+        return supported_variants(cpuinfo, machine)[0]
+    allowed = ", ".join(CHOICES if _is_x86(machine) else ("auto", "generic", "0"))
+    if choice not in VARIANTS:
+        raise KernelsError(f"{ENV}={raw!r} is not a kernel variant; allowed values: {allowed} "
+                           f"(unset means auto)")
+    flags = cpu_flags(cpuinfo)
+    missing = missing_flags(choice, flags, machine)
+    if missing:
+        runs = ", ".join(supported_variants(cpuinfo, machine))
+        if not _is_x86(machine):
+            why = f"it is an x86-64 build and this machine is {machine or platform.machine()}"
+        elif flags is None:
+            why = "the CPU's flags are unknown (no /proc/cpuinfo)"
+        else:
+            why = f"this CPU lacks {' '.join(missing)}"
+        raise KernelsError(f"{ENV}={choice}: the {choice} kernels ({VARIANTS[choice].what}) "
+                           f"cannot run here: {why}; this CPU runs {runs}; allowed values: "
+                           f"{allowed}")
+    return choice
+
+
+def compile_flags(source: str, variant: str, machine: str | None = None) -> list[str]:
+    """The flags that compile csrc/`source` (a file name) to an object file for `variant`."""
+    fp = () if source in _STRICT_FP else _REASSOC
+    return [*_COMMON, *fp, *VARIANTS[variant].flags(machine)]
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(variant: str | None = None) -> Path | None:
+    """Compile every csrc/*.c for `variant` (default: the best this CPU runs) and link them
+    into one shared object, or reuse the cached build; None when it cannot be built."""
+    variant = variant or supported_variants()[0]
+    if variant not in VARIANTS:
+        raise KernelsError(f"no kernel variant {variant!r} ({', '.join(VARIANTS)})")
+    cc = _compiler()
     if cc is None:
         log.warning("no C compiler found: kernels disabled, torch ops used instead")
         return None
@@ -64,30 +194,48 @@ def build() -> Path | None:
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("C compiler %s unusable (%s): kernels disabled", cc, e)
         return None
-    parts = [p.read_bytes() for p in sorted(_CSRC.iterdir())]
-    key = hashlib.sha256(b"\0".join([*parts, version, " ".join(_FLAGS).encode(),
-                                     _cpu_signature().encode()])).hexdigest()[:16]
-    out = cache_dir() / f"{_PREFIX}{key}.so"
+    # the build's inputs: every source and header, the compiler, each source's flags
+    h = hashlib.sha256(version)
+    for p in sorted(q for q in _CSRC.iterdir() if q.suffix in (".c", ".h")):
+        h.update(b"\0" + p.name.encode() + b"\0" + p.read_bytes())
+    for p in sources:
+        h.update(b"\0" + " ".join(compile_flags(p.name, variant)).encode())
+    h.update(b"\0" + " ".join(_LINK).encode())
+    out = cache_dir() / f"{_PREFIX}{variant}-{h.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
+
+    def compile_one(src: Path) -> str | None:
+        """Compile one source into the build's directory; its errors, or None."""
+        cmd = [cc, *compile_flags(src.name, variant), "-c", str(src), "-o",
+               os.path.join(tmp, src.stem + ".o")]
+        r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+        return None if r.returncode == 0 else f"{src.name}:\n{r.stderr[-2000:]}"
+
     try:
-        r = subprocess.run([cc, *_FLAGS, *map(str, sources), "-o", tmp, "-lm"],
-                           capture_output=True, text=True, timeout=120)
-        if r.returncode != 0:
-            log.warning("building the kernels failed, torch ops used instead:\n%s",
-                        r.stderr[-2000:])
-            return None
-        os.replace(tmp, out)
-        return out
+        # objects and the linked file in a private directory beside the cache: one rename
+        # publishes the build, and the directory goes whatever happens
+        with tempfile.TemporaryDirectory(prefix=".build-", dir=out.parent) as tmp:
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                errors = [e for e in pool.map(compile_one, sources) if e]
+            if errors:
+                log.warning("building the %s kernels failed, torch ops used instead:\n%s",
+                            variant, "\n".join(errors))
+                return None
+            so = os.path.join(tmp, "kernels.so")
+            r = subprocess.run([cc, *_LINK, *(os.path.join(tmp, p.stem + ".o")
+                                              for p in sources), "-o", so, "-lm"],
+                               check=False, capture_output=True, text=True, timeout=120)
+            if r.returncode != 0:
+                log.warning("linking the %s kernels failed, torch ops used instead:\n%s",
+                            variant, r.stderr[-2000:])
+                return None
+            os.replace(so, out)
+            return out
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("building the kernels failed (%s), torch ops used instead", e)
+        log.warning("building the %s kernels failed (%s), torch ops used instead", variant, e)
         return None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _cells_arg(cells: slice | torch.Tensor, n_cells: int) -> tuple[int | None, int, int]:
@@ -110,12 +258,14 @@ class Kernels:
     the residual add fused with RMSNorm-to-bf16, the SiLU gate, the head's int8 pass and its
     exact f32 dot products.
     Pointers go to C unchecked, so every entry point checks dtype and layout first (cheaply, or
-    once per step). `build_key` names the build (sources, compiler, flags, CPU features): the
-    bits these kernels compute depend on it, so KV kept across processes is keyed by it
-    (Model.identity)."""
+    once per step). `variant` names the build's flags (VARIANTS), `build_key` the whole build
+    (the variant, sources, compiler, flags): the bits these kernels compute depend on it, so
+    KV kept across processes is keyed by it (Model.identity). `lib` is the shared object, for
+    callers that bind further entry points of their own."""
 
-    def __init__(self, lib: ctypes.CDLL, build_key: str = "") -> None:
-        self.build_key = build_key
+    def __init__(self, lib: ctypes.CDLL, build_key: str = "", variant: str = "") -> None:
+        # lib: for bindings kept beside their matrices (model/qmm.py)
+        self.lib, self.build_key, self.variant = lib, build_key, variant
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         seqs: list[Any] = [i32, p, p, p, p, i32, i32, i32, f32, p, p, i64]  # n_seq .. work
         self._attn = lib.attn_causal_win_bf16
@@ -443,10 +593,42 @@ class DecodeStep:
         return self.act
 
 
+def variant_name(kern: Kernels | None) -> str:
+    """What /props and `radixserve perf` report: the kernels' variant, "none" without them."""
+    return kern.variant if kern is not None else "none"
+
+
+@functools.cache
+def load_kernels(variant: str) -> Kernels | None:
+    """`variant`'s kernels, built (or taken from the cache) and loaded once per process; None
+    when they do not build. Raises KernelsError when this CPU cannot run them."""
+    if variant not in VARIANTS:
+        raise KernelsError(f"no kernel variant {variant!r}; allowed: {', '.join(VARIANTS)}")
+    missing = missing_flags(variant, cpu_flags())
+    if missing:
+        raise KernelsError(f"the {variant} kernels cannot run on this CPU: it lacks "
+                           f"{' '.join(missing)}")
+    path = build(variant)
+    if path is None:
+        return None
+    return Kernels(ctypes.CDLL(str(path)), path.stem.removeprefix(_PREFIX), variant)
+
+
 @functools.cache
 def kernels() -> Kernels | None:
-    """The compiled kernels, or None (no compiler, build failed, RADIXSERVE_KERNELS=0)."""
-    if os.environ.get("RADIXSERVE_KERNELS", "1") == "0":
+    """The kernels RADIXSERVE_KERNELS selects (select_variant), or None (RADIXSERVE_KERNELS=0,
+    or under auto no compiler or a failed build). Raises KernelsError for a value that names no
+    variant, a variant this CPU cannot run, or a forced variant that did not build."""
+    variant = select_variant()
+    if variant is None:
+        log.info("kernels: none (%s=0: torch ops)", ENV)
         return None
-    path = build()
-    return Kernels(ctypes.CDLL(str(path)), path.stem.removeprefix(_PREFIX)) if path else None
+    kern = load_kernels(variant)
+    if kern is None:
+        if (os.environ.get(ENV) or "auto").strip().lower() not in ("auto", "1"):
+            raise KernelsError(f"{ENV}={variant}: the {variant} kernels did not build (see the "
+                               f"warning above); unset {ENV} or set it to 0 for torch's ops")
+        log.info("kernels: none (no build: torch ops)")
+        return None
+    log.info("kernels: %s (%s)", variant, VARIANTS[variant].what)
+    return kern

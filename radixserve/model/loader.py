@@ -73,7 +73,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r} (auto, f32, bf16, f16)")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    # our kernels (any variant) take bf16 activations and never run torch's emulated bf16
+    # matmuls, so a CPU without AVX512-BF16 computes in bf16 too when they built
+    from radixserve.model.kernels import kernels
+
+    return torch.bfloat16 if cpu_has_fast_bf16() or kernels() is not None else torch.float32
 
 
 @dataclass(slots=True)
@@ -109,9 +113,10 @@ class Model:
     def identity(self, cache_dir: str | None = None) -> bytes:
         """What the KV this model computes depends on: the GGUF's bytes, the hyper-parameters as
         loaded (overrides included), the compute dtype, the weight path and the code computing
-        it, which sets the KV's last bits: our kernels' build (sources, compiler, flags, CPU
-        features), torch's version and the vector width its CPU ops run at. The disk cache keys
-        its files by it, so machines or installs that differ there never share them."""
+        it, which sets the KV's last bits: our kernels' build (Kernels.build_key: its variant,
+        sources, compiler and flags), torch's version and the vector width its CPU ops run at.
+        The disk cache keys its files by it, so machines or installs that differ there never
+        share them."""
         tr = self.transformer
         kern = tr.kern.build_key if tr.kern is not None else None
         desc = repr((self.hp, str(self.dtype), self.weights, self.deterministic, kern,

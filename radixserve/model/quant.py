@@ -16,9 +16,14 @@ Two executions of that form, picked at load (`packed_linear`):
   activation dtype: the path without our kernels. Its bf16 path is the fast one; its f32 path is
   exact but ~10x slower than a dense f32 matmul (cpu-perf-notes.md), so `--weights auto` packs
   only for bf16/f16 compute.
-Other types (Q5_*, Q6_K, Q8_0, F16...) stay dense in the compute dtype, because torch's int8
-kernel takes one scale per row and re-quantizing those blocks to it would change the weights;
-dense bf16 runs our row-invariant kernel (csrc/bf16_gemm.c, DenseLinear).
+On the kernel variants without AVX512-BF16 (avx512, avx2, generic), every common GGUF type
+(Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, F16, BF16, F32) runs QuantLinear: csrc/qmm.c
+reads the file's own blocks, so a matrix costs its bytes per weight in the file, each row's bits
+are the same at any row count, and times the identity it gives gguf-py's dequantized weights.
+With AVX512-BF16 the other types stay dense bf16 (our GEMM is faster from 4 rows on than qmm's
+one-weight-row-at-a-time design); without our kernels, or with f16/f32 compute, they stay dense
+in the compute dtype (torch's int8 kernel takes one scale per row: re-quantizing the blocks to it would
+change the weights); dense bf16 runs our row-invariant kernel (csrc/bf16_gemm.c, DenseLinear).
 """
 
 from __future__ import annotations
@@ -31,11 +36,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from radixserve.model import qmm
 from radixserve.model.kernels import BF16_PANEL, Bf16Matrix, Kernels, kernels
 
 GROUP = 32
 Q = gguf.GGMLQuantizationType
 PACKED_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+# csrc/qmm.c's types, read in the file's blocks (QuantLinear); the float ones only where our
+# bf16 kernel (DenseLinear) is missing, as that one's bits are the tested reference elsewhere
+QMM_TYPES = (*PACKED_TYPES, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q5_K, Q.Q6_K)
+QMM_FLOAT_TYPES = (Q.F16, Q.BF16, Q.F32)
 # torch's int4 kernel: chunks of this many rows or more run as a dense bf16 matmul on weights
 # unpacked for that call, as it is compute-bound there and loses to a bf16 GEMM (except in
 # deterministic mode: other bits). Our Q4 kernel keeps up with the GEMM at every size
@@ -311,3 +321,49 @@ def packed_linear(codes: Codes, bias: torch.Tensor | None, dtype: torch.dtype) -
             and all(np.abs(a).max(initial=0) <= F16_MAX for a in (codes.scale, codes.offset))):
         return Q4Linear(codes, bias, kern)
     return Int4Linear(codes, bias, dtype)
+
+
+def raw_rows(t: gguf.ReaderTensor) -> np.ndarray:
+    """A tensor's bytes as [rows, bytes per row]: each row its blocks, as in the file."""
+    n = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+    return np.asarray(t.data).view(np.uint8).reshape(n, -1)
+
+
+class QuantLinear(Linear):
+    """Weights in a GGUF type's own blocks, as the file holds them (csrc/qmm.c): any common
+    quant type at its bytes per weight, bf16 activations, each row's bits the same at any row
+    count and on any thread count; times the identity it gives gguf-py's dequantization (the
+    affine types within one f32 rounding: an FMA where gguf-py multiplies then adds)."""
+
+    row_invariant = True
+
+    def __init__(self, qtype: gguf.GGMLQuantizationType, raw: np.ndarray, k: int,
+                 bias: torch.Tensor | None, kern: Kernels) -> None:
+        self.qtype, self.n_out, self.n_in, self.bias = qtype, raw.shape[0], k, bias
+        self.mat = qmm.QuantMatrix(kern.lib, int(qtype), torch.from_numpy(np.array(raw)), k)
+
+    def __call__(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self.mat.matmul(x.reshape(-1, self.n_in).contiguous()).view(*lead, self.n_out)
+        return y if self.bias is None else y + self.bias
+
+    def weight(self) -> torch.Tensor:
+        """bf16 W [N, K] from the decoded f32 weights."""
+        return self.mat.rows().to(torch.bfloat16)
+
+    @property
+    def nbytes(self) -> int:
+        return self.mat.raw.nbytes + (self.bias.nbytes if self.bias is not None else 0)
+
+
+def quant_kernels(dtype: torch.dtype, qtype: gguf.GGMLQuantizationType) -> Kernels | None:
+    """Our kernels when QuantLinear runs this type at this compute dtype, else None."""
+    kern = kernels()
+    if dtype != torch.bfloat16 or kern is None or not qmm.available(kern.lib):
+        return None
+    # with AVX512-BF16, our bf16 GEMM (dense) stays ahead of qmm from 4 rows on (qmm decodes a
+    # group per weight row, where the tile kernels share that work across 16 rows), and Q4
+    # types run the 4-bit tiles: qmm is for the CPUs without those
+    if kern.has_bf16_gemm:
+        return None
+    return kern if qtype in QMM_TYPES or qtype in QMM_FLOAT_TYPES else None

@@ -1,8 +1,10 @@
 """GGUF tensors -> the engine's weights: packed 4-bit linears or dense ones, and the output head.
 
-`packed=True` (the native path) keeps Q4_0 / Q4_1 / Q4_K matrices as 4-bit codes executed by
-torch's int4 kernel (model/quant.py); every other type is dequantized once at load with
-`gguf.quants` into the compute dtype (the dequant path does that for every type). Q/K/V and
+`packed=True` (the native path) keeps quantized matrices packed (model/quant.py): Q4_0 / Q4_1 /
+Q4_K in our 4-bit tiles (AVX512-BF16) or torch's int4 layout (no kernels of ours), every other
+common type, and the Q4 ones on other CPUs, in the file's own blocks (csrc/qmm.c); a type none of
+those runs is dequantized once at load with `gguf.quants` into the compute dtype (the dequant
+path does that for every type). Q/K/V and
 gate/up are fused into one [out, in] matrix each, because on CPU one larger matmul beats several
 small ones (shared/reference/cpu-perf-notes.md). GGUF `llama` Q/K rows are stored permuted for
 the interleaved rotation; we undo the permutation (rows of codes and scales alike) so every
@@ -20,13 +22,17 @@ import torch
 
 from radixserve.model.head import OutputHead
 from radixserve.model.hparams import HParams, UnsupportedModelError
+from radixserve.model.kernels import kernels
 from radixserve.model.quant import (
     PACKED_TYPES,
     Codes,
     ConcatLinear,
     DenseLinear,
     Linear,
+    QuantLinear,
     packed_linear,
+    quant_kernels,
+    raw_rows,
     split_blocks,
 )
 
@@ -100,23 +106,53 @@ class _Loader:
             return None
         return torch.from_numpy(a).to(torch.float32 if f32 else self.dtype).contiguous()
 
+    def _kind(self, t: gguf.ReaderTensor) -> str:
+        """How a matrix runs: "q4" (our 4-bit tiles, or torch's int4 layout without our
+        kernels), "quant" (its own blocks, csrc/qmm.c) or "dense"."""
+        if not self.packed:
+            return "dense"
+        kern = kernels()
+        q4_tiles = kern is not None and kern.has_q4 and self.dtype == torch.bfloat16
+        if t.tensor_type in PACKED_TYPES and (q4_tiles or kern is None):
+            return "q4"
+        if quant_kernels(self.dtype, t.tensor_type) is not None:
+            return "quant"
+        return "q4" if t.tensor_type in PACKED_TYPES else "dense"
+
     def linear(self, names: list[str], heads: list[int | None],
                biases: list[np.ndarray] | None = None) -> Linear:
         """One linear of the row-concatenated matrices `names` (rows un-permuted where `heads`
-        gives a head count); packed when every part is a 4-bit type, else dense or mixed."""
+        gives a head count): packed 4-bit tiles, the file's own blocks, or dense; a run of
+        parts that differ in type or kind becomes a ConcatLinear of same-type runs."""
         ts = [self.tensor(n) for n in names]
+        kinds = [(self._kind(t), t.tensor_type if self._kind(t) == "quant" else None)
+                 for t in ts]
+        if len(set(kinds)) > 1:  # e.g. Q4_K_M: attn_v in Q6_K next to Q4_K q/k
+            runs: list[list[int]] = []
+            for i, kd in enumerate(kinds):
+                if runs and kinds[runs[-1][-1]] == kd:
+                    runs[-1].append(i)
+                else:
+                    runs.append([i])
+            return ConcatLinear([
+                self.linear([names[i] for i in run], [heads[i] for i in run],
+                            None if biases is None else [biases[i] for i in run])
+                for run in runs
+            ])
         bias = None if biases is None else torch.from_numpy(np.concatenate(biases)).to(self.dtype)
-        is_packed = [self.packed and t.tensor_type in PACKED_TYPES for t in ts]
-        if all(is_packed):
+        kind, qtype = kinds[0]
+        if kind == "q4":
             parts = [split_blocks(t) for t in ts]
             parts = [c if h is None else c.rows(_row_order(c.q.shape[0], h))
                      for c, h in zip(parts, heads)]
             return packed_linear(Codes.concat(parts), bias, self.dtype)
-        if any(is_packed):  # e.g. Q4_K_M: attn_v in Q6_K next to Q4_K q/k
-            return ConcatLinear([
-                self.linear([n], [h], None if biases is None else [biases[i]])
-                for i, (n, h) in enumerate(zip(names, heads))
-            ])
+        if kind == "quant":
+            kern = kernels()
+            assert kern is not None and qtype is not None
+            raws = [raw_rows(t) for t in ts]
+            raws = [r if h is None else r[_row_order(r.shape[0], h)] for r, h in zip(raws, heads)]
+            k = int(ts[0].shape[0])
+            return QuantLinear(qtype, np.concatenate(raws), k, bias, kern)
         arrays = []
         for t, h in zip(ts, heads):
             a = _dense(t)

@@ -6,6 +6,7 @@ naming the feature; a not-applicable flag is logged once."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -201,15 +202,44 @@ def test_seed_command_line_starts_a_server(tmp_path: Path) -> None:
     assert text.count("--n-gpu-layers: not applicable here") == 1
 
 
-@pytest.mark.parametrize("mode, on", [("auto", True), ("off", False)])
-def test_deterministic_mode_is_reported_by_props(mode: str, on: bool) -> None:
+@pytest.mark.parametrize("mode, on, kernels", [("auto", True, "auto"), ("off", False, "avx2")])
+def test_deterministic_mode_is_reported_by_props(mode: str, on: bool, kernels: str,
+                                                 tmp_path: Path) -> None:
     """The default model in bf16: auto turns the mode on; /props says which, and with it on
-    --cache-reuse is reported as 0 (the mode never shifts chunks)."""
+    --cache-reuse is reported as 0 (the mode never shifts chunks). /props names the variant of
+    our kernels the model runs (RADIXSERVE_KERNELS: auto takes avx512bf16 on this project's
+    machines; one forced), and the log says it once at start-up."""
     args = ["-c", "512", "--cache-reuse", "16", "--deterministic", mode]
-    with running_server(args) as srv:
-        props = httpx.get(srv.url + "/props").json()
+    log_file = tmp_path / "server.log"
+    env = {**os.environ, "RADIXSERVE_KERNELS": kernels}
+    with running_server(args, str(log_file), env=env) as srv:
+        props = httpx.get(srv.url + "/props", timeout=60).json()  # not 5 s: a loaded machine
     assert props["deterministic"] is on
     assert props["prompt_cache"]["cache_reuse"] == (0 if on else 16)
+    variant = "avx512bf16" if kernels == "auto" else kernels
+    assert props["kernels"] == variant
+    build = {"avx512bf16": "x86-64-v4 + AVX512-VNNI + AVX512-BF16 build",
+             "avx2": "x86-64-v3 build"}[variant]
+    assert log_file.read_text().count(f"kernels: {variant} ({build})") == 1
+
+
+@pytest.mark.parametrize("value, says", [
+    ("bogus", ("RADIXSERVE_KERNELS='bogus' is not a kernel variant; allowed values: auto, "
+               "avx512bf16, avx512, avx2, generic, 0")),
+    ("AVX-512", "RADIXSERVE_KERNELS='AVX-512' is not a kernel variant"),
+])
+def test_bad_kernel_variant_stops_startup(value: str, says: str) -> None:
+    """RADIXSERVE_KERNELS naming no variant (or one this CPU lacks, tests/model/
+    test_kernels.py) ends `radixserve serve` before it listens: exit 1 and the message, no
+    traceback; `generate` and `perf` too."""
+    env = {**os.environ, "RADIXSERVE_KERNELS": value}
+    r = cli("serve", "--port", str(free_port()), env=env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("radixserve serve: error: ") and says in r.stderr
+    assert "listening" not in r.stderr
+    for cmd in (["generate", "hi"], ["perf"]):
+        r = cli(*cmd, env=env)
+        assert r.returncode == 1 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_deterministic_on_where_it_cannot_hold_stops_startup() -> None:

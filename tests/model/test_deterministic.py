@@ -1,6 +1,7 @@
 """Deterministic mode on the default model in bf16: a token's K/V and logits are bitwise the same
-however its sequence was chunked, whatever shares its batch, on 1 or 2 threads; and on torch's
-own ops they are not (the checks below can fail)."""
+however its sequence was chunked, whatever shares its batch, on 1 or 2 threads, with each variant
+of our kernels (avx512bf16, avx512, avx2, generic: RADIXSERVE_KERNELS); and on torch's own ops
+they are not (the checks below can fail)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from radixserve.model import kernels as K
 from radixserve.model.forward import Transformer
 from radixserve.model.head import RowNeed
 from radixserve.model.loader import Model, load_model
+from tests.model.kernel_variants import VARIANTS, variant_kernels
 
 ENGLISH = ("The river rose through the night, and by morning the old bridge at the edge of "
            "town was under water. People gathered on the hill to watch, some with coffee, some "
@@ -21,10 +23,25 @@ CHINESE = ("服务端按最长公共前缀选择槽位,把提示词缓存在内�
            "缓存,再按先进先出的顺序淘汰。检查点记录序列的状态,恢复时从最近的检查点重新计算。")
 
 
-@pytest.fixture(scope="module")
-def model() -> Model:
-    m = load_model("default", "bf16", deterministic="on")
-    assert m.deterministic and m.transformer.kern is not None
+def load_with(variant: str, path: str = "default", deterministic: str = "on") -> Model:
+    """The model in bf16 on `variant`'s kernels (as RADIXSERVE_KERNELS=<variant> runs it)."""
+    variant_kernels(variant)  # runs here and builds, or the test fails saying why
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(K.ENV, variant)
+        K.kernels.cache_clear()
+        try:
+            m = load_model(path, "bf16", deterministic=deterministic)
+        finally:
+            K.kernels.cache_clear()
+    kern = m.transformer.kern
+    assert kern is not None and kern.variant == variant
+    return m
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def model(request: pytest.FixtureRequest) -> Model:
+    m = load_with(request.param)
+    assert m.deterministic
     return m
 
 
@@ -74,7 +91,7 @@ def test_prefix_kv_and_logits_equal_bitwise_in_one_chunk_or_many(model):
         assert torch.equal(tr.w.head.full(h), tr.w.head.full(ref_h)), chunk
 
 
-def test_torch_ops_alone_are_not_chunk_invariant(model, monkeypatch):
+def test_torch_ops_alone_are_not_chunk_invariant(monkeypatch):
     """The check above has teeth: the same model on torch's ops (no kernels of ours: torch's
     int4 kernel switching to a dense GEMM on big chunks, SDPA, torch's f32 head) gives a
     prefix other K/V bits in one chunk than token by token, so the mode is off there."""
@@ -87,7 +104,7 @@ def test_torch_ops_alone_are_not_chunk_invariant(model, monkeypatch):
         K.kernels.cache_clear()
     tr = torch_ops.transformer
     assert tr.kern is None and not tr.deterministic
-    ids = text_tokens(model, 300)
+    ids = text_tokens(torch_ops, 300)
     pools = [new_pool(tr), new_pool(tr)]
     prefill(tr, pools[0], 0, ids, 512)
     prefill(tr, pools[1], 0, ids, 1)
@@ -160,13 +177,15 @@ def test_one_or_two_threads_give_the_same_bits(model):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_every_architecture_and_weight_type_is_chunk_and_batch_invariant(tiny_paths, arch):
-    """The tiny models in bf16: Q8_0 and Q4_1 layer matrices (our bf16 and 4-bit kernels),
-    qwen2's q/k/v biases, qwen3's q/k norms (torch RoPE, then our causal attention): a prefix's
-    K/V and its last logits are the same bits in one chunk, in 7-token chunks and token by
-    token, and the mode is on by default there."""
-    m = load_model(tiny_paths[arch], "bf16")
+def test_every_architecture_and_weight_type_is_chunk_and_batch_invariant(tiny_paths, arch,
+                                                                         variant):
+    """The tiny models in bf16, on each variant of our kernels: Q8_0 and Q4_1 layer matrices
+    (our bf16, 4-bit or block-format kernels), qwen2's q/k/v biases, qwen3's q/k norms (torch
+    RoPE, then our causal attention): a prefix's K/V and its last logits are the same bits in
+    one chunk, in 7-token chunks and token by token, and the mode is on by default there."""
+    m = load_with(variant, tiny_paths[arch], "auto")
     tr = m.transformer
     assert m.deterministic
     ids = [(i * 7919) % 250 + 3 for i in range(150)]
@@ -180,4 +199,40 @@ def test_every_architecture_and_weight_type_is_chunk_and_batch_invariant(tiny_pa
             h = prefill(tr, pool, 0, ids[chunk:], chunk, pos0=chunk)
         assert torch.equal(kv_bytes(pool, 0)[0], kv_bytes(ref_pool, 0)[0]), chunk
         assert torch.equal(kv_bytes(pool, 0)[1], kv_bytes(ref_pool, 0)[1]), chunk
+        assert torch.equal(tr.w.head.full(h), tr.w.head.full(ref_h)), chunk
+
+
+@pytest.mark.parametrize("swa_full", [False, True], ids=["split-cache", "swa-full"])
+def test_gemma3_is_chunk_and_batch_invariant(tiny_swa_path, swa_full):
+    """The tiny gemma3 in bf16 (q/k norms, sliding windows of 16 with their own RoPE base and,
+    in the split layout, their own pruned cache; post norms, GeGLU: model/gemma_step.py's C
+    glue and our windowed attention): a prefix's K/V in both kinds of layers and its last
+    logits are the same bits in one chunk, in 7-token chunks and token by token, beside
+    another sequence; and the mode is on by default there."""
+    from radixserve.kv.swa import SWAPool, model_pool
+
+    m = load_model(tiny_swa_path, "bf16")
+    tr = m.transformer
+    assert m.deterministic and tr.own_attention
+    ids = [(i * 7919) % 250 + 3 for i in range(150)]
+
+    def kv(pool) -> list[torch.Tensor]:
+        parts = [pool, pool.swa] if isinstance(pool, SWAPool) else [pool]
+        return [t[:, :, p.view(0).cells].clone() for p in parts for t in (p.k, p.v)]
+
+    def new(n_seq: int = 2):
+        pool = model_pool(m, 512, n_seq, True, 150, swa_full=swa_full)
+        assert isinstance(pool, SWAPool) != swa_full
+        return pool
+
+    ref_pool = new()
+    ref_h = prefill(tr, ref_pool, 0, ids, 512)
+    ref_kv = kv(ref_pool)
+    for chunk in (7, 1):
+        pool = new()
+        prefill(tr, pool, 1, ids[:40], 512)  # another sequence in the pool, and in the batch
+        h = hidden(tr, pool, [BatchSeq(0, ids[:chunk], 0), BatchSeq(1, ids[40:45], 40)])[:1]
+        h = prefill(tr, pool, 0, ids[chunk:], chunk, pos0=chunk)
+        got = kv(pool)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref_kv)), chunk
         assert torch.equal(tr.w.head.full(h), tr.w.head.full(ref_h)), chunk

@@ -1,8 +1,11 @@
-"""Our C step kernels (model/csrc/) against torch's own ops on the same inputs, their input
-checks (they take raw pointers), and their build cache."""
+"""Our C step kernels (model/csrc/) against torch's own ops on the same inputs, in every
+variant (avx512bf16, avx512, avx2, generic: the same sources built with other flags), their
+input checks (they take raw pointers), their build cache and the choice of variant
+(RADIXSERVE_KERNELS)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import pytest
@@ -12,15 +15,15 @@ import torch.nn.functional as F
 from radixserve.model import kernels as K
 from radixserve.model.hparams import HParams
 from radixserve.model.rope import Rope
+from tests.model.kernel_variants import HAS, VARIANTS, variant_kernels
 
 BF = torch.bfloat16
 
 
-@pytest.fixture(scope="module")
-def kern() -> K.Kernels:
-    k = K.kernels()
-    assert k is not None, "the kernels did not build (is a C compiler installed?)"
-    return k
+@pytest.fixture(scope="module", params=VARIANTS)
+def kern(request: pytest.FixtureRequest) -> K.Kernels:
+    """Each variant's kernels in turn (load_kernels: the environment untouched)."""
+    return variant_kernels(request.param)
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
@@ -452,6 +455,12 @@ def test_kernels_refuse_what_they_cannot_read(kern):
     with pytest.raises(ValueError):
         kern.silu_mul(torch.zeros(2, 7, dtype=BF))
     tiles = torch.zeros(2, 3, 320, dtype=torch.uint8)  # a 32 x 96 Q4 matrix
+    if not kern.has_q4:  # no AVX512-BF16 in this build: no 4-bit (or bf16) matrix at all
+        with pytest.raises(ValueError):
+            kern.q4(tiles, 32, 96)
+        with pytest.raises(ValueError):
+            kern.bf16(torch.zeros(1, 16, 32, 2, dtype=BF), 32, 32)
+        return
     mat = kern.q4(tiles, 32, 96)
     with pytest.raises(ValueError):
         mat.matmul(torch.zeros(1, 96))  # f32 rows
@@ -473,12 +482,16 @@ def test_q4_matmul_rows_are_independent_of_the_batch(kern, threads):
     weights to the bf16 output rounding."""
     from radixserve.model.quant import Codes, Q4Linear
 
-    assert kern.has_q4, "no AVX512-BF16 here?"
     g = torch.Generator().manual_seed(0)
     n, k = 48, 160
     codes = Codes(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8).numpy(),
                   (torch.rand(n, k // 32, generator=g) * 0.01).half().float().numpy(),
                   (torch.randn(n, k // 32, generator=g) * 0.05).half().float().numpy())
+    assert kern.has_q4 == HAS[kern.variant][0]
+    if not kern.has_q4:  # the build has no 4-bit kernel: the layout is refused, not misread
+        with pytest.raises(ValueError, match="q4 kernels need"):
+            Q4Linear(codes, None, kern)
+        return
     lin = Q4Linear(codes, None, kern)
     w = torch.from_numpy(codes.dequantize()).double()
     x = torch.randn(9, k, generator=g).to(BF)
@@ -512,15 +525,208 @@ def test_build_is_cached_and_degrades_without_a_compiler(tmp_path, monkeypatch):
     assert not out.exists() or not list(out.iterdir())
 
 
-def test_kernels_can_be_switched_off(monkeypatch):
+def test_kernels_can_be_switched_off_or_forced(monkeypatch):
+    """RADIXSERVE_KERNELS: 0 is off; unset, auto and 1 the best this CPU runs (every variant
+    here, so avx512bf16); a variant's name gives that variant's kernels, the very object
+    load_kernels caches."""
     K.kernels.cache_clear()
-    monkeypatch.setenv("RADIXSERVE_KERNELS", "0")
     try:
-        assert K.kernels() is None
+        monkeypatch.setenv("RADIXSERVE_KERNELS", "0")
+        assert K.kernels() is None and K.variant_name(K.kernels()) == "none"
+        for value in ("auto", "1", " AUTO ", ""):
+            K.kernels.cache_clear()
+            monkeypatch.setenv("RADIXSERVE_KERNELS", value)
+            assert K.kernels() is K.load_kernels("avx512bf16"), value
+        for variant in VARIANTS:
+            K.kernels.cache_clear()
+            monkeypatch.setenv("RADIXSERVE_KERNELS", variant)
+            assert K.kernels() is variant_kernels(variant)
+            assert K.variant_name(K.kernels()) == variant
     finally:
         K.kernels.cache_clear()
     monkeypatch.delenv("RADIXSERVE_KERNELS")
-    assert K.kernels() is not None and os.environ.get("RADIXSERVE_KERNELS") is None
+    kern = K.kernels()
+    assert kern is not None and kern.variant == "avx512bf16"
+    assert os.environ.get("RADIXSERVE_KERNELS") is None
+    assert isinstance(kern.lib, ctypes.CDLL)  # for callers binding entry points of their own
+
+
+# /proc/cpuinfo of a CPU with AVX-512 (F, BW, DQ, VL, CD) and VNNI but no BF16 (Ice Lake), two
+# cores listing the same flags; and the flags of a Haswell (AVX2, no AVX-512)
+HASWELL = ("fpu sse sse2 pni ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt xsave avx f16c lahf_lm "
+           "abm bmi1 avx2 bmi2")
+ICELAKE = HASWELL + " avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni avx512vbmi"
+ICELAKE_INFO = "".join(f"processor\t: {i}\nmodel name\t: Xeon\nflags\t\t: {ICELAKE}\n\n"
+                       for i in range(2))
+
+
+def test_auto_takes_the_best_variant_the_cpu_runs():
+    assert K.supported_variants() == VARIANTS  # this machine runs them all
+    assert K.select_variant("auto") == K.select_variant("1") == "avx512bf16"
+    assert K.select_variant("0") is None
+    for variant in VARIANTS:
+        assert K.select_variant(variant) == variant
+    flags = ICELAKE_INFO
+    assert K.cpu_flags(flags) >= {"avx512f", "avx512_vnni"} and "avx512_bf16" not in \
+        K.cpu_flags(flags)
+    assert K.select_variant("auto", flags, "x86_64") == "avx512"
+    assert K.select_variant("auto", f"flags : {HASWELL}", "x86_64") == "avx2"
+    # LZCNT listed under its own name rather than "abm"
+    assert K.select_variant("auto", f"flags : {HASWELL.replace('abm', 'lzcnt')}",
+                            "x86_64") == "avx2"
+    assert K.select_variant("auto", f"flags : {HASWELL.replace('bmi2', '')}",
+                            "x86_64") == "generic"
+    assert K.select_variant("auto", "", "x86_64") == "generic"
+    # a core that lacks a flag the others list: the CPU lacks it
+    mixed = ICELAKE_INFO + f"processor\t: 2\nflags\t\t: {HASWELL}\n"
+    assert K.select_variant("auto", mixed, "x86_64") == "avx2"
+    # other machines: the generic build, with no -march
+    assert K.select_variant("auto", "Features : fp asimd", "aarch64") == "generic"
+    assert K.supported_variants("Features : fp asimd", "aarch64") == ["generic"]
+    assert not any(f.startswith("-m") for f in K.compile_flags("rowwise.c", "generic",
+                                                               "aarch64"))
+
+
+def test_a_variant_the_cpu_cannot_run_or_an_unknown_value_is_an_error(monkeypatch):
+    with pytest.raises(K.KernelsError) as e:
+        K.select_variant("avx512bf16", ICELAKE_INFO, "x86_64")
+    msg = str(e.value)
+    assert "RADIXSERVE_KERNELS=avx512bf16" in msg and "lacks avx512_bf16" in msg
+    assert "avx512_vnni" not in msg.split("lacks")[1].split(";")[0]  # only what is missing
+    assert "auto, avx512bf16, avx512, avx2, generic, 0" in msg
+    with pytest.raises(K.KernelsError, match=r"lacks avx512f avx512bw avx512dq avx512vl "
+                                             r"avx512cd avx512_vnni;.* runs avx2, generic"):
+        K.select_variant("avx512", f"flags : {HASWELL}", "x86_64")
+    with pytest.raises(K.KernelsError, match="lacks .*avx2"):
+        K.select_variant("avx2", "flags : fpu sse sse2", "x86_64")
+    with pytest.raises(K.KernelsError, match="x86-64 build and this machine is aarch64.*"
+                                             "allowed values: auto, generic, 0"):
+        K.select_variant("avx2", "Features : fp asimd", "aarch64")
+    assert K.select_variant("generic", "Features : fp asimd", "aarch64") == "generic"
+    for bogus in ("bogus", "avx512-bf16", "2", "native"):
+        with pytest.raises(K.KernelsError, match=f"RADIXSERVE_KERNELS='{bogus}' is not a "
+                                                 r"kernel variant; allowed values: auto, "):
+            K.select_variant(bogus)
+    # from the environment, through kernels(): the error, never a silent fallback
+    K.kernels.cache_clear()
+    try:
+        monkeypatch.setenv("RADIXSERVE_KERNELS", "bogus")
+        with pytest.raises(K.KernelsError, match="bogus"):
+            K.kernels()
+        # a CPU without a flag the forced variant needs (its /proc/cpuinfo faked)
+        monkeypatch.setenv("RADIXSERVE_KERNELS", "avx512bf16")
+        real = K.cpu_flags
+        monkeypatch.setattr(K, "cpu_flags", lambda text=None: real(text or ICELAKE_INFO))
+        with pytest.raises(K.KernelsError, match="lacks avx512_bf16"):
+            K.kernels()
+        with pytest.raises(K.KernelsError, match="lacks avx512_bf16"):
+            K.load_kernels.__wrapped__("avx512bf16")
+        monkeypatch.setenv("RADIXSERVE_KERNELS", "auto")
+        assert K.kernels() is K.load_kernels("avx512")
+    finally:
+        K.kernels.cache_clear()
+
+
+def test_each_variant_builds_with_its_own_flags_into_its_own_file(tmp_path, monkeypatch):
+    """Sources of our own in place of csrc/: each variant's objects get its -march (and only
+    its), cached in a file of its own named by the variant; a source in _STRICT_FP is compiled
+    without reassociation (its sums as written), the others with it; and the sources are
+    linked into one shared object."""
+    src = tmp_path / "csrc"
+    src.mkdir()
+    probe = """#include "common.h"
+        int {name}_assoc(void) {{
+        #ifdef __ASSOCIATIVE_MATH__
+            return 1;
+        #else
+            return 0;
+        #endif
+        }}
+        int {name}_avx2(void) {{
+        #ifdef __AVX2__
+            return 1;
+        #else
+            return 0;
+        #endif
+        }}
+        int {name}_bf16(void) {{
+        #ifdef __AVX512BF16__
+            return 1;
+        #else
+            return 0;
+        #endif
+        }}
+        float {name}_sum(float a, float b) {{ return (a + b) - b; }}
+        """
+    (src / "common.h").write_text("#include <stdint.h>\n")
+    for name in ("loose", "strict"):
+        (src / f"{name}.c").write_text(probe.format(name=name))
+    monkeypatch.setattr(K, "_CSRC", src)
+    monkeypatch.setattr(K, "_STRICT_FP", frozenset({"strict.c"}))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    paths = {}
+    for variant, avx2, bf16 in (("avx512bf16", 1, 1), ("avx2", 1, 0), ("generic", 0, 0)):
+        path = K.build(variant)
+        assert path is not None and path.name.startswith(f"radixserve-kernels-{variant}-")
+        lib = ctypes.CDLL(str(path))
+        lib.strict_sum.restype = lib.loose_sum.restype = ctypes.c_float
+        lib.strict_sum.argtypes = lib.loose_sum.argtypes = [ctypes.c_float, ctypes.c_float]
+        assert (lib.loose_assoc(), lib.strict_assoc()) == (1, 0), variant
+        assert lib.strict_sum(1.0, 1e20) == 0.0  # (1 + 1e20) - 1e20, rounded as written
+        assert lib.loose_sum(1.0, 1e20) == 1.0  # reassociated: a + (b - b)
+        for name in ("loose", "strict"):
+            assert getattr(lib, f"{name}_avx2")() == avx2 and getattr(lib, f"{name}_bf16")() \
+                == bf16, (variant, name)
+        paths[variant] = path
+    assert len(set(paths.values())) == 3
+    assert sorted(p.name for p in paths["generic"].parent.iterdir()) == sorted(
+        p.name for p in paths.values())  # no objects or temporaries left
+    stamp = paths["avx2"].stat().st_mtime_ns
+    assert K.build("avx2") == paths["avx2"] and paths["avx2"].stat().st_mtime_ns == stamp
+    # a source that does not compile: no build, nothing left behind
+    (src / "broken.c").write_text("int broken(void) { return }\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache2"))
+    assert K.build("generic") is None
+    assert not list((tmp_path / "cache2" / "radixserve" / "kernels").iterdir())
+
+
+def test_strict_sources_drop_only_the_reassociation_flags():
+    """csrc/qmm.c (when present) sums exactly as written: its flags are the others' without
+    -fassociative-math, -fno-signed-zeros and -fno-trapping-math, the same -O3, OpenMP, PIC
+    and -march."""
+    assert "qmm.c" in K._STRICT_FP
+    loose = ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
+    for variant in VARIANTS:
+        common = K.compile_flags("rowwise.c", variant, "x86_64")
+        strict = K.compile_flags("qmm.c", variant, "x86_64")
+        assert all(f in common for f in loose) and not any(f in strict for f in loose)
+        assert strict == [f for f in common if f not in loose]
+        assert {"-O3", "-fopenmp", "-fPIC"} <= set(strict) and "-march=native" not in common
+        assert [f for f in common if f.startswith("-m")] == list(K.VARIANTS[variant].x86_flags)
+
+
+def test_int8_head_equals_its_integer_dots_or_is_refused(kern):
+    """The head's VNNI pass (avx512bf16 and avx512 builds): each logit the int32 dot products of
+    the int8 rows and the hidden state's two int8 parts, scaled in f32; other builds refuse it
+    (head.py then keeps torch's int8 kernel)."""
+    from radixserve.model.head import split_int8
+
+    g = torch.Generator().manual_seed(4)
+    v, d, n = 300, 128, 3
+    q8 = torch.randint(-128, 128, (v, d), generator=g, dtype=torch.int8)
+    rowsum = q8.sum(1, dtype=torch.int32)
+    scale = torch.rand(v, generator=g) * 0.01
+    a, s, _, _ = split_int8(torch.randn(n, d, generator=g))
+    if not kern.has_int8_head:
+        with pytest.raises(ValueError):
+            kern.int8_head(q8, rowsum, scale, a, s)
+        return
+    y = kern.int8_head(q8, rowsum, scale, a, s)
+    dots = (a.long() - 128) @ q8.long().T  # exact, [2n, v]
+    parts = dots.double() * s.double()[:, None]
+    ref = (parts[0::2] + parts[1::2]) * scale.double()
+    mag = (parts[0::2].abs() + parts[1::2].abs()) * scale.double()
+    assert y.shape == (n, v) and ((y.double() - ref).abs() <= mag * 2.0**-22 + 1e-30).all()
 
 
 def test_head_dots_are_exact_dots_and_refuse_ids_outside_the_head(kern):

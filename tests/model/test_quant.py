@@ -1,7 +1,8 @@
 """Packed 4-bit weights: what each 4-bit kernel multiplies (ours, csrc/q4_gemv.c, and torch's
 int4) equals gguf-py's dequantization up to the rounding of its scale dtype, for every packed
 type; large chunks read the same numbers through the unpacked path; mixed-type layers still
-fuse."""
+fuse. Our kernels' checks run in every variant (tests/model/kernel_variants.py): builds without
+AVX512-BF16 have no 4-bit or bf16 kernel, and there the torch paths must take over."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from radixserve.model.quant import (
     DENSE_FROM_ROWS, PACKED_TYPES, Codes, ConcatLinear, DenseLinear, Int4Linear, Linear, Q4Linear,
     packed_linear, split_blocks, tile_layout_known,
 )
+from tests.model import kernel_variants
+from tests.model.kernel_variants import HAS, VARIANTS
+
+variant = kernel_variants.variant  # the fixture: a test's kernels() in each variant in turn
 
 Q = gguf.GGMLQuantizationType
 N, K = 128, 512  # rows, row length (Q4_K needs K % 256 == 0)
@@ -60,16 +65,27 @@ def test_packed_times_identity_equals_gguf_dequantization(qtype: Q):
     assert torch.equal(lin.weight(), kernel.t())
 
 
-def require_q4() -> None:
-    """Our Q4 kernel needs a C compiler and AVX512-BF16; this project's machines have both, so
-    their absence fails rather than skips."""
+def q4_here() -> bool:
+    """Whether the kernels under test (kernels(): the `variant` fixture's) have our Q4 kernel:
+    the AVX512-BF16 build does, and must (this project's machines have a compiler and
+    AVX512-BF16, so its absence fails rather than skips). Builds without it must fall back to
+    torch's int4 layout and kernel, checked here: then False."""
     kern = kernels()
-    assert kern is not None and kern.has_q4, "Q4 kernel unavailable (compiler? AVX512-BF16?)"
+    assert kern is not None, "the kernels did not build (compiler?)"
+    assert kern.has_q4 == HAS[kern.variant][0], f"Q4 kernel in the {kern.variant} build?"
+    if kern.has_q4:
+        return True
+    codes = split_blocks(raw_tensor(Q.Q4_1, seed=7))
+    assert isinstance(packed_linear(codes, None, torch.bfloat16), Int4Linear)
+    with pytest.raises(ValueError, match="q4 kernels need"):
+        Q4Linear(codes, None, kern)
+    return False
 
 
 @pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda q: q.name)
-def test_q4_kernel_times_identity_equals_gguf_dequantization(qtype: Q):
-    require_q4()
+def test_q4_kernel_times_identity_equals_gguf_dequantization(variant: str, qtype: Q):
+    if not q4_here():
+        return
     t = raw_tensor(qtype, seed=int(qtype))
     ref = gguf.quants.dequantize(t.data, qtype).reshape(N, K).astype(np.float32)
     codes = split_blocks(t)
@@ -92,12 +108,14 @@ def test_q4_kernel_times_identity_equals_gguf_dequantization(qtype: Q):
     assert np.abs(got - ref).max() > 0  # bf16 really rounds: the tolerance is not vacuous
 
 
-def test_q4_layout_only_where_it_holds_the_weights():
+def test_q4_layout_only_where_it_holds_the_weights(variant: str):
     """Scales beyond f16's range, or f32 compute: torch's int4 layout (bf16 / f32 scales), never
-    silently wrong f16 ones; rows not in tiles of 16 (neither layout holds them): dense."""
-    require_q4()
+    silently wrong f16 ones; rows not in tiles of 16 (neither layout holds them): dense. Without
+    the Q4 kernel (builds without AVX512-BF16), torch's int4 layout for all but the odd rows."""
+    has_q4 = q4_here()
     codes = split_blocks(raw_tensor(Q.Q4_1, seed=7))
-    assert isinstance(packed_linear(codes, None, torch.bfloat16), Q4Linear)
+    assert isinstance(packed_linear(codes, None, torch.bfloat16),
+                      Q4Linear if has_q4 else Int4Linear)
     assert isinstance(packed_linear(codes, None, torch.float32), Int4Linear)
     odd = codes.rows(np.arange(N - 8))
     dense = packed_linear(odd, None, torch.bfloat16)
@@ -111,21 +129,29 @@ def test_q4_layout_only_where_it_holds_the_weights():
 
 
 def q4_or_int4(kind: str, codes, bias):
+    """torch's int4 layout ("int4"), or what packed_linear picks ("q4"): our Q4 kernel where
+    the variant under test has it, torch's int4 layout again where not."""
     if kind == "int4":
         return Int4Linear(codes, bias, torch.bfloat16)
-    require_q4()
-    return packed_linear(codes, bias, torch.bfloat16)
+    lin = packed_linear(codes, bias, torch.bfloat16)
+    assert isinstance(lin, Q4Linear if q4_here() else Int4Linear)
+    return lin
 
 
-@pytest.mark.parametrize("kind", ["int4", "q4"])
-def test_small_and_large_batches_use_the_same_weights(kind: str):
+# torch's int4 layout once; packed_linear's choice in every variant of our kernels
+KINDS = pytest.mark.parametrize("kind,variant", [("int4", "avx512bf16"),
+                                                 *(("q4", v) for v in VARIANTS)],
+                                indirect=["variant"])
+
+
+@KINDS
+def test_small_and_large_batches_use_the_same_weights(kind: str, variant: str):
     t = raw_tensor(Q.Q4_1, seed=3)
     lin = q4_or_int4(kind, split_blocks(t), torch.randn(N).to(torch.bfloat16))
-    assert isinstance(lin, Int4Linear if kind == "int4" else Q4Linear)
     x = torch.randn(DENSE_FROM_ROWS + 5, K).to(torch.bfloat16)
     big = lin(x)  # int4: dense GEMM on unpacked weights; q4: the kernel's many-rows path
     small = torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])])  # the 4-bit kernel
-    if kind == "q4":  # every row the same bits however many rows share the call
+    if isinstance(lin, Q4Linear):  # every row the same bits however many rows share the call
         assert torch.equal(big, small)
     xw = torch.nn.functional.linear(x.float(), lin.weight().float())
     ref = xw + lin.bias.float()
@@ -137,8 +163,8 @@ def test_small_and_large_batches_use_the_same_weights(kind: str):
         assert ((y.float() - ref).abs() <= scale * 2.0**-6).all()
 
 
-@pytest.mark.parametrize("kind", ["int4", "q4"])
-def test_concat_linear_of_mixed_types(kind: str):
+@KINDS
+def test_concat_linear_of_mixed_types(kind: str, variant: str):
     packed = q4_or_int4(kind, split_blocks(raw_tensor(Q.Q4_0, seed=5)), None)
     dense = DenseLinear(torch.randn(64, K).to(torch.bfloat16))
     both = ConcatLinear([packed, dense])
@@ -166,7 +192,6 @@ Q4_ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 63, 64, 95, 96, 97, 128, 200, 513]
 def random_q4(n: int, k: int, seed: int) -> tuple[Q4Linear, torch.Tensor, torch.Tensor]:
     """A Q4Linear of random codes, its weights in f64 (exact: its scales and offsets are f16
     already), and bf16 rows of varied magnitudes for it."""
-    require_q4()
     g = torch.Generator().manual_seed(seed)
     codes = Codes(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8).numpy(),
                   (torch.rand(n, k // 32, generator=g) * 0.02).half().float().numpy(),
@@ -180,10 +205,12 @@ def random_q4(n: int, k: int, seed: int) -> tuple[Q4Linear, torch.Tensor, torch.
 
 
 @pytest.mark.parametrize("n,k", Q4_SHAPES, ids=lambda v: str(v))
-def test_q4_many_rows_equal_each_row_alone_bitwise(n: int, k: int):
+def test_q4_many_rows_equal_each_row_alone_bitwise(variant: str, n: int, k: int):
     """Deterministic mode's premise: a row's product through the 4-bit kernel is the same bits
     whatever the number of rows multiplied with it (the kernel's few- and many-rows paths) and
     the number of threads."""
+    if not q4_here():
+        return
     lin, _, x = random_q4(n, k, seed=n + k)
     assert_rows_alone(lin.kernel, x, Q4_ROWS)
 
@@ -207,9 +234,11 @@ def assert_rows_alone(mul, x: torch.Tensor, row_counts) -> None:
 
 
 @pytest.mark.parametrize("n,k", Q4_SHAPES, ids=lambda v: str(v))
-def test_q4_many_rows_within_bf16_of_f64(n: int, k: int):
+def test_q4_many_rows_within_bf16_of_f64(variant: str, n: int, k: int):
     """The many-rows product against f64 with the kernel's own weights: bf16 output rounding,
     plus f32 sums relative to the products' magnitudes (outputs near 0)."""
+    if not q4_here():
+        return
     lin, w, x = random_q4(n, k, seed=2 * n + k)
     y = lin.kernel(x).double()
     ref = x.double() @ w.T
@@ -222,8 +251,10 @@ def test_q4_many_rows_within_bf16_of_f64(n: int, k: int):
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 16, 63, 64, 95, 96, 97, 128, 200, 513)
 
 
-@pytest.mark.parametrize("kind", ["int4", "dense"])
-def test_torch_kernels_deterministic_mode_keeps_are_row_invariant(kind: str):
+@pytest.mark.parametrize("kind,variant", [("int4", "avx512bf16"),
+                                          *(("dense", v) for v in VARIANTS)],
+                         indirect=["variant"])
+def test_torch_kernels_deterministic_mode_keeps_are_row_invariant(kind: str, variant: str):
     """The other kernels deterministic mode runs, checked row by row on this build: torch's
     int4 kernel without its dense switch, and DenseLinear's bf16 path, our kernel
     (csrc/bf16_gemm.c; torch's bf16 GEMM fails this on torch 2.13, as does its f32 GEMM: f32 has
@@ -238,17 +269,33 @@ def test_torch_kernels_deterministic_mode_keeps_are_row_invariant(kind: str):
                           (-rng.random((n, k // 32)) * 0.08).astype(np.float32))
             lin: Linear = Int4Linear(codes, None, torch.bfloat16)
         else:
-            require_bf16()
             lin = DenseLinear((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16))
+            if not bf16_here():  # F.linear: not row-invariant, deterministic mode refuses it
+                assert lin.mat is None and not lin.row_invariant
+                continue
             assert lin.mat is not None  # our kernel, not F.linear
         x = torch.randn(max(ROW_COUNTS), k, generator=g).to(torch.bfloat16)
         assert_rows_alone(lambda a, lin=lin: lin(a, invariant=True), x, ROW_COUNTS)
 
 
-def require_bf16() -> None:
-    """Our bf16 kernel, like the Q4 one, needs a C compiler and AVX512-BF16 (require_q4)."""
+def bf16_here() -> bool:
+    """Whether the kernels under test have our bf16 kernel: like the Q4 one (q4_here) the
+    AVX512-BF16 build must; builds without it must leave bf16 weights to F.linear (not
+    row-invariant), checked here: then False."""
     kern = kernels()
-    assert kern is not None and kern.has_bf16_gemm, "bf16 kernel unavailable"
+    assert kern is not None, "the kernels did not build (compiler?)"
+    assert kern.has_bf16_gemm == HAS[kern.variant][1], f"bf16 kernel in the {kern.variant} build?"
+    if kern.has_bf16_gemm:
+        return True
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 33, generator=g).to(torch.bfloat16)
+    lin = DenseLinear(w)
+    assert lin.mat is None and lin.w is w and not lin.row_invariant
+    x = torch.randn(5, 33, generator=g).to(torch.bfloat16)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, w))
+    with pytest.raises(ValueError, match="bf16 kernel needs"):
+        kern.bf16(torch.zeros(2, 32, 32, 2, dtype=torch.bfloat16), 40, 33)
+    return False
 
 
 # the default model's matrices, n and k off the 32-row panels and 32-weight padding (odd k:
@@ -258,7 +305,6 @@ BF16_SHAPES = [(960, 576), (576, 1536), (48, 64), (40, 40), (100, 33), (17, 7), 
 
 def random_dense(n: int, k: int, seed: int) -> tuple[DenseLinear, torch.Tensor, torch.Tensor]:
     """A bf16 DenseLinear on our kernel, its weights, and bf16 rows of varied magnitudes."""
-    require_bf16()
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
     scale = torch.exp2(torch.randint(-6, 7, (max(ROW_COUNTS), 1), generator=g).float())
@@ -269,19 +315,23 @@ def random_dense(n: int, k: int, seed: int) -> tuple[DenseLinear, torch.Tensor, 
 
 
 @pytest.mark.parametrize("n,k", BF16_SHAPES, ids=lambda v: str(v))
-def test_bf16_many_rows_equal_each_row_alone_bitwise(n: int, k: int):
+def test_bf16_many_rows_equal_each_row_alone_bitwise(variant: str, n: int, k: int):
     """Deterministic mode's premise for dense weights: a row's product through the bf16 kernel
     is the same bits whatever the number of rows multiplied with it (its few- and many-rows
     paths, every remainder of its row blocks) and the number of threads."""
+    if not bf16_here():
+        return
     lin, _, x = random_dense(n, k, seed=n + k)
     assert_rows_alone(lambda a: lin(a, invariant=True), x, ROW_COUNTS)
 
 
 @pytest.mark.parametrize("n,k", BF16_SHAPES, ids=lambda v: str(v))
-def test_bf16_within_bf16_of_f64(n: int, k: int):
+def test_bf16_within_bf16_of_f64(variant: str, n: int, k: int):
     """Against f64: the bf16 output rounding, plus f32 sums (at most one rounding per product,
     relative to the products' magnitudes: outputs near 0). The same weights with the two halves
     of every pair swapped (a layout slip) fail that tolerance."""
+    if not bf16_here():
+        return
     lin, w, x = random_dense(n, k, seed=2 * n + k)
     ref = x.double() @ w.double().T
     mag = x.double().abs() @ w.double().abs().T
@@ -297,18 +347,21 @@ def test_bf16_within_bf16_of_f64(n: int, k: int):
         assert ((wrong - ref).abs() > tol).any()
 
 
-def test_dense_linear_paths():
-    """bf16: our kernel, W unpacked bit for bit, the bias added after, any leading dims; f32
-    (and f16): torch's F.linear on the weights as given."""
-    require_bf16()
+def test_dense_linear_paths(variant: str):
+    """bf16: our kernel (F.linear in builds without it), W unpacked bit for bit, the bias added
+    after, any leading dims; f32 (and f16): torch's F.linear on the weights as given."""
+    has_bf16 = bf16_here()
     g = torch.Generator().manual_seed(11)
     w = torch.randn(70, 45, generator=g).to(torch.bfloat16)
     b = torch.randn(70, generator=g).to(torch.bfloat16)
     lin = DenseLinear(w, b)
-    assert lin.mat is not None and torch.equal(lin.weight(), w)
-    assert lin.nbytes == lin.mat.panels.nbytes + b.nbytes
+    assert torch.equal(lin.weight(), w)
     x = torch.randn(2, 5, 45, generator=g).to(torch.bfloat16)
     y = lin(x)
+    if not has_bf16:
+        assert lin.mat is None and torch.equal(y, torch.nn.functional.linear(x, w, b))
+        return
+    assert lin.mat is not None and lin.nbytes == lin.mat.panels.nbytes + b.nbytes
     assert y.shape == (2, 5, 70) and y.dtype == torch.bfloat16
     assert torch.equal(y, DenseLinear(w)(x.view(10, 45)).view(2, 5, 70) + b)
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())

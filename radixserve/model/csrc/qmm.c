@@ -1,0 +1,665 @@
+/* y = x W^T for W in a GGUF file's own block form (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+ * Q6_K, F16, BF16, F32), read where it lies: each weight row is its blocks as in the file, so a
+ * matrix costs the file's bytes per weight and needs no repacking (quant.py's QuantLinear).
+ *
+ * Why portable C: the same source is built for every CPU variant (kernels.py: AVX512-BF16,
+ * AVX512, AVX2, generic), with GCC's vector extensions for 16-float vectors (one zmm, two ymm,
+ * or four xmm registers), so every variant computes the same operations in the same order.
+ *
+ * The arithmetic, which makes a row's result the same bits at any row count or thread count
+ * (deterministic mode), and times the identity the file's weights: each group of 32 weights is
+ * decoded to f32 exactly as gguf-py's dequantization computes it (d q, d q + m, or (d sc) q -
+ * dmin mn: the affine ones as one fused multiply-add where the CPU has FMA, within one f32
+ * rounding of gguf-py's separate multiply and add), then every activation row accumulates
+ * acc += w[0:16] x[0:16]; acc += w[16:32] x[16:32] over the groups in order, 16 lanes, and the
+ * lanes are summed in one fixed tree (hsum16). Few rows decode a group into registers for all
+ * rows; many rows decode a column once into a buffer per block of rows: the same values and the
+ * same chain per row either way. Built without -fassociative-math (kernels.py), so the compiler
+ * keeps this order.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef int16_t v8s __attribute__((vector_size(16)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint8_t v8b __attribute__((vector_size(8)));
+typedef int8_t v8c __attribute__((vector_size(8)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+
+/* 8-lane vectors (one ymm, two xmm): GCC 12 lowers wider generic vectors poorly on AVX2. A
+ * group's 32 weights are four of them, w[0..3], and the 16-lane accumulator of the arithmetic
+ * above is two, lanes 0-7 and 8-15 (w[0], w[2] go to the first, w[1], w[3] to the second). */
+static inline v8f loadf(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v16b loadb(const uint8_t *p) {
+    v16b v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* bytes -> floats through 16 and 32 bits: GCC 12 scalarizes a direct 8-to-32-bit conversion */
+static inline v8i widen(v8b q) { return __builtin_convertvector(__builtin_convertvector(q, v8s), v8i); }
+static inline v8i widen_s(v8c q) { return __builtin_convertvector(__builtin_convertvector(q, v8s), v8i); }
+static inline v8f tof(v8i q) { return __builtin_convertvector(q, v8f); }
+static inline v8b lo8(v16b q) { return __builtin_shufflevector(q, q, 0, 1, 2, 3, 4, 5, 6, 7); }
+static inline v8b hi8(v16b q) { return __builtin_shufflevector(q, q, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+/* 16 codes (bytes) as two 8-lane integer vectors; 8 signed bytes at p as one. With AVX2 one
+ * vpmovzxbd / vpmovsxbd each (GCC's generic conversions take three instructions and a lane
+ * insert here). */
+#if defined(__AVX2__)
+static inline void codes16(v16b q, v8i *a, v8i *b) {
+    *a = (v8i)_mm256_cvtepu8_epi32((__m128i)q);
+    *b = (v8i)_mm256_cvtepu8_epi32(_mm_srli_si128((__m128i)q, 8));
+}
+static inline v8i sbytes8(const uint8_t *p) {
+    return (v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+#else
+static inline void codes16(v16b q, v8i *a, v8i *b) {
+    *a = widen(lo8(q));
+    *b = widen(hi8(q));
+}
+static inline v8i sbytes8(const uint8_t *p) {
+    v8c c;
+    memcpy(&c, p, 8);
+    return widen_s(c);
+}
+#endif
+
+/* ggml's type ids */
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+
+#define FEW_ROWS 4    /* up to this many rows: groups decoded into registers */
+#define ROW_BLOCK 32  /* many rows: rows per block, a column decoded once per block */
+
+/* IEEE half -> float, exact for every input (subnormals, infinities, NaNs). */
+static inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
+    if (e == 0x1f) {
+        u = sign | 0x7f800000u | (m << 13);
+    } else if (e == 0) { /* zero or subnormal: m 2^-24, exact in f32 */
+        float f = (float)m * 5.9604644775390625e-8f;
+        memcpy(&u, &f, 4);
+        u |= sign;
+    } else {
+        u = sign | ((e + 112) << 23) | (m << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* 8 halves -> floats, exact: the bits moved into an f32, rescaled by 2^112 (normal and
+ * subnormal alike), infinities and NaNs given f32's all-ones exponent. */
+static inline v8f f16x8(const uint8_t *p) {
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    v8u u = __builtin_convertvector(h, v8u);
+    v8u mag = (u & 0x7fff) << 13;
+    v8f f;
+    memcpy(&f, &mag, sizeof f);
+    f *= 5.192296858534828e33f; /* 2^112 */
+    v8u bits;
+    memcpy(&bits, &f, sizeof bits);
+    v8u special = (v8u)((u & 0x7c00) == 0x7c00);
+    bits = (bits & ~special) | (special & ((u & 0x3ff) << 13 | 0x7f800000u));
+    bits |= (u & 0x8000) << 16;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline v8f bf16x8(const uint8_t *p) {
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    v8u u = __builtin_convertvector(h, v8u) << 16;
+    v8f f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* A Q4_K / Q5_K sub-block's 6-bit scale and min (gguf-py's Q4_K.get_scale_min). */
+static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* The fifth bits of 32 weights (bit i of qh for weight i) as 16s in bytes: h0 weights 0-15,
+ * h1 16-31. Each byte of qh copied to 8 lanes, masked by its lane's bit (byte ops, one register
+ * each, where a variable shift a lane takes eight). */
+static inline void q5_high(uint32_t qh, v16b *h0, v16b *h1) {
+    const v16b bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    v16b q = (v16b){(uint8_t)qh, (uint8_t)(qh >> 8), (uint8_t)(qh >> 16), (uint8_t)(qh >> 24)};
+    v16b b0 = __builtin_shufflevector(q, q, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    v16b b1 = __builtin_shufflevector(q, q, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    *h0 = (v16b)((b0 & bit) != 0) & 16;
+    *h1 = (v16b)((b1 & bit) != 0) & 16;
+}
+
+/* Group g (32 weights) of a row in type t as gguf-py dequantizes it, w[i] = weights 8i..8i+7. */
+static inline __attribute__((always_inline)) void group(const int t, const uint8_t *row,
+                                                        int64_t g, v8f w[4]) {
+    v8i q[4];
+    switch (t) {
+    case T_Q4_0:
+    case T_Q4_1: {
+        const int one = t == T_Q4_1;
+        const uint8_t *b = row + (one ? 20 : 18) * g;
+        float d = f16_to_f32(rd16(b)), m = one ? f16_to_f32(rd16(b + 2)) : 0.f;
+        v16b c = loadb(b + (one ? 4 : 2));
+        codes16(c & 15, &q[0], &q[1]);
+        codes16(c >> 4, &q[2], &q[3]);
+        for (int i = 0; i < 4; i++) w[i] = one ? tof(q[i]) * d + m : tof(q[i] - 8) * d;
+        return;
+    }
+    case T_Q5_0:
+    case T_Q5_1: {
+        const int one = t == T_Q5_1;
+        const uint8_t *b = row + (one ? 24 : 22) * g;
+        float d = f16_to_f32(rd16(b)), m = one ? f16_to_f32(rd16(b + 2)) : 0.f;
+        uint32_t qh;
+        memcpy(&qh, b + (one ? 4 : 2), 4);
+        v16b h0, h1;
+        q5_high(qh, &h0, &h1);
+        v16b c = loadb(b + (one ? 8 : 6));
+        codes16((c & 15) | h0, &q[0], &q[1]);
+        codes16((c >> 4) | h1, &q[2], &q[3]);
+        for (int i = 0; i < 4; i++) w[i] = one ? tof(q[i]) * d + m : tof(q[i] - 16) * d;
+        return;
+    }
+    case T_Q8_0: {
+        const uint8_t *b = row + 34 * g;
+        float d = f16_to_f32(rd16(b));
+        for (int i = 0; i < 4; i++) w[i] = tof(sbytes8(b + 2 + 8 * i)) * d;
+        return;
+    }
+    case T_Q4_K:
+    case T_Q5_K: {
+        const int five = t == T_Q5_K;
+        const uint8_t *b = row + (five ? 176 : 144) * (g / 8);
+        int j = (int)(g % 8), sc, mn;
+        k_scale_min(b + 4, j, &sc, &mn);
+        float scale = f16_to_f32(rd16(b)) * (float)sc;
+        float off = -(f16_to_f32(rd16(b + 2)) * (float)mn);
+        const uint8_t *qs = b + (five ? 48 : 16) + 32 * (j / 2);
+        const int shift = 4 * (j & 1);
+        v16b c0 = (loadb(qs) >> shift) & 15, c1 = (loadb(qs + 16) >> shift) & 15;
+        if (five) {
+            const uint8_t *qh = b + 16;
+            c0 |= ((loadb(qh) >> j) & 1) << 4;
+            c1 |= ((loadb(qh + 16) >> j) & 1) << 4;
+        }
+        codes16(c0, &q[0], &q[1]);
+        codes16(c1, &q[2], &q[3]);
+        for (int i = 0; i < 4; i++) w[i] = tof(q[i]) * scale + off;
+        return;
+    }
+    case T_Q6_K: {
+        const uint8_t *b = row + 210 * (g / 8);
+        int s = (int)(g % 8), h = s / 4, s2 = s % 4;
+        const uint8_t *ql = b + 64 * h + 32 * (s2 & 1), *qh = b + 128 + 32 * h;
+        const int8_t *sc = (const int8_t *)(b + 192) + 2 * s;
+        float d = f16_to_f32(rd16(b + 208));
+        const int lsh = 4 * (s2 / 2), hsh = 2 * s2;
+        v16b c0 = ((loadb(ql) >> lsh) & 15) | (((loadb(qh) >> hsh) & 3) << 4);
+        v16b c1 = ((loadb(ql + 16) >> lsh) & 15) | (((loadb(qh + 16) >> hsh) & 3) << 4);
+        codes16(c0, &q[0], &q[1]);
+        codes16(c1, &q[2], &q[3]);
+        float d0 = d * (float)sc[0], d1 = d * (float)sc[1]; /* sub-blocks of 16 */
+        for (int i = 0; i < 4; i++) w[i] = tof(q[i] - 32) * (i < 2 ? d0 : d1);
+        return;
+    }
+    case T_F16:
+        for (int i = 0; i < 4; i++) w[i] = f16x8(row + 64 * g + 16 * i);
+        return;
+    case T_BF16:
+        for (int i = 0; i < 4; i++) w[i] = bf16x8(row + 64 * g + 16 * i);
+        return;
+    default: /* T_F32 */
+        memcpy(w, row + 128 * g, 128);
+        return;
+    }
+}
+
+/* A row's 32-lane accumulator (a[i]: lanes 8i..8i+7, lane j takes weight j of every group)
+ * summed in one fixed order: a[0] + a[1], a[2] + a[3], their sum, then halves of 8 lanes. */
+static inline float hsum32(const v8f a[4]) {
+    v8f s = (a[0] + a[1]) + (a[2] + a[3]);
+    float f[8];
+    memcpy(f, &s, sizeof f);
+    f[0] += f[4], f[1] += f[5], f[2] += f[6], f[3] += f[7];
+    f[0] += f[2], f[1] += f[3];
+    return f[0] + f[1];
+}
+
+/* One row's share of a group: four independent chains, one per 8 weights. */
+static inline __attribute__((always_inline)) void fma_group(v8f a[4], const v8f w[4],
+                                                            const float *x) {
+    for (int i = 0; i < 4; i++) a[i] += w[i] * loadf(x + 8 * i);
+}
+
+/* Few rows: column `row` of W against NR <= FEW_ROWS rows of xf (f32, stride k); NR a
+ * constant, so the accumulators live in registers. */
+static inline __attribute__((always_inline)) void col_few(const int t, const uint8_t *row,
+                                                          const float *xf, const int nr,
+                                                          int64_t k, uint16_t *y, int64_t n) {
+    v8f acc[FEW_ROWS][4] = {};
+    for (int64_t g = 0; g < k / 32; g++) {
+        v8f w[4];
+        group(t, row, g, w);
+        for (int r = 0; r < nr; r++) fma_group(acc[r], w, xf + r * k + 32 * g);
+    }
+    for (int r = 0; r < nr; r++) y[r * n] = f32_to_bf16(hsum32(acc[r]));
+}
+
+/* Many rows: the column decoded once into wbuf [k] f32, then each row's same chains. */
+static inline __attribute__((always_inline)) void col_many(const int t, const uint8_t *row,
+                                                           const float *xf, int nr, int64_t k,
+                                                           uint16_t *y, int64_t n, float *wbuf) {
+    for (int64_t g = 0; g < k / 32; g++) {
+        v8f w[4];
+        group(t, row, g, w);
+        memcpy(wbuf + 32 * g, w, sizeof w); /* wbuf is only float-aligned */
+    }
+    int r0 = 0;
+    for (; r0 + FEW_ROWS <= nr; r0 += FEW_ROWS) {
+        v8f acc[FEW_ROWS][4] = {};
+        for (int64_t g = 0; g < k / 32; g++) {
+            v8f w[4];
+            for (int i = 0; i < 4; i++) w[i] = loadf(wbuf + 32 * g + 8 * i);
+            for (int r = 0; r < FEW_ROWS; r++) fma_group(acc[r], w, xf + (r0 + r) * k + 32 * g);
+        }
+        for (int r = 0; r < FEW_ROWS; r++) y[(r0 + r) * n] = f32_to_bf16(hsum32(acc[r]));
+    }
+    for (; r0 < nr; r0++) {
+        v8f acc[4] = {};
+        for (int64_t g = 0; g < k / 32; g++) {
+            v8f w[4];
+            for (int i = 0; i < 4; i++) w[i] = loadf(wbuf + 32 * g + 8 * i);
+            fma_group(acc, w, xf + r0 * k + 32 * g);
+        }
+        y[r0 * n] = f32_to_bf16(hsum32(acc));
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* With AVX512-BF16, the types whose codes have at most 6 bits (Q4_*, Q5_*, Q4_K, Q5_K, Q6_K)
+ * take bf16 dot products instead: a code c OR 0x4300 is the bf16 of 128 + c exactly, so one
+ * vdpbf16ps multiplies a group's 32 codes by 32 bf16 activations with exact products and no
+ * conversion (q4_gemv.c's trick, on the file's rows). A group is w = d_h c + m_h for its halves
+ * h (weights 0-15, 16-31; one scale for both except Q6_K's sub-blocks of 16), so a row adds
+ * d . (sum over lanes of (128 + c) x) to its 16-lane accumulator (lanes 0-7: half 0) and
+ * (m_h - 128 d_h) S_h to a scalar one, S_h the half's activation sum (hsums, one fixed order).
+ * Times the identity: d (128 + c) and m - 128 d each round once in f32, so the affine types are
+ * within an f32 ulp or two of gguf-py's d c + m (the symmetric ones are exact). */
+#define QMM_BF16 1
+
+typedef struct {
+    __m512bh q; /* 128 + c, weights 0..31 */
+    __m512 d;   /* lanes 0-7 d_0, 8-15 d_1 */
+    __m128 off; /* m_h - 128 d_h in lanes 0, 1; lanes 2, 3 zero */
+} bgroup;
+
+static inline __m512bh bf_codes(__m256i c) {
+    return (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(c), _mm512_set1_epi16(0x4300));
+}
+
+static inline __m256i join(v16b lo, v16b hi) {
+    return _mm256_set_m128i((__m128i)hi, (__m128i)lo);
+}
+
+static inline int bf_type(int t) {
+    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q4_K ||
+           t == T_Q5_K || t == T_Q6_K;
+}
+
+static inline __attribute__((always_inline)) void bgroup_of(const int t, const uint8_t *row,
+                                                            int64_t g, bgroup *o) {
+    float d0, d1, m0, m1;
+    v16b c0, c1;
+    switch (t) {
+    case T_Q4_0:
+    case T_Q4_1:
+    case T_Q5_0:
+    case T_Q5_1: {
+        const int one = t == T_Q4_1 || t == T_Q5_1, five = t == T_Q5_0 || t == T_Q5_1;
+        const int size = five ? (one ? 24 : 22) : (one ? 20 : 18);
+        const uint8_t *b = row + size * g;
+        d0 = d1 = f16_to_f32(rd16(b));
+        m0 = m1 = one ? f16_to_f32(rd16(b + 2)) : (five ? -16.f : -8.f) * d0;
+        v16b c = loadb(b + (one ? 4 : 2) + (five ? 4 : 0));
+        c0 = c & 15;
+        c1 = c >> 4;
+        if (five) {
+            uint32_t qh;
+            memcpy(&qh, b + (one ? 4 : 2), 4);
+            v16b h0, h1;
+            q5_high(qh, &h0, &h1);
+            c0 |= h0;
+            c1 |= h1;
+        }
+        break;
+    }
+    case T_Q4_K:
+    case T_Q5_K: {
+        const int five = t == T_Q5_K;
+        const uint8_t *b = row + (five ? 176 : 144) * (g / 8);
+        int j = (int)(g % 8), sc, mn;
+        k_scale_min(b + 4, j, &sc, &mn);
+        d0 = d1 = f16_to_f32(rd16(b)) * (float)sc;
+        m0 = m1 = -(f16_to_f32(rd16(b + 2)) * (float)mn);
+        const uint8_t *qs = b + (five ? 48 : 16) + 32 * (j / 2);
+        const int shift = 4 * (j & 1);
+        c0 = (loadb(qs) >> shift) & 15;
+        c1 = (loadb(qs + 16) >> shift) & 15;
+        if (five) {
+            c0 |= ((loadb(b + 16) >> j) & 1) << 4;
+            c1 |= ((loadb(b + 32) >> j) & 1) << 4;
+        }
+        break;
+    }
+    default: { /* T_Q6_K */
+        const uint8_t *b = row + 210 * (g / 8);
+        int s = (int)(g % 8), h = s / 4, s2 = s % 4;
+        const uint8_t *ql = b + 64 * h + 32 * (s2 & 1), *qh = b + 128 + 32 * h;
+        const int8_t *sc = (const int8_t *)(b + 192) + 2 * s;
+        float d = f16_to_f32(rd16(b + 208));
+        const int lsh = 4 * (s2 / 2), hsh = 2 * s2;
+        c0 = ((loadb(ql) >> lsh) & 15) | (((loadb(qh) >> hsh) & 3) << 4);
+        c1 = ((loadb(ql + 16) >> lsh) & 15) | (((loadb(qh + 16) >> hsh) & 3) << 4);
+        d0 = d * (float)sc[0];
+        d1 = d * (float)sc[1];
+        m0 = -32.f * d0;
+        m1 = -32.f * d1;
+        break;
+    }
+    }
+    o->q = bf_codes(join(c0, c1));
+    o->d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+    o->off = _mm_setr_ps(m0 - 128.f * d0, m1 - 128.f * d1, 0.f, 0.f);
+}
+
+/* s[i] = the sum of 16 bf16 activations x[16 i ..], halves then quarters (fixed order). */
+static void hsums(const uint16_t *x, int64_t count, float *s) {
+    for (int64_t i = 0; i < count; i++) {
+        __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + 16 * i))), 16));
+        __m256 s8 = _mm256_add_ps(_mm512_extractf32x8_ps(v, 1), _mm512_castps512_ps256(v));
+        __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
+        __m128 s2 = _mm_add_ps(_mm_movehl_ps(s4, s4), s4);
+        __m128 s1 = _mm_add_ss(_mm_shuffle_ps(s2, s2, 0x55), s2);
+        s[i] = _mm_cvtss_f32(s1);
+    }
+}
+
+/* A row's state: even and odd groups in their own accumulators (two chains: one would make
+ * a step wait on the previous group's multiply-add), each a 16-lane sum of d . t and the
+ * offsets' two lanes. */
+typedef struct {
+    __m512 acc[2];
+    __m128 off[2];
+} brow;
+
+static inline float bf_result(const brow *s) {
+    float f[16];
+    _mm512_storeu_ps(f, _mm512_add_ps(s->acc[0], s->acc[1]));
+    for (int i = 0; i < 8; i++) f[i] += f[i + 8];
+    f[0] += f[4], f[1] += f[5], f[2] += f[6], f[3] += f[7];
+    f[0] += f[2], f[1] += f[3];
+    float o[4];
+    _mm_storeu_ps(o, _mm_add_ps(s->off[0], s->off[1]));
+    return (f[0] + f[1]) + (o[0] + o[1]);
+}
+
+/* One row's share of group g: its 32 activations xg (bf16), its half sums hs. */
+static inline __attribute__((always_inline)) void bf_row(const bgroup *gr, int64_t g,
+                                                         const uint16_t *xg, const float *hs,
+                                                         brow *s) {
+    __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), gr->q,
+                                (__m512bh)_mm512_loadu_si512((const void *)xg));
+    s->acc[g & 1] = _mm512_fmadd_ps(gr->d, t, s->acc[g & 1]);
+    __m128 h = _mm_castpd_ps(_mm_load_sd((const double *)hs));
+    s->off[g & 1] = _mm_fmadd_ps(gr->off, h, s->off[g & 1]);
+}
+
+static const brow BROW0;
+
+static inline __attribute__((always_inline)) void bf_col_few(const int t, const uint8_t *row,
+                                                             const uint16_t *x, const float *hs,
+                                                             const int nr, int64_t k,
+                                                             uint16_t *y, int64_t n) {
+    brow st[FEW_ROWS];
+    for (int r = 0; r < nr; r++) st[r] = BROW0;
+    for (int64_t g = 0; g < k / 32; g++) {
+        bgroup gr;
+        bgroup_of(t, row, g, &gr);
+        for (int r = 0; r < nr; r++)
+            bf_row(&gr, g, x + r * k + 32 * g, hs + r * (k / 16) + 2 * g, &st[r]);
+    }
+    for (int r = 0; r < nr; r++) y[r * n] = f32_to_bf16(bf_result(&st[r]));
+}
+
+/* nr rows (a constant) through a column's decoded groups */
+static inline __attribute__((always_inline)) void bf_rows(const bgroup *buf, const uint16_t *x,
+                                                          const float *hs, const int nr,
+                                                          int64_t k, uint16_t *y, int64_t n) {
+    brow st[FEW_ROWS];
+    for (int r = 0; r < nr; r++) st[r] = BROW0;
+    for (int64_t g = 0; g < k / 32; g++)
+        for (int r = 0; r < nr; r++)
+            bf_row(&buf[g], g, x + r * k + 32 * g, hs + r * (k / 16) + 2 * g, &st[r]);
+    for (int r = 0; r < nr; r++) y[r * n] = f32_to_bf16(bf_result(&st[r]));
+}
+
+static inline __attribute__((always_inline)) void bf_col_many(const int t, const uint8_t *row,
+                                                              const uint16_t *x, const float *hs,
+                                                              int nr, int64_t k, uint16_t *y,
+                                                              int64_t n, bgroup *buf) {
+    for (int64_t g = 0; g < k / 32; g++) bgroup_of(t, row, g, &buf[g]);
+    int r = 0;
+    for (; r + FEW_ROWS <= nr; r += FEW_ROWS)
+        bf_rows(buf, x + r * k, hs + r * (k / 16), FEW_ROWS, k, y + r * n, n);
+    for (; r < nr; r++) bf_rows(buf, x + r * k, hs + r * (k / 16), 1, k, y + r * n, n);
+}
+
+static inline __attribute__((always_inline)) void bf_run(const int t, const uint8_t *w,
+                                                         int64_t row_bytes, const uint16_t *x,
+                                                         const float *hs, int64_t rows,
+                                                         int64_t n, int64_t k, uint16_t *y,
+                                                         bgroup *bufs) {
+    if (rows <= FEW_ROWS) {
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n; j++) {
+            const uint8_t *row = w + j * row_bytes;
+            switch (rows) {
+            case 1: bf_col_few(t, row, x, hs, 1, k, y + j, n); break;
+            case 2: bf_col_few(t, row, x, hs, 2, k, y + j, n); break;
+            case 3: bf_col_few(t, row, x, hs, 3, k, y + j, n); break;
+            default: bf_col_few(t, row, x, hs, 4, k, y + j, n); break;
+            }
+        }
+        return;
+    }
+    bgroup *buf = bufs + (size_t)omp_get_thread_num() * (size_t)(k / 32);
+    for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+        int nr = rows - r0 < ROW_BLOCK ? (int)(rows - r0) : ROW_BLOCK;
+#pragma omp for schedule(static) nowait
+        for (int64_t j = 0; j < n; j++)
+            bf_col_many(t, w + j * row_bytes, x + r0 * k, hs + r0 * (k / 16), nr, k,
+                        y + r0 * n + j, n, buf);
+    }
+}
+
+static int qmm_bf16_dots(int t, const uint8_t *w, int64_t row_bytes, const uint16_t *x,
+                         int64_t rows, int64_t n, int64_t k, uint16_t *y) {
+    size_t nt = (size_t)omp_get_max_threads(), ng = (size_t)(k / 32);
+    float *hs = malloc(sizeof(float) * (size_t)(rows * (k / 16) + 1));
+    bgroup *bufs = aligned_alloc(64, sizeof(bgroup) * nt * ng);
+    if (!hs || !bufs) {
+        free(hs);
+        free(bufs);
+        return 2;
+    }
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) hsums(x + r * k, k / 16, hs + r * (k / 16));
+        switch (t) {
+        case T_Q4_0: bf_run(T_Q4_0, w, row_bytes, x, hs, rows, n, k, y, bufs); break;
+        case T_Q4_1: bf_run(T_Q4_1, w, row_bytes, x, hs, rows, n, k, y, bufs); break;
+        case T_Q5_0: bf_run(T_Q5_0, w, row_bytes, x, hs, rows, n, k, y, bufs); break;
+        case T_Q5_1: bf_run(T_Q5_1, w, row_bytes, x, hs, rows, n, k, y, bufs); break;
+        case T_Q4_K: bf_run(T_Q4_K, w, row_bytes, x, hs, rows, n, k, y, bufs); break;
+        case T_Q5_K: bf_run(T_Q5_K, w, row_bytes, x, hs, rows, n, k, y, bufs); break;
+        default: bf_run(T_Q6_K, w, row_bytes, x, hs, rows, n, k, y, bufs); break;
+        }
+    }
+    free(hs);
+    free(bufs);
+    return 0;
+}
+#endif
+
+/* Every column of one type, the type a constant so each gets its own compiled loop. */
+static inline __attribute__((always_inline)) void run(const int t, const uint8_t *w,
+                                                      int64_t row_bytes, const float *xf,
+                                                      int64_t rows, int64_t n, int64_t k,
+                                                      uint16_t *y, float *wbufs) {
+    if (rows <= FEW_ROWS) {
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n; j++) {
+            const uint8_t *row = w + j * row_bytes;
+            switch (rows) {
+            case 1: col_few(t, row, xf, 1, k, y + j, n); break;
+            case 2: col_few(t, row, xf, 2, k, y + j, n); break;
+            case 3: col_few(t, row, xf, 3, k, y + j, n); break;
+            default: col_few(t, row, xf, 4, k, y + j, n); break;
+            }
+        }
+        return;
+    }
+    float *wbuf = wbufs + (size_t)omp_get_thread_num() * (size_t)k;
+    for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+        int nr = rows - r0 < ROW_BLOCK ? (int)(rows - r0) : ROW_BLOCK;
+        /* the same columns for each thread every block: static schedule, no barrier needed */
+#pragma omp for schedule(static) nowait
+        for (int64_t j = 0; j < n; j++)
+            col_many(t, w + j * row_bytes, xf + r0 * k, nr, k, y + r0 * n + j, n, wbuf);
+    }
+}
+
+/* Weights per block and bytes per block of a type; 0 for a type this file does not run. */
+int64_t qmm_block(int t, int64_t *bytes) {
+    switch (t) {
+    case T_Q4_0: *bytes = 18; return 32;
+    case T_Q4_1: *bytes = 20; return 32;
+    case T_Q5_0: *bytes = 22; return 32;
+    case T_Q5_1: *bytes = 24; return 32;
+    case T_Q8_0: *bytes = 34; return 32;
+    case T_Q4_K: *bytes = 144; return 256;
+    case T_Q5_K: *bytes = 176; return 256;
+    case T_Q6_K: *bytes = 210; return 256;
+    case T_F16: *bytes = 64; return 32;
+    case T_BF16: *bytes = 64; return 32;
+    case T_F32: *bytes = 128; return 32;
+    default: *bytes = 0; return 0;
+    }
+}
+
+/* y [rows, n] bf16 = x [rows, k] bf16 (contiguous) times W [n, k]^T, W's rows row_bytes apart
+ * in type t's blocks. Returns 0; 1 for a type or shape this cannot run, 2 out of memory. */
+int qmm_bf16(int t, const uint8_t *w, int64_t row_bytes, const uint16_t *x, int64_t rows,
+             int64_t n, int64_t k, uint16_t *y) {
+    int64_t bytes, per = qmm_block(t, &bytes);
+    if (!per || n < 0 || rows < 0 || k <= 0 || k % per || row_bytes < k / per * bytes) return 1;
+#ifdef QMM_BF16
+    if (bf_type(t)) return qmm_bf16_dots(t, w, row_bytes, x, rows, n, k, y);
+#endif
+    /* the f32 rows, then one column buffer per thread (many rows) */
+    size_t nt = (size_t)omp_get_max_threads();
+    float *xf = malloc(sizeof(float) * ((size_t)(rows * k) + nt * (size_t)k + 1));
+    if (!xf) return 2;
+    float *wbufs = xf + rows * k;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows * k; i++) xf[i] = bf16_to_f32(x[i]);
+        switch (t) {
+        case T_Q4_0: run(T_Q4_0, w, row_bytes, xf, rows, n, k, y, wbufs); break;
+        case T_Q4_1: run(T_Q4_1, w, row_bytes, xf, rows, n, k, y, wbufs); break;
+        case T_Q5_0: run(T_Q5_0, w, row_bytes, xf, rows, n, k, y, wbufs); break;
+        case T_Q5_1: run(T_Q5_1, w, row_bytes, xf, rows, n, k, y, wbufs); break;
+        case T_Q8_0: run(T_Q8_0, w, row_bytes, xf, rows, n, k, y, wbufs); break;
+        case T_Q4_K: run(T_Q4_K, w, row_bytes, xf, rows, n, k, y, wbufs); break;
+        case T_Q5_K: run(T_Q5_K, w, row_bytes, xf, rows, n, k, y, wbufs); break;
+        case T_Q6_K: run(T_Q6_K, w, row_bytes, xf, rows, n, k, y, wbufs); break;
+        case T_F16: run(T_F16, w, row_bytes, xf, rows, n, k, y, wbufs); break;
+        case T_BF16: run(T_BF16, w, row_bytes, xf, rows, n, k, y, wbufs); break;
+        default: run(T_F32, w, row_bytes, xf, rows, n, k, y, wbufs); break;
+        }
+    }
+    free(xf);
+    return 0;
+}
+
+/* Rows `ids` of W as f32 [m, k] (embedding lookups and the head's exact re-scoring): the same
+ * decoded values the matmul multiplies. */
+int qmm_rows_f32(int t, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                 const int64_t *ids, int64_t m, float *out) {
+    int64_t bytes, per = qmm_block(t, &bytes);
+    if (!per || k <= 0 || k % per || row_bytes < k / per * bytes) return 1;
+    for (int64_t i = 0; i < m; i++)
+        if (ids[i] < 0 || ids[i] >= n) return 3;
+#pragma omp parallel for schedule(static) if (m * k > 65536)
+    for (int64_t i = 0; i < m; i++) {
+        const uint8_t *row = w + ids[i] * row_bytes;
+        float *o = out + i * k;
+        for (int64_t g = 0; g < k / 32; g++) {
+            v8f w[4];
+            switch (t) { /* the type a constant in each call, as in run() */
+            case T_Q4_0: group(T_Q4_0, row, g, w); break;
+            case T_Q4_1: group(T_Q4_1, row, g, w); break;
+            case T_Q5_0: group(T_Q5_0, row, g, w); break;
+            case T_Q5_1: group(T_Q5_1, row, g, w); break;
+            case T_Q8_0: group(T_Q8_0, row, g, w); break;
+            case T_Q4_K: group(T_Q4_K, row, g, w); break;
+            case T_Q5_K: group(T_Q5_K, row, g, w); break;
+            case T_Q6_K: group(T_Q6_K, row, g, w); break;
+            case T_F16: group(T_F16, row, g, w); break;
+            case T_BF16: group(T_BF16, row, g, w); break;
+            default: group(T_F32, row, g, w); break;
+            }
+            memcpy(o + 32 * g, w, sizeof w);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,79 @@
+"""Products with weights held in a GGUF type's own blocks (csrc/qmm.c), through ctypes.
+
+Apart from kernels.py because the matrix owns its bytes and its shape checks: each product
+checks only its input, and the block geometry (weights and bytes per block) comes from the C
+side, so Python and C cannot disagree about a row's length.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+
+@functools.cache
+def _bind(lib: ctypes.CDLL) -> tuple:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    mm, rows, block = lib.qmm_bf16, lib.qmm_rows_f32, lib.qmm_block
+    mm.restype, rows.restype, block.restype = i32, i32, i64
+    mm.argtypes = [i32, p, i64, p, i64, i64, i64, p]
+    rows.argtypes = [i32, p, i64, i64, i64, p, i64, p]
+    block.argtypes = [i32, ctypes.POINTER(i64)]
+    return mm, rows, block
+
+
+def available(lib: ctypes.CDLL) -> bool:
+    return hasattr(lib, "qmm_bf16")
+
+
+def row_bytes(lib: ctypes.CDLL, qtype: int, k: int) -> int:
+    """Bytes of a row of k weights in type qtype; ValueError for a type or length it cannot
+    run."""
+    size = ctypes.c_int64(0)
+    per = _bind(lib)[2](qtype, ctypes.byref(size))
+    if per == 0 or k <= 0 or k % per:
+        raise ValueError(f"qmm cannot run type {qtype} with rows of {k} weights")
+    return k // per * size.value
+
+
+class QuantMatrix:
+    """W [n, k] in type qtype's blocks, rows as in the file (raw: uint8 [n, row bytes])."""
+
+    def __init__(self, lib: ctypes.CDLL, qtype: int, raw: torch.Tensor, k: int) -> None:
+        rb = row_bytes(lib, qtype, k)
+        if not (raw.dtype == torch.uint8 and raw.is_contiguous() and raw.dim() == 2
+                and raw.shape[1] == rb):
+            raise ValueError(f"qmm needs contiguous uint8 rows of {rb} bytes, got "
+                             f"{raw.dtype} {list(raw.shape)}")
+        self.raw, self.qtype, self.n, self.k, self.row_bytes = raw, qtype, raw.shape[0], k, rb
+        self._mm, self._rows, _ = _bind(lib)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, k] bf16 (contiguous) times W^T -> [rows, n] bf16."""
+        if not (x.dtype == torch.bfloat16 and x.is_contiguous() and x.dim() == 2
+                and x.shape[1] == self.k):
+            raise ValueError(f"qmm needs contiguous bf16 rows of {self.k}")
+        y = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16)
+        rc = self._mm(self.qtype, self.raw.data_ptr(), self.row_bytes, x.data_ptr(), x.shape[0],
+                      self.n, self.k, y.data_ptr())
+        if rc == 2:
+            raise MemoryError("qmm: no memory for the f32 rows")
+        if rc != 0:
+            raise ValueError("qmm refused the shape")
+        return y
+
+    def rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows `ids` of W (every row when None) as f32 [m, k]: the values the matmul uses."""
+        if ids is None:
+            ids = torch.arange(self.n)
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), self.k)
+        rc = self._rows(self.qtype, self.raw.data_ptr(), self.row_bytes, self.n, self.k,
+                        ids.data_ptr(), ids.numel(), out.data_ptr())
+        if rc == 3:
+            raise IndexError("qmm rows: id outside the matrix")
+        if rc != 0:
+            raise ValueError("qmm rows refused the shape")
+        return out

@@ -1,0 +1,42 @@
+"""Every variant of our C kernels (model/kernels.py's VARIANTS), for the tests that check the
+kernels: this project's machines run all four (AVX512-BF16), so a variant this CPU cannot run
+fails the test that asks for it, naming the missing flags; it never skips."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from radixserve.model import kernels as K
+
+VARIANTS = ["avx512bf16", "avx512", "avx2", "generic"]
+# (has_q4, has_bf16_gemm, has_int8_head) of each variant's build: the 4-bit and bf16 matmuls
+# need AVX512-BF16, the head's int8 pass AVX512-VNNI
+HAS = {"avx512bf16": (True, True, True), "avx512": (False, False, True),
+       "avx2": (False, False, False), "generic": (False, False, False)}
+
+
+def variant_kernels(variant: str) -> K.Kernels:
+    """`variant`'s kernels (load_kernels: built once per process, the environment untouched),
+    which must run here and build."""
+    missing = K.missing_flags(variant, K.cpu_flags())
+    assert not missing, (f"this CPU cannot run the {variant} kernels: it lacks "
+                         f"{' '.join(missing)}")
+    kern = K.load_kernels(variant)
+    assert kern is not None, f"the {variant} kernels did not build (is a C compiler installed?)"
+    assert kern.variant == variant and kern.build_key.startswith(variant + "-")
+    assert (kern.has_q4, kern.has_bf16_gemm, kern.has_int8_head) == HAS[variant], variant
+    return kern
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Runs the test once per variant with kernels() (what quant.py, head.py and forward.py
+    call) returning that variant's kernels, as RADIXSERVE_KERNELS=<variant> does."""
+    variant_kernels(request.param)
+    monkeypatch.setenv(K.ENV, request.param)
+    K.kernels.cache_clear()
+    assert K.kernels() is K.load_kernels(request.param)
+    yield request.param
+    K.kernels.cache_clear()  # before monkeypatch restores the environment
