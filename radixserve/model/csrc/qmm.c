@@ -153,6 +153,14 @@ static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
+/* Sub-block j of a Q4_K / Q5_K super-block b as w = scale q + off (gguf-py's d sc, -dmin mn). */
+static inline void k_affine(const uint8_t *b, int j, float *scale, float *off) {
+    int sc, mn;
+    k_scale_min(b + 4, j, &sc, &mn);
+    *scale = f16_to_f32(rd16(b)) * (float)sc;
+    *off = -(f16_to_f32(rd16(b + 2)) * (float)mn);
+}
+
 /* The fifth bits of 32 weights (bit i of qh for weight i) as 16s in bytes: h0 weights 0-15,
  * h1 16-31. Each byte of qh copied to 8 lanes, masked by its lane's bit (byte ops, one register
  * each, where a variable shift a lane takes eight). */
@@ -206,10 +214,9 @@ static inline __attribute__((always_inline)) void group(const int t, const uint8
     case T_Q5_K: {
         const int five = t == T_Q5_K;
         const uint8_t *b = row + (five ? 176 : 144) * (g / 8);
-        int j = (int)(g % 8), sc, mn;
-        k_scale_min(b + 4, j, &sc, &mn);
-        float scale = f16_to_f32(rd16(b)) * (float)sc;
-        float off = -(f16_to_f32(rd16(b + 2)) * (float)mn);
+        int j = (int)(g % 8);
+        float scale, off;
+        k_affine(b, j, &scale, &off);
         const uint8_t *qs = b + (five ? 48 : 16) + 32 * (j / 2);
         const int shift = 4 * (j & 1);
         v16b c0 = (loadb(qs) >> shift) & 15, c1 = (loadb(qs + 16) >> shift) & 15;
@@ -373,10 +380,9 @@ static inline __attribute__((always_inline)) void bgroup_of(const int t, const u
     case T_Q5_K: {
         const int five = t == T_Q5_K;
         const uint8_t *b = row + (five ? 176 : 144) * (g / 8);
-        int j = (int)(g % 8), sc, mn;
-        k_scale_min(b + 4, j, &sc, &mn);
-        d0 = d1 = f16_to_f32(rd16(b)) * (float)sc;
-        m0 = m1 = -(f16_to_f32(rd16(b + 2)) * (float)mn);
+        int j = (int)(g % 8);
+        k_affine(b, j, &d0, &m0);
+        d1 = d0, m1 = m0;
         const uint8_t *qs = b + (five ? 48 : 16) + 32 * (j / 2);
         const int shift = 4 * (j & 1);
         c0 = (loadb(qs) >> shift) & 15;
