@@ -1,8 +1,11 @@
 """The engine thread: the only thread that touches the model, the KV pool, slots and caches.
 
 HTTP handlers (asyncio) talk to it through one thread-safe queue of typed messages; results flow
-back through a per-task asyncio queue fed with `call_soon_threadsafe`. No locks inside the
-engine. What the HTTP side may use is `EngineAPI` (engine/api.py); this class implements it.
+back through a per-task asyncio queue. The engine collects the results of a step (or of the
+messages it handled) and hands them to the event loop with one `call_soon_threadsafe`: each
+call wakes the loop, and a wake-up costs both threads (the loop takes the GIL from the engine),
+so a step of several streams (and a task's last text with its final result) wakes it once, not
+once per result. No locks inside the engine. What the HTTP side may use is `EngineAPI` (engine/api.py); this class implements it.
 
 It is also the only thread that runs torch's parallel kernels, from loading on (`Engine.boot`):
 while another live thread owns an OpenMP team (it ran a parallel op once, e.g. loading the
@@ -74,8 +77,8 @@ class TaskStream:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.done = False
 
-    def emit(self, item: Any) -> None:  # engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def emit(self, item: Any) -> None:  # engine thread: delivered at the engine's next flush
+        self.engine._outbox.append((self, item))
 
     def __aiter__(self) -> TaskStream:
         return self
@@ -111,6 +114,7 @@ class Engine:
         if self.scheduler.radix_disk is not None and self.scheduler.radix_disk.disk is not None:
             self.scheduler.radix_disk.disk.wake = lambda: self._post(Wake())
         self._q: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._outbox: list[tuple[TaskStream, Any]] = []  # results not yet handed to the loop
         self._thread = threading.Thread(target=self._run, name="radixserve-engine", daemon=True)
         self._stopping = False
 
@@ -188,6 +192,7 @@ class Engine:
                     msg = self._q.get_nowait()
                 except queue.Empty:
                     msg = None
+            self._flush()
             try:
                 if sched.has_active():
                     sched.step()  # polls the disk tier first
@@ -195,6 +200,27 @@ class Engine:
                     sched.poll_io()
             except Exception:  # never let one bad step kill the engine
                 log.exception("engine step failed")
+            self._flush()
+        self._flush()
+
+    def _flush(self) -> None:
+        """Hand the collected results to their event loops: one wake-up per loop."""
+        out = self._outbox
+        if not out:
+            return
+        self._outbox = []
+        loop = out[0][0].loop
+        if all(st.loop is loop for st, _ in out):
+            by_loop = {loop: out}
+        else:
+            by_loop = {}
+            for st, item in out:
+                by_loop.setdefault(st.loop, []).append((st, item))
+        for lp, items in by_loop.items():
+            try:
+                lp.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop is closed: nobody is left to read these
+                log.debug("dropped %d results for a closed event loop", len(items))
 
     def _handle(self, msg: Message) -> None:
         try:
@@ -244,6 +270,11 @@ class Engine:
     async def slot_action(self, id_slot: int, action: str, filename: str | None) -> dict[str, Any]:
         """POST /slots/{id}?action=save|restore|erase (disk tier)."""
         return await self.call(lambda: slot_action(self.scheduler, id_slot, action, filename))
+
+
+def _deliver(items: list[tuple[TaskStream, Any]]) -> None:  # event loop
+    for st, item in items:
+        st.queue.put_nowait(item)
 
 
 def _set_res(fut: asyncio.Future, res: Any) -> None:

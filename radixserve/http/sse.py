@@ -4,6 +4,12 @@ One formatter per request turns engine results into chunk dicts; `sse_event` fra
 Formatters remember how much text they have sent, so text the engine released only in the
 `FinalResult` (a held-back stop-word prefix that turned out not to be one) still reaches the
 client before the closing chunk.
+
+The per-token event of a plain stream (text only: no logprobs, no per-token timings, no
+tool/reasoning parsing) is the one chunk that goes out for every token, so `partial_bytes`
+writes it from a template: the chunk's JSON cut around its varying fields once per request,
+then only the text is encoded per token (`json.dumps` of a string is the same bytes inside a
+dict as alone). The bytes are exactly those of `sse_event(chunk)`; tests compare the two.
 """
 
 from __future__ import annotations
@@ -34,6 +40,25 @@ def sse_event(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+_MARK = "\x00radixserve-field-{}\x00"  # a string no chunk field holds: cut points
+
+
+def _template(chunk: dict[str, Any], n_fields: int) -> list[bytes]:
+    """`sse_event(chunk)` cut at the fields set to `_MARK.format(i)`, i < n_fields, in the
+    order they appear: n_fields + 1 constant pieces to put each field's JSON between."""
+    event = sse_event(chunk)
+    pieces = []
+    for i in range(n_fields):
+        head, sep, event = event.partition(json.dumps(_MARK.format(i)).encode())
+        assert sep, "template field not found"
+        pieces.append(head)
+    return pieces + [event]
+
+
+def _text_json(text: str) -> bytes:
+    return json.dumps(text, ensure_ascii=False).encode()
+
+
 def sse_error(err: TaskError) -> bytes:
     """An error after the stream started: llama-server sends it as one more data event."""
     return sse_event(err.to_json())
@@ -49,10 +74,28 @@ class StreamFormatter:
         self.text_sent = ""
         self.n_tokens = 0  # tokens reported so far (running tokens_predicted)
         self.n_probs_sent = 0
+        self._tpl: list[bytes] | None = None  # the plain text event, cut (`_text_event`)
 
     def start(self) -> list[dict[str, Any]]:
         """Chunks sent before the first result (chat's role chunk)."""
         return []
+
+    def partial_bytes(self, p: PartialResult) -> bytes:
+        """The SSE events of `partial(p)`, framed; plain text chunks from the template."""
+        if p.probs or p.timings is not None or not self._plain():
+            return b"".join(sse_event(c) for c in self.partial(p))
+        self.n_tokens += len(p.tokens)
+        if not p.text:
+            return b""
+        self.text_sent += p.text
+        return self._text_event(p.text, p.tokens)
+
+    def _plain(self) -> bool:
+        """Whether text chunks are plain (the template applies)."""
+        return False
+
+    def _text_event(self, text: str, tokens: list[int]) -> bytes:
+        raise NotImplementedError
 
     def partial(self, p: PartialResult) -> list[dict[str, Any]]:
         self.n_tokens += len(p.tokens)
@@ -105,6 +148,19 @@ class NativeStream(StreamFormatter):
     def _close(self, f: FinalResult) -> list[dict[str, Any]]:
         return [completion_json(f, self.req, self.ctx, streamed=True)]
 
+    def _plain(self) -> bool:
+        return self.req.task.n_probs <= 0
+
+    def _text_event(self, text: str, tokens: list[int]) -> bytes:
+        tpl = self._tpl
+        if tpl is None:
+            chunk = self._chunk(_MARK.format(0), [], [])
+            chunk["tokens"], chunk["tokens_predicted"] = _MARK.format(1), _MARK.format(2)
+            tpl = self._tpl = _template(chunk, 3)
+        ids = ",".join(map(str, tokens))
+        return b"".join((tpl[0], _text_json(text), tpl[1], b"[", ids.encode(), b"]", tpl[2],
+                         str(self.n_tokens).encode(), tpl[3]))
+
 
 class _OAIStream(StreamFormatter):
     done = SSE_DONE
@@ -120,6 +176,15 @@ class _OAIStream(StreamFormatter):
             "system_fingerprint": c.fingerprint,
             "object": self.object,
         }
+
+    def _plain(self) -> bool:
+        return self.req.task.n_probs <= 0
+
+    def _text_event(self, text: str, tokens: list[int]) -> bytes:
+        tpl = self._tpl
+        if tpl is None:
+            tpl = self._tpl = _template(self._chunk(_MARK.format(0), [], []), 1)
+        return tpl[0] + _text_json(text) + tpl[1]
 
     def _close(self, f: FinalResult) -> list[dict[str, Any]]:
         """Finish chunk; with include_usage a usage chunk (empty choices) carries the timings."""
@@ -150,6 +215,9 @@ class ChatStream(_OAIStream):
         self.raw = ""  # the reply's text so far
         self.msg: ParsedMessage | None = None  # the final parse
         self.held_probs: list[TokenProbs] = []
+
+    def _plain(self) -> bool:
+        return self.parser is None and super()._plain()
 
     def partial(self, p: PartialResult) -> list[dict[str, Any]]:
         if self.parser is None:

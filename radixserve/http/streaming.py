@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from starlette.requests import Request
@@ -152,10 +152,30 @@ async def collect_all(request: Request, streams: Sequence[TaskStreamLike]) -> li
         gs.close()
 
 
+async def _next_or_ping(get: Callable[[], Awaitable[T]], ping_s: float) -> T | None:
+    """The next result, or None after `ping_s` seconds of silence (<= 0: wait forever).
+    `asyncio.timeout` arms one timer on the running task: `wait_for` would start a task per
+    result."""
+    if ping_s <= 0:
+        return await get()
+    try:
+        async with asyncio.timeout(ping_s):
+            return await get()
+    except TimeoutError:
+        return None
+
+
 async def stream_all(request: Request, streams: Sequence[TaskStreamLike],
                      fmts: list[StreamFormatter], ping_s: float = -1) -> StreamingResponse:
     """SSE of several tasks, interleaved as results arrive. An error before the first result
-    is a plain HTTP error; later, one error event ends the stream (the rest is cancelled)."""
+    is a plain HTTP error; later, one error event ends the stream (the rest is cancelled).
+
+    One task (the usual request) is read directly; several are pumped into one queue. Each
+    result goes out as one body write (a chat stream's role chunk with the first text, the
+    closing chunks with `[DONE]`): a write per event costs a syscall and a wake-up of the
+    client each."""
+    if len(streams) == 1:
+        return await _stream_one(request, streams[0], fmts[0], ping_s)
     gs = _Guards(streams)
     q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
@@ -189,27 +209,23 @@ async def stream_all(request: Request, streams: Sequence[TaskStreamLike],
                     yield sse_error(res)
                     return
                 fmt = fmts[i]
+                head = b""
                 if i not in started:
                     started.add(i)
-                    for chunk in fmt.start():
-                        yield sse_event(chunk)
+                    head = _events(fmt.start())
                 if isinstance(res, FinalResult):
                     n_final += 1
-                    chunks = fmt.final(res)
+                    body = _events(fmt.final(res))
                 else:
-                    chunks = fmt.partial(res)
-                for chunk in chunks:
-                    yield sse_event(chunk)
+                    body = fmt.partial_bytes(res)
                 if n_final == len(fmts):
-                    break
-                while True:  # --sse-ping-interval: a ping per silence that long
-                    try:
-                        item = await asyncio.wait_for(q.get(), ping_s if ping_s > 0 else None)
-                        break
-                    except asyncio.TimeoutError:
-                        yield SSE_PING
-            if fmts[0].done:
-                yield fmts[0].done
+                    yield head + body + (fmts[0].done or b"")
+                    return
+                if head or body:
+                    yield head + body
+                while (got := await _next_or_ping(q.get, ping_s)) is None:
+                    yield SSE_PING  # --sse-ping-interval: a ping per silence that long
+                item = got
         except Exception as e:  # noqa: BLE001 - never leave tasks running or hang up silently
             log.exception("streaming failed")
             yield sse_error(TaskError(500, "server_error", f"{type(e).__name__}: {e}"))
@@ -217,3 +233,40 @@ async def stream_all(request: Request, streams: Sequence[TaskStreamLike],
             gs.close()
 
     return GuardedStreamingResponse(events(), gs)
+
+
+def _events(chunks: list[dict[str, Any]]) -> bytes:
+    return b"".join(sse_event(c) for c in chunks)
+
+
+async def _stream_one(request: Request, stream: TaskStreamLike, fmt: StreamFormatter,
+                      ping_s: float) -> StreamingResponse:
+    """`stream_all` of one task: its results straight from its stream (no pump, no queue)."""
+    g = StreamGuard(stream)
+    try:
+        first = await until_disconnect(request, g.next())
+    except BaseException:
+        g.close()  # a TaskError already ended the task; a disconnect cancels it
+        raise
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            head, res = _events(fmt.start()), first
+            while not isinstance(res, FinalResult):
+                body = head + fmt.partial_bytes(res)
+                if body:
+                    yield body
+                head = b""
+                while (got := await _next_or_ping(g.next, ping_s)) is None:
+                    yield SSE_PING  # --sse-ping-interval: a ping per silence that long
+                res = got
+            yield head + _events(fmt.final(res)) + (fmt.done or b"")
+        except TaskError as e:
+            yield sse_error(e)
+        except Exception as e:  # noqa: BLE001 - never leave the task running or hang up silently
+            log.exception("streaming failed")
+            yield sse_error(TaskError(500, "server_error", f"{type(e).__name__}: {e}"))
+        finally:
+            g.close()
+
+    return GuardedStreamingResponse(events(), g)

@@ -5,6 +5,12 @@ attention runs per sequence over that sequence's cells only. Prefill chunks and 
 tokens mix freely, which is what continuous batching needs. Logits are computed only for the
 rows the caller will sample (the output head is a third of a decode step on CPU).
 
+bf16 steps with our kernels run each layer's glue in C: RoPE, the K/V store and attention in
+one call a layer, the norms and gates in one call each (kernels.py's DecodeStep for llama's
+layers, gemma_step.py's GemmaStep for q/k norms, sliding windows, post norms and GeGLU), when
+every sequence's new tokens end its cells; the general path below does the same arithmetic
+with torch's attention where they do not.
+
 Gemma 3 adds sliding-window layers: a query at position p sees keys at p - n_swa < k <= p only
 (llama.cpp's LLAMA_SWA_TYPE_STANDARD), rotated with their own RoPE base. Their K/V live either
 in the same cache as the global layers' (`--swa-full`: every layer, every cell, the window
@@ -15,6 +21,7 @@ applied by the mask) or in a separate window-sized cache whose cells each step n
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -22,7 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.model.hparams import HParams
-from radixserve.model.kernels import kernels
+from radixserve.model import gemma_step
+from radixserve.model.gemma_step import GemmaStep, LayerKind
+from radixserve.model.kernels import DecodeStep, kernels
 from radixserve.model.quant import Int4Linear
 from radixserve.model.rope import Rope
 from radixserve.model.weights import ModelWeights
@@ -77,7 +86,7 @@ class _Sliding:
 
     cos: torch.Tensor
     sin: torch.Tensor
-    cell_idx: torch.Tensor
+    cells: list[int]
     plans: list[_Plan]
 
 
@@ -142,7 +151,8 @@ class Transformer:
         # our attention kernel scales by 1/sqrt(head_dim): a model with another scale (Gemma 3
         # 27B) attends with torch's SDPA (see _attend_plan)
         self.torch_attention = hp.attn_scale not in (0.0, hp.head_dim ** -0.5)
-        # the fused C step knows llama's layer only (SwiGLU, no q/k or output norms)
+        # kernels.py's DecodeStep knows llama's layer only (SwiGLU, no q/k or output norms);
+        # the others (qwen3, gemma3) take gemma_step.py's GemmaStep
         self.fused_layers = (hp.act == "silu" and hp.embd_scale == 1.0
                              and all(lw.q_norm is None and lw.post_attn_norm is None
                                      for lw in w.layers))
@@ -157,6 +167,12 @@ class Transformer:
         self.attn_scale = hp.attn_scale or None  # None: SDPA's own 1/sqrt(head_dim)
         self.q_dim = hp.n_head * hp.head_dim
         self.kv_dim = hp.n_head_kv * hp.head_dim
+        # GemmaStep's (kind, cache index) of each layer, with all layers in one cache (False)
+        # or the sliding ones in their own (True)
+        self._checked: dict[tuple[int, int], torch.Tensor] = {}  # its norm weights, checked
+        kind = ["sliding" if s else "global" for s in hp.swa_layers]
+        self._layer_kinds = {False: list(zip(kind, range(hp.n_layer))),
+                             True: [(k, hp.cache_index(li)) for li, k in enumerate(kind)]}
 
     @property
     def own_attention(self) -> bool:
@@ -210,17 +226,25 @@ class Transformer:
         if hp.embd_scale != 1.0:
             x.mul_(hp.embd_scale)
         # then RoPE, the K/V store and attention of the whole step are one kernel call a layer
-        # (model/csrc/decode_attn.c); q/k norms (qwen3) keep the torch path up to attention
-        step = None
+        # (model/csrc/decode_attn.c): llama's layers in DecodeStep, those with q/k norms, sliding
+        # windows, post norms or GeGLU (qwen3, gemma3) in GemmaStep, when every sliding plan
+        # is one our kernel runs too
+        step: DecodeStep | GemmaStep | None = None
         if tail and self.fused_layers:
             assert self.kern is not None
             step = self.kern.decode_step(k_cache, v_cache, hp.n_head,
                                          [b.kv_cells for b in batch], cells, cos, sin, x, eps,
                                          hp.n_ff, n_new=[len(b.tokens) for b in batch])
-            cell_idx = None
-        else:
+        elif tail and (swa is None or all(p.tail for p in swa.plans)):
+            step = self._gemma_step(batch, cells, cos, sin, x, swa, split, k_cache, v_cache,
+                                    k_swa, v_swa)
+        cell_idx = swa_idx = None  # the general path's new cells, as index tensors
+        if step is None:
             cell_idx = torch.tensor(cells, dtype=torch.long, device=device)
-        glue = step or self  # norm and silu: the step's C calls, or the general ones
+            if swa is not None:
+                swa_idx = torch.tensor(swa.cells, dtype=torch.long, device=device)
+        glue = step or self  # the norms and gates: the step's C calls, or the general ones
+        act = glue.silu if hp.act == "silu" else glue.gelu
         inv = self.deterministic
         layers = self.w.layers
         h = glue.norm(x, None, layers[0].attn_norm)
@@ -234,27 +258,29 @@ class Transformer:
                 if swa is not None and hp.swa_layers[li]:
                     ks, vs = (k_swa, v_swa) if split else (k_cache, v_cache)
                     assert ks is not None and vs is not None
+                    assert swa_idx is not None
                     outs = self._attention(ks[ci], vs[ci], li, batch, swa.plans, qkv, swa.cos,
-                                           swa.sin, swa.cell_idx, self.rope_swa)
+                                           swa.sin, swa_idx, self.rope_swa)
                 else:
                     outs = self._attention(k_cache[ci], v_cache[ci], li, batch, plans, qkv, cos,
                                            sin, cell_idx, self.rope)
                 attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-            add: torch.Tensor | None
+            nxt = layers[li + 1].attn_norm if li + 1 < len(layers) else None
             if lw.post_attn_norm is None:  # llama / qwen: the residual add fused into the norm
                 h = glue.norm(x, lw.wo(attn, inv), lw.ffn_norm)
-                add = lw.w_down(glue.silu(lw.w_gate_up(h, inv)), inv)
+                add = lw.w_down(act(lw.w_gate_up(h, inv)), inv)
+                if nxt is not None:
+                    h = glue.norm(x, add, nxt)
+                else:
+                    x.add_(add)
             else:  # gemma3: each output RMS-normed (in f32) before its residual add
                 assert lw.post_ffn_norm is not None
-                x.add_(F.rms_norm(lw.wo(attn, inv).float(), (d,), lw.post_attn_norm, eps))
-                h = glue.norm(x, None, lw.ffn_norm)
-                down = lw.w_down(self.act_mul(lw.w_gate_up(h, inv)), inv)
-                x.add_(F.rms_norm(down.float(), (d,), lw.post_ffn_norm, eps))
-                add = None
-            if li + 1 < len(layers):
-                h = glue.norm(x, add, layers[li + 1].attn_norm)
-            elif add is not None:
-                x.add_(add)
+                hn = glue.post_norm(x, lw.wo(attn, inv), lw.post_attn_norm, lw.ffn_norm)
+                assert hn is not None
+                down = lw.w_down(act(lw.w_gate_up(hn, inv)), inv)
+                hn = glue.post_norm(x, down, lw.post_ffn_norm, nxt)
+                if hn is not None:
+                    h = hn
 
         rows: list[int] = []
         start = 0
@@ -276,19 +302,55 @@ class Transformer:
             x.add_(y)
         return F.rms_norm(x, (self.hp.n_embd,), w, self.hp.rms_eps).to(self.dtype)
 
+    def post_norm(self, x: torch.Tensor, y: torch.Tensor, wp: torch.Tensor,
+                  wn: torch.Tensor | None) -> torch.Tensor | None:
+        """Gemma's residual step: x += rms_norm(y) * wp (y's norm in f32), then the next
+        norm of x in the compute dtype (None when wn is None: after the last layer)."""
+        if self.kern is not None:
+            return gemma_step.post_norm(self.kern, x, y, wp, wn, self.hp.rms_eps)
+        x.add_(F.rms_norm(y.float(), (self.hp.n_embd,), wp, self.hp.rms_eps))
+        return None if wn is None else self.norm(x, None, wn)
+
     def silu(self, gu: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of the fused [gate | up] rows, in the compute dtype."""
         if self.kern is not None:
             return self.kern.silu_mul(gu)
         return F.silu(gu[:, : self.hp.n_ff]) * gu[:, self.hp.n_ff :]
 
+    def gelu(self, gu: torch.Tensor) -> torch.Tensor:
+        """Gemma's GeGLU: gelu(gate) * up with the tanh-approximated GELU (HF's
+        gelu_pytorch_tanh, llama.cpp's ggml_gelu), in the compute dtype."""
+        if self.kern is not None:
+            return gemma_step.gelu_mul(self.kern, gu)
+        return F.gelu(gu[:, : self.hp.n_ff], approximate="tanh") * gu[:, self.hp.n_ff :]
+
     def act_mul(self, gu: torch.Tensor) -> torch.Tensor:
         """act(gate) * up of the fused [gate | up] rows with the model's activation: SwiGLU
-        (silu), or Gemma's GeGLU with the tanh-approximated GELU (HF's gelu_pytorch_tanh,
-        llama.cpp's ggml_gelu)."""
-        if self.hp.act == "silu":
-            return self.silu(gu)
-        return F.gelu(gu[:, : self.hp.n_ff], approximate="tanh") * gu[:, self.hp.n_ff :]
+        (silu) or GeGLU (gelu)."""
+        return self.silu(gu) if self.hp.act == "silu" else self.gelu(gu)
+
+    def _gemma_step(self, batch: list[SeqStep], cells: list[int], cos: torch.Tensor,
+                    sin: torch.Tensor, x: torch.Tensor, swa: _Sliding | None, split: bool,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, k_swa: torch.Tensor | None,
+                    v_swa: torch.Tensor | None) -> GemmaStep:
+        """The step's glue in C for layers with q/k norms, windows, post norms or GeGLU: the
+        global layers read each sequence's cells (positions from 0, as attend_causal), the
+        sliding ones its sliding plan's (their own cache in the split layout)."""
+        hp, kern = self.hp, self.kern
+        assert kern is not None
+        n_new = [len(b.tokens) for b in batch]
+        kinds = {"global": LayerKind(k_cache, v_cache, [b.kv_cells for b in batch], None, 0, cells,
+                                 n_new, cos, sin)}
+        layer_kind = self._layer_kinds[split]
+        if swa is not None:
+            ks, vs = (k_swa, v_swa) if split else (k_cache, v_cache)
+            assert ks is not None and vs is not None
+            kinds["sliding"] = LayerKind(ks, vs, [p.cells for p in swa.plans],
+                                     [p.pos0 for p in swa.plans], hp.n_swa,
+                                     swa.cells, n_new, swa.cos, swa.sin)
+        return GemmaStep(kern, hp.n_head, hp.n_head_kv, hp.head_dim, kinds, layer_kind,
+                         [(lw.q_norm, lw.k_norm) for lw in self.w.layers], x, hp.rms_eps,
+                         hp.n_ff, self._checked)
 
     def _sliding(self, batch: list[SeqStep], pos: torch.Tensor, split: bool,
                  device: torch.device) -> _Sliding:
@@ -306,7 +368,7 @@ class Transformer:
             cells = [c for b in batch for c in b.cells]
             plans = [self._plan(b.kv_cells, b.kv_positions, b.pos0, len(b.tokens), device, n_swa)
                      for b in batch]
-        return _Sliding(cos, sin, torch.tensor(cells, dtype=torch.long, device=device), plans)
+        return _Sliding(cos, sin, cells, plans)
 
     def _attention(self, kl: torch.Tensor, vl: torch.Tensor, li: int, batch: list[SeqStep],
                    plans: list[_Plan] | None, qkv: torch.Tensor, cos: torch.Tensor,
@@ -320,8 +382,12 @@ class Transformer:
         v = qkv[:, self.q_dim + self.kv_dim :].view(-1, hp.n_head_kv, hp.head_dim)
         lw = self.w.layers[li]
         if lw.q_norm is not None and lw.k_norm is not None:
-            qk = torch.cat([rms_norm(qk[:, : hp.n_head], lw.q_norm, hp.rms_eps),
-                            rms_norm(qk[:, hp.n_head :], lw.k_norm, hp.rms_eps)], dim=1)
+            if self.kern is not None:  # GemmaStep's norms, bit for bit
+                norm = functools.partial(gemma_step.head_norm, self.kern, eps=hp.rms_eps)
+            else:
+                norm = functools.partial(rms_norm, eps=hp.rms_eps)
+            qk = torch.cat([norm(qk[:, : hp.n_head], w=lw.q_norm),
+                            norm(qk[:, hp.n_head :], w=lw.k_norm)], dim=1)
         qk = (rope or self.rope).apply(qk, cos, sin)
         q, k = qk[:, : hp.n_head], qk[:, hp.n_head :]
         kl.index_copy_(1, cell_idx, k.transpose(0, 1).to(kl.dtype))

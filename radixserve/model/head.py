@@ -14,22 +14,45 @@ The bound, per token i, for h in f32 and its bf16 rounding h':
     |z_i - y_i| <= e_i |h|_1 + a_i (|h - h'|_1 + K 2^-24 |h'|_1) + 2^-7 |y_i|
 e_i: the row's largest weight error of the int8 copy, a_i: its largest int8 weight; the terms
 are the weight error, the input rounding, f32 accumulation, and the bf16 output rounding (the
-int8 kernel accumulates exactly in f32). With our VNNI pass (csrc/int8_head.c) h' is instead
+int8 kernel accumulates exactly in f32). With our int8 pass (csrc/int8_head.c: VNNI, AVX2 or
+plain C, the same integer sums in each) h' is instead
 s1 h1 + s2 h2, two int8 parts of h with exact integer sums, so the input term is
 |h - h'|_1 plus 2^-20 (|s1 h1|_1 + |s2 h2|_1) for the f32 combination and scaling, and the
 output term 2^-20 |y_i| (no bf16 rounding). On the default model B is ~8: a greedy step
 re-scores ~10 tokens (at most ~80 seen), a top-40 step ~400 (docs/PERFORMANCE.md).
+
+With our pass the bound is applied in the pass itself (int8_head_bound: each token's upper
+and lower bound, and the largest lower bound of the row, in the same f32 formula), and the
+tokens above the floor are picked in C (head_candidates), so a greedy row costs the int8 pass,
+one pass over its upper bounds and the re-scoring: no vocabulary-sized torch op (Gemma 3's
+262,144 tokens made ~10 of them ~1 ms a step, more on a busy machine).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from radixserve.model.kernels import Kernels, kernels
+
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+@functools.cache
+def _bind(lib: ctypes.CDLL) -> tuple[Any, Any]:
+    """csrc/int8_head.c's (int8_head_bound, head_candidates)."""
+    bound, cand = lib.int8_head_bound, lib.head_candidates
+    bound.restype, cand.restype = ctypes.c_int, _I64
+    bound.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, ctypes.c_int, _P, _P, _F32, _F32,
+                      _P, _P, _P]
+    cand.argtypes = [_P, _I64, _F32, _P, _P]
+    return bound, cand
 
 MAX_TOP = 256  # samplers looking at more tokens than this get the full head
 _MARGIN = 1.01  # slack on the bound for the kernel's own rounding order
@@ -71,7 +94,7 @@ class OutputHead:
         self.q8 = torch.empty(self.w.shape, dtype=torch.int8)
         self.s8 = (self.w.abs().amax(1) / 127).clamp(min=1e-30).to(torch.bfloat16)
         self.err, self.amax = torch.empty(n), torch.empty(n)
-        self.rowsum = torch.empty(n, dtype=torch.int32)  # for the VNNI pass's +128 offset
+        self.rowsum = torch.empty(n, dtype=torch.int32)  # for our pass's +128 offset
         for r in range(0, n, 4096):  # in row blocks: no vocabulary-sized f32 temporaries
             w, sf = self.w[r : r + 4096], self.s8[r : r + 4096].float()[:, None]
             q = torch.round(w / sf).clamp_(-128, 127)
@@ -82,9 +105,11 @@ class OutputHead:
             self.err[r : r + 4096] = w8.sub_(w).abs_().amax(1)
         kern = kernels()
         if kern is not None and kern.has_int8_head and self.w.shape[1] % 64 == 0:
-            # our VNNI pass (csrc/int8_head.c): 3x torch's int8 kernel here
+            # our int8 pass (csrc/int8_head.c; VNNI, AVX2 or plain C): 3x torch's int8
+            # kernel on AVX512, and it keeps the vocabulary-sized passes out of torch
             self.kern = kern
             self.s8f = self.s8.float()
+            self._ids = torch.empty(n, dtype=torch.int64)  # head_candidates' output
 
     @property
     def nbytes(self) -> int:
@@ -104,7 +129,7 @@ class OutputHead:
         if not short or self.q8 is None:
             self.stats.rows_full += len(needs)
             return self.full(h)
-        out = torch.full((h.shape[0], self.w.shape[0]), -torch.inf)
+        out = torch.empty(h.shape[0], self.w.shape[0])  # every row filled below
         self._shortlist(h[short], [needs[i] for i in short], out, short)
         rest = sorted(set(range(len(needs))) - set(short))
         if rest:
@@ -116,16 +141,30 @@ class OutputHead:
 
     def _shortlist(self, h: torch.Tensor, needs: list[RowNeed], out: torch.Tensor,
                    rows: list[int]) -> None:
-        y, c_a, rel = self._approx(h)
-        c_w = h.abs().sum(1, keepdim=True)
-        bound = torch.addcmul(self.err * c_w, self.amax, c_a).add_(y.abs(), alpha=rel)
-        bound.mul_(_MARGIN)
-        upper, lower = y + bound, y - bound
+        """Fill rows `rows` of `out`: -inf, then the exact logits of every token that could be
+        among each row's best `top`."""
+        lomax = None  # [n] the largest lower bound of each row, when the pass gives it
+        if self.kern is not None:  # the bound and its max in the C pass, no torch pass
+            want_lower = any(nd.top > 1 or nd.allowed is not None for nd in needs)
+            upper, lower, lomax = self._bounds(h, want_lower)
+        else:
+            y, c_a, rel = self._approx(h)
+            c_w = h.abs().sum(1, keepdim=True)
+            bound = torch.addcmul(self.err * c_w, self.amax, c_a).add_(y.abs(), alpha=rel)
+            bound.mul_(_MARGIN)
+            upper, lower = y + bound, y - bound
         for j, (nd, r) in enumerate(zip(needs, rows)):
             row, up = out[r], upper[j]
             if nd.allowed is None:
-                keep = self._candidates(lower[j], up, nd.top).nonzero().squeeze(1)
+                if lomax is not None and nd.top == 1:
+                    floor = float(lomax[j])
+                else:
+                    assert lower is not None
+                    floor = self._floor(lower[j], nd.top)
+                keep = self._above(up, floor, row)  # and row = -inf
             else:  # ranked among the allowed tokens (a grammar's few, or most of them)
+                assert lower is not None
+                row.fill_(-torch.inf)
                 ok = nd.allowed.nonzero().squeeze(1)
                 keep = ok[self._candidates(lower[j][ok], up[ok], nd.top)] if ok.numel() else ok
                 if not nd.allowed_only:
@@ -142,11 +181,53 @@ class OutputHead:
                 self._rescore(h[j], row, more, ())
 
     @staticmethod
-    def _candidates(lower: torch.Tensor, upper: torch.Tensor, top: int) -> torch.Tensor:
+    def _floor(lower: torch.Tensor, top: int) -> float:
+        """A floor <= the true top-th best logit: the top-th largest lower bound."""
+        if top == 1:
+            return float(lower.max())
+        return float(torch.topk(lower, min(top, lower.numel())).values[-1])
+
+    @classmethod
+    def _candidates(cls, lower: torch.Tensor, upper: torch.Tensor, top: int) -> torch.Tensor:
         """Tokens that could be among the best `top`: upper bound >= a floor that is <= the
         true top-th best logit."""
-        floor = lower.max() if top == 1 else torch.topk(lower, min(top, lower.numel())).values[-1]
-        return upper >= floor
+        return upper >= cls._floor(lower, top)
+
+    def _above(self, up: torch.Tensor, floor: float, row: torch.Tensor) -> torch.Tensor:
+        """The tokens with up >= floor, in order; `row` set to -inf on the way."""
+        if self.kern is None:
+            row.fill_(-torch.inf)
+            return (up >= floor).nonzero().squeeze(1)
+        if not (up.is_contiguous() and row.is_contiguous()):
+            raise ValueError("candidates need contiguous rows")
+        n = _bind(self.kern.lib)[1](up.data_ptr(), up.numel(), floor, self._ids.data_ptr(),
+                                    row.data_ptr())
+        return self._ids[:n].clone()
+
+    def _bounds(self, h: torch.Tensor, want_lower: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Our int8 pass with the bound applied in it (csrc/int8_head.c's int8_head_bound):
+        upper and (when wanted) lower bounds [n, V] of the exact logits, and each row's
+        largest lower bound [n]. The same arithmetic as the torch path's addcmul, add and mul
+        over _approx's y (one rounding order, covered by _MARGIN like the kernel's own)."""
+        assert self.kern is not None
+        n, (rows, d) = h.shape[0], self.q8.shape
+        a, sc, approx, parts_l1 = split_int8(h)
+        c_w = h.abs().sum(1).contiguous()
+        # integer sums are exact; the parts' f32 combination and the scale round twice
+        c_a = ((h - approx).abs().sum(1, keepdim=True) + parts_l1 * 2.0**-20).view(-1)
+        c_a = c_a.contiguous()
+        upper = torch.empty(n, rows)
+        lower = torch.empty(n, rows) if want_lower else None
+        lomax = torch.empty(n)
+        rc = _bind(self.kern.lib)[0](
+            self.q8.data_ptr(), self.rowsum.data_ptr(), self.s8f.data_ptr(),
+            self.err.data_ptr(), self.amax.data_ptr(), a.data_ptr(), sc.data_ptr(), rows, d, n,
+            c_w.data_ptr(), c_a.data_ptr(), 2.0**-20, _MARGIN, upper.data_ptr(),
+            None if lower is None else lower.data_ptr(), lomax.data_ptr())
+        if rc != 0:
+            raise ValueError("int8_head_bound kernel refused the shape")
+        return upper, lower, lomax
 
     def _approx(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Approximate logits y [n, V] of the int8 copy, the input term c_a [n, 1] of the
@@ -179,7 +260,7 @@ class OutputHead:
 
 def split_int8(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [n, D] f32 as two int8 parts h ~ s1 h1 + s2 h2 (s2 = s1 / 254: the second part holds
-    the first one's rounding error), for the VNNI head pass. Returns the parts +128 as uint8
+    the first one's rounding error), for our int8 head pass. Returns the parts +128 as uint8
     [2n, D] (rows h1_0, h2_0, h1_1, ...), their scales [2n], the f32 value s1 h1 + s2 h2 they
     stand for, and |s1 h1|_1 + |s2 h2|_1 [n, 1] (for the bound's rounding term)."""
     s1 = h.abs().amax(1, keepdim=True).clamp(min=1e-30) / 127

@@ -9,7 +9,8 @@ built and tested on one machine that runs them all:
                 matmuls, the VNNI head pass, the AVX-512 attention path)
     avx512      -march=x86-64-v4 -mavx512vnni  (no BF16: torch's int4 kernel and bf16 GEMM
                 take the matmuls; the head's int8 pass stays ours)
-    avx2        -march=x86-64-v3  (AVX2, FMA, F16C, BMI: the plain-C paths, auto-vectorized)
+    avx2        -march=x86-64-v3  (AVX2, FMA, F16C, BMI: the plain-C paths, auto-vectorized,
+                and AVX2 intrinsics in the head's int8 pass and qmm's byte widening)
     generic     -march=x86-64 (SSE2), or no -march off x86: plain C, correct everywhere
 
 RADIXSERVE_KERNELS picks one: `auto` (the default; `1` is the same) takes the best this CPU's
@@ -286,7 +287,7 @@ class Kernels:
         self._int8_head = lib.int8_head
         self._int8_head.restype = i32
         self._int8_head.argtypes = [p, p, p, p, p, i64, i64, i32, p]
-        self.has_int8_head = bool(lib.int8_head_available())  # needs AVX512-VNNI
+        self.has_int8_head = bool(lib.int8_head_available())  # every build (VNNI, AVX2, C)
         self._q4 = lib.q4_matmul_bf16
         self._q4.restype = i32
         self._q4.argtypes = [p, p, i64, i64, i64, p]

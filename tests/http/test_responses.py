@@ -370,6 +370,40 @@ def test_chat_stream_chunk_logprobs(
     assert chunk["choices"][0]["logprobs"]["content"][0]["id"] == 6004
 
 
+TRICKY = ["A", "", ' "quoted" \\ back', "tab\tnew\nline\r", "\x00\x1f\x7f", "é ü ß", "日本語",
+          "😀 \U0001f600", "\u2028\u2029", "</script>", "\ufffd", " ", "{}[],:"]
+
+
+@pytest.mark.parametrize("kind", ["chat", "text", "native"])
+@pytest.mark.parametrize("fields", [{}, {"timings_per_token": True}, {"n": 1, "logprobs": True},
+                                    {"n_probs": 2}])
+def test_partial_bytes_are_the_chunks_bytes(
+    pctx: ParseContext, rctx: ResponseContext, tok_tmpl: tuple[Tokenizer, Any], kind: str,
+    fields: dict[str, Any],
+) -> None:
+    """The per-token event from the template (`partial_bytes`) is byte for byte what the chunk
+    dicts give, and leaves the formatter in the same state, for any text; logprobs and
+    per-token timings take the dict path."""
+    if kind == "chat":
+        fields = {k: v for k, v in fields.items() if k != "n_probs"}
+        new = lambda: ChatStream(chat_req(pctx, stream=True, **fields), rctx)  # noqa: E731
+    else:
+        fields = {k: v for k, v in fields.items() if k not in ("n", "logprobs")}
+        req = parse_completion({"prompt": "Hi", "stream": True, **fields}, pctx)
+        new = lambda: (TextStream if kind == "text" else NativeStream)(req, rctx)  # noqa: E731
+    fast, slow = new(), new()
+    tm = Timings(0, 3, 1.0, 2, 2.0) if fields.get("timings_per_token") else None
+    for i, text in enumerate(TRICKY):
+        probs = [tp(6004, 0.5, tok_tmpl[0])] if fields.get("logprobs") or "n_probs" in fields \
+            else []
+        p = PartialResult(text, [100 + i, 7] if i % 3 else [100 + i], probs, tm)
+        assert fast.partial_bytes(p) == b"".join(sse_event(c) for c in slow.partial(p))
+        assert (fast.text_sent, fast.n_tokens, fast.n_probs_sent) == \
+            (slow.text_sent, slow.n_tokens, slow.n_probs_sent)
+    f = final(content="".join(TRICKY) + "!")
+    assert fast.final(f) == slow.final(f)
+
+
 def test_stream_error_event_shape() -> None:
     from radixserve.http.sse import sse_error
 

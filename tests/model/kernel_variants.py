@@ -7,14 +7,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from radixserve.model import kernels as K
 
 VARIANTS = ["avx512bf16", "avx512", "avx2", "generic"]
 # (has_q4, has_bf16_gemm, has_int8_head) of each variant's build: the 4-bit and bf16 matmuls
-# need AVX512-BF16, the head's int8 pass AVX512-VNNI
+# need AVX512-BF16; the head's int8 pass runs in every build (VNNI, AVX2 or plain C)
 HAS = {"avx512bf16": (True, True, True), "avx512": (False, False, True),
-       "avx2": (False, False, False), "generic": (False, False, False)}
+       "avx2": (False, False, True), "generic": (False, False, True)}
 
 
 def variant_kernels(variant: str) -> K.Kernels:
@@ -40,3 +41,18 @@ def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     assert K.kernels() is K.load_kernels(request.param)
     yield request.param
     K.kernels.cache_clear()  # before monkeypatch restores the environment
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def kern(request: pytest.FixtureRequest) -> K.Kernels:
+    """Each variant's kernels in turn (load_kernels: the environment untouched)."""
+    return variant_kernels(request.param)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Runs the test on 1 and on 2 threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

@@ -15,23 +15,9 @@ import torch.nn.functional as F
 from radixserve.model import kernels as K
 from radixserve.model.hparams import HParams
 from radixserve.model.rope import Rope
-from tests.model.kernel_variants import HAS, VARIANTS, variant_kernels
+from tests.model.kernel_variants import HAS, VARIANTS, kern, threads, variant_kernels  # noqa: F401
 
 BF = torch.bfloat16
-
-
-@pytest.fixture(scope="module", params=VARIANTS)
-def kern(request: pytest.FixtureRequest) -> K.Kernels:
-    """Each variant's kernels in turn (load_kernels: the environment untouched)."""
-    return variant_kernels(request.param)
-
-
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -17,7 +17,14 @@
  * what is long) and over (query, KV head) with the blocks in turn when there are many.
  *
  * A step (attn_step_bf16) also rotates every new token's q and k (NeoX halves) and stores its k
- * and v in the pool before any query reads them, one C call a layer.
+ * and v in the pool before any query reads them, one C call a layer; attn_step_win_bf16 first
+ * RMS-norms each q and k head (qwen3's and Gemma 3's q/k norms) and takes positions and a
+ * sliding window (Gemma 3's sliding layers), so those layers need no torch op either.
+ *
+ * With AVX512-BF16 the dot products are bf16 pairs (exact products, f32 sums) for head_dim 64
+ * (q in registers) and 128, 192 or 256 (attend_share_wide: q.k 16 keys at a time per query
+ * head, p.V in 64-dimension slices); other head sizes, and builds without it, take the plain-C
+ * path. Each path is the same for every query, so the guarantees above hold in each.
  *
  * Built by radixserve/model/kernels.py with the system C compiler; OpenMP calls resolve to the
  * libgomp torch has already loaded, so the kernel shares torch's thread pool.
@@ -116,6 +123,39 @@ static inline __m512 dot64(__m512bh q0, __m512bh q1, const uint16_t *kr) {
 /* attend_share for head_dim 64 with AVX512-BF16: bf16 pair dot products (exact products, f32
  * sums) for q.k; for p.V the weights p are rounded to bf16 (as SDPA's bf16 path does) and key
  * pairs are interleaved so one instruction adds two keys' contributions. */
+/* p = e^(s - m) of each query's n scores (rows of s, s_stride apart) in f32 for the sums;
+ * bf16 pairs (p_j, p_j+1) packed into pp for the V pass; (m, sum) into each query's part. */
+static inline void exp_pairs(float *s, int64_t s_stride, uint32_t *pp, int64_t n, const float *m,
+                             int g, float *part, int64_t part_stride) {
+    for (int a = 0; a < g; a++) {
+        float *sa = s + a * s_stride, sum = 0.f;
+        for (int64_t i = 0; i < n; i++) {
+            float e = exp_clamped(sa[i] - m[a]);
+            sa[i] = e;
+            sum += e;
+        }
+        if (n % 2) sa[n] = 0.f; /* a zero partner for the last key */
+        for (int64_t i = 0; i < n; i += 2)
+            pp[a * s_stride + i / 2] =
+                (uint32_t)f32_to_bf16(sa[i]) | ((uint32_t)f32_to_bf16(sa[i + 1]) << 16);
+        part[a * part_stride] = m[a];
+        part[a * part_stride + 1] = sum;
+    }
+}
+
+/* 64 dims of two value rows v0, v1 (v1 NULL: a zero partner) interleaved as bf16 pairs for
+ * vdpbf16ps against the packed probability pairs: x[r] lane 4L + i pairs dim
+ * 32 (r / 2) + 8 L + 4 (r % 2) + i of both rows. */
+static inline void v_pairs(const uint16_t *v0, const uint16_t *v1, __m512bh x[4]) {
+    const __m512i zero = _mm512_setzero_si512();
+    __m512i a0 = _mm512_loadu_si512(v0), a1 = _mm512_loadu_si512(v0 + 32);
+    __m512i b0 = v1 ? _mm512_loadu_si512(v1) : zero, b1 = v1 ? _mm512_loadu_si512(v1 + 32) : zero;
+    x[0] = (__m512bh)_mm512_unpacklo_epi16(a0, b0);
+    x[1] = (__m512bh)_mm512_unpackhi_epi16(a0, b0);
+    x[2] = (__m512bh)_mm512_unpacklo_epi16(a1, b1);
+    x[3] = (__m512bh)_mm512_unpackhi_epi16(a1, b1);
+}
+
 static void attend_share_d64(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
                              const int64_t *cells, int64_t c0, int64_t j0, int64_t j1, int g,
                              float scale, float *s, int64_t s_stride, uint32_t *pp,
@@ -157,25 +197,10 @@ static void attend_share_d64(const uint16_t *q, const uint16_t *kh, const uint16
             m[a] = dot > m[a] ? dot : m[a];
         }
     }
-    /* p = e^(s - m) in f32 for the sums; bf16 pairs (p_j, p_j+1) packed for the V pass */
-    for (int a = 0; a < g; a++) {
-        float *sa = s + a * s_stride, sum = 0.f;
-        for (int64_t i = 0; i < n; i++) {
-            float e = exp_clamped(sa[i] - m[a]);
-            sa[i] = e;
-            sum += e;
-        }
-        if (n % 2) sa[n] = 0.f; /* a zero partner for the last key */
-        for (int64_t i = 0; i < n; i += 2)
-            pp[a * s_stride + i / 2] =
-                (uint32_t)f32_to_bf16(sa[i]) | ((uint32_t)f32_to_bf16(sa[i + 1]) << 16);
-        part[a * 66] = m[a];
-        part[a * 66 + 1] = sum;
-    }
+    exp_pairs(s, s_stride, pp, n, m, g, part, 66);
     __m512 acc[MAXG][4];
     for (int a = 0; a < g; a++)
         for (int r = 0; r < 4; r++) acc[a][r] = _mm512_setzero_ps();
-    const __m512i zero = _mm512_setzero_si512();
     for (j = 0; j < n; j += 2) {
         const uint16_t *v0 = vh + (cells ? cells[j0 + j] : c0 + j0 + j) * 64;
         for (int64_t e = j + PF; e < j + PF + 2 && e < n; e++) {
@@ -183,16 +208,8 @@ static void attend_share_d64(const uint16_t *q, const uint16_t *kh, const uint16
             _mm_prefetch((const char *)vp, _MM_HINT_T0);
             _mm_prefetch((const char *)(vp + 32), _MM_HINT_T0);
         }
-        __m512i a0 = _mm512_loadu_si512(v0), a1 = _mm512_loadu_si512(v0 + 32), b0 = zero, b1 = zero;
-        if (j + 1 < n) {
-            const uint16_t *v1 = vh + (cells ? cells[j0 + j + 1] : c0 + j0 + j + 1) * 64;
-            b0 = _mm512_loadu_si512(v1);
-            b1 = _mm512_loadu_si512(v1 + 32);
-        }
-        __m512bh x[4] = {(__m512bh)_mm512_unpacklo_epi16(a0, b0),
-                         (__m512bh)_mm512_unpackhi_epi16(a0, b0),
-                         (__m512bh)_mm512_unpacklo_epi16(a1, b1),
-                         (__m512bh)_mm512_unpackhi_epi16(a1, b1)};
+        __m512bh x[4];
+        v_pairs(v0, j + 1 < n ? vh + (cells ? cells[j0 + j + 1] : c0 + j0 + j + 1) * 64 : NULL, x);
         for (int a = 0; a < g; a++) {
             __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[a * s_stride + j / 2]);
             for (int r = 0; r < 4; r++) acc[a][r] = _mm512_dpbf16_ps(acc[a][r], x[r], w);
@@ -208,6 +225,89 @@ static void attend_share_d64(const uint16_t *q, const uint16_t *kh, const uint16
                     o[32 * (r / 2) + 8 * L + 4 * (r % 2) + i] = tmp[16 * r + 4 * L + i];
     }
 }
+
+/* attend_share for head_dim 128, 192 or 256 (Gemma 3's) with AVX512-BF16: attend_share_d64's
+ * arithmetic, its query rows too long to stay in registers: q.k for 16 keys of one query head
+ * at a time (the keys' rows, 16 d bf16, stay in L1 across the g heads), p.V in 64-dimension
+ * slices of the output (4 g accumulators). */
+static void attend_share_wide(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
+                              const int64_t *cells, int64_t c0, int64_t j0, int64_t j1, int g,
+                              int d, float scale, float *s, int64_t s_stride, uint32_t *pp,
+                              float *part) {
+    const int nc = d / 32; /* 32-value chunks of a row */
+    float m[MAXG];
+    int64_t n = j1 - j0, j = 0;
+    __m512 vmax[MAXG];
+    for (int a = 0; a < g; a++) vmax[a] = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= n; j += 16) {
+        const uint16_t *kr[16];
+        for (int jj = 0; jj < 16; jj++) {
+            kr[jj] = kh + (cells ? cells[j0 + j + jj] : c0 + j0 + j + jj) * d;
+            if (j + jj + PF < n) { /* a key row is d / 32 cache lines; fetch PF keys ahead */
+                int64_t e = j0 + j + jj + PF;
+                const char *kp = (const char *)(kh + (cells ? cells[e] : c0 + e) * d);
+                for (int c = 0; c < nc; c++) _mm_prefetch(kp + 64 * c, _MM_HINT_T0);
+            }
+        }
+        for (int a = 0; a < g; a++) {
+            __m512 p[16];
+            for (int jj = 0; jj < 16; jj++) p[jj] = _mm512_setzero_ps();
+            for (int c = 0; c < nc; c++) {
+                __m512bh qc = (__m512bh)_mm512_loadu_si512(q + a * d + 32 * c);
+                for (int jj = 0; jj < 16; jj++)
+                    p[jj] = _mm512_dpbf16_ps(p[jj], qc,
+                                             (__m512bh)_mm512_loadu_si512(kr[jj] + 32 * c));
+            }
+            __m512 sc = _mm512_mul_ps(sum16(p), _mm512_set1_ps(scale));
+            _mm512_storeu_ps(s + a * s_stride + j, sc);
+            vmax[a] = _mm512_max_ps(vmax[a], sc);
+        }
+    }
+    for (int a = 0; a < g; a++) m[a] = _mm512_reduce_max_ps(vmax[a]);
+    for (; j < n; j++) {
+        const uint16_t *kr = kh + (cells ? cells[j0 + j] : c0 + j0 + j) * d;
+        for (int a = 0; a < g; a++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int c = 0; c < nc; c++)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + a * d + 32 * c),
+                                       (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+            float dot = _mm512_reduce_add_ps(acc) * scale;
+            s[a * s_stride + j] = dot;
+            m[a] = dot > m[a] ? dot : m[a];
+        }
+    }
+    exp_pairs(s, s_stride, pp, n, m, g, part, 2 + d);
+    for (int c = 0; c < d / 64; c++) { /* output dimensions 64 c .. 64 c + 63 */
+        __m512 acc[MAXG][4];
+        for (int a = 0; a < g; a++)
+            for (int r = 0; r < 4; r++) acc[a][r] = _mm512_setzero_ps();
+        for (j = 0; j < n; j += 2) {
+            const uint16_t *v0 = vh + (cells ? cells[j0 + j] : c0 + j0 + j) * d + 64 * c;
+            for (int64_t e = j + PF; e < j + PF + 2 && e < n; e++) {
+                const char *vp = (const char *)(vh + (cells ? cells[j0 + e] : c0 + j0 + e) * d
+                                                + 64 * c);
+                _mm_prefetch(vp, _MM_HINT_T0);
+                _mm_prefetch(vp + 64, _MM_HINT_T0);
+            }
+            __m512bh x[4];
+            v_pairs(v0, j + 1 < n ? vh + (cells ? cells[j0 + j + 1] : c0 + j0 + j + 1) * d + 64 * c
+                                  : NULL, x);
+            for (int a = 0; a < g; a++) {
+                __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[a * s_stride + j / 2]);
+                for (int r = 0; r < 4; r++) acc[a][r] = _mm512_dpbf16_ps(acc[a][r], x[r], w);
+            }
+        }
+        /* undo the interleave: acc[r] lane 4L + i is dim 32 (r / 2) + 8 L + 4 (r % 2) + i */
+        for (int a = 0; a < g; a++) {
+            float tmp[64], *o = part + a * (2 + d) + 2 + 64 * c;
+            for (int r = 0; r < 4; r++) _mm512_storeu_ps(tmp + 16 * r, acc[a][r]);
+            for (int r = 0; r < 4; r++)
+                for (int L = 0; L < 4; L++)
+                    for (int i = 0; i < 4; i++)
+                        o[32 * (r / 2) + 8 * L + 4 * (r % 2) + i] = tmp[16 * r + 4 * L + i];
+        }
+    }
+}
 #endif
 
 static void attend_share(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
@@ -216,6 +316,10 @@ static void attend_share(const uint16_t *q, const uint16_t *kh, const uint16_t *
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     if (d == 64) {
         attend_share_d64(q, kh, vh, cells, c0, j0, j1, g, scale, s, s_stride, pairs, part);
+        return;
+    }
+    if (d % 64 == 0 && d <= MAXD) {
+        attend_share_wide(q, kh, vh, cells, c0, j0, j1, g, d, scale, s, s_stride, pairs, part);
         return;
     }
 #else
@@ -306,6 +410,20 @@ ONE_COPY static void rope_row(const uint16_t *x, const float *cos, const float *
     }
 }
 
+/* y = bf16(x * rsqrt(mean(x^2) + eps) * w): a head's RMSNorm (qwen3's and Gemma 3's q/k
+ * norms) in f32 with torch's roundings (rms_norm in forward.py: f32 math, one bf16 rounding),
+ * its sum of squares in one fixed order. */
+ONE_COPY static void norm_row(const uint16_t *x, const float *w, int d, float eps,
+                              uint16_t *y) {
+    float ss = 0.f;
+    for (int i = 0; i < d; i++) {
+        float v = bf16_to_f32(x[i]);
+        ss += v * v;
+    }
+    float inv = 1.f / sqrtf(ss / (float)d + eps);
+    for (int i = 0; i < d; i++) y[i] = f32_to_bf16(bf16_to_f32(x[i]) * inv * w[i]);
+}
+
 /* Query row t -> its sequence, and *i its index among that sequence's new tokens. */
 static int seq_of(const int64_t *n_new, int64_t t, int64_t *i) {
     int s = 0;
@@ -336,8 +454,10 @@ static void block_of(const span_t *sp, int64_t b, int64_t *j0, int64_t *j1) {
 }
 
 /* attn_causal_bf16, with, when qkv is given, the step's RoPE and K/V store first (q is then
- * the rotated rows, kept in the scratch). */
+ * the rotated rows, kept in the scratch), each q and k head RMS-normed by qn / kn first when
+ * they are given. */
 static int run(const uint16_t *qkv, const float *cos, const float *sin, const int64_t *dst,
+               const float *qn, const float *kn, float eps,
                const uint16_t *q, uint16_t *k, uint16_t *v, int64_t head_stride, int n_seq,
                const int64_t *const *cells, const int64_t *c0, const int64_t *len,
                const int64_t *n_new, const int64_t *pos0, int64_t window, int n_kv, int g,
@@ -371,10 +491,23 @@ static int run(const uint16_t *qkv, const float *cos, const float *sin, const in
             for (int64_t t = 0; t < n_tok; t++) {
                 const uint16_t *x = qkv + t * row;
                 const float *ct = cos + t * d, *st = sin + t * d;
-                for (int h = 0; h < nh; h++) rope_row(x + h * d, ct, st, d, qr + (t * nh + h) * d);
+                uint16_t nrm[MAXD];
+                for (int h = 0; h < nh; h++) {
+                    const uint16_t *src = x + h * d;
+                    if (qn) {
+                        norm_row(src, qn, d, eps, nrm);
+                        src = nrm;
+                    }
+                    rope_row(src, ct, st, d, qr + (t * nh + h) * d);
+                }
                 for (int h = 0; h < n_kv; h++) {
                     int64_t at = h * head_stride + dst[t] * d;
-                    rope_row(x + (nh + h) * d, ct, st, d, k + at);
+                    const uint16_t *src = x + (nh + h) * d;
+                    if (kn) {
+                        norm_row(src, kn, d, eps, nrm);
+                        src = nrm;
+                    }
+                    rope_row(src, ct, st, d, k + at);
                     memcpy(v + at, x + (nh + n_kv + h) * d, d * sizeof(uint16_t));
                 }
             } /* its barrier: every new key is stored before a query reads it */
@@ -429,8 +562,9 @@ int attn_causal_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                      int64_t head_stride, int n_seq, const int64_t *const *cells,
                      const int64_t *c0, const int64_t *len, const int64_t *n_new, int n_kv, int g,
                      int d, float scale, uint16_t *out, float *work, int64_t work_floats) {
-    return run(NULL, NULL, NULL, NULL, q, (uint16_t *)k, (uint16_t *)v, head_stride, n_seq,
-               cells, c0, len, n_new, NULL, 0, n_kv, g, d, scale, out, work, work_floats);
+    return run(NULL, NULL, NULL, NULL, NULL, NULL, 0.f, q, (uint16_t *)k, (uint16_t *)v,
+               head_stride, n_seq, cells, c0, len, n_new, NULL, 0, n_kv, g, d, scale, out, work,
+               work_floats);
 }
 
 /* attn_causal_bf16 with positions and a sliding window: pos0[s] the position of sequence s's
@@ -442,8 +576,9 @@ int attn_causal_win_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
                          const int64_t *c0, const int64_t *len, const int64_t *n_new,
                          const int64_t *pos0, int64_t window, int n_kv, int g, int d,
                          float scale, uint16_t *out, float *work, int64_t work_floats) {
-    return run(NULL, NULL, NULL, NULL, q, (uint16_t *)k, (uint16_t *)v, head_stride, n_seq,
-               cells, c0, len, n_new, pos0, window, n_kv, g, d, scale, out, work, work_floats);
+    return run(NULL, NULL, NULL, NULL, NULL, NULL, 0.f, q, (uint16_t *)k, (uint16_t *)v,
+               head_stride, n_seq, cells, c0, len, n_new, pos0, window, n_kv, g, d, scale, out,
+               work, work_floats);
 }
 
 /* A layer of a step, from the fused projection rows to the attention outputs: qkv [T, (n_kv g
@@ -455,6 +590,34 @@ int attn_step_bf16(const uint16_t *qkv, const float *cos, const float *sin, uint
                    const int64_t *const *cells, const int64_t *c0, const int64_t *len,
                    const int64_t *n_new, int n_kv, int g, int d, float scale, uint16_t *out,
                    float *work, int64_t work_floats) {
-    return run(qkv, cos, sin, dst, NULL, k, v, head_stride, n_seq, cells, c0, len, n_new, NULL,
-               0, n_kv, g, d, scale, out, work, work_floats);
+    return run(qkv, cos, sin, dst, NULL, NULL, 0.f, NULL, k, v, head_stride, n_seq, cells, c0,
+               len, n_new, NULL, 0, n_kv, g, d, scale, out, work, work_floats);
+}
+
+/* attn_step_bf16 for the layers of qwen3 and Gemma 3: each q head RMS-normed by qn [d] and
+ * each k head by kn [d] (f32 weights, NULL: none) before RoPE, pos0 / window as in
+ * attn_causal_win_bf16 (a sliding layer's window, its list starting at pos0[s]). The norms
+ * are those of attn_head_norm_bf16, bit for bit. */
+int attn_step_win_bf16(const uint16_t *qkv, const float *cos, const float *sin, uint16_t *k,
+                       uint16_t *v, int64_t head_stride, const int64_t *dst, int n_seq,
+                       const int64_t *const *cells, const int64_t *c0, const int64_t *len,
+                       const int64_t *n_new, const int64_t *pos0, int64_t window,
+                       const float *qn, const float *kn, float eps, int n_kv, int g, int d,
+                       float scale, uint16_t *out, float *work, int64_t work_floats) {
+    return run(qkv, cos, sin, dst, qn, kn, eps, NULL, k, v, head_stride, n_seq, cells, c0, len,
+               n_new, pos0, window, n_kv, g, d, scale, out, work, work_floats);
+}
+
+/* y [rows, nh, d] = norm_row of the nh heads of d bf16 that start each row of x (row stride
+ * xs elements): the q or k head norms of a step that runs torch's attention (forward.py's
+ * general path), the same bits as attn_step_win_bf16's. Returns -1 for d outside
+ * (0, MAXD]. */
+int attn_head_norm_bf16(const uint16_t *x, int64_t xs, int64_t rows, int nh, int d,
+                        const float *w, float eps, uint16_t *y) {
+    if (d < 1 || d > MAXD || nh < 1) return -1;
+#pragma omp parallel for if (rows >= 64) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int h = 0; h < nh; h++)
+            norm_row(x + r * xs + (int64_t)h * d, w, d, eps, y + (r * nh + h) * d);
+    return 0;
 }
