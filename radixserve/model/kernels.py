@@ -7,8 +7,8 @@ built and tested on one machine that runs them all:
 
     avx512bf16  -march=x86-64-v4 -mavx512bf16 -mavx512vnni  (every kernel: the 4-bit and bf16
                 matmuls, the VNNI head pass, the AVX-512 attention path)
-    avx512      -march=x86-64-v4 -mavx512vnni  (no BF16: torch's int4 kernel and bf16 GEMM
-                take the matmuls; the head's int8 pass stays ours)
+    avx512      -march=x86-64-v4 -mavx512vnni  (no BF16: qmm.c takes every matmul in the
+                GGUF's own blocks; the head's int8 pass on VNNI)
     avx2        -march=x86-64-v3  (AVX2, FMA, F16C, BMI: the plain-C paths, auto-vectorized,
                 and AVX2 intrinsics in the head's int8 pass and qmm's byte widening)
     generic     -march=x86-64 (SSE2), or no -march off x86: plain C, correct everywhere
