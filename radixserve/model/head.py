@@ -212,11 +212,9 @@ class OutputHead:
         over _approx's y (one rounding order, covered by _MARGIN like the kernel's own)."""
         assert self.kern is not None
         n, (rows, d) = h.shape[0], self.q8.shape
-        a, sc, approx, parts_l1 = split_int8(h)
+        a, sc, c_a = _parts(h)
         c_w = h.abs().sum(1).contiguous()
-        # integer sums are exact; the parts' f32 combination and the scale round twice
-        c_a = ((h - approx).abs().sum(1, keepdim=True) + parts_l1 * 2.0**-20).view(-1)
-        c_a = c_a.contiguous()
+        c_a = c_a.view(-1).contiguous()
         upper = torch.empty(n, rows)
         lower = torch.empty(n, rows) if want_lower else None
         lomax = torch.empty(n)
@@ -233,11 +231,8 @@ class OutputHead:
         """Approximate logits y [n, V] of the int8 copy, the input term c_a [n, 1] of the
         bound (times a row's largest int8 weight), and the relative rounding of y."""
         if self.kern is not None:
-            a, sc, approx, parts_l1 = split_int8(h)
-            y = self.kern.int8_head(self.q8, self.rowsum, self.s8f, a, sc)
-            # integer sums are exact; the parts' f32 combination and the scale round twice
-            c_a = (h - approx).abs().sum(1, keepdim=True) + parts_l1 * 2.0**-20
-            return y, c_a, 2.0**-20
+            a, sc, c_a = _parts(h)
+            return self.kern.int8_head(self.q8, self.rowsum, self.s8f, a, sc), c_a, 2.0**-20
         # torch's kernel: bf16 input (rounded), f32 sums, bf16 output (rounded)
         hb = h.to(torch.bfloat16)
         y = torch.ops.aten._weight_int8pack_mm(hb, self.q8, self.s8).float()
@@ -256,6 +251,13 @@ class OutputHead:
             row[ids] = F.linear(h, self.w[ids])
         self.stats.rescored += ids.numel()
         return ids
+
+
+def _parts(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """split_int8's parts and scales for our pass, and the bound's input term c_a [n, 1]:
+    the integer sums are exact; the parts' f32 combination and the scale round twice."""
+    a, sc, approx, parts_l1 = split_int8(h)
+    return a, sc, (h - approx).abs().sum(1, keepdim=True) + parts_l1 * 2.0**-20
 
 
 def split_int8(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
