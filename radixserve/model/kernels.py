@@ -295,6 +295,9 @@ class Kernels:
         self._q4_dequant.restype = i32
         self._q4_dequant.argtypes = [p, i64, i64, p]
         self.has_q4 = bool(lib.q4_available())  # needs AVX512-BF16
+        self._i8 = lib.i8_matmul_bf16  # the 8-bit tiles: Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K
+        self._i8.restype = i32
+        self._i8.argtypes = [i32, p, p, i64, i64, i64, p]
         self._bf16_mm = lib.bf16_matmul
         self._bf16_mm.restype = i32
         self._bf16_mm.argtypes = [p, p, i64, i64, i64, p]
@@ -454,6 +457,16 @@ class Kernels:
             raise ValueError("q4 kernels need uint8 tiles [n / 16, k / 32, 320]")
         return Q4Matrix(self, tiles, n, k)
 
+    def i8(self, tiles: torch.Tensor, fmt: int, n: int, k: int) -> Q4Matrix:
+        """The 8-bit matrix W [n, k] in q4_gemv.c's tile format `fmt` (I8_BLOCK_BYTES: uint8
+        [n / 16, k / 32, block bytes], quant.py's pack_i8), checked once here."""
+        size = I8_BLOCK_BYTES.get(fmt)
+        if not (self.has_q4 and size is not None and tiles.dtype == torch.uint8
+                and tiles.is_contiguous() and n % 16 == 0 and k % 32 == 0
+                and tiles.shape == (n // 16, k // 32, size)):
+            raise ValueError("8-bit tile kernels need uint8 tiles [n / 16, k / 32, block]")
+        return Q4Matrix(self, tiles, n, k, fmt)
+
     def bf16(self, panels: torch.Tensor, n: int, k: int) -> Bf16Matrix:
         """The bf16 matrix W [n, k] held in bf16_gemm.c's panels (bf16 [ceil(n / 32),
         ceil(k / 32) * 16, 32, 2], quant.py's pack_bf16), checked once here so each product only
@@ -465,12 +478,18 @@ class Kernels:
         return Bf16Matrix(self, panels, n, k)
 
 
-class Q4Matrix:
-    """A 4-bit matrix in q4_gemv.c's tiles: products with bf16 rows, and its bf16 unpack."""
+# q4_gemv.c's 8-bit tile formats (its F_I8*) -> bytes per (tile, group)
+I8_BLOCK_BYTES = {1: 576, 2: 640, 3: 640}
 
-    def __init__(self, kern: Kernels, tiles: torch.Tensor, n: int, k: int) -> None:
-        self.tiles, self.n, self.k = tiles, n, k
-        self._ptr, self._mm, self._unpack = tiles.data_ptr(), kern._q4, kern._q4_dequant
+
+class Q4Matrix:
+    """A matrix in q4_gemv.c's tiles, 4-bit (fmt 0) or 8-bit (I8_BLOCK_BYTES): products with
+    bf16 rows, and the 4-bit one's bf16 unpack."""
+
+    def __init__(self, kern: Kernels, tiles: torch.Tensor, n: int, k: int, fmt: int = 0) -> None:
+        self.tiles, self.n, self.k, self.fmt = tiles, n, k, fmt
+        self._ptr, self._unpack = tiles.data_ptr(), kern._q4_dequant
+        self._mm = kern._q4 if fmt == 0 else functools.partial(kern._i8, fmt)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, k] bf16 (contiguous) times W^T -> [rows, n] bf16."""
@@ -487,7 +506,9 @@ class Q4Matrix:
 
     def weight(self) -> torch.Tensor:
         """bf16 W [n, k]: a transposed view of a [k, n] buffer, the layout the unpack writes
-        fastest."""
+        fastest (8-bit tiles: the product with the identity, exactly bf16(d c + m))."""
+        if self.fmt:
+            return self.matmul(torch.eye(self.k, dtype=torch.bfloat16)).t()
         wt = torch.empty(self.k, self.n, dtype=torch.bfloat16)
         if self._unpack(self._ptr, self.n, self.k, wt.data_ptr()) != 0:
             raise ValueError("q4 unpack kernel refused the shape")

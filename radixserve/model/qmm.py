@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
+import numpy as np
 import torch
 
 
@@ -22,6 +23,28 @@ def _bind(lib: ctypes.CDLL) -> tuple:
     rows.argtypes = [i32, p, i64, i64, i64, p, i64, p]
     block.argtypes = [i32, ctypes.POINTER(i64)]
     return mm, rows, block
+
+
+def codes(lib: ctypes.CDLL, qtype: int, raw: np.ndarray, k: int
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows raw (uint8 [n, row bytes]) of a Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K matrix as int8
+    codes c [n, k], f32 scales d [n, k / 16] (one a half group) and offsets m [n, k / 32],
+    w = d c + m as gguf-py computes it (qmm.c's qmm_codes); ValueError for another type."""
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    n = raw.shape[0]
+    if raw.ndim != 2 or raw.shape[1] != row_bytes(lib, qtype, k):
+        raise ValueError(f"codes need rows of {k} weights in type {qtype}")
+    c = np.empty((n, k), np.int8)
+    d = np.empty((n, k // 16), np.float32)
+    m = np.empty((n, k // 32), np.float32)
+    fn = lib.qmm_codes
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    if fn(qtype, raw.ctypes.data, raw.shape[1], n, k, c.ctypes.data, d.ctypes.data,
+          m.ctypes.data) != 0:
+        raise ValueError(f"type {qtype} has no int8 codes form")
+    return c, d, m
 
 
 def available(lib: ctypes.CDLL) -> bool:

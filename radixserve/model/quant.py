@@ -20,9 +20,11 @@ On the kernel variants without AVX512-BF16 (avx512, avx2, generic), every common
 (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, F16, BF16, F32) runs QuantLinear: csrc/qmm.c
 reads the file's own blocks, so a matrix costs its bytes per weight in the file, each row's bits
 are the same at any row count, and times the identity it gives gguf-py's dequantized weights.
-With AVX512-BF16 the other types stay dense bf16 (our GEMM is faster from 4 rows on than qmm's
-one-weight-row-at-a-time design); without our kernels, or with f16/f32 compute, they stay dense
-in the compute dtype (torch's int8 kernel takes one scale per row: re-quantizing the blocks to it would
+With AVX512-BF16 the 5- to 8-bit types run I8Linear instead: int8 codes in q4_gemv.c's 16-row
+tiles with f32 scales (1.125-1.25 bytes a weight, where the dense bf16 they ran before took 2;
+qmm's one-weight-row-at-a-time design lost to that GEMM from 4 rows on), the 4-bit tiles' dot
+products, gguf-py's weights exactly; F16/BF16/F32 stay dense bf16 there. Without our kernels,
+or with f16/f32 compute, they stay dense in the compute dtype (torch's int8 kernel takes one scale per row: re-quantizing the blocks to it would
 change the weights); dense bf16 runs our row-invariant kernel (csrc/bf16_gemm.c, DenseLinear).
 """
 
@@ -52,6 +54,9 @@ QMM_FLOAT_TYPES = (Q.F16, Q.BF16, Q.F32)
 # (docs/PERFORMANCE.md, "packed vs dense by batch size") and never switches.
 DENSE_FROM_ROWS = 96
 TILE = 16  # Q4Linear: rows per tile (q4_gemv.c)
+# I8Linear (AVX512-BF16): q4_gemv.c's 8-bit tile format of each type (its F_I8, F_I8H, F_I8M:
+# a scale a group, a scale a half group for Q6_K's sub-blocks of 16, a scale and an offset)
+I8_FORMATS = {Q.Q8_0: 1, Q.Q5_0: 1, Q.Q6_K: 2, Q.Q5_1: 3, Q.Q5_K: 3}
 F16_MAX = float(np.finfo(np.float16).max)
 
 
@@ -329,6 +334,32 @@ def raw_rows(t: gguf.ReaderTensor) -> np.ndarray:
     return np.asarray(t.data).view(np.uint8).reshape(n, -1)
 
 
+def pack_i8(c: np.ndarray, d: np.ndarray, m: np.ndarray, fmt: int) -> torch.Tensor:
+    """int8 codes c [N, K], scales d [N, K / 16], offsets m [N, K / 32] (qmm.codes) -> q4_gemv.c's
+    8-bit tiles [N / 16, K / 32, block] uint8: per (tile, group) 16 pairs of 32 bytes (row j's
+    weights 2p, 2p + 1 at bytes 2j, 2j + 1 of pair p), then the 16 rows' f32 scales (format 2:
+    half 0's, then half 1's; format 3: then the offsets)."""
+    n, k = c.shape
+    tiles, groups = n // TILE, k // GROUP
+    q = c.reshape(tiles, TILE, groups, 16, 2).transpose(0, 2, 3, 1, 4).reshape(tiles, groups, 512)
+
+    def per_tile(a: np.ndarray) -> np.ndarray:  # [N, K / 32] -> f32 bytes [tile, group, 64]
+        a = a.astype(np.float32).reshape(tiles, TILE, groups).transpose(0, 2, 1)
+        return np.ascontiguousarray(a).view(np.uint8)
+
+    halves = d.reshape(n, groups, 2)
+    parts = [q.view(np.uint8), per_tile(halves[..., 0])]
+    if fmt == 2:
+        parts.append(per_tile(halves[..., 1]))
+    elif not np.array_equal(halves[..., 0], halves[..., 1]):
+        raise ValueError("tile format with one scale a group, given two")
+    if fmt == 3:
+        parts.append(per_tile(m))
+    elif m.any():
+        raise ValueError("tile format without offsets, given offsets")
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)))
+
+
 class QuantLinear(Linear):
     """Weights in a GGUF type's own blocks, as the file holds them (csrc/qmm.c): any common
     quant type at its bytes per weight, bf16 activations, each row's bits the same at any row
@@ -367,3 +398,26 @@ def quant_kernels(dtype: torch.dtype, qtype: gguf.GGMLQuantizationType) -> Kerne
     if kern.has_bf16_gemm:
         return None
     return kern if qtype in QMM_TYPES or qtype in QMM_FLOAT_TYPES else None
+
+
+class I8Linear(QuantLinear):
+    """Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K weights as int8 codes in 16-row tiles with f32 scales
+    (csrc/q4_gemv.c's i8_matmul_bf16, AVX512-BF16): 1.125-1.25 bytes a weight where the dense
+    bf16 they ran before took 2, dot products as the 4-bit tiles' (one vdpbf16ps per 32
+    multiply-adds at every row count, so prefill keeps the GEMM's pace), each row's bits the
+    same at any row count; times the identity it gives gguf-py's dequantization bit for bit."""
+
+    def __init__(self, qtype: gguf.GGMLQuantizationType, raw: np.ndarray, k: int,
+                 bias: torch.Tensor | None, kern: Kernels) -> None:
+        fmt = I8_FORMATS[qtype]
+        c, d, m = qmm.codes(kern.lib, int(qtype), raw, k)
+        self.qtype, self.n_out, self.n_in, self.bias = qtype, raw.shape[0], k, bias
+        self.mat = kern.i8(pack_i8(c, d, m, fmt), fmt, self.n_out, k)
+
+    def weight(self) -> torch.Tensor:
+        """bf16 W [N, K]: bf16(d c + m), the product with the identity."""
+        return self.mat.weight()
+
+    @property
+    def nbytes(self) -> int:
+        return self.mat.tiles.nbytes + (self.bias.nbytes if self.bias is not None else 0)

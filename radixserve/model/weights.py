@@ -24,10 +24,13 @@ from radixserve.model.head import OutputHead
 from radixserve.model.hparams import HParams, UnsupportedModelError
 from radixserve.model.kernels import kernels
 from radixserve.model.quant import (
+    I8_FORMATS,
     PACKED_TYPES,
+    TILE,
     Codes,
     ConcatLinear,
     DenseLinear,
+    I8Linear,
     Linear,
     QuantLinear,
     packed_linear,
@@ -115,6 +118,8 @@ class _Loader:
         q4_tiles = kern is not None and kern.has_q4 and self.dtype == torch.bfloat16
         if t.tensor_type in PACKED_TYPES and (q4_tiles or kern is None):
             return "q4"
+        if q4_tiles and t.tensor_type in I8_FORMATS and int(t.shape[1]) % TILE == 0:
+            return "i8"
         if quant_kernels(self.dtype, t.tensor_type) is not None:
             return "quant"
         return "q4" if t.tensor_type in PACKED_TYPES else "dense"
@@ -125,7 +130,7 @@ class _Loader:
         gives a head count): packed 4-bit tiles, the file's own blocks, or dense; a run of
         parts that differ in type or kind becomes a ConcatLinear of same-type runs."""
         ts = [self.tensor(n) for n in names]
-        kinds = [(self._kind(t), t.tensor_type if self._kind(t) == "quant" else None)
+        kinds = [(self._kind(t), t.tensor_type if self._kind(t) in ("quant", "i8") else None)
                  for t in ts]
         if len(set(kinds)) > 1:  # e.g. Q4_K_M: attn_v in Q6_K next to Q4_K q/k
             runs: list[list[int]] = []
@@ -146,13 +151,14 @@ class _Loader:
             parts = [c if h is None else c.rows(_row_order(c.q.shape[0], h))
                      for c, h in zip(parts, heads)]
             return packed_linear(Codes.concat(parts), bias, self.dtype)
-        if kind == "quant":
+        if kind in ("quant", "i8"):
             kern = kernels()
             assert kern is not None and qtype is not None
             raws = [raw_rows(t) for t in ts]
             raws = [r if h is None else r[_row_order(r.shape[0], h)] for r, h in zip(raws, heads)]
             k = int(ts[0].shape[0])
-            return QuantLinear(qtype, np.concatenate(raws), k, bias, kern)
+            cls = I8Linear if kind == "i8" else QuantLinear
+            return cls(qtype, np.concatenate(raws), k, bias, kern)
         arrays = []
         for t, h in zip(ts, heads):
             a = _dense(t)

@@ -338,8 +338,11 @@ def test_gemma3_bf16_greedy_close_to_f32(gemma_path: str, prompts, hf_reference)
     attention kernel (deterministic mode on by default): the f32 reference's greedy
     tokens (HF's, equal to ours in f32) up to a measured near-tie, as test_forward checks
     the default model. Every prompt must agree until a step where the reference itself has
-    our token within NEAR_TIE of its choice, and from then on nothing is compared. Measured:
-    all 4 prompts agree in full, logits within 0.21 of the reference's."""
+    our token within NEAR_TIE of its choice, and from then on nothing is compared; before it,
+    logits stay within 0.5 of the reference's and 0.05 on average. Measured with the 8-bit tiles
+    (its Q5_0 / Q6_K / Q8_0 weights exact, as the file's): 2 prompts agree in full, 2 split at
+    ties of 0.014 and 0.007, logits within 0.20 and 0.022-0.027 on average; with those weights
+    rounded to bf16 (the dense path before them) all 4 agreed, within 0.25 and 0.026-0.043."""
     m = load_model(gemma_path, "bf16")
     tr = m.transformer
     assert tr.own_attention and tr.deterministic
@@ -347,10 +350,11 @@ def test_gemma3_bf16_greedy_close_to_f32(gemma_path: str, prompts, hf_reference)
     for ids, (gen, expect) in zip(prompts, hf_reference.runs):
         ours, logits = greedy(full_cache(tr, len(ids) + N_NEW), ids, N_NEW, hf_reference.eos)
         split = next((i for i, (a, b) in enumerate(zip(ours, gen)) if a != b), N_NEW)
-        assert (logits[:split] - expect[:split]).abs().max().item() < 0.5, len(ids)
+        diff = (logits[:split] - expect[:split]).abs()
+        assert diff.max().item() < 0.5 and diff.mean().item() < 0.05, len(ids)
         if split == N_NEW:
             full += 1
             continue
         gap = (expect[split, gen[split]] - expect[split, ours[split]]).item()
         assert 0 <= gap < NEAR_TIE, f"split at step {split} by {gap:.3f}: not a near-tie"
-    assert full >= len(prompts) - 1  # a split is the exception, not the rule
+    assert full >= len(prompts) // 2  # a split is the exception, not the rule

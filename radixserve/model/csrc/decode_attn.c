@@ -21,10 +21,9 @@
  * RMS-norms each q and k head (qwen3's and Gemma 3's q/k norms) and takes positions and a
  * sliding window (Gemma 3's sliding layers), so those layers need no torch op either.
  *
- * With AVX512-BF16 the dot products are bf16 pairs (exact products, f32 sums) for head_dim 64
- * (q in registers) and 128, 192 or 256 (attend_share_wide: q.k 16 keys at a time per query
- * head, p.V in 64-dimension slices); other head sizes, and builds without it, take the plain-C
- * path. Each path is the same for every query, so the guarantees above hold in each.
+ * With AVX512-BF16 the dot products are bf16 pairs (exact products, f32 sums) for head_dim 64,
+ * 128, 192 or 256 (attend_bf16: q.k 16 keys at a time per query head, p.V in 64-dimension
+ * slices); other head sizes, and builds without it, take the plain-C path. Each path is the same for every query, so the guarantees above hold in each.
  *
  * Built by radixserve/model/kernels.py with the system C compiler; OpenMP calls resolve to the
  * libgomp torch has already loaded, so the kernel shares torch's thread pool.
@@ -115,31 +114,47 @@ static inline __m512 sum16(const __m512 *p) {
                          _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-static inline __m512 dot64(__m512bh q0, __m512bh q1, const uint16_t *kr) {
-    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), q0, (__m512bh)_mm512_loadu_si512(kr));
-    return _mm512_dpbf16_ps(acc, q1, (__m512bh)_mm512_loadu_si512(kr + 32));
+/* exp_clamped on 16 lanes: the same clamp, split and polynomial, each step one instruction. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)),
+                                  23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-/* attend_share for head_dim 64 with AVX512-BF16: bf16 pair dot products (exact products, f32
- * sums) for q.k; for p.V the weights p are rounded to bf16 (as SDPA's bf16 path does) and key
- * pairs are interleaved so one instruction adds two keys' contributions. */
-/* p = e^(s - m) of each query's n scores (rows of s, s_stride apart) in f32 for the sums;
- * bf16 pairs (p_j, p_j+1) packed into pp for the V pass; (m, sum) into each query's part. */
-static inline void exp_pairs(float *s, int64_t s_stride, uint32_t *pp, int64_t n, const float *m,
-                             int g, float *part, int64_t part_stride) {
+/* p = e^(s - m) of each query head's n scores (rows of s, s_stride floats apart), 16 at a time:
+ * rounded to bf16 into pb (rows 2 s_stride apart; lanes past n zero, so an odd last key gets
+ * a zero partner) for the V pass, summed in f32 (16 lanes, then one fixed reduction) into
+ * (m, sum) of each head's part. Vectorised by hand: GCC's own version of the scalar loop
+ * scattered the bf16 pairs (vpscatterqd, microcoded on AMD). */
+static inline __attribute__((always_inline)) void exp_pairs(const float *s, int64_t s_stride,
+                                                            uint16_t *pb, int64_t n,
+                                                            const float *m, const int g,
+                                                            float *part,
+                                                            int64_t part_stride) {
     for (int a = 0; a < g; a++) {
-        float *sa = s + a * s_stride, sum = 0.f;
-        for (int64_t i = 0; i < n; i++) {
-            float e = exp_clamped(sa[i] - m[a]);
-            sa[i] = e;
-            sum += e;
+        const float *sa = s + a * s_stride;
+        uint16_t *pa = pb + 2 * a * s_stride;
+        __m512 vm = _mm512_set1_ps(m[a]), vs = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+            __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+            __m512 e = _mm512_maskz_mov_ps(
+                k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sa + i), vm)));
+            vs = _mm512_add_ps(vs, e);
+            _mm256_storeu_si256((__m256i *)(pa + i), (__m256i)_mm512_cvtneps_pbh(e));
         }
-        if (n % 2) sa[n] = 0.f; /* a zero partner for the last key */
-        for (int64_t i = 0; i < n; i += 2)
-            pp[a * s_stride + i / 2] =
-                (uint32_t)f32_to_bf16(sa[i]) | ((uint32_t)f32_to_bf16(sa[i + 1]) << 16);
         part[a * part_stride] = m[a];
-        part[a * part_stride + 1] = sum;
+        part[a * part_stride + 1] = _mm512_reduce_add_ps(vs);
     }
 }
 
@@ -156,84 +171,17 @@ static inline void v_pairs(const uint16_t *v0, const uint16_t *v1, __m512bh x[4]
     x[3] = (__m512bh)_mm512_unpackhi_epi16(a1, b1);
 }
 
-static void attend_share_d64(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
-                             const int64_t *cells, int64_t c0, int64_t j0, int64_t j1, int g,
-                             float scale, float *s, int64_t s_stride, uint32_t *pp,
-                             float *part) {
-    __m512bh q0[MAXG], q1[MAXG];
-    float m[MAXG];
-    for (int a = 0; a < g; a++) {
-        q0[a] = (__m512bh)_mm512_loadu_si512(q + a * 64);
-        q1[a] = (__m512bh)_mm512_loadu_si512(q + a * 64 + 32);
-        m[a] = -INFINITY;
-    }
-    int64_t n = j1 - j0, j = 0;
-    __m512 vmax[MAXG];
-    for (int a = 0; a < g; a++) vmax[a] = _mm512_set1_ps(-INFINITY);
-    for (; j + 16 <= n; j += 16) {
-        __m512 p[MAXG][16];
-        for (int jj = 0; jj < 16; jj++) {
-            const uint16_t *kr = kh + (cells ? cells[j0 + j + jj] : c0 + j0 + j + jj) * 64;
-            if (j + jj + PF < n) { /* a key row is 2 cache lines; fetch PF keys ahead */
-                int64_t e = j0 + j + jj + PF;
-                const uint16_t *kp = kh + (cells ? cells[e] : c0 + e) * 64;
-                _mm_prefetch((const char *)kp, _MM_HINT_T0);
-                _mm_prefetch((const char *)(kp + 32), _MM_HINT_T0);
-            }
-            for (int a = 0; a < g; a++) p[a][jj] = dot64(q0[a], q1[a], kr);
-        }
-        for (int a = 0; a < g; a++) {
-            __m512 sc = _mm512_mul_ps(sum16(p[a]), _mm512_set1_ps(scale));
-            _mm512_storeu_ps(s + a * s_stride + j, sc);
-            vmax[a] = _mm512_max_ps(vmax[a], sc);
-        }
-    }
-    for (int a = 0; a < g; a++) m[a] = _mm512_reduce_max_ps(vmax[a]);
-    for (; j < n; j++) {
-        const uint16_t *kr = kh + (cells ? cells[j0 + j] : c0 + j0 + j) * 64;
-        for (int a = 0; a < g; a++) {
-            float dot = _mm512_reduce_add_ps(dot64(q0[a], q1[a], kr)) * scale;
-            s[a * s_stride + j] = dot;
-            m[a] = dot > m[a] ? dot : m[a];
-        }
-    }
-    exp_pairs(s, s_stride, pp, n, m, g, part, 66);
-    __m512 acc[MAXG][4];
-    for (int a = 0; a < g; a++)
-        for (int r = 0; r < 4; r++) acc[a][r] = _mm512_setzero_ps();
-    for (j = 0; j < n; j += 2) {
-        const uint16_t *v0 = vh + (cells ? cells[j0 + j] : c0 + j0 + j) * 64;
-        for (int64_t e = j + PF; e < j + PF + 2 && e < n; e++) {
-            const uint16_t *vp = vh + (cells ? cells[j0 + e] : c0 + j0 + e) * 64;
-            _mm_prefetch((const char *)vp, _MM_HINT_T0);
-            _mm_prefetch((const char *)(vp + 32), _MM_HINT_T0);
-        }
-        __m512bh x[4];
-        v_pairs(v0, j + 1 < n ? vh + (cells ? cells[j0 + j + 1] : c0 + j0 + j + 1) * 64 : NULL, x);
-        for (int a = 0; a < g; a++) {
-            __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[a * s_stride + j / 2]);
-            for (int r = 0; r < 4; r++) acc[a][r] = _mm512_dpbf16_ps(acc[a][r], x[r], w);
-        }
-    }
-    /* undo the interleave: acc[r] lane 4L + i is dim 32 (r / 2) + 8 L + 4 (r % 2) + i */
-    for (int a = 0; a < g; a++) {
-        float tmp[64], *o = part + a * 66 + 2;
-        for (int r = 0; r < 4; r++) _mm512_storeu_ps(tmp + 16 * r, acc[a][r]);
-        for (int r = 0; r < 4; r++)
-            for (int L = 0; L < 4; L++)
-                for (int i = 0; i < 4; i++)
-                    o[32 * (r / 2) + 8 * L + 4 * (r % 2) + i] = tmp[16 * r + 4 * L + i];
-    }
-}
-
-/* attend_share for head_dim 128, 192 or 256 (Gemma 3's) with AVX512-BF16: attend_share_d64's
- * arithmetic, its query rows too long to stay in registers: q.k for 16 keys of one query head
- * at a time (the keys' rows, 16 d bf16, stay in L1 across the g heads), p.V in 64-dimension
- * slices of the output (4 g accumulators). */
-static void attend_share_wide(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
-                              const int64_t *cells, int64_t c0, int64_t j0, int64_t j1, int g,
-                              int d, float scale, float *s, int64_t s_stride, uint32_t *pp,
-                              float *part) {
+/* attend_share with AVX512-BF16 for head_dim d a multiple of 64 (64: SmolLM2 / llama; 256:
+ * Gemma 3): bf16 pair dot products (exact products, f32 sums) for q.k, 16 keys of one query
+ * head at a time (the 16 key rows stay in L1 across the g heads, the 16 sums in registers);
+ * for p.V the weights p are rounded to bf16 (as SDPA's bf16 path does), key pairs interleaved
+ * so one instruction adds two keys' contributions, in 64-dimension slices of the output (4 g
+ * accumulators). g and d are constants in each compiled copy (attend_share's switch): with a
+ * variable g the compiler kept every head's 16 sums at once and spilled them to the stack. */
+static inline __attribute__((always_inline)) void attend_bf16(
+    const uint16_t *q, const uint16_t *kh, const uint16_t *vh, const int64_t *cells, int64_t c0,
+    int64_t j0, int64_t j1, const int g, const int d, float scale, float *s, int64_t s_stride,
+    uint16_t *pb, float *part) {
     const int nc = d / 32; /* 32-value chunks of a row */
     float m[MAXG];
     int64_t n = j1 - j0, j = 0;
@@ -276,7 +224,8 @@ static void attend_share_wide(const uint16_t *q, const uint16_t *kh, const uint1
             m[a] = dot > m[a] ? dot : m[a];
         }
     }
-    exp_pairs(s, s_stride, pp, n, m, g, part, 2 + d);
+    exp_pairs(s, s_stride, pb, n, m, g, part, 2 + d);
+    const uint32_t *pp = (const uint32_t *)pb; /* pair j / 2 of head a: pp[a s_stride + j / 2] */
     for (int c = 0; c < d / 64; c++) { /* output dimensions 64 c .. 64 c + 63 */
         __m512 acc[MAXG][4];
         for (int a = 0; a < g; a++)
@@ -310,16 +259,25 @@ static void attend_share_wide(const uint16_t *q, const uint16_t *kh, const uint1
 }
 #endif
 
+#define BF_CASE(G, D)                                                                          \
+    case (G) * 1024 + (D):                                                                      \
+        attend_bf16(q, kh, vh, cells, c0, j0, j1, G, D, scale, s, s_stride, pairs, part);      \
+        return;
+
 static void attend_share(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
                          const int64_t *cells, int64_t c0, int64_t j0, int64_t j1, int g, int d,
-                         float scale, float *s, int64_t s_stride, uint32_t *pairs, float *part) {
+                         float scale, float *s, int64_t s_stride, uint16_t *pairs, float *part) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (d == 64) {
-        attend_share_d64(q, kh, vh, cells, c0, j0, j1, g, scale, s, s_stride, pairs, part);
-        return;
+    switch (g * 1024 + d) { /* the group sizes and head sizes of the models we run */
+        BF_CASE(1, 64) BF_CASE(2, 64) BF_CASE(3, 64) BF_CASE(4, 64) BF_CASE(5, 64)
+        BF_CASE(6, 64) BF_CASE(7, 64) BF_CASE(8, 64)
+        BF_CASE(1, 128) BF_CASE(2, 128) BF_CASE(4, 128) BF_CASE(8, 128)
+        BF_CASE(1, 256) BF_CASE(2, 256) BF_CASE(4, 256) BF_CASE(8, 256)
+    default:
+        break;
     }
     if (d % 64 == 0 && d <= MAXD) {
-        attend_share_wide(q, kh, vh, cells, c0, j0, j1, g, d, scale, s, s_stride, pairs, part);
+        attend_bf16(q, kh, vh, cells, c0, j0, j1, g, d, scale, s, s_stride, pairs, part);
         return;
     }
 #else
@@ -373,7 +331,7 @@ ONE_COPY static void attend_block(const uint16_t *q, const uint16_t *kh, const u
                                   const int64_t *cells, int64_t c0, int64_t j0, int64_t j1,
                                   int g, int d, float scale, float *s, float *part) {
     attend_share(q, kh, vh, cells, c0, j0, j1, g, d, scale, s, SSTRIDE,
-                 (uint32_t *)(s + g * SSTRIDE), part); /* pairs: only ever read as uint32 */
+                 (uint16_t *)(s + g * SSTRIDE), part); /* the bf16 weights of the V pass */
 }
 
 /* A query's nb block partials -> its g output rows: each block rescaled by e^(m_b - M), summed

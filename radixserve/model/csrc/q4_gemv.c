@@ -1,4 +1,5 @@
-/* 4-bit weight matmul y = x W^T for bf16 activations (radixserve/model/quant.py's Q4Linear).
+/* 4-bit weight matmul y = x W^T for bf16 activations (radixserve/model/quant.py's Q4Linear), and
+ * the same kernel on 8-bit tiles (I8Linear: Q5_0, Q5_1, Q5_K, Q6_K, Q8_0; i8_matmul_bf16 below).
  *
  * Why our own: torch's int4 CPU kernel converts every weight to float and multiplies with FMAs,
  * which is compute-bound here (~16 GB/s of weights, 4.7 ms for the default model's layers at
@@ -30,7 +31,14 @@
 
 #include "common.h"
 
-#define BLOCK 320 /* bytes per (tile, group): 256 of codes, 32 of scales, 32 of offsets */
+/* Tile formats: F_Q4 the 4-bit tiles above; F_I8* the 8-bit ones (int8 codes, see i8_matmul_bf16)
+ * for Q8_0 / Q5_0 (F_I8: a scale a group), Q6_K (F_I8H: a scale a half group of 16) and Q5_1 /
+ * Q5_K (F_I8M: a scale and an offset a group). */
+enum { F_Q4 = 0, F_I8 = 1, F_I8H = 2, F_I8M = 3 };
+/* bytes per (tile, group): Q4 256 of codes, 32 of f16 scales, 32 of f16 offsets; I8 512 of
+ * codes, then 16 f32 scales (I8), 2 x 16 (I8H: half 0's, then half 1's) or 16 scales and 16
+ * offsets (I8M) */
+#define BLOCK(f) ((f) == F_Q4 ? 320 : (f) == F_I8 ? 576 : 640)
 #define ROWS_IN_FLIGHT 4
 /* From this many rows on, each (tile, group) is decoded once per block of rows rather than once
  * per ROWS_IN_FLIGHT rows: ~15-30% faster from 5 rows on, ~10% slower below (measured). */
@@ -102,9 +110,25 @@ static inline __attribute__((always_inline)) __m512 dp_bcast(__m512 acc, __m512b
  * nibbles 0 and 2 into the first, 1 and 3 into the second, chunks in order. embed: dp_bcast. */
 static inline __attribute__((always_inline)) __m512 group_out(
     const __m512bh q[16], const uint16_t *xg, __m512 d, __m512 m128, float gsum, __m512 out,
-    const int embed) {
+    const int embed, const int f) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     const pair *xp = (const pair *)xg; /* xp[4 c + n]: activations (k, k + 1) of nibble n */
+    if (f != F_Q4) { /* 8-bit: xp[p] pairs with q[p]; pairs alternate between the two chains */
+        for (int p = 0; p < 8; p += 2) {
+            acc0 = dp_bcast(acc0, q[p], xp + p, embed);
+            acc1 = dp_bcast(acc1, q[p + 1], xp + p + 1, embed);
+        }
+        if (f == F_I8H) { /* half 0 (weights 0-15) done: its own scale */
+            out = _mm512_fmadd_ps(d, _mm512_add_ps(acc0, acc1), out);
+            acc0 = acc1 = _mm512_setzero_ps();
+        }
+        for (int p = 8; p < 16; p += 2) {
+            acc0 = dp_bcast(acc0, q[p], xp + p, embed);
+            acc1 = dp_bcast(acc1, q[p + 1], xp + p + 1, embed);
+        }
+        out = _mm512_fmadd_ps(f == F_I8H ? m128 : d, _mm512_add_ps(acc0, acc1), out);
+        return f == F_I8M ? _mm512_fmadd_ps(m128, _mm512_set1_ps(gsum), out) : out;
+    }
     for (int c = 0; c < 4; c++) {
         acc0 = dp_bcast(acc0, q[4 * c], xp + 4 * c, embed);
         acc1 = dp_bcast(acc1, q[4 * c + 1], xp + 4 * c + 1, embed);
@@ -125,25 +149,45 @@ static inline __attribute__((always_inline)) void scales(const uint8_t *blk, __m
 
 /* Few rows: one tile (16 output columns) for nb <= ROWS_IN_FLIGHT rows, outputs in registers
  * across the groups. */
-/* A (tile, group)'s weights as dpbf16 operands and its scales. */
+/* An 8-bit (tile, group)'s 16 weight vectors: q[p] is pair p (weights 2p, 2p + 1) of the 16
+ * rows as bf16, exact (|code| <= 128): 32 int8 codes at blk + 32 p, row j's pair at bytes 2j,
+ * 2j + 1, widened to f32 and narrowed to bf16 (no cheaper exact int8 -> bf16 exists). */
+static inline __attribute__((always_inline)) void decode_i8(const uint8_t *blk, __m512bh q[16]) {
+    for (int p = 0; p < 16; p++) {
+        __m512 lo = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * p))));
+        __m512 hi = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 * p + 16))));
+        q[p] = _mm512_cvtne2ps_pbh(hi, lo); /* lo: rows 0-7, the low half */
+    }
+}
+
+/* A (tile, group)'s weights as dpbf16 operands and its scales: Q4 d and m - 128 d; I8 d (a
+ * only); I8H d of each half (a, b); I8M d and m. */
 static inline __attribute__((always_inline)) void load_group(const uint8_t *blk, __m512bh q[16],
-                                                             __m512 *d, __m512 *m128) {
-    decode(blk, q);
-    scales(blk, d, m128);
+                                                             __m512 *a, __m512 *b, const int f) {
+    if (f == F_Q4) {
+        decode(blk, q);
+        scales(blk, a, b);
+        return;
+    }
+    decode_i8(blk, q);
+    *a = _mm512_loadu_ps((const float *)(blk + 512));
+    *b = f == F_I8 ? _mm512_setzero_ps() : _mm512_loadu_ps((const float *)(blk + 576));
 }
 
 static inline __attribute__((always_inline)) void tile(
     const uint8_t *w, const uint16_t *x, int64_t k, const float *gsum, int64_t ng, const int nb,
-    uint16_t *y, int64_t n) {
+    uint16_t *y, int64_t n, const int f) {
     __m512 out[ROWS_IN_FLIGHT];
     for (int b = 0; b < nb; b++) out[b] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
-        const uint8_t *blk = w + g * BLOCK;
+        const uint8_t *blk = w + g * BLOCK(f);
         __m512bh q[16];
         __m512 d, m128;
-        load_group(blk, q, &d, &m128);
+        load_group(blk, q, &d, &m128, f);
         for (int b = 0; b < nb; b++)
-            out[b] = group_out(q, x + b * k + g * 32, d, m128, gsum[b * ng + g], out[b], 0);
+            out[b] = group_out(q, x + b * k + g * 32, d, m128, gsum[b * ng + g], out[b], 0, f);
     }
     for (int b = 0; b < nb; b++)
         _mm256_storeu_si256((__m256i *)(y + b * n), (__m256i)_mm512_cvtneps_pbh(out[b]));
@@ -152,31 +196,33 @@ static inline __attribute__((always_inline)) void tile(
 /* Many rows: nb <= ROWS_IN_FLIGHT rows' share of one (tile, group), their outputs in o. */
 static inline __attribute__((always_inline)) void rows_group(
     const __m512bh q[16], __m512 d, __m512 m128, const uint16_t *xg, int64_t k,
-    const float *gs, int64_t ng, const int nb, float *o) {
+    const float *gs, int64_t ng, const int nb, float *o, const int f) {
     for (int b = 0; b < nb; b++)
         _mm512_storeu_ps(o + 16 * b, group_out(q, xg + b * k, d, m128, gs[b * ng],
-                                               _mm512_loadu_ps(o + 16 * b), 1));
+                                               _mm512_loadu_ps(o + 16 * b), 1, f));
 }
 
 /* Many rows: one tile for rows [r0, r0 + nr): each (tile, group) decoded once, rows streamed
  * through its registers, the f32 outputs in o [nr, 16] (L1) across the groups. */
-static void tile_rows(const uint8_t *w, const uint16_t *x, int64_t k, const float *gsum,
-                      int64_t ng, int64_t nr, uint16_t *y, int64_t n, float *o) {
+static inline __attribute__((always_inline)) void tile_rows(
+    const uint8_t *w, const uint16_t *x, int64_t k, const float *gsum, int64_t ng, int64_t nr,
+    uint16_t *y, int64_t n, float *o, const int f) {
     memset(o, 0, sizeof(float) * 16 * (size_t)nr);
     for (int64_t g = 0; g < ng; g++) {
-        const uint8_t *blk = w + g * BLOCK;
+        const uint8_t *blk = w + g * BLOCK(f);
         __m512bh q[16];
         __m512 d, m128;
-        load_group(blk, q, &d, &m128);
+        load_group(blk, q, &d, &m128, f);
         const uint16_t *xg = x + g * 32;
         const float *gs = gsum + g;
         int64_t r = 0;
         for (; r + ROWS_IN_FLIGHT <= nr; r += ROWS_IN_FLIGHT)
-            rows_group(q, d, m128, xg + r * k, k, gs + r * ng, ng, ROWS_IN_FLIGHT, o + 16 * r);
+            rows_group(q, d, m128, xg + r * k, k, gs + r * ng, ng, ROWS_IN_FLIGHT, o + 16 * r,
+                       f);
         switch (nr - r) {
-        case 1: rows_group(q, d, m128, xg + r * k, k, gs + r * ng, ng, 1, o + 16 * r); break;
-        case 2: rows_group(q, d, m128, xg + r * k, k, gs + r * ng, ng, 2, o + 16 * r); break;
-        case 3: rows_group(q, d, m128, xg + r * k, k, gs + r * ng, ng, 3, o + 16 * r); break;
+        case 1: rows_group(q, d, m128, xg + r * k, k, gs + r * ng, ng, 1, o + 16 * r, f); break;
+        case 2: rows_group(q, d, m128, xg + r * k, k, gs + r * ng, ng, 2, o + 16 * r, f); break;
+        case 3: rows_group(q, d, m128, xg + r * k, k, gs + r * ng, ng, 3, o + 16 * r, f); break;
         default: break;
         }
     }
@@ -188,8 +234,9 @@ static void tile_rows(const uint8_t *w, const uint16_t *x, int64_t k, const floa
 /* y [rows, n] bf16 = x [rows, k] bf16 (contiguous) times the packed W [n, k]^T. Returns 0, or 1
  * for a shape the layout cannot hold, 2 when out of memory. Every row's result is the same
  * bits whatever the row count or thread count (both paths share group_sums and group_out). */
-int q4_matmul_bf16(const uint8_t *w, const uint16_t *x, int64_t rows, int64_t n, int64_t k,
-                   uint16_t *y) {
+static inline __attribute__((always_inline)) int matmul(const uint8_t *w, const uint16_t *x,
+                                                        int64_t rows, int64_t n, int64_t k,
+                                                        uint16_t *y, const int f) {
     if (n < 0 || k < 0 || n % 16 || k % 32 || rows < 0) return 1;
     int64_t ng = k / 32, tiles = n / 16;
     float *gsum = malloc(sizeof(float) * (size_t)(rows * ng + 1));
@@ -198,16 +245,16 @@ int q4_matmul_bf16(const uint8_t *w, const uint16_t *x, int64_t rows, int64_t n,
         group_sums(x, rows * ng, gsum);
 #pragma omp parallel for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
-            const uint8_t *wt = w + t * ng * BLOCK;
+            const uint8_t *wt = w + t * ng * BLOCK(f);
             for (int64_t r = 0; r < rows; r += ROWS_IN_FLIGHT) {
                 const uint16_t *xr = x + r * k;
                 const float *gr = gsum + r * ng;
                 uint16_t *yr = y + r * n + t * 16;
                 switch (rows - r < ROWS_IN_FLIGHT ? rows - r : ROWS_IN_FLIGHT) {
-                case 1: tile(wt, xr, k, gr, ng, 1, yr, n); break;
-                case 2: tile(wt, xr, k, gr, ng, 2, yr, n); break;
-                case 3: tile(wt, xr, k, gr, ng, 3, yr, n); break;
-                default: tile(wt, xr, k, gr, ng, 4, yr, n); break;
+                case 1: tile(wt, xr, k, gr, ng, 1, yr, n, f); break;
+                case 2: tile(wt, xr, k, gr, ng, 2, yr, n, f); break;
+                case 3: tile(wt, xr, k, gr, ng, 3, yr, n, f); break;
+                default: tile(wt, xr, k, gr, ng, 4, yr, n, f); break;
                 }
             }
         }
@@ -228,12 +275,35 @@ int q4_matmul_bf16(const uint8_t *w, const uint16_t *x, int64_t rows, int64_t n,
             int64_t nr = rows - r0 < rb ? rows - r0 : rb;
 #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < tiles; t++)
-                tile_rows(w + t * ng * BLOCK, x + r0 * k, k, gsum + r0 * ng, ng, nr,
-                          y + r0 * n + t * 16, n, o);
+                tile_rows(w + t * ng * BLOCK(f), x + r0 * k, k, gsum + r0 * ng, ng, nr,
+                          y + r0 * n + t * 16, n, o, f);
         }
     }
     free(gsum);
     return 0;
+}
+
+int q4_matmul_bf16(const uint8_t *w, const uint16_t *x, int64_t rows, int64_t n, int64_t k,
+                   uint16_t *y) {
+    return matmul(w, x, rows, n, k, y, F_Q4);
+}
+
+/* The same for 8-bit tiles (quant.py's pack_i8): codes c in int8 (Q8_0's own, Q6_K's q - 32,
+ * Q5_0's q - 16, Q5_1's and Q5_K's q), one bf16 dot product a pair of activations for 16 rows as
+ * in the 4-bit tiles, w = d c (+ m): exact products, f32 sums, each half or group times its f32
+ * scale (the file's d, or d sc as qmm.c computes it) with one FMA, so times the identity the
+ * weights are gguf-py's d c (+ m) bit for bit. The codes take the 16-bit lanes as bf16
+ * themselves (not 128 + c), so the 5-, 6- and 8-bit types need no offset term and no second
+ * plane: 1 + 1/8 bytes a weight for Q8_0 and Q5_0 (the file's 1 + 1/16 and 11/16), 1 + 1/4 for
+ * the others, against 2 for the dense bf16 they ran before. */
+int i8_matmul_bf16(int f, const uint8_t *w, const uint16_t *x, int64_t rows, int64_t n,
+                   int64_t k, uint16_t *y) {
+    switch (f) {
+    case F_I8: return matmul(w, x, rows, n, k, y, F_I8);
+    case F_I8H: return matmul(w, x, rows, n, k, y, F_I8H);
+    case F_I8M: return matmul(w, x, rows, n, k, y, F_I8M);
+    default: return 1;
+    }
 }
 
 /* W^T [k, n] bf16 = bf16(d q + m): the weights for prefill chunks, where a bf16 GEMM on them beats
@@ -245,7 +315,7 @@ int q4_dequant_t_bf16(const uint8_t *w, int64_t n, int64_t k, uint16_t *wt) {
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         for (int64_t g = 0; g < ng; g++) {
-            const uint8_t *blk = w + (t * ng + g) * BLOCK;
+            const uint8_t *blk = w + (t * ng + g) * BLOCK(F_Q4);
             __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
             __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
             for (int c = 0; c < 4; c++) {
@@ -281,6 +351,12 @@ int q4_matmul_bf16(const uint8_t *w, const uint16_t *x, int64_t rows, int64_t n,
 
 int q4_dequant_t_bf16(const uint8_t *w, int64_t n, int64_t k, uint16_t *wt) {
     (void)w; (void)n; (void)k; (void)wt;
+    return 1;
+}
+
+int i8_matmul_bf16(int f, const uint8_t *w, const uint16_t *x, int64_t rows, int64_t n,
+                   int64_t k, uint16_t *y) {
+    (void)f; (void)w; (void)x; (void)rows; (void)n; (void)k; (void)y;
     return 1;
 }
 

@@ -653,6 +653,78 @@ int qmm_bf16(int t, const uint8_t *w, int64_t row_bytes, const uint16_t *x, int6
     return 0;
 }
 
+/* A Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K matrix as int8 codes and f32 maps, w = d c + m (the 8-bit
+ * tiles of q4_gemv.c's i8_matmul_bf16, packed by quant.py's pack_i8): c [n, k]; d [n, k / 16]
+ * (one a half group of 16: equal halves except Q6_K's sub-blocks); m [n, k / 32] (zero for the
+ * symmetric types, whose codes are centred: Q8_0's own, Q5_0's q - 16, Q6_K's q - 32). d and m
+ * are computed as group() computes them, so d c + m is gguf-py's weight. Returns 1 for another
+ * type or a bad shape. Plain C: it runs once, at load. */
+int qmm_codes(int t, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, int8_t *c,
+              float *d, float *m) {
+    int64_t bytes, per = qmm_block(t, &bytes);
+    if (!per || k <= 0 || k % per || row_bytes < k / per * bytes) return 1;
+    if (t != T_Q5_0 && t != T_Q5_1 && t != T_Q8_0 && t != T_Q5_K && t != T_Q6_K) return 1;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = w + i * row_bytes;
+        for (int64_t g = 0; g < k / 32; g++) {
+            int8_t *cg = c + i * k + 32 * g;
+            float *dg = d + i * (k / 16) + 2 * g, *mg = m + i * (k / 32) + g;
+            *mg = 0.f;
+            switch (t) {
+            case T_Q8_0: {
+                const uint8_t *b = row + 34 * g;
+                dg[0] = dg[1] = f16_to_f32(rd16(b));
+                memcpy(cg, b + 2, 32);
+                break;
+            }
+            case T_Q5_0:
+            case T_Q5_1: {
+                const int one = t == T_Q5_1;
+                const uint8_t *b = row + (one ? 24 : 22) * g;
+                dg[0] = dg[1] = f16_to_f32(rd16(b));
+                if (one) *mg = f16_to_f32(rd16(b + 2));
+                uint32_t qh;
+                memcpy(&qh, b + (one ? 4 : 2), 4);
+                const uint8_t *qs = b + (one ? 8 : 6);
+                for (int j = 0; j < 16; j++) {
+                    int lo = (qs[j] & 15) | (((qh >> j) & 1) << 4);
+                    int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+                    cg[j] = (int8_t)(one ? lo : lo - 16);
+                    cg[j + 16] = (int8_t)(one ? hi : hi - 16);
+                }
+                break;
+            }
+            case T_Q5_K: {
+                const uint8_t *b = row + 176 * (g / 8);
+                int j = (int)(g % 8);
+                k_affine(b, j, &dg[0], mg);
+                dg[1] = dg[0];
+                const uint8_t *qs = b + 48 + 32 * (j / 2);
+                const int shift = 4 * (j & 1);
+                for (int x = 0; x < 32; x++)
+                    cg[x] = (int8_t)(((qs[x] >> shift) & 15) | (((b[16 + x] >> j) & 1) << 4));
+                break;
+            }
+            default: { /* T_Q6_K */
+                const uint8_t *b = row + 210 * (g / 8);
+                int s = (int)(g % 8), h = s / 4, s2 = s % 4;
+                const uint8_t *ql = b + 64 * h + 32 * (s2 & 1), *qh = b + 128 + 32 * h;
+                const int8_t *sc = (const int8_t *)(b + 192) + 2 * s;
+                float dd = f16_to_f32(rd16(b + 208));
+                const int lsh = 4 * (s2 / 2), hsh = 2 * s2;
+                for (int x = 0; x < 32; x++)
+                    cg[x] = (int8_t)((((ql[x] >> lsh) & 15) | (((qh[x] >> hsh) & 3) << 4)) - 32);
+                dg[0] = dd * (float)sc[0];
+                dg[1] = dd * (float)sc[1];
+                break;
+            }
+            }
+        }
+    }
+    return 0;
+}
+
 /* Rows `ids` of W as f32 [m, k] (embedding lookups and the head's exact re-scoring): the same
  * decoded values the matmul multiplies. */
 int qmm_rows_f32(int t, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
