@@ -162,6 +162,22 @@ static inline void k_affine(const uint8_t *b, int j, float *scale, float *off) {
     *off = -(f16_to_f32(rd16(b + 2)) * (float)mn);
 }
 
+/* Where group g (32 weights) of a Q6_K row lies: its low and high code bytes (ql, qh: 32 each,
+ * a code ((ql >> lsh) & 15) | ((qh >> hsh) & 3) << 4), its two sub-blocks' scales and d. */
+typedef struct {
+    const uint8_t *ql, *qh;
+    const int8_t *sc;
+    float d;
+    int lsh, hsh;
+} q6k_t;
+
+static inline q6k_t q6k_at(const uint8_t *row, int64_t g) {
+    const uint8_t *b = row + 210 * (g / 8);
+    int s = (int)(g % 8), h = s / 4, s2 = s % 4;
+    return (q6k_t){b + 64 * h + 32 * (s2 & 1), b + 128 + 32 * h, (const int8_t *)(b + 192) + 2 * s,
+                   f16_to_f32(rd16(b + 208)), 4 * (s2 / 2), 2 * s2};
+}
+
 /* The fifth bits of 32 weights (bit i of qh for weight i) as 16s in bytes: h0 weights 0-15,
  * h1 16-31. Each byte of qh copied to 8 lanes, masked by its lane's bit (byte ops, one register
  * each, where a variable shift a lane takes eight). */
@@ -232,17 +248,12 @@ static inline __attribute__((always_inline)) void group(const int t, const uint8
         return;
     }
     case T_Q6_K: {
-        const uint8_t *b = row + 210 * (g / 8);
-        int s = (int)(g % 8), h = s / 4, s2 = s % 4;
-        const uint8_t *ql = b + 64 * h + 32 * (s2 & 1), *qh = b + 128 + 32 * h;
-        const int8_t *sc = (const int8_t *)(b + 192) + 2 * s;
-        float d = f16_to_f32(rd16(b + 208));
-        const int lsh = 4 * (s2 / 2), hsh = 2 * s2;
-        v16b c0 = ((loadb(ql) >> lsh) & 15) | (((loadb(qh) >> hsh) & 3) << 4);
-        v16b c1 = ((loadb(ql + 16) >> lsh) & 15) | (((loadb(qh + 16) >> hsh) & 3) << 4);
+        q6k_t z = q6k_at(row, g);
+        v16b c0 = ((loadb(z.ql) >> z.lsh) & 15) | (((loadb(z.qh) >> z.hsh) & 3) << 4);
+        v16b c1 = ((loadb(z.ql + 16) >> z.lsh) & 15) | (((loadb(z.qh + 16) >> z.hsh) & 3) << 4);
         codes16(c0, &q[0], &q[1]);
         codes16(c1, &q[2], &q[3]);
-        float d0 = d * (float)sc[0], d1 = d * (float)sc[1]; /* sub-blocks of 16 */
+        float d0 = z.d * (float)z.sc[0], d1 = z.d * (float)z.sc[1]; /* sub-blocks of 16 */
         for (int i = 0; i < 4; i++) w[i] = tof(q[i] - 32) * (i < 2 ? d0 : d1);
         return;
     }
@@ -407,16 +418,11 @@ static inline __attribute__((always_inline)) void bgroup_of(const int t, const u
         break;
     }
     default: { /* T_Q6_K */
-        const uint8_t *b = row + 210 * (g / 8);
-        int s = (int)(g % 8), h = s / 4, s2 = s % 4;
-        const uint8_t *ql = b + 64 * h + 32 * (s2 & 1), *qh = b + 128 + 32 * h;
-        const int8_t *sc = (const int8_t *)(b + 192) + 2 * s;
-        float d = f16_to_f32(rd16(b + 208));
-        const int lsh = 4 * (s2 / 2), hsh = 2 * s2;
-        c0 = ((loadb(ql) >> lsh) & 15) | (((loadb(qh) >> hsh) & 3) << 4);
-        c1 = ((loadb(ql + 16) >> lsh) & 15) | (((loadb(qh + 16) >> hsh) & 3) << 4);
-        d0 = d * (float)sc[0];
-        d1 = d * (float)sc[1];
+        q6k_t z = q6k_at(row, g);
+        c0 = ((loadb(z.ql) >> z.lsh) & 15) | (((loadb(z.qh) >> z.hsh) & 3) << 4);
+        c1 = ((loadb(z.ql + 16) >> z.lsh) & 15) | (((loadb(z.qh + 16) >> z.hsh) & 3) << 4);
+        d0 = z.d * (float)z.sc[0];
+        d1 = z.d * (float)z.sc[1];
         m0 = -32.f * d0;
         m1 = -32.f * d1;
         break;
@@ -707,16 +713,12 @@ int qmm_codes(int t, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, 
                 break;
             }
             default: { /* T_Q6_K */
-                const uint8_t *b = row + 210 * (g / 8);
-                int s = (int)(g % 8), h = s / 4, s2 = s % 4;
-                const uint8_t *ql = b + 64 * h + 32 * (s2 & 1), *qh = b + 128 + 32 * h;
-                const int8_t *sc = (const int8_t *)(b + 192) + 2 * s;
-                float dd = f16_to_f32(rd16(b + 208));
-                const int lsh = 4 * (s2 / 2), hsh = 2 * s2;
+                q6k_t z = q6k_at(row, g);
                 for (int x = 0; x < 32; x++)
-                    cg[x] = (int8_t)((((ql[x] >> lsh) & 15) | (((qh[x] >> hsh) & 3) << 4)) - 32);
-                dg[0] = dd * (float)sc[0];
-                dg[1] = dd * (float)sc[1];
+                    cg[x] = (int8_t)((((z.ql[x] >> z.lsh) & 15) | (((z.qh[x] >> z.hsh) & 3) << 4))
+                                     - 32);
+                dg[0] = z.d * (float)z.sc[0];
+                dg[1] = z.d * (float)z.sc[1];
                 break;
             }
             }
