@@ -507,8 +507,12 @@ class Q4Matrix:
     def weight(self) -> torch.Tensor:
         """bf16 W [n, k]: a transposed view of a [k, n] buffer, the layout the unpack writes
         fastest (8-bit tiles: the product with the identity, exactly bf16(d c + m))."""
-        if self.fmt:
-            return self.matmul(torch.eye(self.k, dtype=torch.bfloat16)).t()
+        if self.fmt:  # in slices of the identity: a whole one is k^2 bf16
+            w = torch.empty(self.n, self.k, dtype=torch.bfloat16)
+            eye = torch.eye(self.k, dtype=torch.bfloat16)
+            for c in range(0, self.k, 1024):
+                w[:, c : c + 1024] = self.matmul(eye[c : c + 1024].contiguous()).t()
+            return w
         wt = torch.empty(self.k, self.n, dtype=torch.bfloat16)
         if self._unpack(self._ptr, self.n, self.k, wt.data_ptr()) != 0:
             raise ValueError("q4 unpack kernel refused the shape")

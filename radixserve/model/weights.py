@@ -111,7 +111,8 @@ class _Loader:
 
     def _kind(self, t: gguf.ReaderTensor) -> str:
         """How a matrix runs: "q4" (our 4-bit tiles, or torch's int4 layout without our
-        kernels), "quant" (its own blocks, csrc/qmm.c) or "dense"."""
+        kernels), "i8" (our 8-bit tiles: Q5_*, Q6_K, Q8_0 with AVX512-BF16), "quant" (its own
+        blocks, csrc/qmm.c) or "dense"."""
         if not self.packed:
             return "dense"
         kern = kernels()

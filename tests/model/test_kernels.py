@@ -53,6 +53,20 @@ def test_attend_as_accurate_as_torch_bf16(kern, threads, n_kv, g, d):
             assert err <= 2 * err_torch + 2**-8 * ref.abs().max().item(), (n, cells)
 
 
+def test_attend_passes_a_nan_through(kern):
+    """A NaN in a query reaches that query head's output (corrupt inputs show, as in torch's
+    SDPA), and only that head's; the other heads' outputs stay finite."""
+    gen = torch.Generator().manual_seed(5)
+    for n_kv, g, d in [(3, 3, 64), (1, 4, 256), (2, 2, 32)]:
+        pk = torch.randn(n_kv, 40, d, generator=gen).to(BF)
+        pv = torch.randn(n_kv, 40, d, generator=gen).to(BF)
+        q = torch.randn(1, n_kv * g, d, generator=gen).to(BF)
+        q[0, 1, 3] = float("nan")
+        out = kern.attend(q, pk, pv, slice(0, 33)).float().view(n_kv * g, d)
+        assert out[1].isnan().all(), (n_kv, g, d)
+        assert torch.isfinite(out[torch.arange(n_kv * g) != 1]).all(), (n_kv, g, d)
+
+
 def test_decode_step_equals_torch_path(kern, threads):
     """One call a layer: RoPE, the K/V store and attention for three sequences (a run of cells,
     gathered cells, a one-token sequence) equal Rope.apply + index_copy + SDPA."""

@@ -114,9 +114,11 @@ static inline __m512 sum16(const __m512 *p) {
                          _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* exp_clamped on 16 lanes: the same clamp, split and polynomial, each step one instruction. */
+/* exp_clamped on 16 lanes: the same clamp, split and polynomial, each step one instruction. The
+ * clamp's operands in this order pass a NaN through (vmaxps / vminps return the second operand
+ * when either is NaN), as the scalar one does: corrupt scores show in the output. */
 static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+    x = _mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-87.f), x));
     __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(t, n);
