@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-import gguf
 
 from radixserve.config import ServerConfig
 from radixserve.http.responses import BUILD_INFO, params_json
@@ -56,14 +55,9 @@ class ModelFacts:
     size: int  # file bytes
 
 
-def read_ftype(path: str) -> str:
-    """The GGUF's `general.file_type` as llama.cpp names it ("Q4_1"), "" when unknown."""
-    try:
-        field = gguf.GGUFReader(path).fields.get("general.file_type")
-        value = field.contents() if field is not None else None
-    except (OSError, ValueError):
-        return ""
-    return _FTYPES.get(value, "") if isinstance(value, int) else ""
+def ftype_name(file_type: int | None) -> str:
+    """`general.file_type` as llama.cpp names it ("Q4_1"), "" when unknown."""
+    return _FTYPES.get(file_type, "") if file_type is not None else ""
 
 
 def model_facts(model: Model) -> ModelFacts:
@@ -71,7 +65,7 @@ def model_facts(model: Model) -> ModelFacts:
         size = os.path.getsize(model.path)
     except OSError:
         size = 0
-    return ModelFacts(count_params(model), read_ftype(model.path), size)
+    return ModelFacts(count_params(model), ftype_name(model.hp.file_type), size)
 
 
 def default_params_json(cfg: ServerConfig) -> dict[str, Any]:

@@ -54,6 +54,9 @@ class HParams:
     embd_scale: float = 1.0  # token embeddings are multiplied by this (gemma: sqrt(n_embd))
     act: str = "silu"  # gate activation of the FFN: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     attn_scale: float = 0.0  # softmax scale of q.k (0: 1/sqrt(head_dim), what SDPA defaults to)
+    # general.file_type (llama_ftype), None when the GGUF does not say: read with the rest at
+    # load, since parsing a GGUF again for /props costs seconds (Gemma 3's 262k-token vocabulary)
+    file_type: int | None = None
 
     def __post_init__(self) -> None:
         """Fill the defaults that depend on other fields, so hand-built HParams (tests) of
@@ -137,8 +140,13 @@ class HParams:
             rope_neox=True,
             rope_scale_linear=scale,
             name=str(field_value(reader, "general.name", arch)),
+            file_type=_int_or_none(field_value(reader, "general.file_type")),
             **extra,
         )
+
+
+def _int_or_none(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def _gemma3(get: Callable[..., Any], n_layer: int, n_embd: int, n_head: int,

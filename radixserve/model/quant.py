@@ -405,13 +405,22 @@ class I8Linear(QuantLinear):
     (csrc/q4_gemv.c's i8_matmul_bf16, AVX512-BF16): 1.125-1.25 bytes a weight where the dense
     bf16 they ran before took 2, dot products as the 4-bit tiles' (one vdpbf16ps per 32
     multiply-adds at every row count, so prefill keeps the GEMM's pace), each row's bits the
-    same at any row count; times the identity it gives gguf-py's dequantization bit for bit."""
+    same at any row count; times the identity it gives gguf-py's dequantization bit for bit.
 
-    def __init__(self, qtype: gguf.GGMLQuantizationType, raw: np.ndarray, k: int,
+    `parts`: the row blocks (type, raw rows) of one matrix, in order. Types of one tile format
+    share one matrix (Gemma 3's Q5_0 q/k and Q8_0 v: one call a step, not three and a cat):
+    each row carries its own scales, so a row's arithmetic is its type's either way."""
+
+    def __init__(self, parts: list[tuple[gguf.GGMLQuantizationType, np.ndarray]], k: int,
                  bias: torch.Tensor | None, kern: Kernels) -> None:
-        fmt = I8_FORMATS[qtype]
-        c, d, m = qmm.codes(kern.lib, int(qtype), raw, k)
-        self.qtype, self.n_out, self.n_in, self.bias = qtype, raw.shape[0], k, bias
+        fmts = {I8_FORMATS[t] for t, _ in parts}
+        if len(fmts) != 1:
+            raise ValueError("one 8-bit matrix needs one tile format")
+        fmt = fmts.pop()
+        codes = [qmm.codes(kern.lib, int(t), raw, k) for t, raw in parts]
+        c, d, m = (np.concatenate([cd[i] for cd in codes]) for i in range(3))
+        self.qtype = parts[0][0] if len({t for t, _ in parts}) == 1 else None
+        self.n_out, self.n_in, self.bias = c.shape[0], k, bias
         self.mat = kern.i8(pack_i8(c, d, m, fmt), fmt, self.n_out, k)
 
     def weight(self) -> torch.Tensor:

@@ -125,14 +125,21 @@ class _Loader:
             return "quant"
         return "q4" if t.tensor_type in PACKED_TYPES else "dense"
 
+    def _run_key(self, t: gguf.ReaderTensor) -> tuple[str, object]:
+        """Parts with equal keys run as one matrix: "q4" and "dense" parts of any type, the
+        file's blocks of one type, 8-bit tiles of one tile format (Q5_0 beside Q8_0)."""
+        kind = self._kind(t)
+        if kind == "i8":
+            return kind, I8_FORMATS[t.tensor_type]
+        return kind, t.tensor_type if kind == "quant" else None
+
     def linear(self, names: list[str], heads: list[int | None],
                biases: list[np.ndarray] | None = None) -> Linear:
         """One linear of the row-concatenated matrices `names` (rows un-permuted where `heads`
         gives a head count): packed 4-bit tiles, the file's own blocks, or dense; a run of
         parts that differ in type or kind becomes a ConcatLinear of same-type runs."""
         ts = [self.tensor(n) for n in names]
-        kinds = [(self._kind(t), t.tensor_type if self._kind(t) in ("quant", "i8") else None)
-                 for t in ts]
+        kinds = [self._run_key(t) for t in ts]
         if len(set(kinds)) > 1:  # e.g. Q4_K_M: attn_v in Q6_K next to Q4_K q/k
             runs: list[list[int]] = []
             for i, kd in enumerate(kinds):
@@ -146,7 +153,8 @@ class _Loader:
                 for run in runs
             ])
         bias = None if biases is None else torch.from_numpy(np.concatenate(biases)).to(self.dtype)
-        kind, qtype = kinds[0]
+        kind = kinds[0][0]
+        qtype = ts[0].tensor_type
         if kind == "q4":
             parts = [split_blocks(t) for t in ts]
             parts = [c if h is None else c.rows(_row_order(c.q.shape[0], h))
@@ -158,8 +166,9 @@ class _Loader:
             raws = [raw_rows(t) for t in ts]
             raws = [r if h is None else r[_row_order(r.shape[0], h)] for r, h in zip(raws, heads)]
             k = int(ts[0].shape[0])
-            cls = I8Linear if kind == "i8" else QuantLinear
-            return cls(qtype, np.concatenate(raws), k, bias, kern)
+            if kind == "i8":
+                return I8Linear([(t.tensor_type, r) for t, r in zip(ts, raws)], k, bias, kern)
+            return QuantLinear(qtype, np.concatenate(raws), k, bias, kern)
         arrays = []
         for t, h in zip(ts, heads):
             a = _dense(t)

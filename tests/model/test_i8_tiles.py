@@ -31,7 +31,7 @@ def linear(t: Q, n: int = 48, k: int = 512, bias: torch.Tensor | None = None
            ) -> tuple[I8Linear, torch.Tensor]:
     raw = random_blocks(t, n, k, seed=int(t))
     ref = torch.from_numpy(gguf.quants.dequantize(raw, t).reshape(n, k).astype(np.float32))
-    return I8Linear(t, raw, k, bias, variant_kernels("avx512bf16")), ref
+    return I8Linear([(t, raw)], k, bias, variant_kernels("avx512bf16")), ref
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
@@ -93,6 +93,20 @@ def test_refuses_what_it_cannot_hold() -> None:
         mat.matmul(torch.zeros(2, 32, dtype=torch.bfloat16))
 
 
+def test_types_of_one_format_share_a_matrix() -> None:
+    """Q5_0 rows above Q8_0 rows (Gemma 3's q/k and v) in one matrix: each row's bits are
+    those of its own type's matrix; a Q6_K part (two scales a group) is refused beside them."""
+    kern = variant_kernels("avx512bf16")
+    a, b = random_blocks(Q.Q5_0, 32, 512, seed=5), random_blocks(Q.Q8_0, 16, 512, seed=8)
+    both = I8Linear([(Q.Q5_0, a), (Q.Q8_0, b)], 512, None, kern)
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    want = torch.cat([I8Linear([(Q.Q5_0, a)], 512, None, kern)(x),
+                      I8Linear([(Q.Q8_0, b)], 512, None, kern)(x)], dim=1)
+    assert both.n_out == 48 and torch.equal(both(x), want)
+    with pytest.raises(ValueError, match="tile format"):
+        I8Linear([(Q.Q5_0, a), (Q.Q6_K, random_blocks(Q.Q6_K, 16, 512))], 512, None, kern)
+
+
 @pytest.mark.parametrize("variant", ["avx512bf16", "avx2"], indirect=True)
 def test_loader_runs_them_packed_only_with_avx512bf16(variant: str) -> None:
     """Gemma 3's Q4_K_M mixes Q4_K, Q5_0, Q6_K and Q8_0 (its layer 0: Q5_0 q/k, Q8_0 v, Q6_K
@@ -113,3 +127,5 @@ def test_loader_runs_them_packed_only_with_avx512bf16(variant: str) -> None:
     assert not any(isinstance(p, DenseLinear) for p in parts)
     want = I8Linear if kernels().has_q4 else QuantLinear
     assert all(type(p) is want for p in parts), [type(p) for p in parts]
+    # 8-bit tiles: q/k (Q5_0) and v (Q8_0) share a tile format, so one matrix, one call
+    assert len(parts) == (2 if want is I8Linear else 3)
