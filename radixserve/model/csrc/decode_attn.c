@@ -193,10 +193,15 @@ static inline __attribute__((always_inline)) void attend_bf16(
         const uint16_t *kr[16];
         for (int jj = 0; jj < 16; jj++) {
             kr[jj] = kh + (cells ? cells[j0 + j + jj] : c0 + j0 + j + jj) * d;
-            if (j + jj + PF < n) { /* a key row is d / 32 cache lines; fetch PF keys ahead */
+            /* a key row is d / 32 cache lines; fetch PF keys ahead, and the same keys' value
+             * rows into L2 for the p.V pass (the block's V was a second cold stream: in a
+             * decode step the K/V come from memory; ~5% a layer with caches flushed) */
+            if (j + jj + PF < n) {
                 int64_t e = j0 + j + jj + PF;
-                const char *kp = (const char *)(kh + (cells ? cells[e] : c0 + e) * d);
+                int64_t ce = cells ? cells[e] : c0 + e;
+                const char *kp = (const char *)(kh + ce * d), *vp = (const char *)(vh + ce * d);
                 for (int c = 0; c < nc; c++) _mm_prefetch(kp + 64 * c, _MM_HINT_T0);
+                for (int c = 0; c < nc; c++) _mm_prefetch(vp + 64 * c, _MM_HINT_T1);
             }
         }
         for (int a = 0; a < g; a++) {
