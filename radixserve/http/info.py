@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-
 from radixserve.config import ServerConfig
 from radixserve.http.responses import BUILD_INFO, params_json
 from radixserve.model.chat_caps import template_caps

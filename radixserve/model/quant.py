@@ -419,7 +419,6 @@ class I8Linear(QuantLinear):
         fmt = fmts.pop()
         codes = [qmm.codes(kern.lib, int(t), raw, k) for t, raw in parts]
         c, d, m = (np.concatenate([cd[i] for cd in codes]) for i in range(3))
-        self.qtype = parts[0][0] if len({t for t, _ in parts}) == 1 else None
         self.n_out, self.n_in, self.bias = c.shape[0], k, bias
         self.mat = kern.i8(pack_i8(c, d, m, fmt), fmt, self.n_out, k)
 

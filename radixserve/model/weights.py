@@ -136,8 +136,8 @@ class _Loader:
     def linear(self, names: list[str], heads: list[int | None],
                biases: list[np.ndarray] | None = None) -> Linear:
         """One linear of the row-concatenated matrices `names` (rows un-permuted where `heads`
-        gives a head count): packed 4-bit tiles, the file's own blocks, or dense; a run of
-        parts that differ in type or kind becomes a ConcatLinear of same-type runs."""
+        gives a head count): packed 4-bit tiles, 8-bit tiles, the file's own blocks, or dense;
+        parts that cannot share one matrix (_run_key) become a ConcatLinear of runs that can."""
         ts = [self.tensor(n) for n in names]
         kinds = [self._run_key(t) for t in ts]
         if len(set(kinds)) > 1:  # e.g. Q4_K_M: attn_v in Q6_K next to Q4_K q/k
