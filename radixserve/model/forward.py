@@ -222,7 +222,7 @@ class Transformer:
         swa = self._sliding(batch, pos, split, device) if hp.n_layer_swa else None
 
         # the residual stream stays in f32: bf16 there flips near-tie greedy choices
-        x = F.embedding(tokens, self.w.tok_embd).float()
+        x = self.w.embed(tokens)
         if hp.embd_scale != 1.0:
             x.mul_(hp.embd_scale)
         # then RoPE, the K/V store and attention of the whole step are one kernel call a layer

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.model.kernels import Kernels, kernels
+from radixserve.model.qmm import QuantMatrix
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -56,6 +57,7 @@ def _bind(lib: ctypes.CDLL) -> tuple[Any, Any]:
 
 MAX_TOP = 256  # samplers looking at more tokens than this get the full head
 _MARGIN = 1.01  # slack on the bound for the kernel's own rounding order
+_CHUNK = 4096  # rows decoded at a time (the int8 copy at load, the full head from blocks)
 
 
 @dataclass(slots=True)
@@ -80,31 +82,48 @@ class HeadStats:
 
 
 class OutputHead:
-    def __init__(self, w: torch.Tensor, shortlist: bool) -> None:
-        self.w = w.float().contiguous()  # [V, D] exact f32
+    """The head over its exact f32 rows: `w` an f32 matrix [V, D], or the file's own blocks
+    (qmm.QuantMatrix: a quantized head costs its bytes in the file, and its rows are decoded
+    to f32 where they are needed: the int8 copy at load, the re-scored tokens, the embedding
+    of the step's tokens, the full head chunk by chunk). The decoded rows are qmm's, which are
+    gguf-py's dequantization (bit for bit for Q8_0, the type of the heads in the common
+    GGUFs), so either holder gives the same logits."""
+
+    def __init__(self, w: torch.Tensor | QuantMatrix, shortlist: bool) -> None:
+        if isinstance(w, QuantMatrix):
+            self.w, self.blocks = None, w
+            n, d = w.n, w.k
+        else:
+            self.w, self.blocks = w.float().contiguous(), None  # [V, D] exact f32
+            n, d = self.w.shape
+        self.shape = (n, d)
         self.stats = HeadStats()
         self.q8: torch.Tensor | None = None
         self.kern: Kernels | None = None
         # exact logits by our fixed-order dot products when the kernels build: torch's f32
         # matmul gives other last bits for other row or token counts (csrc/f32_head.c)
         self.dots = kernels()
+        if self.blocks is not None and self.dots is None:
+            raise ValueError("a head in the file's blocks needs our kernels")
         if not shortlist:
             return
-        n = self.w.shape[0]
-        self.q8 = torch.empty(self.w.shape, dtype=torch.int8)
-        self.s8 = (self.w.abs().amax(1) / 127).clamp(min=1e-30).to(torch.bfloat16)
+        self.q8 = torch.empty(n, d, dtype=torch.int8)
+        self.s8 = torch.empty(n, dtype=torch.bfloat16)
         self.err, self.amax = torch.empty(n), torch.empty(n)
         self.rowsum = torch.empty(n, dtype=torch.int32)  # for our pass's +128 offset
-        for r in range(0, n, 4096):  # in row blocks: no vocabulary-sized f32 temporaries
-            w, sf = self.w[r : r + 4096], self.s8[r : r + 4096].float()[:, None]
+        for r in range(0, n, _CHUNK):  # in row blocks: no vocabulary-sized f32 temporaries
+            w = self.rows(r, min(r + _CHUNK, n))
+            s8 = (w.abs().amax(1) / 127).clamp(min=1e-30).to(torch.bfloat16)
+            self.s8[r : r + _CHUNK] = s8
+            sf = s8.float()[:, None]
             q = torch.round(w / sf).clamp_(-128, 127)
-            self.q8[r : r + 4096] = q.to(torch.int8)
-            self.rowsum[r : r + 4096] = q.sum(1).to(torch.int32)  # exact: |sum| < 2^24
+            self.q8[r : r + _CHUNK] = q.to(torch.int8)
+            self.rowsum[r : r + _CHUNK] = q.sum(1).to(torch.int32)  # exact: |sum| < 2^24
             w8 = q.mul_(sf)
-            self.amax[r : r + 4096] = w8.abs().amax(1)
-            self.err[r : r + 4096] = w8.sub_(w).abs_().amax(1)
+            self.amax[r : r + _CHUNK] = w8.abs().amax(1)
+            self.err[r : r + _CHUNK] = w8.sub_(w).abs_().amax(1)
         kern = kernels()
-        if kern is not None and kern.has_int8_head and self.w.shape[1] % 64 == 0:
+        if kern is not None and kern.has_int8_head and d % 64 == 0:
             # our int8 pass (csrc/int8_head.c; VNNI, AVX2 or plain C): 3x torch's int8
             # kernel on AVX512, and it keeps the vocabulary-sized passes out of torch
             self.kern = kern
@@ -113,11 +132,31 @@ class OutputHead:
 
     @property
     def nbytes(self) -> int:
+        held = self.blocks.raw.nbytes if self.blocks is not None else self.w.nbytes
         extra = 0 if self.q8 is None else self.q8.nbytes + self.s8.nbytes
-        return self.w.nbytes + extra
+        return held + extra
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Exact f32 rows start..stop [m, D] (a view of the f32 matrix, or decoded)."""
+        if self.blocks is None:
+            return self.w[start:stop]
+        return self.blocks.rows(torch.arange(start, stop))
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The rows of `tokens` (int64 [T]) as f32 [T, D]: the token embedding, when tied."""
+        if self.blocks is None:
+            return F.embedding(tokens, self.w)
+        return self.blocks.rows(tokens)
 
     def full(self, h: torch.Tensor) -> torch.Tensor:
         """Exact f32 logits [n, V] for normed hidden states h [n, D] f32."""
+        if self.blocks is not None:  # chunk by chunk: each logit is still one dot product
+            assert self.dots is not None
+            h, (n, _) = h.contiguous(), self.shape
+            out = torch.empty(h.shape[0], n)
+            for r in range(0, n, _CHUNK):
+                out[:, r : r + _CHUNK] = self.dots.head_dots(self.rows(r, min(r + _CHUNK, n)), h)
+            return out
         if self.dots is not None:
             return self.dots.head_dots(self.w, h.contiguous())
         return F.linear(h, self.w)
@@ -129,7 +168,7 @@ class OutputHead:
         if not short or self.q8 is None:
             self.stats.rows_full += len(needs)
             return self.full(h)
-        out = torch.empty(h.shape[0], self.w.shape[0])  # every row filled below
+        out = torch.empty(h.shape[0], self.shape[0])  # every row filled below
         self._shortlist(h[short], [needs[i] for i in short], out, short)
         rest = sorted(set(range(len(needs))) - set(short))
         if rest:
@@ -245,7 +284,10 @@ class OutputHead:
                  extra: Sequence[int]) -> torch.Tensor:
         if extra:
             ids = torch.unique(torch.cat([ids, torch.tensor(list(extra), dtype=torch.long)]))
-        if self.dots is not None:
+        if self.blocks is not None:  # the same dot products, over the decoded rows
+            assert self.dots is not None
+            row[ids] = self.dots.head_dots(self.blocks.rows(ids), h[None].contiguous())[0]
+        elif self.dots is not None:
             row[ids] = self.dots.head_dots(self.w, h[None].contiguous(), ids)[0]
         else:
             row[ids] = F.linear(h, self.w[ids])

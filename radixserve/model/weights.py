@@ -19,13 +19,17 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 import torch
+import torch.nn.functional as F
 
+from radixserve.model import qmm
 from radixserve.model.head import OutputHead
 from radixserve.model.hparams import HParams, UnsupportedModelError
 from radixserve.model.kernels import kernels
 from radixserve.model.quant import (
     I8_FORMATS,
     PACKED_TYPES,
+    QMM_FLOAT_TYPES,
+    QMM_TYPES,
     TILE,
     Codes,
     ConcatLinear,
@@ -59,13 +63,26 @@ class LayerWeights:
 
 @dataclass(slots=True)
 class ModelWeights:
-    tok_embd: torch.Tensor  # [n_vocab, n_embd]; the head's f32 matrix when they are tied
+    # [n_vocab, n_embd] in the compute dtype; None when the embedding is the head's own rows
+    # (tied: the head's f32 matrix or the file's blocks)
+    tok_embd: torch.Tensor | qmm.QuantMatrix | None
     output_norm: torch.Tensor
     head: OutputHead
     layers: list[LayerWeights]
     rope_freqs: torch.Tensor | None  # llama3-style per-frequency divisors
     n_params: int  # as llama.cpp counts them (a tied output matrix once)
     packed: bool
+    dtype: torch.dtype = torch.float32  # the compute dtype (an untied embedding's rounding)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The f32 embedding rows of `tokens` (int64 [T]): the head's exact rows when tied,
+        else token_embd's in the compute dtype (decoded from the file's blocks when it is held
+        in them)."""
+        if self.tok_embd is None:
+            return self.head.embed(tokens)
+        if isinstance(self.tok_embd, qmm.QuantMatrix):
+            return self.tok_embd.rows(tokens).to(self.dtype).float()
+        return F.embedding(tokens, self.tok_embd).float()
 
     @property
     def nbytes(self) -> int:
@@ -73,8 +90,13 @@ class ModelWeights:
         lin = sum(
             m.nbytes for lw in self.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)
         )
-        tied = self.tok_embd.data_ptr() == self.head.w.data_ptr()
-        return lin + self.head.nbytes + (0 if tied else self.tok_embd.nbytes)
+        if self.tok_embd is None:
+            embd = 0
+        elif isinstance(self.tok_embd, qmm.QuantMatrix):
+            embd = self.tok_embd.raw.nbytes
+        else:
+            embd = self.tok_embd.nbytes
+        return lin + self.head.nbytes + embd
 
 
 def _row_order(rows: int, n_head: int) -> np.ndarray:
@@ -108,6 +130,30 @@ class _Loader:
         if a is None:
             return None
         return torch.from_numpy(a).to(torch.float32 if f32 else self.dtype).contiguous()
+
+    def rows(self, name: str, dtype: torch.dtype | None = None
+             ) -> torch.Tensor | qmm.QuantMatrix:
+        """A table read by rows (the token embedding, the output head): in the file's own
+        blocks (csrc/qmm.c decodes the rows a step needs) when the weights are packed and our
+        kernels run its type, else dense in `dtype` (default f32). The head's rows are f32 exactly either
+        way; Gemma 3's tied Q8_0 table costs 178 MB held so, 671 MB as f32."""
+        t = self.tensor(name)
+        assert t is not None
+        kern = kernels()
+        qtype = t.tensor_type
+        if (self.packed and kern is not None and qmm.available(kern.lib) and len(t.shape) == 2
+                and (qtype in QMM_TYPES or qtype in QMM_FLOAT_TYPES)):
+            k = int(t.shape[0])
+            try:
+                qmm.row_bytes(kern.lib, int(qtype), k)
+            except ValueError:  # rows not whole blocks: dense below
+                pass
+            else:
+                raw = torch.from_numpy(np.array(raw_rows(t)))
+                return qmm.QuantMatrix(kern.lib, int(qtype), raw, k)
+        out = self.torch(name, f32=dtype is None)
+        assert out is not None
+        return out if dtype is None else out.to(dtype)
 
     def _kind(self, t: gguf.ReaderTensor) -> str:
         """How a matrix runs: "q4" (our 4-bit tiles, or torch's int4 layout without our
@@ -205,14 +251,15 @@ def load_weights(reader: gguf.GGUFReader, hp: HParams, dtype: torch.dtype,
             post_ffn_norm=ld.torch(p + "post_ffw_norm.weight", post_norms, f32=True)
             if post_norms else None,
         ))
-    out = ld.torch("output.weight", required=False, f32=True)
+    out = ld.tensor("output.weight", required=False)
+    tok_embd: torch.Tensor | qmm.QuantMatrix | None = None
     if out is None:
         log.info("output.weight absent: using tied token embeddings as the output head")
-        head = OutputHead(ld.torch("token_embd.weight", f32=True), shortlist=packed)
-        tok_embd = head.w
+        head = OutputHead(ld.rows("token_embd.weight"), shortlist=packed)
     else:
-        head = OutputHead(out, shortlist=packed)
-        tok_embd = ld.torch("token_embd.weight")
+        head = OutputHead(ld.rows("output.weight"), shortlist=packed)
+        tok_embd = ld.rows("token_embd.weight", dtype=dtype)
     n_params = sum(int(np.prod(t.shape)) for t in reader.tensors)
     return ModelWeights(tok_embd, ld.torch("output_norm.weight", f32=True), head, layers,
-                        ld.torch("rope_freqs.weight", required=False, f32=True), n_params, packed)
+                        ld.torch("rope_freqs.weight", required=False, f32=True), n_params, packed,
+                        dtype)

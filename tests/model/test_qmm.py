@@ -2,11 +2,11 @@
 
 Blocks are made here (random codes and scales written as the type's bytes): times the identity
 the kernel must give gguf-py's dequantization, bit for bit after the bf16 output rounding for
-every symmetric type and every variant; the affine types (Q4_1, Q5_1, Q4_K, Q5_K) round their
-d c + m once as a fused multiply-add (or, on AVX512-BF16, as d (128 + c) plus m - 128 d), where
-gguf-py rounds the product and the sum apart: within one f32 ulp or two of the weight, which
-the bf16 output rounding hides almost always, so at most a few in ten thousand outputs may differ
-by one bf16 step. A row's bits never depend on the rows or threads sharing the call."""
+every type on the builds without AVX512-BF16 (integer sums: d c exact, then + m rounded once, as
+gguf-py rounds it) and for the symmetric types on AVX512-BF16; there the affine types (Q4_1,
+Q5_1, Q4_K, Q5_K) compute d (128 + c) plus m - 128 d, within one f32 ulp or two of the weight,
+which the bf16 output rounding hides almost always, so at most a few in ten thousand outputs may
+differ by one bf16 step. A row's bits never depend on the rows or threads sharing the call."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_identity_is_gguf_dequantization(variant: str, t: Q) -> None:
     y = m.matmul(torch.eye(m.k, dtype=torch.bfloat16)).t()
     want = ref.to(torch.bfloat16)
     diff = y != want
-    if t in AFFINE:
+    if t in AFFINE and variant == "avx512bf16":
         # one bf16 step at most, and rarely (see the module docstring)
         step = (want.float().abs() * 2.0**-7).clamp(min=1e-30)
         assert ((y.float() - want.float()).abs() <= step).all()

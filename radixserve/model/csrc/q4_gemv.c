@@ -43,6 +43,7 @@ enum { F_Q4 = 0, F_I8 = 1, F_I8H = 2, F_I8M = 3 };
 /* From this many rows on, each (tile, group) is decoded once per block of rows rather than once
  * per ROWS_IN_FLIGHT rows: ~15-30% faster from 5 rows on, ~10% slower below (measured). */
 #define MANY_ROWS 5
+#define PF_TILES 1 /* few rows: tiles ahead that a tile's groups prefetch */
 /* Rows a thread keeps hot while it walks its tiles: about RB_BYTES of activations (L2), and at
  * most RB_MAX so that the tile's f32 outputs (RB_MAX * 64 bytes) and a group's activation lines
  * stay in L1. (32..256 measured within noise of each other.) */
@@ -178,11 +179,13 @@ static inline __attribute__((always_inline)) void load_group(const uint8_t *blk,
 
 static inline __attribute__((always_inline)) void tile(
     const uint8_t *w, const uint16_t *x, int64_t k, const float *gsum, int64_t ng, const int nb,
-    uint16_t *y, int64_t n, const int f) {
+    uint16_t *y, int64_t n, const int f, const uint8_t *pf) {
     __m512 out[ROWS_IN_FLIGHT];
     for (int b = 0; b < nb; b++) out[b] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *blk = w + g * BLOCK(f);
+        if (pf) /* the same group of a tile PF_TILES ahead, into L2 (see matmul) */
+            for (int c = 0; c < BLOCK(f); c += 64) __builtin_prefetch(pf + g * BLOCK(f) + c, 0, 2);
         __m512bh q[16];
         __m512 d, m128;
         load_group(blk, q, &d, &m128, f);
@@ -243,6 +246,9 @@ static inline __attribute__((always_inline)) int matmul(const uint8_t *w, const 
     if (!gsum) return 2;
     if (rows < MANY_ROWS) {
         group_sums(x, rows * ng, gsum);
+        /* Each thread streams its tiles once; a decode step's matrices are small (a few
+         * hundred KB a thread), so the hardware's stream prefetcher is still ramping up when
+         * one ends: each group prefetches its twin PF_TILES tiles ahead (measured below). */
 #pragma omp parallel for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const uint8_t *wt = w + t * ng * BLOCK(f);
@@ -250,11 +256,13 @@ static inline __attribute__((always_inline)) int matmul(const uint8_t *w, const 
                 const uint16_t *xr = x + r * k;
                 const float *gr = gsum + r * ng;
                 uint16_t *yr = y + r * n + t * 16;
+                const uint8_t *pf = r == 0 && t + PF_TILES < tiles ? wt + PF_TILES * ng * BLOCK(f)
+                                                                   : NULL;
                 switch (rows - r < ROWS_IN_FLIGHT ? rows - r : ROWS_IN_FLIGHT) {
-                case 1: tile(wt, xr, k, gr, ng, 1, yr, n, f); break;
-                case 2: tile(wt, xr, k, gr, ng, 2, yr, n, f); break;
-                case 3: tile(wt, xr, k, gr, ng, 3, yr, n, f); break;
-                default: tile(wt, xr, k, gr, ng, 4, yr, n, f); break;
+                case 1: tile(wt, xr, k, gr, ng, 1, yr, n, f, pf); break;
+                case 2: tile(wt, xr, k, gr, ng, 2, yr, n, f, pf); break;
+                case 3: tile(wt, xr, k, gr, ng, 3, yr, n, f, pf); break;
+                default: tile(wt, xr, k, gr, ng, 4, yr, n, f, pf); break;
                 }
             }
         }

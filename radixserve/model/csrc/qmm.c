@@ -15,8 +15,12 @@
  * lanes are summed in one fixed tree (hsum16). Few rows decode a group into registers for all
  * rows; many rows decode a column once into a buffer per block of rows: the same values and the
  * same chain per row either way. Built without -fassociative-math (kernels.py), so the compiler
- * keeps this order.
+ * keeps this order. That f32 loop runs the float types (F16, BF16, F32) everywhere, and Q8_0
+ * with AVX512-BF16; the other quantized types take bf16 dot products with AVX512-BF16
+ * (QMM_BF16 below) and integer dot products on 16-bit activations without it (QMM_INT), each
+ * with the same properties: row-invariant bits, the file's weights times the identity.
  */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -574,6 +578,350 @@ static int qmm_bf16_dots(int t, const uint8_t *w, int64_t row_bytes, const uint1
 }
 #endif
 
+#ifndef QMM_BF16
+/* Without AVX512-BF16 (the avx512, avx2 and generic builds) the quantized types multiply in
+ * integers, as llama.cpp's CPU kernels do, but with 16-bit activations: the f32 loop above
+ * spent ~33 instructions a group of 32 decoding to floats (compute-bound: ~8-10 GB/s of blocks
+ * on 2 cores), where vpmaddwd multiplies 16 code / activation pairs in one.
+ *
+ * Each row's group of 32 bf16 activations becomes a = x 2^-e in int16, e chosen from the
+ * group's largest |x| (its a in [2^14, 2^15)): every activation within 2^7 of that largest one
+ * is exact (bf16 has 8 significant bits), smaller ones round to 2^e (at most 2^-15 of the
+ * largest). A group's integer sums are exact; each of its 8 lanes (the sum of 4 products, under
+ * 2^24) converts to f32 exactly and adds d_h 2^e times it to the output's 8-lane accumulator
+ * (one fused multiply-add a group, two for Q6_K's sub-blocks of 16), the affine types' offsets
+ * m (2^e sum a) to a scalar one, groups in order; the 8 lanes are then summed in one fixed tree.
+ * Both paths (few rows, many rows) run this very sequence per output (ig_row), so a row's bits
+ * are the same at any row count or thread count. Times the identity (a = 2^14, e = -14) the
+ * result is d c + m rounded once: gguf-py's weight, the affine types included. */
+#define QMM_INT 1
+#define PF_ROWS 8
+
+typedef int16_t v16s __attribute__((vector_size(32)));
+typedef int8_t v16c __attribute__((vector_size(16)));
+typedef int16_t v8s2 __attribute__((vector_size(16)));
+
+/* A group's 32 codes as int16 (c[0]: weights 0-15, c[1]: 16-31), w = d_h c + m. */
+typedef struct {
+    v16s c[2];
+    float d0, d1, m;
+} igroup;
+
+static inline v16s widen16(v16b q) {
+#if defined(__AVX2__)
+    return (v16s)_mm256_cvtepu8_epi16((__m128i)q);
+#else
+    return __builtin_convertvector(q, v16s);
+#endif
+}
+
+static inline v16s swiden16(const uint8_t *p) {
+#if defined(__AVX2__)
+    return (v16s)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+#else
+    v16c c;
+    memcpy(&c, p, sizeof c);
+    return __builtin_convertvector(c, v16s);
+#endif
+}
+
+/* lane i = c[2i] a[2i] + c[2i + 1] a[2i + 1], exactly (vpmaddwd) */
+static inline v8i madd(v16s c, v16s a) {
+#if defined(__AVX2__)
+    return (v8i)_mm256_madd_epi16((__m256i)c, (__m256i)a);
+#else
+    v8s2 ce = __builtin_shufflevector(c, c, 0, 2, 4, 6, 8, 10, 12, 14);
+    v8s2 co = __builtin_shufflevector(c, c, 1, 3, 5, 7, 9, 11, 13, 15);
+    v8s2 ae = __builtin_shufflevector(a, a, 0, 2, 4, 6, 8, 10, 12, 14);
+    v8s2 ao = __builtin_shufflevector(a, a, 1, 3, 5, 7, 9, 11, 13, 15);
+    return __builtin_convertvector(ce, v8i) * __builtin_convertvector(ae, v8i)
+           + __builtin_convertvector(co, v8i) * __builtin_convertvector(ao, v8i);
+#endif
+}
+
+static inline v8f fma8(v8f a, v8f b, v8f c) {
+#if defined(__FMA__)
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+static inline float fma1(float a, float b, float c) {
+#if defined(__FMA__)
+    return __builtin_fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
+static inline int has_offset(int t) { return t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K; }
+
+static inline __attribute__((always_inline)) void igroup_of(const int t, const uint8_t *row,
+                                                            int64_t g, igroup *o) {
+    v16b c0, c1;
+    int bias = 0;
+    o->m = 0.f;
+    switch (t) {
+    case T_Q8_0: {
+        const uint8_t *b = row + 34 * g;
+        o->d0 = o->d1 = f16_to_f32(rd16(b));
+        o->c[0] = swiden16(b + 2);
+        o->c[1] = swiden16(b + 18);
+        return;
+    }
+    case T_Q4_0:
+    case T_Q4_1:
+    case T_Q5_0:
+    case T_Q5_1: {
+        const int one = t == T_Q4_1 || t == T_Q5_1, five = t == T_Q5_0 || t == T_Q5_1;
+        const int size = five ? (one ? 24 : 22) : (one ? 20 : 18);
+        const uint8_t *b = row + size * g;
+        o->d0 = o->d1 = f16_to_f32(rd16(b));
+        if (one) o->m = f16_to_f32(rd16(b + 2));
+        else bias = five ? 16 : 8;
+        v16b c = loadb(b + (one ? 4 : 2) + (five ? 4 : 0));
+        c0 = c & 15;
+        c1 = c >> 4;
+        if (five) {
+            uint32_t qh;
+            memcpy(&qh, b + (one ? 4 : 2), 4);
+            v16b h0, h1;
+            q5_high(qh, &h0, &h1);
+            c0 |= h0;
+            c1 |= h1;
+        }
+        break;
+    }
+    case T_Q4_K:
+    case T_Q5_K: {
+        const int five = t == T_Q5_K;
+        const uint8_t *b = row + (five ? 176 : 144) * (g / 8);
+        int j = (int)(g % 8);
+        k_affine(b, j, &o->d0, &o->m);
+        o->d1 = o->d0;
+        const uint8_t *qs = b + (five ? 48 : 16) + 32 * (j / 2);
+        const int shift = 4 * (j & 1);
+        c0 = (loadb(qs) >> shift) & 15;
+        c1 = (loadb(qs + 16) >> shift) & 15;
+        if (five) {
+            c0 |= ((loadb(b + 16) >> j) & 1) << 4;
+            c1 |= ((loadb(b + 32) >> j) & 1) << 4;
+        }
+        break;
+    }
+    default: { /* T_Q6_K */
+        q6k_t z = q6k_at(row, g);
+        c0 = ((loadb(z.ql) >> z.lsh) & 15) | (((loadb(z.qh) >> z.hsh) & 3) << 4);
+        c1 = ((loadb(z.ql + 16) >> z.lsh) & 15) | (((loadb(z.qh + 16) >> z.hsh) & 3) << 4);
+        o->d0 = z.d * (float)z.sc[0];
+        o->d1 = z.d * (float)z.sc[1];
+        bias = 32;
+        break;
+    }
+    }
+    o->c[0] = widen16(c0) - (int16_t)bias;
+    o->c[1] = widen16(c1) - (int16_t)bias;
+}
+
+/* The activations of `rows` rows as int16 groups: a [rows, k], the groups' 2^e in s and
+ * 2^e (sum of a) in sa [rows, k / 32]. A group of zeros gets s = 0; one with an infinity or
+ * a NaN s = NaN (its outputs NaN, as the f32 loop's); e is at least -115 (tiny groups keep
+ * their bits down to 2^-115, their s a normal float). */
+static void quant_acts(const uint16_t *x, int64_t rows, int64_t k, int16_t *a, float *s,
+                       float *sa) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < rows * (k / 32); i++) {
+        const uint16_t *xg = x + 32 * i;
+        int16_t *ag = a + 32 * i;
+        float xf[32], mx = 0.f;
+        for (int j = 0; j < 32; j++) {
+            xf[j] = bf16_to_f32(xg[j]);
+            float v = __builtin_fabsf(xf[j]);
+            mx = v > mx || v != v ? v : mx;
+        }
+        if (mx == 0.f || !(mx <= 3.4028234663852886e38f)) {
+            memset(ag, 0, 64);
+            s[i] = sa[i] = mx == 0.f ? 0.f : __builtin_nanf("");
+            continue;
+        }
+        int ex;
+        frexpf(mx, &ex); /* mx in [2^(ex - 1), 2^ex) */
+        int e = ex - 15 < -115 ? -115 : ex - 15;
+        float inv = ldexpf(1.f, -e), sum = 0.f;
+        int32_t tot = 0;
+        for (int j = 0; j < 32; j++) {
+            int32_t q = (int32_t)__builtin_rintf(xf[j] * inv);
+            ag[j] = (int16_t)q;
+            tot += q;
+        }
+        sum = (float)tot; /* |tot| < 2^21: exact */
+        s[i] = ldexpf(1.f, e);
+        sa[i] = s[i] * sum;
+    }
+}
+
+/* One row's share of group g (ag: its 32 int16 activations, s and sa its group's 2^e and
+ * 2^e sum a) added to an output's accumulators: the sequence every path runs. */
+static inline __attribute__((always_inline)) void ig_row(const int t, const igroup *gr,
+                                                         const int16_t *ag, float s, float sa,
+                                                         v8f *acc, float *off) {
+    v16s a0, a1;
+    memcpy(&a0, ag, sizeof a0);
+    memcpy(&a1, ag + 16, sizeof a1);
+    v8i s0 = madd(gr->c[0], a0), s1 = madd(gr->c[1], a1);
+    if (t == T_Q6_K) {
+        v8f d0 = {}, d1 = {};
+        d0 += gr->d0 * s;
+        d1 += gr->d1 * s;
+        *acc = fma8(tof(s0), d0, *acc);
+        *acc = fma8(tof(s1), d1, *acc);
+        return;
+    }
+    v8f d = {};
+    d += gr->d0 * s;
+    *acc = fma8(tof(s0 + s1), d, *acc);
+    if (has_offset(t)) *off = fma1(gr->m, sa, *off);
+}
+
+/* An output's 8 lanes in one fixed order, plus its offsets' sum. */
+static inline float ig_result(v8f acc, float off) {
+    float f[8];
+    memcpy(f, &acc, sizeof f);
+    f[0] += f[4], f[1] += f[5], f[2] += f[6], f[3] += f[7];
+    f[0] += f[2], f[1] += f[3];
+    return (f[0] + f[1]) + off;
+}
+
+typedef struct {
+    const int16_t *a;
+    const float *s, *sa;
+    int64_t k;
+} iacts;
+
+/* Few rows: column `row` of W against nr <= FEW_ROWS activation rows. */
+static inline __attribute__((always_inline)) void icol_few(const int t, const uint8_t *row,
+                                                           const iacts *x, const int nr,
+                                                           uint16_t *y, int64_t n) {
+    const int64_t k = x->k, ng = k / 32;
+    v8f acc[FEW_ROWS] = {};
+    float off[FEW_ROWS] = {};
+    for (int64_t g = 0; g < ng; g++) {
+        igroup gr;
+        igroup_of(t, row, g, &gr);
+        for (int r = 0; r < nr; r++)
+            ig_row(t, &gr, x->a + r * k + 32 * g, x->s[r * ng + g], x->sa[r * ng + g], &acc[r],
+                   &off[r]);
+    }
+    for (int r = 0; r < nr; r++) y[r * n] = f32_to_bf16(ig_result(acc[r], off[r]));
+}
+
+/* Many rows: COL_BLOCK columns' groups decoded once into buf [COL_BLOCK][k / 32], then each
+ * activation row against them in threes (the row's two activation vectors shared). */
+static inline __attribute__((always_inline)) void icols_many(
+    const int t, const uint8_t *w, int64_t row_bytes, int nc, const iacts *x, int nr,
+    uint16_t *y, int64_t n, igroup *buf) {
+    const int64_t k = x->k, ng = k / 32;
+    for (int c = 0; c < nc; c++)
+        for (int64_t g = 0; g < ng; g++) igroup_of(t, w + c * row_bytes, g, &buf[c * ng + g]);
+    for (int r = 0; r < nr; r++) {
+        const int16_t *ar = x->a + r * k;
+        const float *sr = x->s + r * ng, *sar = x->sa + r * ng;
+        int c = 0;
+        for (; c + 3 <= nc; c += 3) {
+            v8f acc[3] = {};
+            float off[3] = {};
+            for (int64_t g = 0; g < ng; g++)
+                for (int m = 0; m < 3; m++)
+                    ig_row(t, &buf[(c + m) * ng + g], ar + 32 * g, sr[g], sar[g], &acc[m],
+                           &off[m]);
+            for (int m = 0; m < 3; m++) y[r * n + c + m] = f32_to_bf16(ig_result(acc[m], off[m]));
+        }
+        for (; c < nc; c++) {
+            v8f acc = {};
+            float off = 0.f;
+            for (int64_t g = 0; g < ng; g++)
+                ig_row(t, &buf[c * ng + g], ar + 32 * g, sr[g], sar[g], &acc, &off);
+            y[r * n + c] = f32_to_bf16(ig_result(acc, off));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void irun(const int t, const uint8_t *w,
+                                                       int64_t row_bytes, const iacts *x,
+                                                       int64_t rows, int64_t n, uint16_t *y,
+                                                       igroup *bufs) {
+    if (rows <= FEW_ROWS) {
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n; j++) {
+            const uint8_t *row = w + j * row_bytes;
+            /* the row PF_ROWS ahead into L2: the hardware's stream prefetcher is still
+             * ramping up when a decode step's small matrix is done (most of the time in
+             * this loop was the wait for each group's codes) */
+            if (j + PF_ROWS < n)
+                for (int64_t b = 0; b < row_bytes; b += 64)
+                    __builtin_prefetch(row + PF_ROWS * row_bytes + b, 0, 2);
+            switch (rows) {
+            case 1: icol_few(t, row, x, 1, y + j, n); break;
+            case 2: icol_few(t, row, x, 2, y + j, n); break;
+            case 3: icol_few(t, row, x, 3, y + j, n); break;
+            default: icol_few(t, row, x, 4, y + j, n); break;
+            }
+        }
+        return;
+    }
+    const int64_t k = x->k, ng = k / 32;
+    igroup *buf = bufs + (size_t)omp_get_thread_num() * (size_t)(COL_BLOCK * ng);
+    for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+        int nr = rows - r0 < ROW_BLOCK ? (int)(rows - r0) : ROW_BLOCK;
+        iacts xb = {x->a + r0 * k, x->s + r0 * ng, x->sa + r0 * ng, k};
+#pragma omp for schedule(static) nowait
+        for (int64_t j = 0; j < n; j += COL_BLOCK) {
+            int nc = n - j < COL_BLOCK ? (int)(n - j) : COL_BLOCK;
+            icols_many(t, w + j * row_bytes, row_bytes, nc, &xb, nr, y + r0 * n + j, n, buf);
+        }
+    }
+}
+
+static inline int int_type(int t) {
+    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0 ||
+           t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
+}
+
+static int qmm_int(int t, const uint8_t *w, int64_t row_bytes, const uint16_t *x, int64_t rows,
+                   int64_t n, int64_t k, uint16_t *y) {
+    size_t nt = (size_t)omp_get_max_threads(), ng = (size_t)(k / 32);
+    int16_t *a = malloc(sizeof(int16_t) * (size_t)(rows * k) + 64);
+    float *s = malloc(sizeof(float) * (2 * (size_t)rows * ng + 1));
+    igroup *bufs = aligned_alloc(64, (sizeof(igroup) * nt * COL_BLOCK * ng + 63) / 64 * 64);
+    if (!a || !s || !bufs) {
+        free(a);
+        free(s);
+        free(bufs);
+        return 2;
+    }
+    iacts xs = {a, s, s + rows * ng, k};
+#pragma omp parallel
+    {
+        quant_acts(x, rows, k, a, s, s + rows * ng); /* its omp for ends in a barrier */
+        switch (t) {
+        case T_Q4_0: irun(T_Q4_0, w, row_bytes, &xs, rows, n, y, bufs); break;
+        case T_Q4_1: irun(T_Q4_1, w, row_bytes, &xs, rows, n, y, bufs); break;
+        case T_Q5_0: irun(T_Q5_0, w, row_bytes, &xs, rows, n, y, bufs); break;
+        case T_Q5_1: irun(T_Q5_1, w, row_bytes, &xs, rows, n, y, bufs); break;
+        case T_Q8_0: irun(T_Q8_0, w, row_bytes, &xs, rows, n, y, bufs); break;
+        case T_Q4_K: irun(T_Q4_K, w, row_bytes, &xs, rows, n, y, bufs); break;
+        case T_Q5_K: irun(T_Q5_K, w, row_bytes, &xs, rows, n, y, bufs); break;
+        default: irun(T_Q6_K, w, row_bytes, &xs, rows, n, y, bufs); break;
+        }
+    }
+    free(a);
+    free(s);
+    free(bufs);
+    return 0;
+}
+#endif
+
 /* Every column of one type, the type a constant so each gets its own compiled loop. */
 static inline __attribute__((always_inline)) void run(const int t, const uint8_t *w,
                                                       int64_t row_bytes, const float *xf,
@@ -631,6 +979,9 @@ int qmm_bf16(int t, const uint8_t *w, int64_t row_bytes, const uint16_t *x, int6
     if (!per || n < 0 || rows < 0 || k <= 0 || k % per || row_bytes < k / per * bytes) return 1;
 #ifdef QMM_BF16
     if (bf_type(t)) return qmm_bf16_dots(t, w, row_bytes, x, rows, n, k, y);
+#endif
+#ifdef QMM_INT
+    if (int_type(t)) return qmm_int(t, w, row_bytes, x, rows, n, k, y);
 #endif
     /* the f32 rows, then one column buffer per thread (many rows) */
     size_t nt = (size_t)omp_get_max_threads();
