@@ -44,6 +44,7 @@
 
 #define MAXG 16
 #define MAXD 256
+#define GPF 16 /* keys ahead whose rows the portable loop prefetches */
 
 /* Keys [j0, j1) of the list for the g query heads of one KV head: (max, sum, acc[d]) per head. */
 static void attend_share_generic(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
@@ -56,6 +57,13 @@ static void attend_share_generic(const uint16_t *q, const uint16_t *kh, const ui
     }
     for (int64_t j = j0; j < j1; j++) {
         const uint16_t *kr = kh + (cells ? cells[j] : c0 + j) * d;
+        if (j + GPF < j1) { /* the key GPF ahead, and its value row for the second pass */
+            int64_t e = cells ? cells[j + GPF] : c0 + j + GPF;
+            for (int c = 0; c < 2 * d; c += 64) {
+                __builtin_prefetch((const char *)(kh + e * d) + c, 0, 3);
+                __builtin_prefetch((const char *)(vh + e * d) + c, 0, 2);
+            }
+        }
         for (int x = 0; x < d; x++) row[x] = bf16_to_f32(kr[x]);
         for (int a = 0; a < g; a++) {
             float dot = 0.f;

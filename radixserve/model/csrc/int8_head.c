@@ -130,6 +130,8 @@ static inline __attribute__((always_inline)) void row_dots(const int8_t *qr, con
 
 int int8_head_available(void) { return 1; }
 
+#define PF_ROWS 32 /* rows ahead whose codes each row prefetches */
+
 /* One row i of the copy against nv vectors: y (b NULL) or its bounds (b given), the largest
  * lower bound kept in mx. Inlined into each rows_<nv> below with nv a constant, inside its
  * parallel loop: the accumulators stay in registers (an OpenMP region outlined with nv a
@@ -138,6 +140,8 @@ static inline __attribute__((always_inline)) void one_row(
     const int8_t *q, const int32_t *rowsum, const float *scale, const apart_t *a,
     const float *s, int64_t rows, int64_t d, const int nv, float *y, const bound_t *b,
     int64_t i, float *mx) {
+    if (i + PF_ROWS < rows)
+        for (int64_t x = 0; x < d; x += 64) __builtin_prefetch(q + (i + PF_ROWS) * d + x, 0, 2);
     int32_t off = 128 * rowsum[i], tot[2 * MAXV];
     row_dots(q + i * d, a, d, 2 * nv, tot);
     for (int v = 0; v < nv; v++) {

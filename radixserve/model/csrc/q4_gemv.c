@@ -43,7 +43,7 @@ enum { F_Q4 = 0, F_I8 = 1, F_I8H = 2, F_I8M = 3 };
 /* From this many rows on, each (tile, group) is decoded once per block of rows rather than once
  * per ROWS_IN_FLIGHT rows: ~15-30% faster from 5 rows on, ~10% slower below (measured). */
 #define MANY_ROWS 5
-#define PF_TILES 1 /* few rows: tiles ahead that a tile's groups prefetch */
+#define PF_TILES 4 /* few rows: tiles ahead that a tile's groups prefetch */
 /* Rows a thread keeps hot while it walks its tiles: about RB_BYTES of activations (L2), and at
  * most RB_MAX so that the tile's f32 outputs (RB_MAX * 64 bytes) and a group's activation lines
  * stay in L1. (32..256 measured within noise of each other.) */
