@@ -57,7 +57,7 @@ def _bind(lib: ctypes.CDLL) -> tuple[Any, Any]:
 
 MAX_TOP = 256  # samplers looking at more tokens than this get the full head
 _MARGIN = 1.01  # slack on the bound for the kernel's own rounding order
-_CHUNK = 4096  # rows decoded at a time (the int8 copy at load, the full head from blocks)
+_CHUNK = 4096  # rows decoded at a time for the int8 copy at load
 
 
 @dataclass(slots=True)
@@ -85,7 +85,7 @@ class OutputHead:
     """The head over its exact f32 rows: `w` an f32 matrix [V, D], or the file's own blocks
     (qmm.QuantMatrix: a quantized head costs its bytes in the file, and its rows are decoded
     to f32 where they are needed: the int8 copy at load, the re-scored tokens, the embedding
-    of the step's tokens, the full head chunk by chunk). The decoded rows are qmm's, which are
+    of the step's tokens, every row for the full head). The decoded rows are qmm's, which are
     gguf-py's dequantization (bit for bit for Q8_0, the type of the heads in the common
     GGUFs), so either holder gives the same logits."""
 
@@ -150,13 +150,8 @@ class OutputHead:
 
     def full(self, h: torch.Tensor) -> torch.Tensor:
         """Exact f32 logits [n, V] for normed hidden states h [n, D] f32."""
-        if self.blocks is not None:  # chunk by chunk: each logit is still one dot product
-            assert self.dots is not None
-            h, (n, _) = h.contiguous(), self.shape
-            out = torch.empty(h.shape[0], n)
-            for r in range(0, n, _CHUNK):
-                out[:, r : r + _CHUNK] = self.dots.head_dots(self.rows(r, min(r + _CHUNK, n)), h)
-            return out
+        if self.blocks is not None:  # each row decoded once, then head_dots' dot products
+            return self.blocks.head_dots(h.contiguous())
         if self.dots is not None:
             return self.dots.head_dots(self.w, h.contiguous())
         return F.linear(h, self.w)
@@ -285,8 +280,7 @@ class OutputHead:
         if extra:
             ids = torch.unique(torch.cat([ids, torch.tensor(list(extra), dtype=torch.long)]))
         if self.blocks is not None:  # the same dot products, over the decoded rows
-            assert self.dots is not None
-            row[ids] = self.dots.head_dots(self.blocks.rows(ids), h[None].contiguous())[0]
+            row[ids] = self.blocks.head_dots(h[None].contiguous(), ids)[0]
         elif self.dots is not None:
             row[ids] = self.dots.head_dots(self.w, h[None].contiguous(), ids)[0]
         else:

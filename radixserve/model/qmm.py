@@ -22,7 +22,10 @@ def _bind(lib: ctypes.CDLL) -> tuple:
     mm.argtypes = [i32, p, i64, p, i64, i64, i64, p]
     rows.argtypes = [i32, p, i64, i64, i64, p, i64, p]
     block.argtypes = [i32, ctypes.POINTER(i64)]
-    return mm, rows, block
+    dots = lib.qmm_head_dots
+    dots.restype = i32
+    dots.argtypes = [i32, p, i64, i64, i64, p, i64, p, i64, p]
+    return mm, rows, block, dots
 
 
 def codes(lib: ctypes.CDLL, qtype: int, raw: np.ndarray, k: int
@@ -71,7 +74,7 @@ class QuantMatrix:
             raise ValueError(f"qmm needs contiguous uint8 rows of {rb} bytes, got "
                              f"{raw.dtype} {list(raw.shape)}")
         self.raw, self.qtype, self.n, self.k, self.row_bytes = raw, qtype, raw.shape[0], k, rb
-        self._mm, self._rows, _ = _bind(lib)
+        self._mm, self._rows, _, self._dots = _bind(lib)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, k] bf16 (contiguous) times W^T -> [rows, n] bf16."""
@@ -86,6 +89,29 @@ class QuantMatrix:
         if rc != 0:
             raise ValueError("qmm refused the shape")
         return y
+
+    def head_dots(self, h: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Exact f32 logits [n, m] = W[ids] . h row by row (every row when ids is None) for f32
+        h [n, k]: kernels.py's head_dots over rows(ids), bit for bit, each row decoded once
+        into a thread's buffer instead of into an f32 matrix."""
+        if not (h.dtype == torch.float32 and h.is_contiguous() and h.dim() == 2
+                and h.shape[1] == self.k):
+            raise ValueError(f"head_dots needs contiguous f32 rows of {self.k}")
+        m, ptr = self.n, None
+        if ids is not None:
+            ids = ids.to(torch.int64).contiguous()
+            m, ptr = ids.numel(), ids.data_ptr()
+        out = torch.empty(h.shape[0], m)
+        if m and h.shape[0]:
+            rc = self._dots(self.qtype, self.raw.data_ptr(), self.row_bytes, self.n, self.k, ptr,
+                            m, h.data_ptr(), h.shape[0], out.data_ptr())
+            if rc == 3:
+                raise IndexError("qmm head_dots: id outside the matrix")
+            if rc == 2:
+                raise MemoryError("qmm head_dots: no memory for a row buffer")
+            if rc != 0:
+                raise ValueError("qmm head_dots refused the shape")
+        return out
 
     def rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Rows `ids` of W (every row when None) as f32 [m, k]: the values the matmul uses."""

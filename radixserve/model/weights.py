@@ -135,8 +135,8 @@ class _Loader:
              ) -> torch.Tensor | qmm.QuantMatrix:
         """A table read by rows (the token embedding, the output head): in the file's own
         blocks (csrc/qmm.c decodes the rows a step needs) when the weights are packed and our
-        kernels run its type, else dense in `dtype` (default f32). The head's rows are f32 exactly either
-        way; Gemma 3's tied Q8_0 table costs 178 MB held so, 671 MB as f32."""
+        kernels run its type, else dense in `dtype` (default f32). The head's rows are f32
+        exactly either way; Gemma 3's tied Q8_0 table costs 178 MB held so, 671 MB as f32."""
         t = self.tensor(name)
         assert t is not None
         kern = kernels()

@@ -116,3 +116,7 @@ def test_refuses_bad_shapes() -> None:
         m.matmul(torch.zeros(2, 64, dtype=torch.bfloat16))
     with pytest.raises(IndexError):
         m.rows(torch.tensor([4]))
+    with pytest.raises(IndexError):
+        m.head_dots(torch.zeros(1, 32), torch.tensor([0, 4]))
+    with pytest.raises(ValueError):
+        m.head_dots(torch.zeros(1, 64))  # not rows of the matrix's width

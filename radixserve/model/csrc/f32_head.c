@@ -42,6 +42,10 @@ __attribute__((noinline)) static float dot(const float *a, const float *b, int64
 }
 #endif
 
+/* The dot product every exact logit is (qmm.c's qmm_head_dots calls it on the rows it decodes
+ * from the file's blocks, so a head held in them gives these very bits). */
+float f32_head_dot(const float *a, const float *b, int64_t d) { return dot(a, b, d); }
+
 /* out[r][j] = w[id_j] . h[r] for r < n, j < m, with id_j = ids[j] (or j when ids is NULL):
  * w [v, d] f32, h [n, d] f32, out [n, m] f32. Returns 0, or -1 (nothing computed) for an id
  * outside [0, v). */

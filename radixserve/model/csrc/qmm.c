@@ -655,7 +655,9 @@ static inline float fma1(float a, float b, float c) {
 #endif
 }
 
-static inline int has_offset(int t) { return t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K; }
+static inline int has_offset(int t) {
+    return t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K;
+}
 
 static inline __attribute__((always_inline)) void igroup_of(const int t, const uint8_t *row,
                                                             int64_t g, igroup *o) {
@@ -1078,35 +1080,74 @@ int qmm_codes(int t, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, 
     return 0;
 }
 
-/* Rows `ids` of W as f32 [m, k] (embedding lookups and the head's exact re-scoring): the same
- * decoded values the matmul multiplies. */
-int qmm_rows_f32(int t, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
-                 const int64_t *ids, int64_t m, float *out) {
+/* Row `row` of W decoded into o [k] f32: the values the matmul multiplies. */
+static void decode_row(int t, const uint8_t *row, int64_t k, float *o) {
+    for (int64_t g = 0; g < k / 32; g++) {
+        v8f w[4];
+        switch (t) { /* the type a constant in each call, as in run() */
+        case T_Q4_0: group(T_Q4_0, row, g, w); break;
+        case T_Q4_1: group(T_Q4_1, row, g, w); break;
+        case T_Q5_0: group(T_Q5_0, row, g, w); break;
+        case T_Q5_1: group(T_Q5_1, row, g, w); break;
+        case T_Q8_0: group(T_Q8_0, row, g, w); break;
+        case T_Q4_K: group(T_Q4_K, row, g, w); break;
+        case T_Q5_K: group(T_Q5_K, row, g, w); break;
+        case T_Q6_K: group(T_Q6_K, row, g, w); break;
+        case T_F16: group(T_F16, row, g, w); break;
+        case T_BF16: group(T_BF16, row, g, w); break;
+        default: group(T_F32, row, g, w); break;
+        }
+        memcpy(o + 32 * g, w, sizeof w);
+    }
+}
+
+static int rows_ok(int t, int64_t row_bytes, int64_t n, int64_t k, const int64_t *ids,
+                   int64_t m) {
     int64_t bytes, per = qmm_block(t, &bytes);
     if (!per || k <= 0 || k % per || row_bytes < k / per * bytes) return 1;
-    for (int64_t i = 0; i < m; i++)
-        if (ids[i] < 0 || ids[i] >= n) return 3;
-#pragma omp parallel for schedule(static) if (m * k > 65536)
-    for (int64_t i = 0; i < m; i++) {
-        const uint8_t *row = w + ids[i] * row_bytes;
-        float *o = out + i * k;
-        for (int64_t g = 0; g < k / 32; g++) {
-            v8f w[4];
-            switch (t) { /* the type a constant in each call, as in run() */
-            case T_Q4_0: group(T_Q4_0, row, g, w); break;
-            case T_Q4_1: group(T_Q4_1, row, g, w); break;
-            case T_Q5_0: group(T_Q5_0, row, g, w); break;
-            case T_Q5_1: group(T_Q5_1, row, g, w); break;
-            case T_Q8_0: group(T_Q8_0, row, g, w); break;
-            case T_Q4_K: group(T_Q4_K, row, g, w); break;
-            case T_Q5_K: group(T_Q5_K, row, g, w); break;
-            case T_Q6_K: group(T_Q6_K, row, g, w); break;
-            case T_F16: group(T_F16, row, g, w); break;
-            case T_BF16: group(T_BF16, row, g, w); break;
-            default: group(T_F32, row, g, w); break;
-            }
-            memcpy(o + 32 * g, w, sizeof w);
-        }
-    }
+    if (ids)
+        for (int64_t i = 0; i < m; i++)
+            if (ids[i] < 0 || ids[i] >= n) return 3;
     return 0;
+}
+
+/* Rows `ids` of W as f32 [m, k] (embedding lookups): the same decoded values the matmul
+ * multiplies. Returns 0, 1 for a type or shape this cannot run, 3 for an id outside W. */
+int qmm_rows_f32(int t, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                 const int64_t *ids, int64_t m, float *out) {
+    int rc = rows_ok(t, row_bytes, n, k, ids, m);
+    if (rc) return rc;
+#pragma omp parallel for schedule(static) if (m * k > 65536)
+    for (int64_t i = 0; i < m; i++) decode_row(t, w + ids[i] * row_bytes, k, out + i * k);
+    return 0;
+}
+
+float f32_head_dot(const float *a, const float *b, int64_t d); /* f32_head.c */
+
+/* The output head's exact logits from the file's blocks (head.py): out[r][j] = W[id_j] . h[r]
+ * for r < nh, j < m (id_j = ids[j], or j when ids is NULL), each row decoded into a buffer of
+ * the thread's (L1) and multiplied by f32_head_dots' own dot product: the f32 matrix's logits
+ * bit for bit, reading the file's bytes (a Q8_0 head: 1.06 bytes a weight, not 4). Returns as
+ * qmm_rows_f32, 2 out of memory. */
+int qmm_head_dots(int t, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                  const int64_t *ids, int64_t m, const float *h, int64_t nh, float *out) {
+    int rc = rows_ok(t, row_bytes, n, k, ids, m);
+    if (rc) return rc;
+    int failed = 0;
+#pragma omp parallel if (m >= 2048)
+    {
+        float *buf = malloc(sizeof(float) * (size_t)k);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < m; j++) {
+            if (!buf) continue;
+            decode_row(t, w + (ids ? ids[j] : j) * row_bytes, k, buf);
+            for (int64_t r = 0; r < nh; r++) out[r * m + j] = f32_head_dot(buf, h + r * k, k);
+        }
+        free(buf);
+    }
+    return failed ? 2 : 0;
 }
