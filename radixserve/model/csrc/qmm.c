@@ -346,6 +346,74 @@ static inline __attribute__((always_inline)) void cols_many(
     }
 }
 
+/* A group of a type whose codes have at most 6 bits (all but Q8_0 and the float types): its
+ * codes c0 (weights 0-15) and c1 (16-31) as bytes, w = d_h (c - bias) + m: d0, d1 the halves'
+ * scales (equal but for Q6_K's sub-blocks of 16), m the affine types' offset (0 for the
+ * others), bias the symmetric types' centre (8, 16 or 32; 0 for the affine ones). Shared by
+ * the bf16 dot products and the integer ones. */
+typedef struct {
+    v16b c0, c1;
+    float d0, d1, m;
+    int bias;
+} small_t;
+
+static inline __attribute__((always_inline)) small_t small_codes(const int t, const uint8_t *row,
+                                                                 int64_t g) {
+    small_t o = {.m = 0.f, .bias = 0};
+    switch (t) {
+    case T_Q4_0:
+    case T_Q4_1:
+    case T_Q5_0:
+    case T_Q5_1: {
+        const int one = t == T_Q4_1 || t == T_Q5_1, five = t == T_Q5_0 || t == T_Q5_1;
+        const int size = five ? (one ? 24 : 22) : (one ? 20 : 18);
+        const uint8_t *b = row + size * g;
+        o.d0 = o.d1 = f16_to_f32(rd16(b));
+        if (one) o.m = f16_to_f32(rd16(b + 2));
+        else o.bias = five ? 16 : 8;
+        v16b c = loadb(b + (one ? 4 : 2) + (five ? 4 : 0));
+        o.c0 = c & 15;
+        o.c1 = c >> 4;
+        if (five) {
+            uint32_t qh;
+            memcpy(&qh, b + (one ? 4 : 2), 4);
+            v16b h0, h1;
+            q5_high(qh, &h0, &h1);
+            o.c0 |= h0;
+            o.c1 |= h1;
+        }
+        break;
+    }
+    case T_Q4_K:
+    case T_Q5_K: {
+        const int five = t == T_Q5_K;
+        const uint8_t *b = row + (five ? 176 : 144) * (g / 8);
+        int j = (int)(g % 8);
+        k_affine(b, j, &o.d0, &o.m);
+        o.d1 = o.d0;
+        const uint8_t *qs = b + (five ? 48 : 16) + 32 * (j / 2);
+        const int shift = 4 * (j & 1);
+        o.c0 = (loadb(qs) >> shift) & 15;
+        o.c1 = (loadb(qs + 16) >> shift) & 15;
+        if (five) {
+            o.c0 |= ((loadb(b + 16) >> j) & 1) << 4;
+            o.c1 |= ((loadb(b + 32) >> j) & 1) << 4;
+        }
+        break;
+    }
+    default: { /* T_Q6_K */
+        q6k_t z = q6k_at(row, g);
+        o.c0 = ((loadb(z.ql) >> z.lsh) & 15) | (((loadb(z.qh) >> z.hsh) & 3) << 4);
+        o.c1 = ((loadb(z.ql + 16) >> z.lsh) & 15) | (((loadb(z.qh + 16) >> z.hsh) & 3) << 4);
+        o.d0 = z.d * (float)z.sc[0];
+        o.d1 = z.d * (float)z.sc[1];
+        o.bias = 32;
+        break;
+    }
+    }
+    return o;
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* With AVX512-BF16, the types whose codes have at most 6 bits (Q4_*, Q5_*, Q4_K, Q5_K, Q6_K)
  * take bf16 dot products instead: a code c OR 0x4300 is the bf16 of 128 + c exactly, so one
@@ -379,59 +447,10 @@ static inline int bf_type(int t) {
 
 static inline __attribute__((always_inline)) void bgroup_of(const int t, const uint8_t *row,
                                                             int64_t g, bgroup *o) {
-    float d0, d1, m0, m1;
-    v16b c0, c1;
-    switch (t) {
-    case T_Q4_0:
-    case T_Q4_1:
-    case T_Q5_0:
-    case T_Q5_1: {
-        const int one = t == T_Q4_1 || t == T_Q5_1, five = t == T_Q5_0 || t == T_Q5_1;
-        const int size = five ? (one ? 24 : 22) : (one ? 20 : 18);
-        const uint8_t *b = row + size * g;
-        d0 = d1 = f16_to_f32(rd16(b));
-        m0 = m1 = one ? f16_to_f32(rd16(b + 2)) : (five ? -16.f : -8.f) * d0;
-        v16b c = loadb(b + (one ? 4 : 2) + (five ? 4 : 0));
-        c0 = c & 15;
-        c1 = c >> 4;
-        if (five) {
-            uint32_t qh;
-            memcpy(&qh, b + (one ? 4 : 2), 4);
-            v16b h0, h1;
-            q5_high(qh, &h0, &h1);
-            c0 |= h0;
-            c1 |= h1;
-        }
-        break;
-    }
-    case T_Q4_K:
-    case T_Q5_K: {
-        const int five = t == T_Q5_K;
-        const uint8_t *b = row + (five ? 176 : 144) * (g / 8);
-        int j = (int)(g % 8);
-        k_affine(b, j, &d0, &m0);
-        d1 = d0, m1 = m0;
-        const uint8_t *qs = b + (five ? 48 : 16) + 32 * (j / 2);
-        const int shift = 4 * (j & 1);
-        c0 = (loadb(qs) >> shift) & 15;
-        c1 = (loadb(qs + 16) >> shift) & 15;
-        if (five) {
-            c0 |= ((loadb(b + 16) >> j) & 1) << 4;
-            c1 |= ((loadb(b + 32) >> j) & 1) << 4;
-        }
-        break;
-    }
-    default: { /* T_Q6_K */
-        q6k_t z = q6k_at(row, g);
-        c0 = ((loadb(z.ql) >> z.lsh) & 15) | (((loadb(z.qh) >> z.hsh) & 3) << 4);
-        c1 = ((loadb(z.ql + 16) >> z.lsh) & 15) | (((loadb(z.qh + 16) >> z.hsh) & 3) << 4);
-        d0 = z.d * (float)z.sc[0];
-        d1 = z.d * (float)z.sc[1];
-        m0 = -32.f * d0;
-        m1 = -32.f * d1;
-        break;
-    }
-    }
+    small_t z = small_codes(t, row, g);
+    float d0 = z.d0, d1 = z.d1;
+    float m0 = z.bias ? -(float)z.bias * d0 : z.m, m1 = z.bias ? -(float)z.bias * d1 : z.m;
+    v16b c0 = z.c0, c1 = z.c1;
     o->q = bf_codes(join(c0, c1));
     o->d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
     o->off = _mm_setr_ps(m0 - 128.f * d0, m1 - 128.f * d1, 0.f, 0.f);
@@ -661,69 +680,18 @@ static inline int has_offset(int t) {
 
 static inline __attribute__((always_inline)) void igroup_of(const int t, const uint8_t *row,
                                                             int64_t g, igroup *o) {
-    v16b c0, c1;
-    int bias = 0;
-    o->m = 0.f;
-    switch (t) {
-    case T_Q8_0: {
+    if (t == T_Q8_0) {
         const uint8_t *b = row + 34 * g;
         o->d0 = o->d1 = f16_to_f32(rd16(b));
+        o->m = 0.f;
         o->c[0] = swiden16(b + 2);
         o->c[1] = swiden16(b + 18);
         return;
     }
-    case T_Q4_0:
-    case T_Q4_1:
-    case T_Q5_0:
-    case T_Q5_1: {
-        const int one = t == T_Q4_1 || t == T_Q5_1, five = t == T_Q5_0 || t == T_Q5_1;
-        const int size = five ? (one ? 24 : 22) : (one ? 20 : 18);
-        const uint8_t *b = row + size * g;
-        o->d0 = o->d1 = f16_to_f32(rd16(b));
-        if (one) o->m = f16_to_f32(rd16(b + 2));
-        else bias = five ? 16 : 8;
-        v16b c = loadb(b + (one ? 4 : 2) + (five ? 4 : 0));
-        c0 = c & 15;
-        c1 = c >> 4;
-        if (five) {
-            uint32_t qh;
-            memcpy(&qh, b + (one ? 4 : 2), 4);
-            v16b h0, h1;
-            q5_high(qh, &h0, &h1);
-            c0 |= h0;
-            c1 |= h1;
-        }
-        break;
-    }
-    case T_Q4_K:
-    case T_Q5_K: {
-        const int five = t == T_Q5_K;
-        const uint8_t *b = row + (five ? 176 : 144) * (g / 8);
-        int j = (int)(g % 8);
-        k_affine(b, j, &o->d0, &o->m);
-        o->d1 = o->d0;
-        const uint8_t *qs = b + (five ? 48 : 16) + 32 * (j / 2);
-        const int shift = 4 * (j & 1);
-        c0 = (loadb(qs) >> shift) & 15;
-        c1 = (loadb(qs + 16) >> shift) & 15;
-        if (five) {
-            c0 |= ((loadb(b + 16) >> j) & 1) << 4;
-            c1 |= ((loadb(b + 32) >> j) & 1) << 4;
-        }
-        break;
-    }
-    default: { /* T_Q6_K */
-        q6k_t z = q6k_at(row, g);
-        c0 = ((loadb(z.ql) >> z.lsh) & 15) | (((loadb(z.qh) >> z.hsh) & 3) << 4);
-        c1 = ((loadb(z.ql + 16) >> z.lsh) & 15) | (((loadb(z.qh + 16) >> z.hsh) & 3) << 4);
-        o->d0 = z.d * (float)z.sc[0];
-        o->d1 = z.d * (float)z.sc[1];
-        bias = 32;
-        break;
-    }
-    }
-    o->c[0] = widen16(c0) - (int16_t)bias;
-    o->c[1] = widen16(c1) - (int16_t)bias;
+    small_t z = small_codes(t, row, g);
+    o->d0 = z.d0, o->d1 = z.d1, o->m = z.m;
+    o->c[0] = widen16(z.c0) - (int16_t)z.bias;
+    o->c[1] = widen16(z.c1) - (int16_t)z.bias;
 }
 
 /* The activations of `rows` rows as int16 groups: a [rows, k], the groups' 2^e in s and
