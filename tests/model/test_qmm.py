@@ -120,3 +120,13 @@ def test_refuses_bad_shapes() -> None:
         m.head_dots(torch.zeros(1, 32), torch.tensor([0, 4]))
     with pytest.raises(ValueError):
         m.head_dots(torch.zeros(1, 64))  # not rows of the matrix's width
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_no_rows_is_an_empty_product(variant: str) -> None:
+    """A product of zero activation rows writes nothing (the kernel's paths assume a row)."""
+    for t in (Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.F16):
+        m, _ = matrix(variant, t, n=16, k=256)
+        y = m.matmul(torch.zeros(0, 256, dtype=torch.bfloat16))
+        assert y.shape == (0, 16)
+        assert m.head_dots(torch.zeros(0, 256)).shape == (0, 16)

@@ -696,8 +696,12 @@ static inline __attribute__((always_inline)) void igroup_of(const int t, const u
 
 /* The activations of `rows` rows as int16 groups: a [rows, k], the groups' 2^e in s and
  * 2^e (sum of a) in sa [rows, k / 32]. A group of zeros gets s = 0; one with an infinity or
- * a NaN s = NaN (its outputs NaN, as the f32 loop's); e is at least -115 (tiny groups keep
- * their bits down to 2^-115, their s a normal float). */
+ * a NaN s = NaN, so every output it reaches is NaN (the f32 loop gives +-inf for an infinity
+ * times a weight that is not zero); e is at least -115 (tiny groups keep their bits down to
+ * 2^-115, their s a normal float). Accuracy beyond the identity: an activation under 2^-7 of
+ * its group's largest is rounded to 2^e, up to 2^-16 of that largest (the f32 loop used the
+ * bf16 value itself); an output can lose more than the bf16 output rounding only where such
+ * small activations carry it against a group's outlier whose weight is near zero. */
 static void quant_acts(const uint16_t *x, int64_t rows, int64_t k, int16_t *a, float *s,
                        float *sa) {
 #pragma omp for schedule(static)
@@ -947,6 +951,7 @@ int qmm_bf16(int t, const uint8_t *w, int64_t row_bytes, const uint16_t *x, int6
              int64_t n, int64_t k, uint16_t *y) {
     int64_t bytes, per = qmm_block(t, &bytes);
     if (!per || n < 0 || rows < 0 || k <= 0 || k % per || row_bytes < k / per * bytes) return 1;
+    if (rows == 0 || n == 0) return 0; /* nothing to write (the paths assume a row and a column) */
 #ifdef QMM_BF16
     if (bf_type(t)) return qmm_bf16_dots(t, w, row_bytes, x, rows, n, k, y);
 #endif
@@ -1069,13 +1074,15 @@ static void decode_row(int t, const uint8_t *row, int64_t k, float *o) {
     }
 }
 
+/* 0 when rows ids (or, with ids NULL, the first m) of W can be read; 1 for a type or shape
+ * this cannot run, 3 for an id outside W. */
 static int rows_ok(int t, int64_t row_bytes, int64_t n, int64_t k, const int64_t *ids,
                    int64_t m) {
     int64_t bytes, per = qmm_block(t, &bytes);
-    if (!per || k <= 0 || k % per || row_bytes < k / per * bytes) return 1;
-    if (ids)
-        for (int64_t i = 0; i < m; i++)
-            if (ids[i] < 0 || ids[i] >= n) return 3;
+    if (!per || k <= 0 || k % per || row_bytes < k / per * bytes || m < 0) return 1;
+    if (!ids) return m > n ? 3 : 0;
+    for (int64_t i = 0; i < m; i++)
+        if (ids[i] < 0 || ids[i] >= n) return 3;
     return 0;
 }
 
@@ -1083,7 +1090,7 @@ static int rows_ok(int t, int64_t row_bytes, int64_t n, int64_t k, const int64_t
  * multiplies. Returns 0, 1 for a type or shape this cannot run, 3 for an id outside W. */
 int qmm_rows_f32(int t, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                  const int64_t *ids, int64_t m, float *out) {
-    int rc = rows_ok(t, row_bytes, n, k, ids, m);
+    int rc = ids ? rows_ok(t, row_bytes, n, k, ids, m) : 1;
     if (rc) return rc;
 #pragma omp parallel for schedule(static) if (m * k > 65536)
     for (int64_t i = 0; i < m; i++) decode_row(t, w + ids[i] * row_bytes, k, out + i * k);
