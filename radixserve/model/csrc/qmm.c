@@ -722,16 +722,15 @@ static void quant_acts(const uint16_t *x, int64_t rows, int64_t k, int16_t *a, f
         int ex;
         frexpf(mx, &ex); /* mx in [2^(ex - 1), 2^ex) */
         int e = ex - 15 < -115 ? -115 : ex - 15;
-        float inv = ldexpf(1.f, -e), sum = 0.f;
+        float inv = ldexpf(1.f, -e);
         int32_t tot = 0;
         for (int j = 0; j < 32; j++) {
             int32_t q = (int32_t)__builtin_rintf(xf[j] * inv);
             ag[j] = (int16_t)q;
             tot += q;
         }
-        sum = (float)tot; /* |tot| < 2^21: exact */
         s[i] = ldexpf(1.f, e);
-        sa[i] = s[i] * sum;
+        sa[i] = s[i] * (float)tot; /* |tot| < 2^21: exact, and so is the product */
     }
 }
 
@@ -865,15 +864,20 @@ static inline int int_type(int t) {
 static int qmm_int(int t, const uint8_t *w, int64_t row_bytes, const uint16_t *x, int64_t rows,
                    int64_t n, int64_t k, uint16_t *y) {
     size_t nt = (size_t)omp_get_max_threads(), ng = (size_t)(k / 32);
-    int16_t *a = malloc(sizeof(int16_t) * (size_t)(rows * k) + 64);
-    float *s = malloc(sizeof(float) * (2 * (size_t)rows * ng + 1));
-    igroup *bufs = aligned_alloc(64, (sizeof(igroup) * nt * COL_BLOCK * ng + 63) / 64 * 64);
-    if (!a || !s || !bufs) {
-        free(a);
+    /* one block: the scales s, sa [rows, ng] each, then the int16 activations a [rows, k]
+     * (64-byte aligned); the many-rows path's column buffers only where it runs, so a decode
+     * step's product allocates once */
+    size_t sbytes = (sizeof(float) * 2 * (size_t)rows * ng + 63) / 64 * 64;
+    float *s = aligned_alloc(64, sbytes + (sizeof(int16_t) * (size_t)(rows * k) + 63) / 64 * 64);
+    igroup *bufs = NULL;
+    if (s && rows > FEW_ROWS)
+        bufs = aligned_alloc(64, (sizeof(igroup) * nt * COL_BLOCK * ng + 63) / 64 * 64);
+    if (!s || (rows > FEW_ROWS && !bufs)) {
         free(s);
         free(bufs);
         return 2;
     }
+    int16_t *a = (int16_t *)((char *)s + sbytes);
     iacts xs = {a, s, s + rows * ng, k};
 #pragma omp parallel
     {
@@ -889,7 +893,6 @@ static int qmm_int(int t, const uint8_t *w, int64_t row_bytes, const uint16_t *x
         default: irun(T_Q6_K, w, row_bytes, &xs, rows, n, y, bufs); break;
         }
     }
-    free(a);
     free(s);
     free(bufs);
     return 0;
