@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 log = logging.getLogger("radixserve.cluster")
+ENGINE = "engine"  # the engine replicas' deployment
 
 EPILOG = """Every other flag is `radixserve serve`'s (llama-server's, see `radixserve serve
 --help`): each replica runs with them; --host, --port and --ssl-key-file/--ssl-cert-file are
@@ -122,16 +123,17 @@ def main(argv: list[str]) -> int:
                                   "ssl_certfile": cfg.ssl_cert_file})
         router = RequestRouterConfig(  # by import path: Ray ships the class to the ingress
             request_router_class="radixserve.cluster.router.PrefixRouter",  # type: ignore[arg-type]
-            request_router_kwargs={"policy": a.router, "imbalance": a.imbalance})
+            request_router_kwargs={"policy": a.router, "imbalance": a.imbalance,
+                                   "deployment": ENGINE})  # the ingress finds it by this name
         engine: Any = serve.deployment(
-            EngineReplica, name="engine", num_replicas=a.replicas,
+            EngineReplica, name=ENGINE, num_replicas=a.replicas,
             ray_actor_options={"num_cpus": a.replica_cpus, **actor},
             max_ongoing_requests=a.max_ongoing_requests, request_router_config=router,
             graceful_shutdown_timeout_s=5)
         ingress: Any = serve.deployment(Ingress, name="ingress", num_replicas=1,
                                         ray_actor_options={"num_cpus": 0, **actor},
                                         max_ongoing_requests=10_000)
-        serve.run(ingress.bind(engine.bind(serve_argv), serve_argv, "engine"), name=a.name,
+        serve.run(ingress.bind(engine.bind(serve_argv), serve_argv, ENGINE), name=a.name,
                   route_prefix="/")
         serving.set()
         if not stop.is_set():

@@ -6,8 +6,13 @@ replica's by more than `imbalance` requests: then the least-loaded takes it (its
 recomputed once there, and the index learns it). When no replica holds a whole block of the
 key, the replica holding the fewest prompts takes it (SGLang's cache-aware router does this),
 so documents spread evenly and every replica works.
-`policy="pow2"` routes every request with Ray Serve's default router (its `choose_replicas`,
-called here): the cluster's baseline for measurements.
+`policy="pow2"` routes every request as Ray Serve's default router does (its power-of-two
+choices, step for step, through the public mixins' helpers): the cluster's baseline for
+measurements.
+
+Only `ray.serve.request_router`'s public names are used here; the two attributes it lacks
+(a request's backoff flag and its multiplexed model id) are read and set in `ray_private`,
+which names the Ray version it was written for.
 
 The router lives in the ingress's process (Ray Serve runs a handle's router where the handle
 is used), so the ingress finds it in `ROUTERS` to list the replicas and their figures.
@@ -15,16 +20,21 @@ is used), so the ingress finds it in `ROUTERS` to list the replicas and their fi
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
 from collections import Counter
 from typing import Any
 
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.request_router import (LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID,
                                       RequestRouter, RunningReplica)
 
+from radixserve.cluster import ray_private
 from radixserve.cluster.bridge import Forwarded
 from radixserve.cluster.prefix_index import PrefixIndex
+
+log = logging.getLogger("ray.serve")  # where Ray Serve's own router logs a failed probe
 
 ROUTERS: dict[str, PrefixRouter] = {}  # deployment name -> its router in this process
 
@@ -42,7 +52,9 @@ def _rid(r: RunningReplica) -> str:
 class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def initialize_state(self, policy: str = "prefix", imbalance: int = 4,
                          block_chars: int = 64, capacity_blocks: int = 65536,
-                         **_: Any) -> None:
+                         deployment: str = "engine", **_: Any) -> None:
+        """`deployment`: the name the ingress finds this router under in `ROUTERS` (the
+        deployment it routes for: Ray Serve gives a router no public name for it)."""
         if policy not in ("prefix", "pow2"):
             raise ValueError(f"unknown routing policy {policy!r}")
         self.policy, self.imbalance = policy, imbalance
@@ -54,7 +66,7 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # module's globals: the registry the ingress reads is the imported module's
         import radixserve.cluster.router as module
 
-        module.ROUTERS[self._deployment_id.name] = self
+        module.ROUTERS[deployment] = self
 
     def replica_ids(self) -> list[str]:
         """The live replicas ([] until the controller's list has arrived)."""
@@ -65,7 +77,7 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def _snapshot(self) -> list[RunningReplica]:
         """The replicas, copied at once: the ingress reads them from its own thread while
         Ray Serve's router loop may change the dict."""
-        return list(self._replicas.values())
+        return list(self.curr_replicas.values())
 
     def rules(self) -> dict[str, Any]:
         return {"policy": self.policy, "imbalance": self.imbalance,
@@ -81,14 +93,37 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                               ) -> list[list[RunningReplica]]:
         req = _forwarded(pending_request)
         if pending_request is not None:
-            pending_request.routing_context.should_backoff = True  # no busy loop when full
+            ray_private.ask_backoff(pending_request)  # no busy loop when full
         if req is not None and req.target is not None:
             return [[r for r in candidate_replicas if _rid(r) == req.target]]
         if self.policy == "prefix" and req is not None and req.route_key is not None:
             return await self._by_prefix(req.route_key, candidate_replicas)
         self.decisions["pow2"] += 1
-        return await PowerOfTwoChoicesRequestRouter.choose_replicas(
-            self, candidate_replicas, pending_request)  # type: ignore[arg-type]
+        return self._pow2(pending_request)
+
+    def _pow2(self, pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
+        """Ray Serve 2.60's default router (`PowerOfTwoChoicesRequestRouter.choose_replicas`,
+        not public), step for step: the multiplexing helper's candidates for a request naming
+        a model, else the locality helper's; two of them drawn at random, in random order, as
+        one rank (Ray Serve then takes the less loaded of the two that accepts)."""
+        if pending_request is not None and ray_private.multiplexed_model_id(pending_request):
+            ids = self.apply_multiplex_routing(pending_request=pending_request)
+        else:
+            ids = self.apply_locality_routing(pending_request=pending_request)
+        if not ids:
+            return []
+        candidates = tuple(ids)
+        n = len(candidates)
+        if n == 1:
+            chosen = [candidates[0]]
+        elif n == 2:
+            chosen = list(candidates) if random.getrandbits(1) else [candidates[1], candidates[0]]
+        else:
+            i = random.randrange(n)
+            j = random.randrange(n - 1)
+            chosen = [candidates[i], candidates[j + 1 if j >= i else j]]
+        replicas = self.curr_replicas
+        return [[replicas[c] for c in chosen]]
 
     async def _by_prefix(self, key: str, candidates: list[RunningReplica],
                          ) -> list[list[RunningReplica]]:
@@ -125,16 +160,48 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         """Queue lengths from Ray Serve's cache, asking the replicas it has no fresh figure for."""
         out: dict[str, int] = {}
         unknown = []
+        cache = self.replica_queue_len_cache
         for r in candidates:
-            n = self._replica_queue_len_cache.get(r.replica_id)
+            n = cache.get(r.replica_id)
             if n is None:
                 unknown.append(r)
             else:
                 out[_rid(r)] = n
         if unknown:
-            for r, n in await self._probe_queue_lens(unknown, 0):
+            for r, n in await self._probe(unknown):
                 if n is not None:
                     out[_rid(r)] = n
+        return out
+
+    async def _probe(self, replicas: list[RunningReplica],
+                     ) -> list[tuple[RunningReplica, int | None]]:
+        """Each replica's queue length, asked of it within Ray Serve's deadline, as Ray Serve's
+        own routers ask (its private `_probe_queue_lens`, first attempt), through the public
+        calls: an answer goes into the cache (`on_new_queue_len_info`); none in time, or an
+        error, gives None; a dead replica is dropped (`on_replica_actor_died`), an unreachable
+        one's cached figure forgotten (`on_replica_actor_unavailable`)."""
+        deadline = self.queue_len_response_deadline_s
+        asks = {asyncio.ensure_future(r.get_queue_len(deadline_s=deadline)): r for r in replicas}
+        done, late = await asyncio.wait(asks, timeout=deadline)
+        out: list[tuple[RunningReplica, int | None]] = []
+        for t in late:
+            t.cancel()
+            out.append((asks[t], None))
+            log.warning("Failed to get queue length from %s within %ss.",
+                        asks[t].replica_id, deadline)
+        for t in done:
+            r, e = asks[t], t.exception()
+            if e is None:
+                n = t.result()
+                self.on_new_queue_len_info(r.replica_id, n)
+                out.append((r, n))
+                continue
+            out.append((r, None))
+            if isinstance(e, ActorDiedError):
+                self.on_replica_actor_died(r.replica_id)
+            elif isinstance(e, ActorUnavailableError):
+                self.on_replica_actor_unavailable(r.replica_id)
+            log.warning("Failed to fetch queue length for %s: %r", r.replica_id, e)
         return out
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
