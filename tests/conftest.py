@@ -16,6 +16,9 @@ from radixserve.model.tokenizer import Tokenizer
 from radixserve.model.weights import load_weights
 from tests.tiny_gguf import write_tiny_gguf
 
+# the fast tier's marks and its guard (tests/tiers.py)
+pytest_plugins = ("tests.tiers",)
+
 
 def make_transformer(path: str, dtype: torch.dtype = torch.float32) -> Transformer:
     reader = gguf.GGUFReader(path)

@@ -1,0 +1,148 @@
+"""The two test tiers: the whole suite (`./scripts/test.sh`, what CI runs) and the fast tier
+(`./scripts/test.sh fast`, i.e. `-m "not slow"`), the edit loop.
+
+A test is `slow` when it needs a server process, Ray, a browser or a default-model generation
+loop, or when it alone takes long enough to break the fast tier's budget (under 4 minutes on the
+2-core machine). Why a rule and not a hand-kept list alone: the classification is checked while
+the tests run. A test left in the fast tier that starts a server, Ray, Chromium, or a scheduler
+over the default model fails naming what it did, so the fast tier cannot quietly grow slow.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+# Whole files: every test in them starts a server process, a Ray cluster or a browser, or runs
+# the default model's generation loop (an engine or scheduler over it). Reason after each.
+SLOW_FILES: dict[str, str] = {
+    "tests/bench/test_bench_e2e.py": "server processes",
+    "tests/bench/test_modes.py": "server processes",
+    "tests/bench/test_soak.py": "a server process",
+    "tests/cluster/test_cluster_pow2.py": "Ray",
+    "tests/cluster/test_cluster_prefix.py": "Ray",
+    "tests/engine/test_cache_view.py": "default-model generation",
+    "tests/engine/test_context_shift.py": "default-model generation",
+    "tests/engine/test_deterministic.py": "default-model generation",
+    "tests/engine/test_disk_tier.py": "default-model generation",
+    "tests/engine/test_slot_actions.py": "default-model generation",
+    "tests/engine/test_speculative.py": "default-model generation",
+    "tests/engine/test_swa.py": "Gemma 3 generation",
+    "tests/http/test_api.py": "server processes",
+    "tests/http/test_cache_salt_http.py": "default-model generation",
+    "tests/http/test_constrained.py": "server processes",
+    "tests/http/test_disconnects.py": "server processes",
+    "tests/http/test_disk_http.py": "server processes",
+    "tests/http/test_host_cache.py": "server processes",
+    "tests/http/test_multi_task.py": "default-model generation",
+    "tests/http/test_radix_http.py": "server processes",
+    "tests/http/test_sampling_llama.py": "default-model generation",
+    "tests/http/test_server_defaults.py": "default-model generation",
+    "tests/http/test_slot_http.py": "server processes",
+    "tests/http/test_spec_http.py": "server processes",
+    "tests/http/test_swa_http.py": "server processes",
+    "tests/http/test_tools_cache.py": "server processes",
+    "tests/model/test_deterministic.py": "default-model forwards on every kernel variant (minutes)",
+    "tests/model/test_gemma3.py": "Gemma 3 against transformers (minutes)",
+    "tests/webui/test_page.py": "a browser and a server process",
+}
+# Single tests in files that are otherwise fast (node-id prefixes).
+SLOW_TESTS: dict[str, str] = {
+    "tests/http/test_server_flags.py::test_seed_command_line_starts_a_server": "a server process",
+    "tests/http/test_server_flags.py::test_deterministic_mode_is_reported_by_props":
+        "server processes",
+    "tests/http/test_server_flags.py::test_bad_kernel_variant_stops_startup":
+        "server processes (that stop at start-up)",
+    "tests/test_cli.py::test_generate_": "`radixserve generate` processes",
+    "tests/engine/test_cache_salt.py::test_own_slot": "default-model generation",
+    "tests/engine/test_cache_salt.py::test_device_sharing_between_slots":
+        "default-model generation",
+    "tests/engine/test_cache_salt.py::test_host_cache": "default-model generation",
+}
+
+# `radixserve` sub-commands that run a model however they are called (`serve` and `cluster`
+# with good flags run through ServerProcess, guarded itself: with bad ones they exit at once)
+_RUNNING_COMMANDS = {"generate", "perf", "bench"}
+
+
+def slow_reason(item: pytest.Item) -> str | None:
+    path = os.path.relpath(str(item.path), str(item.config.rootpath)).replace(os.sep, "/")
+    if path in SLOW_FILES:
+        return SLOW_FILES[path]
+    return next((why for prefix, why in SLOW_TESTS.items() if item.nodeid.startswith(prefix)),
+                None)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "slow: needs a server process, Ray, a browser or a default-model generation "
+        "loop, or takes minutes (tests/tiers.py); left out of `./scripts/test.sh fast`")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        why = slow_reason(item)
+        if why is not None:
+            item.add_marker(pytest.mark.slow(reason=why))
+
+
+def _refuse(what: str) -> None:
+    pytest.fail(f"{what} in a fast-tier test: add it to SLOW_FILES or SLOW_TESTS in "
+                "tests/tiers.py (the fast tier runs none)", pytrace=False)
+
+
+def _running_argv(args: Any) -> str | None:
+    """What a child process would be, when it is one the fast tier refuses."""
+    argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+    names = [os.path.basename(a) for a in argv]
+    if "radixserve.cli" in argv:
+        rest = argv[argv.index("radixserve.cli") + 1:]
+        sub = next((a for a in rest if not a.startswith("-")), None)
+        if sub in _RUNNING_COMMANDS and "--help" not in rest and "-h" not in rest:
+            return f"a `radixserve {sub}` process"
+    if names and names[0] in ("ray", "raylet", "gcs_server", "chromium", "chromium-browser"):
+        return f"a {names[0]} process"
+    if any("playwright" in a for a in argv):
+        return "a browser (Playwright's driver)"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def fast_tier_guard(request: pytest.FixtureRequest,
+                    monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Fails a fast-tier test that starts what only the slow tier may."""
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+    from radixserve.bench.server_proc import ServerProcess
+    from radixserve.engine.scheduler import Scheduler
+    from radixserve.model.default_model import default_model_path
+
+    execute = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+
+    def guarded_execute(self: subprocess.Popen[Any], args: Any, *rest: Any) -> Any:
+        what = _running_argv(args)
+        if what is not None:
+            _refuse(what)
+        return execute(self, args, *rest)
+
+    init = Scheduler.__init__
+    default = os.path.realpath(default_model_path())
+
+    def guarded_init(self: Scheduler, model: Any, *args: Any, **kw: Any) -> None:
+        if os.path.realpath(model.path) == default:
+            _refuse("a scheduler over the default model (its generation loop)")
+        init(self, model, *args, **kw)
+
+    def guarded_enter(self: ServerProcess) -> ServerProcess:
+        _refuse(f"a `radixserve {self.command[0]}` server process")
+        return self
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", guarded_execute)
+    monkeypatch.setattr(ServerProcess, "__enter__", guarded_enter)
+    monkeypatch.setattr(Scheduler, "__init__", guarded_init)
+    yield
