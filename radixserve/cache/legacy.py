@@ -238,6 +238,9 @@ class LegacyPromptCache:
             evicted_tokens=self._evicted_tokens, fallbacks=c["load_failures"],
         )
 
+    def disk_tier(self) -> None:
+        return None  # nothing below RAM
+
     def check(self) -> None:
         assert self._bytes == sum(e.size for e in self.states), "byte counter drifted"
         assert self._tokens == sum(len(e.tokens) for e in self.states), "token counter drifted"
