@@ -26,11 +26,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
-from radixserve.cache.prefix import common_prefix
 from radixserve.kv.checkpoint import Checkpoint
 from radixserve.kv.pool import KVPool
 
-__all__ = ["STAT_NAMES", "DiskTierCache", "NullPromptCache", "PromptCache", "common_prefix"]
+__all__ = ["STAT_NAMES", "DiskTierCache", "NullPromptCache", "PromptCache"]
 
 # Every backend's `stats()` keys, in this order (values are floats):
 STAT_NAMES = (

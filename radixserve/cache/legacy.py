@@ -20,7 +20,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from radixserve.cache.base import common_prefix, stats_dict
+from radixserve.cache.base import stats_dict
+from radixserve.cache.prefix import common_prefix
 from radixserve.kv.checkpoint import Checkpoint
 from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.kv.state import (Fingerprint, StateError, draft_state_size, get_draft_state,

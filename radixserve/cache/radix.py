@@ -32,8 +32,9 @@ from concurrent.futures import Future
 
 import torch
 
-from radixserve.cache.base import common_prefix, stats_dict
+from radixserve.cache.base import stats_dict
 from radixserve.cache.disk import DiskTier, Loaded
+from radixserve.cache.prefix import common_prefix
 from radixserve.cache.radix_tree import RadixMatch, RadixNode, RadixTree, own_rows
 from radixserve.kv.checkpoint import Checkpoint
 from radixserve.kv.pool import KVPool

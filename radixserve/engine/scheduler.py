@@ -36,6 +36,7 @@ import torch
 
 from radixserve.cache.base import DiskTierCache, PromptCache
 from radixserve.config import ServerConfig
+from radixserve.engine.batch import model_pool, run, seq_step
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.host_tier import HostTier
 from radixserve.engine.prefix_plan import (choose_slot, pending_prefill, salted_lcp,
@@ -44,10 +45,9 @@ from radixserve.engine.slot import Slot, SlotState
 from radixserve.engine.slot_kv import SlotKV
 from radixserve.engine.speculative import Speculator, load_draft
 from radixserve.engine.task import CompletionTask, TaskError
-from radixserve.kv.batch import run, seq_step
 from radixserve.kv.pool import OutOfCells
 from radixserve.kv.state import fingerprint_of
-from radixserve.kv.swa import SWAPool, model_pool
+from radixserve.kv.swa import SWAPool
 from radixserve.model.forward import SeqStep
 from radixserve.model.grammar import Constraint
 from radixserve.model.loader import Model
