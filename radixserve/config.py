@@ -208,3 +208,47 @@ class ServerConfig:
         self.spec.validate()
         if self.cache_ram_mib < -1:
             raise ValueError("--cache-ram must be -1 (no limit), 0 (off) or a size in MiB")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDefaults:
+    """What a request gets for each field it leaves out: the server's flags (-n, --temp...,
+    -s, --keep, -r, --ignore-eos, -sp, --cache-prompt, --grammar, --spec-*, the chat flags),
+    gathered once from a `ServerConfig` (`from_config`) and read where a request is parsed
+    (http/parse.py) and where /props reports them. The defaults themselves live on
+    `ServerConfig`; this is the one object that carries them to requests."""
+
+    n_predict: int = -1  # --n-predict; also a cap on what requests may ask for
+    cache_prompt: bool = True  # --cache-prompt
+    seed: int = -1  # -s: wins over `sampling.seed` unless -1
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # --temp, --top-k, ...
+    n_keep: int = 0  # --keep
+    stop: tuple[str, ...] = ()  # -r: a request's own stop strings replace these
+    ignore_eos: bool = False  # --ignore-eos
+    special: bool = False  # -sp: special tokens appear in the text
+    grammar: str | None = None  # --grammar/--grammar-file/-j/-jf, compiled (llguidance)
+    chat_template_kwargs: dict[str, object] = field(default_factory=dict)
+    prefill_assistant: bool = True  # --no-prefill-assistant: a last assistant turn is complete
+    reasoning_format: str = "auto"  # --reasoning-format: requests may choose their own
+    skip_chat_parsing: bool = False  # --skip-chat-parsing: replies stay plain content
+    spec: SpecConfig = field(default_factory=SpecConfig)  # --spec-*: speculative decoding
+
+    @classmethod
+    def from_config(cls, cfg: ServerConfig) -> RequestDefaults:
+        return cls(
+            n_predict=cfg.n_predict,
+            cache_prompt=cfg.cache_prompt,
+            seed=cfg.seed,
+            sampling=cfg.sampling,
+            n_keep=cfg.n_keep,
+            stop=tuple(cfg.stop),
+            ignore_eos=cfg.ignore_eos,
+            special=cfg.special,
+            grammar=cfg.grammar or None,
+            chat_template_kwargs=cfg.chat_template_kwargs,
+            prefill_assistant=cfg.prefill_assistant,
+            reasoning_format=cfg.reasoning_format,
+            skip_chat_parsing=cfg.skip_chat_parsing,
+            spec=cfg.spec,
+        )
+

@@ -7,9 +7,8 @@ import sys
 import time
 from collections.abc import Iterator
 
+from radixserve.engine.batch import BatchSeq, hidden, model_pool
 from radixserve.engine.task import Timings
-from radixserve.kv.batch import BatchSeq, hidden
-from radixserve.kv.swa import model_pool
 from radixserve.model.loader import Model
 from radixserve.model.sampling import Sampler, SamplingParams
 

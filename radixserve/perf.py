@@ -19,9 +19,8 @@ from dataclasses import replace
 import psutil
 import torch
 
-from radixserve.kv.batch import BatchSeq, hidden
+from radixserve.engine.batch import BatchSeq, hidden, model_pool
 from radixserve.kv.pool import KVPool
-from radixserve.kv.swa import model_pool
 from radixserve.model.forward import Transformer
 from radixserve.model.head import RowNeed
 from radixserve.model.kernels import variant_name

@@ -34,3 +34,12 @@ def test_serve_help_and_bad_command_lines():
     assert r.returncode == 1 and "-n: expected an integer, got 'gl'" in r.stderr
     r = cli("serve", "--ctx", "512")
     assert r.returncode == 1 and "invalid argument: --ctx" in r.stderr
+
+
+def test_weights_choices_are_the_loaders_modes():
+    """--weights (config.WEIGHTS) offers exactly what the loader takes (the loader reads no
+    settings module: model/ sits below config.py)."""
+    from radixserve.config import WEIGHTS
+    from radixserve.model.loader import WEIGHT_MODES
+
+    assert WEIGHTS == WEIGHT_MODES

@@ -16,18 +16,20 @@ Rules every backend keeps (SGLang-style contracts):
   operation).
 - `stats` reports the same figures under the same names whichever backend is on (`STAT_NAMES`),
   so dashboards do not change with `--cache-radix-prompt`.
+- `disk_tier` says what the backend offers below RAM: the object the engine asks for disk reads,
+  flushes and figures (`DiskTierCache`), or None; callers ask, they never test the class.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Protocol
 
-from radixserve.cache.prefix import common_prefix
 from radixserve.kv.checkpoint import Checkpoint
 from radixserve.kv.pool import KVPool
 
-__all__ = ["STAT_NAMES", "NullPromptCache", "PromptCache", "common_prefix"]
+__all__ = ["STAT_NAMES", "DiskTierCache", "NullPromptCache", "PromptCache"]
 
 # Every backend's `stats()` keys, in this order (values are floats):
 STAT_NAMES = (
@@ -53,6 +55,38 @@ def stats_dict(**figures: float) -> dict[str, float]:
     unknown = set(figures) - set(STAT_NAMES)
     assert not unknown, f"not a cache stat: {sorted(unknown)}"
     return {k: float(figures.get(k, 0)) for k in STAT_NAMES}
+
+
+class DiskTierCache(Protocol):
+    """A host cache with a disk tier under it, as the engine sees it: reads started for a
+    prompt's blocks (into the cache when they end), an admin flush, figures for /metrics, and
+    the callback a finished read calls (from the tier's I/O thread)."""
+
+    def disk_lookup(self, prompt: list[int], salt: str, n_have: int) -> int | None:
+        """Start reading the blocks of `prompt` the cache lacks past `n_have` tokens; a ticket
+        to wait for, or None when nothing is to be read."""
+        ...
+
+    def take_disk_loads(self) -> list[int]:
+        """Put finished reads into the cache; their tickets."""
+        ...
+
+    def disk_flush(self) -> Future[int]:
+        """Drop queued writes and pending reads; remove the tier's files (the future: how
+        many)."""
+        ...
+
+    def disk_figures(self) -> dict[str, float]:
+        """The disk tier's figures for /metrics."""
+        ...
+
+    def set_disk_wake(self, wake: Callable[[], None]) -> None:
+        """Call `wake` whenever a read ends (from the tier's I/O thread)."""
+        ...
+
+    def close(self) -> None:
+        """Let queued writes finish (a restart finds them)."""
+        ...
 
 
 class PromptCache(Protocol):
@@ -93,6 +127,10 @@ class PromptCache(Protocol):
     def check(self) -> None:
         ...
 
+    def disk_tier(self) -> DiskTierCache | None:
+        """The disk tier under this cache, or None when it offers none."""
+        ...
+
 
 class NullPromptCache:
     """`--cache-ram 0`: no host tier at all."""
@@ -123,3 +161,6 @@ class NullPromptCache:
 
     def check(self) -> None:
         pass
+
+    def disk_tier(self) -> DiskTierCache | None:
+        return None

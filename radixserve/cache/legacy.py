@@ -20,7 +20,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from radixserve.cache.base import common_prefix, stats_dict
+from radixserve.cache.base import stats_dict
+from radixserve.cache.prefix import common_prefix
 from radixserve.kv.checkpoint import Checkpoint
 from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.kv.state import (Fingerprint, StateError, draft_state_size, get_draft_state,
@@ -237,6 +238,9 @@ class LegacyPromptCache:
             evictions=sum(c[f"evicted_{r}"] for r in PRESSURE),
             evicted_tokens=self._evicted_tokens, fallbacks=c["load_failures"],
         )
+
+    def disk_tier(self) -> None:
+        return None  # nothing below RAM
 
     def check(self) -> None:
         assert self._bytes == sum(e.size for e in self.states), "byte counter drifted"

@@ -27,13 +27,14 @@ restores it as any other prefix.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import torch
 
-from radixserve.cache.base import common_prefix, stats_dict
+from radixserve.cache.base import stats_dict
 from radixserve.cache.disk import DiskTier, Loaded
+from radixserve.cache.prefix import common_prefix
 from radixserve.cache.radix_tree import RadixMatch, RadixNode, RadixTree, own_rows
 from radixserve.kv.checkpoint import Checkpoint
 from radixserve.kv.pool import KVPool
@@ -204,6 +205,18 @@ class RadixPromptCache:
         return nodes, n_bytes - self.tree.bytes
 
     # ##### Disk tier #####
+    def disk_tier(self) -> RadixPromptCache | None:
+        """This cache fronts its disk tier (cache/base.py's `DiskTierCache`) when it has one."""
+        return self if self.disk is not None else None
+
+    def set_disk_wake(self, wake: Callable[[], None]) -> None:
+        assert self.disk is not None
+        self.disk.wake = wake
+
+    def disk_figures(self) -> dict[str, float]:
+        assert self.disk is not None
+        return self.disk.figures()
+
     def disk_flush(self) -> Future[int]:
         """Drop queued disk writes and pending reads; remove the directory's block files."""
         assert self.disk is not None

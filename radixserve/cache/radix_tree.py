@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixserve.cache.base import common_prefix
+from radixserve.cache.prefix import common_prefix
 
 
 @dataclass(slots=True, eq=False)

@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
         from ray.serve.config import RequestRouterConfig
     except ImportError:
         return _fail("Ray Serve is not installed: pip install 'radixserve[cluster]'")
-    from radixserve.cli import setup_logging
+    from radixserve.log_setup import setup_logging
     from radixserve.cluster.deployments import EngineReplica, Ingress, serve_config
     from radixserve.flags import FlagError, FlagExit
 

@@ -67,7 +67,7 @@ class EngineReplica:
     replica still loading), serving its `serve` app in process."""
 
     def __init__(self, serve_argv: list[str]) -> None:
-        from radixserve.cli import setup_logging
+        from radixserve.log_setup import setup_logging
         from radixserve.http.app import create_app
         from radixserve.http.run import build_engine
 

@@ -111,8 +111,7 @@ class Engine:
         self.scheduler = Scheduler(model, cfg, self.metrics, cache)
         self.view = CacheView(cfg.slots_debug)
         self.changes = 0  # EngineAPI.changes; event loop only
-        if self.scheduler.radix_disk is not None and self.scheduler.radix_disk.disk is not None:
-            self.scheduler.radix_disk.disk.wake = lambda: self._post(Wake())
+        self.scheduler.set_disk_wake(lambda: self._post(Wake()))
         self._q: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._outbox: list[tuple[TaskStream, Any]] = []  # results not yet handed to the loop
         self._thread = threading.Thread(target=self._run, name="radixserve-engine", daemon=True)

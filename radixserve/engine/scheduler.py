@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from radixserve.cache.base import PromptCache
-from radixserve.cache.radix import RadixPromptCache
+from radixserve.cache.base import DiskTierCache, PromptCache
 from radixserve.config import ServerConfig
+from radixserve.engine.batch import model_pool, run, seq_step
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.host_tier import HostTier
 from radixserve.engine.prefix_plan import (choose_slot, pending_prefill, salted_lcp,
@@ -45,10 +45,9 @@ from radixserve.engine.slot import Slot, SlotState
 from radixserve.engine.slot_kv import SlotKV
 from radixserve.engine.speculative import Speculator, load_draft
 from radixserve.engine.task import CompletionTask, TaskError
-from radixserve.kv.batch import run, seq_step
 from radixserve.kv.pool import OutOfCells
 from radixserve.kv.state import fingerprint_of
-from radixserve.kv.swa import SWAPool, model_pool
+from radixserve.kv.swa import SWAPool
 from radixserve.model.forward import SeqStep
 from radixserve.model.grammar import Constraint
 from radixserve.model.loader import Model
@@ -108,8 +107,8 @@ class Scheduler:
         models = (model,) if draft is None else (model, draft)
         self.host = HostTier(cfg, self.pool, hp.arch, cache, models)
         hc = self.host.cache
-        # the disk tier under the radix cache: tasks wait (unslotted) while their blocks load
-        self.radix_disk = hc if isinstance(hc, RadixPromptCache) and hc.disk is not None else None
+        # the disk tier under the host cache: tasks wait (unslotted) while their blocks load
+        self.radix_disk: DiskTierCache | None = hc.disk_tier()
         self._disk_wait: dict[int, int] = {}  # task id -> disk ticket it waits for
         self._disk_asked: set[int] = set()  # task ids whose disk lookup was made
         log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = %s",
@@ -251,9 +250,15 @@ class Scheduler:
                           "hits": st["loads"], "misses": self.host.misses,
                           "hit_tokens": st["hit_tokens"], "writes": st["saves"],
                           "evictions": st["evictions"]}
-        if self.radix_disk is not None and self.radix_disk.disk is not None:
-            out["disk"] = self.radix_disk.disk.figures()
+        if self.radix_disk is not None:
+            out["disk"] = self.radix_disk.disk_figures()
         return out
+
+    def set_disk_wake(self, wake: Callable[[], None]) -> None:
+        """Have the disk tier (when on) call `wake` when a read ends, from its I/O thread: the
+        engine's loop then runs `poll_io`."""
+        if self.radix_disk is not None:
+            self.radix_disk.set_disk_wake(wake)
 
     def close(self) -> None:
         """Let the disk tier finish its queued writes (a restart finds them)."""

@@ -41,7 +41,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from radixserve.cache.base import PromptCache, common_prefix
+from radixserve.cache.base import PromptCache
+from radixserve.cache.prefix import common_prefix
 from radixserve.kv.checkpoint import Checkpoint, seal, unseal
 from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.kv.state import (Fingerprint, StateError, get_swa_state, parse_swa_state,

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import torch
 
 from radixserve.config import ServerConfig, SpecConfig
+from radixserve.engine.batch import seq_step
 from radixserve.engine.ngram import NgramMod, ngram_simple_draft
 from radixserve.engine.slot import Slot
 from radixserve.engine.slot_kv import SlotKV
-from radixserve.kv.batch import seq_step
 from radixserve.kv.draft import attach_draft
 from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.kv.swa import SWAPool

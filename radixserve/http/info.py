@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from radixserve.config import ServerConfig
+from radixserve.config import RequestDefaults, ServerConfig
 from radixserve.http.responses import BUILD_INFO, params_json
 from radixserve.model.chat_caps import template_caps
 from radixserve.model.kernels import variant_name
@@ -67,9 +67,9 @@ def model_facts(model: Model) -> ModelFacts:
     return ModelFacts(count_params(model), ftype_name(model.hp.file_type), size)
 
 
-def default_params_json(cfg: ServerConfig) -> dict[str, Any]:
+def default_params_json(d: RequestDefaults) -> dict[str, Any]:
     """The generation settings a request gets when it sets nothing."""
-    return params_json(replace(cfg.sampling, seed=cfg.seed), cfg.n_predict, spec=cfg.spec)
+    return params_json(replace(d.sampling, seed=d.seed), d.n_predict, spec=d.spec)
 
 
 def props_json(
@@ -79,12 +79,16 @@ def props_json(
     n_ctx_slot: int,
     n_slots: int,
     cache_stats: dict[str, float],
+    defaults: RequestDefaults | None = None,
 ) -> dict[str, Any]:
-    """GET /props (props.json), plus `prompt_cache`: the host cache figures (ours)."""
+    """GET /props (props.json), plus `prompt_cache`: the host cache figures (ours).
+    `defaults`: the request defaults (None: built from `cfg`)."""
+    defaults = defaults or RequestDefaults.from_config(cfg)
     tmpl = model.chat_template
     caps = template_caps(tmpl)
     return {
-        "default_generation_settings": {"params": default_params_json(cfg), "n_ctx": n_ctx_slot},
+        "default_generation_settings": {"params": default_params_json(defaults),
+                                        "n_ctx": n_ctx_slot},
         "total_slots": n_slots,
         "model_alias": model_alias(model, cfg),
         "model_ftype": facts.ftype,

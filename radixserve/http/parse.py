@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.config import SpecConfig
+from radixserve.config import RequestDefaults, SpecConfig
 from radixserve.engine.task import CompletionTask, TaskError, invalid_request
 from radixserve.http.fields import reject_unimplemented
 from radixserve.http.schemas import (
@@ -48,26 +48,24 @@ FLT_MAX = 3.4028234663852886e38
 
 @dataclass(slots=True)
 class ParseContext:
-    """What request parsing needs from the server: the model's text side and slot limits."""
+    """What request parsing needs from the server: the model's text side, slot limits and
+    the request defaults (`RequestDefaults`, from the flags)."""
 
     tokenizer: Tokenizer
     chat_template: ChatTemplate
     n_ctx_slot: int
     n_slots: int
-    default_n_predict: int = -1  # --n-predict; also a cap on what requests may ask for
-    default_cache_prompt: bool = True
-    default_seed: int = -1
-    sampling: SamplingParams = field(default_factory=SamplingParams)  # the server's defaults
-    default_n_keep: int = 0  # --keep
-    default_stop: list[str] = field(default_factory=list)  # -r
-    default_ignore_eos: bool = False  # --ignore-eos
-    special: bool = False  # -sp: special tokens appear in the text
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # --chat-template-kwargs
-    prefill_assistant: bool = True  # --no-prefill-assistant: a last assistant turn is complete
-    default_grammar: str | None = None  # --grammar/--grammar-file/-j/-jf, compiled (llguidance)
-    reasoning_format: str = "auto"  # --reasoning-format: requests may choose their own
-    skip_chat_parsing: bool = False  # --skip-chat-parsing: replies stay plain content
-    spec: SpecConfig = field(default_factory=SpecConfig)  # --spec-*: speculative decoding
+    defaults: RequestDefaults = field(default_factory=RequestDefaults)
+
+    @classmethod
+    def for_model(cls, tokenizer: Tokenizer, chat_template: ChatTemplate, n_ctx_slot: int,
+                  n_slots: int, defaults: RequestDefaults) -> ParseContext:
+        """A context whose default grammar (compiled by the flags) is checked against the
+        model's tokenizer."""
+        if defaults.grammar:
+            defaults = dataclasses.replace(
+                defaults, grammar=grammars.check(defaults.grammar, tokenizer))
+        return cls(tokenizer, chat_template, n_ctx_slot, n_slots, defaults)
 
 
 @dataclass(slots=True)
@@ -180,22 +178,22 @@ def _first(req: GenerationRequest, *names: str) -> tuple[str, Any]:
 
 def _n_predict(req: GenerationRequest, ctx: ParseContext) -> int:
     name, n = _first(req, "n_predict", "max_tokens", "max_completion_tokens")
+    cap = ctx.defaults.n_predict  # llama-server: the server's --n-predict caps requests
     if n is None:
-        return ctx.default_n_predict
+        return cap
     if n < -1:
         raise range_error(name, n, -1)
     n = min(n, INT32_MAX)
-    cap = ctx.default_n_predict  # llama-server: the server's --n-predict caps requests
     return n if cap < 0 else cap if n < 0 else min(n, cap)
 
 
 def _sampling(req: GenerationRequest, n_probs: int, ctx: ParseContext) -> SamplingParams:
-    """SamplingParams from the server's defaults (`ctx.sampling`) and the request, with
+    """SamplingParams from the server's defaults (`ctx.defaults`) and the request, with
     llama-server's limits (tools/server/server-schema.cpp): soft limits clamped silently,
     hard limits rejected with a 400 naming the field."""
-    d = ctx.sampling
+    d = ctx.defaults.sampling
     tok = ctx.tokenizer
-    default_seed = ctx.default_seed if ctx.default_seed != -1 else d.seed
+    default_seed = ctx.defaults.seed if ctx.defaults.seed != -1 else d.seed
     seed = default_seed if req.seed is None else req.seed
     if seed == LLAMA_DEFAULT_SEED:
         seed = -1
@@ -334,7 +332,7 @@ def request_grammar(req: GenerationRequest, ctx: ParseContext, chat: bool = Fals
                                   "JSON schema")
     except ValueError as e:
         raise invalid_request(f"Field '{'grammar' if text else 'json_schema'}': {e}") from None
-    return ctx.default_grammar
+    return ctx.defaults.grammar
 
 
 def _limit(req: GenerationRequest, name: str, default: int, lo: int, hi: int) -> int:
@@ -443,7 +441,8 @@ def build_task(
     n_cmpl = 1 if n_cmpl is None else n_cmpl
     if not 1 <= n_cmpl <= ctx.n_slots:
         raise range_error(n_name, n_cmpl, 1, ctx.n_slots)
-    n_keep = _limit(req, "n_keep", ctx.default_n_keep, -1, INT32_MAX)
+    d = ctx.defaults
+    n_keep = _limit(req, "n_keep", d.n_keep, -1, INT32_MAX)
     n_discard = _limit(req, "n_discard", 0, 0, INT32_MAX)
     n_indent = _limit(req, "n_indent", 0, 0, INT32_MAX)
     t_max_predict_ms = _limit(req, "t_max_predict_ms", -1, -1, 2**63 - 1)
@@ -455,18 +454,18 @@ def build_task(
         raise range_error("id_slot", id_slot, -1, ctx.n_slots - 1)
     if req.n_cache_reuse is not None and req.n_cache_reuse < 0:
         raise range_error("n_cache_reuse", req.n_cache_reuse, 0)
-    spec = request_spec(req, ctx.spec)
+    spec = request_spec(req, d.spec)
     task = CompletionTask(
         prompt_tokens=prompts[0],
         params=_sampling(req, n_probs_value, ctx),
         n_predict=_n_predict(req, ctx),
-        stop=req.stop or list(ctx.default_stop),  # none given: the server's -r strings
+        stop=req.stop or list(d.stop),  # none given: the server's -r strings
         id_slot=id_slot,
-        cache_prompt=ctx.default_cache_prompt if req.cache_prompt is None else req.cache_prompt,
+        cache_prompt=d.cache_prompt if req.cache_prompt is None else req.cache_prompt,
         n_cache_reuse=req.n_cache_reuse,
         cache_salt=_cache_salt(req),  # prompt arrays and n_cmpl children copy it (replace)
-        ignore_eos=ctx.default_ignore_eos if req.ignore_eos is None else req.ignore_eos,
-        special=ctx.special,
+        ignore_eos=d.ignore_eos if req.ignore_eos is None else req.ignore_eos,
+        special=d.special,
         timings_per_token=bool(req.timings_per_token),
         n_probs=n_probs_value,
         stream=bool(req.stream),
@@ -497,7 +496,7 @@ def build_task(
         post_sampling_probs=bool(req.post_sampling_probs),
         sse_ping_interval=None if req.sse_ping_interval is None
         else _limit(req, "sse_ping_interval", -1, -1, INT32_MAX),
-        server_spec=ctx.spec,
+        server_spec=d.spec,
     )
 
 
@@ -536,9 +535,10 @@ def chat_plan(req: ChatRequest, template: ChatTemplate, tok: Tokenizer,
             raise invalid_request(f"Field 'messages[{i}].content' is required")
     add_gen = True if req.add_generation_prompt is None else req.add_generation_prompt
     prefill = ""
-    if add_gen and msgs[-1]["role"] == "assistant" and (ctx is None or ctx.prefill_assistant):
+    d = ctx.defaults if ctx is not None else None
+    if add_gen and msgs[-1]["role"] == "assistant" and (d is None or d.prefill_assistant):
         prefill = flatten_content(msgs.pop()["content"])
-    extra = {**(ctx.chat_template_kwargs if ctx else {}), **(req.chat_template_kwargs or {})}
+    extra = {**(d.chat_template_kwargs if d else {}), **(req.chat_template_kwargs or {})}
     for name in RESERVED_TEMPLATE_VARS:
         if name in extra:
             raise invalid_request(f"Field 'chat_template_kwargs': '{name}' is set by the "
@@ -550,8 +550,8 @@ def chat_plan(req: ChatRequest, template: ChatTemplate, tok: Tokenizer,
         msgs, add_gen, extra, tools=req.tools, tool_choice=req.tool_choice,
         parallel_tool_calls=req.parallel_tool_calls, json_schema=response_schema(req),
         reasoning_format=req.reasoning_format if req.reasoning_format is not None
-        else ctx.reasoning_format if ctx else "auto",
-        custom_grammar=req.grammar is not None, parse_output=not (ctx and ctx.skip_chat_parsing),
+        else d.reasoning_format if d else "auto",
+        custom_grammar=req.grammar is not None, parse_output=not (d and d.skip_chat_parsing),
         prefill=prefill, bos=template.bos_token if tok.add_bos else "",
         eos=template.eos_token if tok.add_eos else "")
     try:

@@ -22,7 +22,8 @@ def add_routes(r: APIRouter, state: AppState) -> None:
         e = state.eng
         stats = await e.cache_stats()
         facts = await state.facts()
-        body = info.props_json(state.model, facts, state.cfg, e.n_ctx_slot, e.n_slots, stats)
+        body = info.props_json(state.model, facts, state.cfg, e.n_ctx_slot, e.n_slots, stats,
+                               state.defaults)
         return JSONResponse(body)
 
     @r.post("/props")

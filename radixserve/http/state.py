@@ -7,11 +7,10 @@ from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
 
-from radixserve.config import ServerConfig
+from radixserve.config import RequestDefaults, ServerConfig
 from radixserve.engine.api import EngineAPI
 from radixserve.http import info
 from radixserve.http.parse import ParseContext
-from radixserve.model.grammar import check as check_grammar
 from radixserve.model.loader import Model
 
 
@@ -27,6 +26,11 @@ class AppState:
     started: int = field(default_factory=lambda: int(time.time()))
     ui_paths: frozenset[str] = frozenset()  # the page's files (http/webui.py)
     _facts: info.ModelFacts | None = None
+    # what a request gets for the fields it leaves out: built once, from `cfg` (the flags)
+    defaults: RequestDefaults = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.defaults = RequestDefaults.from_config(self.cfg)
 
     @property
     def api_keys(self) -> list[str]:
@@ -51,25 +55,7 @@ class AppState:
         return self._facts
 
     def set_engine(self, engine: EngineAPI) -> None:
-        m, cfg = engine.model, self.cfg
-        self.parse_ctx = ParseContext(
-            m.tokenizer,
-            m.chat_template,
-            engine.n_ctx_slot,
-            engine.n_slots,
-            default_n_predict=cfg.n_predict,
-            spec=cfg.spec,
-            default_cache_prompt=cfg.cache_prompt,
-            default_seed=cfg.seed,
-            sampling=cfg.sampling,
-            default_n_keep=cfg.n_keep,
-            default_stop=cfg.stop,
-            default_ignore_eos=cfg.ignore_eos,
-            special=cfg.special,
-            chat_template_kwargs=cfg.chat_template_kwargs,
-            prefill_assistant=cfg.prefill_assistant,
-            reasoning_format=cfg.reasoning_format,
-            skip_chat_parsing=cfg.skip_chat_parsing,
-            default_grammar=check_grammar(cfg.grammar, m.tokenizer) if cfg.grammar else None,
-        )
+        m = engine.model
+        self.parse_ctx = ParseContext.for_model(
+            m.tokenizer, m.chat_template, engine.n_ctx_slot, engine.n_slots, self.defaults)
         self.engine = engine

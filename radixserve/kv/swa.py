@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from radixserve.kv.pool import KVPool, OutOfCells, Rotate
-from radixserve.model.loader import Model
 
 PAD = 256  # llama.cpp pads cache sizes to 256 cells
 
@@ -119,11 +118,3 @@ def make_pool(n_layer: int, swa_layers: tuple[bool, ...], n_swa: int, swa_full: 
     return SWAPool(n_layer - n_layer_swa, n_layer_swa, n_head_kv, head_dim, n_cells, n_seq,
                    unified, dtype, rotate, rotate_swa, n_swa, n_step, device)
 
-
-def model_pool(model: Model, n_cells: int, n_seq: int, unified: bool, n_step: int,
-               swa_full: bool = False) -> KVPool:
-    """`make_pool` for a loaded model; `n_step`: the most new tokens one forward holds."""
-    hp = model.hp
-    return make_pool(hp.n_layer, hp.swa_layers, hp.n_swa, swa_full, hp.n_head_kv, hp.head_dim,
-                     n_cells, n_seq, unified, model.dtype, model.rope.rotate,
-                     model.rope_swa.rotate, n_step, model.device)

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import gguf
 import torch
 
-from radixserve.config import WEIGHTS
 from radixserve.model.chat_template import ChatTemplate
 from radixserve.model.default_model import resolve_model_path
 from radixserve.model.forward import Transformer
@@ -23,6 +22,7 @@ from radixserve.model.weights import load_weights
 log = logging.getLogger(__name__)
 
 _DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+WEIGHT_MODES = ("auto", "native", "dequant")  # what `resolve_weights` takes (--weights)
 DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
@@ -130,8 +130,8 @@ def resolve_weights(name: str, dtype: torch.dtype) -> str:
     """`auto`: packed 4-bit blocks with bf16/f16 compute; f32 compute dequantizes, because our
     Q4 kernel takes bf16 activations only and torch's int4 f32 path is ~10x slower than a dense
     f32 matmul (exact, though: tests use it)."""
-    if name not in WEIGHTS:
-        raise ValueError(f"unknown weights mode {name!r} ({', '.join(WEIGHTS)})")
+    if name not in WEIGHT_MODES:
+        raise ValueError(f"unknown weights mode {name!r} ({', '.join(WEIGHT_MODES)})")
     if name == "auto":
         return "dequant" if dtype == torch.float32 else "native"
     return name

@@ -7,7 +7,7 @@ import torch
 
 from radixserve.cache.base import STAT_NAMES
 from radixserve.cache.legacy import LegacyPromptCache
-from radixserve.kv.batch import BatchSeq, forward
+from radixserve.engine.batch import BatchSeq, forward
 from radixserve.kv.state import fingerprint_of
 from radixserve.model.forward import Transformer
 from tests.conftest import make_pool

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from radixserve.cache import radix_tree
 from radixserve.cache.base import PromptCache
-from radixserve.cache.base import common_prefix as common_prefix_len
+from radixserve.cache.prefix import common_prefix as common_prefix_len
 from radixserve.cache.radix import RadixPromptCache
 from radixserve.cache.radix_tree import RadixNode, RadixTree
-from radixserve.kv.batch import BatchSeq, forward
+from radixserve.engine.batch import BatchSeq, forward
 from radixserve.kv.pool import KVPool
 from radixserve.kv.state import write_rows
 from radixserve.model.forward import Transformer

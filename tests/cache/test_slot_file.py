@@ -25,8 +25,8 @@ from radixserve.cache.slot_file import (
     validate_filename,
     write_slot_file,
 )
+from radixserve.engine.batch import BatchSeq, forward
 from radixserve.http.parse import MAX_CACHE_SALT
-from radixserve.kv.batch import BatchSeq, forward
 from radixserve.kv.state import fingerprint_of, get_state, parse_state
 from radixserve.model.forward import Transformer
 from tests.conftest import make_pool

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from radixserve.bench.scenarios import make_text
-from radixserve.cache.base import common_prefix
+from radixserve.cache.prefix import common_prefix
 from radixserve.config import ServerConfig
 from radixserve.engine.cache_view import PREVIEW, CacheView, snapshot
 from radixserve.engine.counters import ServerMetrics

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from radixserve.config import ServerConfig
+from radixserve.config import RequestDefaults, ServerConfig
 from radixserve.engine.task import FinalResult, PartialResult, TaskError, Timings, TokenProbs
 from radixserve.http import info
 from radixserve.http.parse import ParseContext, ParsedRequest, parse_chat, parse_completion
@@ -188,7 +188,7 @@ def test_native_completion_fields(pctx: ParseContext, rctx: ResponseContext) -> 
 
 def test_generation_settings_match_props_params(pctx: ParseContext, rctx: ResponseContext) -> None:
     ref = json.loads(reference("props.json"))["default_generation_settings"]["params"]
-    ours = info.default_params_json(ServerConfig())
+    ours = info.default_params_json(RequestDefaults.from_config(ServerConfig()))
     assert shape(ours) == shape(ref)
     settings = completion_json(final(), parse_completion({"prompt": "x"}, pctx), rctx)[
         "generation_settings"

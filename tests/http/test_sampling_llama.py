@@ -27,9 +27,9 @@ import torch
 from fastapi.testclient import TestClient
 
 from radixserve.config import ServerConfig
+from radixserve.engine.batch import BatchSeq, hidden
 from radixserve.engine.engine import Engine
 from radixserve.http.app import create_app
-from radixserve.kv.batch import BatchSeq, hidden
 from radixserve.kv.pool import KVPool
 from radixserve.model.loader import load_model
 from radixserve.model.sampler_ops import MT19937

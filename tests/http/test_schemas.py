@@ -6,6 +6,7 @@ Uses the real tokenizer and chat template of the tiny GGUF (copied from the defa
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -118,7 +119,7 @@ def test_context_and_limit_fields(ctx: ParseContext) -> None:
     assert (t.n_keep, t.n_discard, t.n_indent, t.t_max_predict_ms) == (-1, 5, 2, 30)
     t = cmpl(ctx, prompt="a").task
     assert (t.n_keep, t.n_discard, t.n_indent, t.t_max_predict_ms) == (0, 0, 0, -1)
-    ctx.default_n_keep = 9
+    ctx.defaults = dataclasses.replace(ctx.defaults, n_keep=9)
     assert cmpl(ctx, prompt="a").task.n_keep == 9
     assert cmpl(ctx, prompt="a", response_fields=["content", "a/b"]).response_fields == [
         "content", "a/b"]
@@ -204,7 +205,7 @@ def test_n_predict_must_be_an_integer(ctx: ParseContext, value: Any) -> None:
 
 
 def test_server_n_predict_caps_requests(ctx: ParseContext) -> None:
-    ctx.default_n_predict = 16
+    ctx.defaults = dataclasses.replace(ctx.defaults, n_predict=16)
     assert cmpl(ctx).task.n_predict == 16
     assert cmpl(ctx, n_predict=-1).task.n_predict == 16
     assert cmpl(ctx, n_predict=100).task.n_predict == 16
@@ -316,7 +317,7 @@ def test_defaults(ctx: ParseContext) -> None:
     )
     assert t.params.seed == -1 and t.params.temperature == 0.8 and t.stop == []
     assert (r.stream, r.include_usage, r.return_tokens) == (False, False, False)
-    ctx.default_cache_prompt, ctx.default_seed = False, 7
+    ctx.defaults = dataclasses.replace(ctx.defaults, cache_prompt=False, seed=7)
     assert cmpl(ctx).task.cache_prompt is False and cmpl(ctx).task.params.seed == 7
 
 

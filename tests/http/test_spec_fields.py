@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from radixserve.config import SpecConfig
+from radixserve.config import RequestDefaults, SpecConfig
 from radixserve.engine.task import TaskError
 from radixserve.http.parse import (
     INT32_MAX,
@@ -41,7 +41,8 @@ def server_spec() -> SpecConfig:
 
 @pytest.fixture
 def ctx(tok_tmpl: tuple[Tokenizer, ChatTemplate]) -> ParseContext:
-    return ParseContext(tok_tmpl[0], tok_tmpl[1], n_ctx_slot=64, n_slots=2, spec=server_spec())
+    return ParseContext(tok_tmpl[0], tok_tmpl[1], n_ctx_slot=64, n_slots=2,
+                        defaults=RequestDefaults(spec=server_spec()))
 
 
 @pytest.fixture
@@ -99,8 +100,8 @@ def test_each_field_overrides_only_its_setting(ctx: ParseContext, fields: dict[s
                                                want: dict[str, Any]) -> None:
     s = spec(ctx, **fields)
     assert changed(s) == want
-    assert ctx.spec == server_spec()  # the server's settings are not touched
-    assert s is not ctx.spec and s.types is not ctx.spec.types
+    assert ctx.defaults.spec == server_spec()  # the server's settings are not touched
+    assert s is not ctx.defaults.spec and s.types is not ctx.defaults.spec.types
 
 
 @pytest.mark.parametrize("fields, n_max, n_min", [
@@ -266,7 +267,7 @@ def test_routes_take_the_fields_and_refuse_bad_ones(model: Model, path: str,
 @pytest.mark.parametrize("path, body", ROUTES)
 def test_routes_accept_a_type_the_server_runs(model: Model, path: str,
                                               body: dict[str, Any]) -> None:
-    """Needs the server's --spec-* settings in the ParseContext (http/state.py: spec=cfg.spec)."""
+    """Needs the server's --spec-* settings in the request defaults (config.RequestDefaults)."""
     c, engine = client(model, GOOD, spec=SpecConfig(types=["ngram-simple", "ngram-mod"]))
     r = c.post(path, json={**body, "speculative.type": "ngram-mod"})
     assert r.status_code == 200, r.text
@@ -277,7 +278,7 @@ def test_routes_accept_a_type_the_server_runs(model: Model, path: str,
 
 
 def test_props_report_the_servers_speculative_settings(model: Model) -> None:
-    """Needs the server's --spec-* settings in /props (http/info.py: params_json(spec=cfg.spec))."""
+    """Needs the server's --spec-* settings in /props (http/info.py: params_json(spec=d.spec))."""
     c, _ = client(model, GOOD, spec=SpecConfig(types=["ngram-mod"], n_max=6, p_min=0.5))
     params = c.get("/props").json()["default_generation_settings"]["params"]
     got = tuple(params.get(f"speculative.{k}") for k in ("types", "n_max", "n_min", "p_min"))

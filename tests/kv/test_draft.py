@@ -8,8 +8,8 @@ import torch
 
 from radixserve.cache.legacy import LegacyPromptCache
 from radixserve.cache.radix import RadixPromptCache
+from radixserve.engine.batch import BatchSeq, place
 from radixserve.engine.ngram import NgramMod, ngram_simple_draft
-from radixserve.kv.batch import BatchSeq, place
 from radixserve.kv.draft import attach_draft
 from radixserve.kv.pool import KVPool
 from radixserve.kv.state import (StateError, draft_state_size, fingerprint_of,

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.kv.batch import BatchSeq, forward
+from radixserve.engine.batch import BatchSeq, forward
 from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.model.forward import Transformer
 from tests.conftest import make_pool

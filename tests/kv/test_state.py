@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.kv.batch import BatchSeq, forward
+from radixserve.engine.batch import BatchSeq, forward
 from radixserve.kv.pool import OutOfCells
 from radixserve.kv.state import StateError, fingerprint_of, get_state, set_state, state_size
 from radixserve.model.forward import Transformer

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.kv.batch import BatchSeq, forward
+from radixserve.engine.batch import BatchSeq, forward
 from radixserve.kv.pool import KVPool
 from radixserve.kv.state import (
     StateError,

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from radixserve.kv.batch import BatchSeq, forward, hidden
+from radixserve.engine.batch import BatchSeq, forward, hidden
 from radixserve.model import kernels as K
 from radixserve.model.forward import Transformer
 from radixserve.model.head import RowNeed

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from radixserve.kv.batch import BatchSeq, forward
+from radixserve.engine.batch import BatchSeq, forward
 from radixserve.kv.pool import KVPool
 from radixserve.model.forward import SeqStep, SwaStep, Transformer, resolve_deterministic
 from radixserve.model.hparams import HParams
@@ -68,7 +68,7 @@ PROMPT_TEXTS = [
 # -- running our forward ---------------------------------------------------------------------
 
 def full_cache(tr: Transformer, n_cells: int) -> Step:
-    """Every layer's K/V in one KVPool (--swa-full), stepped through kv/batch.py's forward."""
+    """Every layer's K/V in one KVPool (--swa-full), stepped through engine/batch.py's forward."""
     hp = tr.hp
     pool = KVPool(hp.n_layer, hp.n_head_kv, hp.head_dim, n_cells, 1, True, tr.dtype,
                   tr.rope.rotate)
@@ -275,7 +275,7 @@ def hf_reference(gemma_path: str, prompts: list[list[int]]):
 @pytest.fixture(scope="module")
 def ours_f32(gemma_f32: Model, prompts: list[list[int]],
              hf_reference) -> list[tuple[list[int], torch.Tensor]]:
-    """Our f32 greedy runs: chunked prefill then decode through kv/batch.py with every layer
+    """Our f32 greedy runs: chunked prefill then decode through engine/batch.py with every layer
     in one pool (the --swa-full layout)."""
     tr = gemma_f32.transformer
     return [greedy(full_cache(tr, len(ids) + N_NEW), ids, N_NEW, hf_reference.eos)

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import radixserve.model.forward as fw
-from radixserve.kv.batch import BatchSeq, hidden
-from radixserve.kv.swa import SWAPool, model_pool
+from radixserve.engine.batch import BatchSeq, hidden, model_pool
+from radixserve.kv.swa import SWAPool
 from radixserve.model import gemma_step as G
 from radixserve.model import kernels as K
 from radixserve.model.forward import rms_norm

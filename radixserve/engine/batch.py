@@ -1,8 +1,10 @@
-"""A forward over pool sequences: cells reserved in the pool first, then the model runs.
+"""Where the model meets the pool: the pool a loaded model needs (`model_pool`), and a forward
+over pool sequences (cells reserved in the pool first, then the model runs).
 
-The model takes cell indices and positions only (model/forward.py); this is the join for callers
-that hold a `KVPool` and simply want "run these tokens of sequence s" - the one-shot generator,
-the engine micro-benchmark and tests. The engine reserves through its per-slot owners instead.
+The model takes cell indices and positions only (model/forward.py) and kv/ knows nothing of the
+model; this is the join for callers that hold a `KVPool` and simply want "run these tokens of
+sequence s" - the one-shot generator, the engine micro-benchmark and tests. The engine reserves
+through its per-slot owners instead (and steps with `seq_step` and `run`).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.kv.pool import KVPool
-from radixserve.kv.swa import SWAPool, alloc_step
+from radixserve.kv.swa import SWAPool, alloc_step, make_pool
 from radixserve.model.forward import SeqStep, SwaStep, Transformer
+from radixserve.model.loader import Model
 
 
 @dataclass(slots=True)
@@ -75,3 +78,12 @@ def hidden(tr: Transformer, pool: KVPool, batch: list[BatchSeq]) -> torch.Tensor
 def forward(tr: Transformer, pool: KVPool, batch: list[BatchSeq]) -> torch.Tensor:
     """Exact f32 logits [sum n_logits, V] of `batch`, its K/V stored in `pool`."""
     return tr.w.head.full(hidden(tr, pool, batch))
+
+
+def model_pool(model: Model, n_cells: int, n_seq: int, unified: bool, n_step: int,
+               swa_full: bool = False) -> KVPool:
+    """`make_pool` for a loaded model; `n_step`: the most new tokens one forward holds."""
+    hp = model.hp
+    return make_pool(hp.n_layer, hp.swa_layers, hp.n_swa, swa_full, hp.n_head_kv, hp.head_dim,
+                     n_cells, n_seq, unified, model.dtype, model.rope.rotate,
+                     model.rope_swa.rotate, n_step, model.device)
