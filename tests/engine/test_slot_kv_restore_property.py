@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import radixserve.engine.slot_kv as slot_kv_module
@@ -297,21 +297,28 @@ def new_cache(backend: str, pool: KVPool, arch: str, disk_dir: str | None) -> Pr
     return RadixPromptCache(-1, disk=disk)
 
 
-prompts = st.lists(st.integers(0, 3), min_size=1, max_size=28)
+# prompts are cuts of three documents (two share a prefix) plus a short tail, so restores hit
+DOCS = [[(7 * i + 3) % 11 + 4 for i in range(28)]]
+DOCS += [DOCS[0][:12] + [(5 * i + 1) % 9 + 20 for i in range(16)], [30 + i % 7 for i in range(28)]]
+prompts = st.builds(lambda d, cut, tail: (DOCS[d][:cut] + tail)[:28], st.integers(0, 2),
+                    st.integers(1, 28), st.lists(st.integers(0, 3), max_size=3))
 slot_ids = st.integers(0, N_SEQ - 1)
-salts = st.sampled_from(["", "", "s"])
+salts = st.sampled_from(["", "", "", "s"])
+faults = st.one_of(st.none(), st.none(), st.integers(0, 20))  # armed before a cycle's restore
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("compute"), slot_ids, prompts, salts),
         st.tuples(st.just("save"), slot_ids),
         st.tuples(st.just("restore"), slot_ids, prompts, salts),
+        st.tuples(st.just("cycle"), slot_ids, prompts, slot_ids, prompts, salts, faults),
+        st.tuples(st.just("cycle"), slot_ids, prompts, slot_ids, prompts, salts, faults),
         st.tuples(st.just("drop"), slot_ids),
         st.tuples(st.just("fault"), st.integers(0, 20)),
         st.tuples(st.just("limit"), st.integers(0, 40)),
         st.tuples(st.just("forget")),
     ),
     min_size=1,
-    max_size=18,
+    max_size=20,
 )
 
 
@@ -322,12 +329,14 @@ def restore(kv: SlotKV, cache: PromptCache, prompt: list[int], salt: str) -> Non
         if ticket is not None:
             cache.disk.drain()
             cache.take_disk_loads()
+            event("read from disk")
     want = cache.match(kv.pool, kv.seq, kv.offered(prompt, salt), prompt, salt=salt)
     before = (list(kv.tokens), kv.pool.seq_cells(kv.seq), kv.salt)
     s0 = cache.stats()
     fault = getattr(cache, "fault_after_tokens", None)
     ok = kv.restore_from(cache, prompt, salt)
     s1 = cache.stats()
+    event("restored" if ok else "nothing better" if want == 0 else "failed")
     if ok:
         assert want > 0 and common_prefix(kv.tokens, prompt) == want
         assert kv.salt == salt and (s1["loads"], s1["fallbacks"]) == (s0["loads"] + 1,
@@ -362,7 +371,15 @@ def run_ops(kind: str, backend: str, tr: Transformer, swa_tr: Transformer,
             kvs = [SlotKV(pool, s) for s in range(N_SEQ)]
             for step in steps:
                 op = step[0]
-                if op == "compute":
+                if op == "cycle":  # one slot computes and saves, another restores
+                    compute(kvs[step[1]], step[2], step[5])
+                    if kvs[step[1]].save_to(cache):
+                        cache.update()
+                    check_all(kvs, cache, guard)
+                    if step[6] is not None and isinstance(cache, RadixPromptCache):
+                        cache.fault_after_tokens, cache.fault_restores_left = step[6], 1
+                    restore(kvs[step[3]], cache, step[4], step[5])
+                elif op == "compute":
                     compute(kvs[step[1]], step[2], step[3])
                 elif op == "save":
                     if kvs[step[1]].save_to(cache):
@@ -394,7 +411,7 @@ def run_ops(kind: str, backend: str, tr: Transformer, swa_tr: Transformer,
 
 @pytest.mark.parametrize("kind", ["unified", "partitioned", "swa", "draft"])
 @pytest.mark.parametrize("backend", ["none", "legacy", "radix"])
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps=ops)
 def test_restores_through_slot_kv_only(tiny_tr: Transformer, swa_tr: Transformer, kind: str,
                                        backend: str, steps: list[tuple[Any, ...]]) -> None:
@@ -402,7 +419,7 @@ def test_restores_through_slot_kv_only(tiny_tr: Transformer, swa_tr: Transformer
 
 
 @pytest.mark.parametrize("kind", ["unified", "swa", "draft"])
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps=ops)
 def test_disk_backed_radix_restores_through_slot_kv_only(
         tiny_tr: Transformer, swa_tr: Transformer, kind: str,
