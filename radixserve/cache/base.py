@@ -10,12 +10,12 @@ Rules every backend keeps (SGLang-style contracts):
 - `match` says how long a prefix `load` would hand over now, and modifies nothing (the engine's
   prefix planner weighs it against the slot's own KV and other slots' before acting).
 - `load` never writes the pool (it may read it: layouts, room). It returns None when it has
-  nothing better than the slot (the slot stays untouched), else a `Restore`: whatever it hands
-  over stays locked in the cache (not evicted, not consumed) until the writer calls
-  `Restore.done` exactly once, with the error that stopped the writing or None. On an error the
-  writer has removed every cell it wrote (the slot holds nothing and computes its prompt) and
-  the cache counts a fallback; on success the cache counts the load (and a consuming backend
-  drops the entry only then). Checks that can fail before anything is written (room, a bad
+  nothing better than the slot (the slot stays untouched), else a `Restore`. Lock before use:
+  whatever it hands over stays locked in the cache (not evicted, not consumed) until the writer
+  calls `Restore.done` exactly once, with the error that stopped the writing or None. On an
+  error the writer has removed every cell it wrote (the slot holds nothing and computes its
+  prompt) and the cache counts a fallback; on success the cache counts the load (and a
+  consuming backend drops the entry only then). Checks that can fail before anything is written (room, a bad
   state) make `load` return None instead.
 - Evicting nothing is always safe; `update` only enforces limits.
 - Namespaces: every operation takes a `salt` (a request's `cache_salt`; "" when it gave none).

@@ -188,9 +188,10 @@ class LegacyPromptCache:
             log.error("failed to restore state with size %d: %s", len(best.data), e)
             self.counters["load_failures"] += 1
             return None
-        return Restore(list(best.tokens), self._segments(pool, best, st),
-                       list(best.checkpoints), kept=False,
-                       on_done=lambda error: self._loaded(best, n, error))
+        entry: CacheEntry = best
+        return Restore(list(entry.tokens), self._segments(pool, entry, st),
+                       list(entry.checkpoints), kept=False,
+                       on_done=lambda error: self._loaded(entry, n, error))
 
     @staticmethod
     def _segments(pool: KVPool, e: CacheEntry, st: ParsedState) -> Iterator[Segment]:
