@@ -6,6 +6,8 @@ import gguf
 import pytest
 import torch
 
+from radixserve.cache.base import PromptCache
+from radixserve.engine.slot_kv import SlotKV
 from radixserve.kv.pool import KVPool
 from radixserve.kv.swa import make_pool as swa_make_pool
 from radixserve.model.chat_template import ChatTemplate
@@ -34,6 +36,16 @@ def make_pool(tr: Transformer, n_cells: int = 256, n_seq: int = 4, unified: bool
     return swa_make_pool(hp.n_layer, hp.swa_layers, hp.n_swa, swa_full, hp.n_head_kv,
                          hp.head_dim, n_cells, n_seq, unified, tr.dtype, tr.rope.rotate,
                          tr.rope_swa.rotate, n_step)
+
+
+def restore(cache: PromptCache, pool: KVPool, seq: int, slot_tokens: list[int],
+            prompt: list[int], salt: str = "") -> list[int] | None:
+    """A host-cache restore into `seq` as the engine makes it: the cache hands its rows over
+    (`load`, given what the slot keeps), the slot's KV owner writes them. None: the cache had
+    nothing better (the sequence untouched); else the tokens it holds now ([]: the restore
+    failed, its cells removed)."""
+    got = cache.load(pool, seq, slot_tokens, prompt, salt=salt)
+    return None if got is None else SlotKV(pool, seq).write_restore(got, salt)
 
 
 @pytest.fixture(scope="session")

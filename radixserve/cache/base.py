@@ -1,11 +1,22 @@
 """The host tier's contract: what the scheduler may ask of a prompt cache backend.
 
+Caches hold KV; they never write the device pool. A restore is a hand-over: `load` returns what
+the cache holds for the prompt (a `Restore`: the tokens, their rows as `Segment`s in the pool's
+layout, the checkpoints that came with them) and the slot's KV owner (engine/slot_kv.py, the
+only writer of a slot's cells) writes the rows, then tells the cache how it went (`done`).
+
 Rules every backend keeps (SGLang-style contracts):
 - `save` copies a sequence's KV out of the pool and never modifies the pool.
-- `match` says how long a prefix `load` would restore now, and modifies nothing (the engine's
+- `match` says how long a prefix `load` would hand over now, and modifies nothing (the engine's
   prefix planner weighs it against the slot's own KV and other slots' before acting).
-- `load` either leaves the sequence untouched (returns None) or replaces its KV and returns the
-  tokens the sequence now holds (possibly [] after a failed restore: the caller then prefills).
+- `load` never writes the pool (it may read it: layouts, room). It returns None when it has
+  nothing better than the slot (the slot stays untouched), else a `Restore`. Lock before use:
+  whatever it hands over stays locked in the cache (not evicted, not consumed) until the writer
+  calls `Restore.done` exactly once, with the error that stopped the writing or None. On an
+  error the writer has removed every cell it wrote (the slot holds nothing and computes its
+  prompt) and the cache counts a fallback; on success the cache counts the load (and a
+  consuming backend drops the entry only then). Checks that can fail before anything is written (room, a bad
+  state) make `load` return None instead.
 - Evicting nothing is always safe; `update` only enforces limits.
 - Namespaces: every operation takes a `salt` (a request's `cache_salt`; "" when it gave none).
   Entries of different salts never match each other: `match` and `load` consider only entries
@@ -22,14 +33,17 @@ Rules every backend keeps (SGLang-style contracts):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Protocol
+
+import torch
 
 from radixserve.kv.checkpoint import Checkpoint
 from radixserve.kv.pool import KVPool
 
-__all__ = ["STAT_NAMES", "DiskTierCache", "NullPromptCache", "PromptCache"]
+__all__ = ["STAT_NAMES", "DiskTierCache", "NullPromptCache", "PromptCache", "Restore", "Segment"]
 
 # Every backend's `stats()` keys, in this order (values are floats):
 STAT_NAMES = (
@@ -89,6 +103,44 @@ class DiskTierCache(Protocol):
         ...
 
 
+@dataclass(slots=True)
+class Segment:
+    """K/V rows of one run of positions, in the pool's layout: `k`/`v` [n_layer, n_head_kv, n,
+    head_dim] of the pool's own layers (a sliding-window pool's global ones) at `positions`;
+    `swa` a sliding-window pool's sliding layers as (positions, k, v), only the window's
+    positions; `draft` a draft model's (k, v) at `positions`."""
+
+    positions: list[int]
+    k: torch.Tensor
+    v: torch.Tensor
+    swa: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
+    draft: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass(slots=True)
+class Restore:
+    """What `PromptCache.load` hands over: once every segment is written, the sequence holds
+    `tokens` (token i at position i). Iterating `segments` may raise (a bad segment, an injected
+    fault): the restore failed. `kept`: the cache still holds these tokens afterwards (a
+    non-consuming backend), so a write-through save need not copy them again."""
+
+    tokens: list[int]
+    segments: Iterable[Segment]
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    kept: bool = False
+    on_done: Callable[[BaseException | None], None] | None = None
+    finished: bool = False
+
+    def done(self, error: BaseException | None = None) -> None:
+        """The writer's report, exactly once (later calls do nothing): `error` stopped the
+        writing (its cells are gone already), or None. Releases what the cache locked."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.on_done is not None:
+            self.on_done(error)
+
+
 class PromptCache(Protocol):
     name: str
     load_always: bool  # try `load` for every new prompt, not only when the slot is overwritten
@@ -101,15 +153,15 @@ class PromptCache(Protocol):
 
     def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
               salt: str = "") -> int:
-        """Tokens of `prompt` that `load` would restore into `seq` now from namespace `salt`
-        (0: none); read-only."""
+        """Tokens of `prompt` that `load` would hand over for `seq` now from namespace `salt`
+        (0: none); modifies nothing."""
         ...
 
     def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
-             checkpoints: list[Checkpoint] | None = None, salt: str = "") -> list[int] | None:
-        """Restore a better prefix of `prompt` than `slot_tokens` into `seq` from namespace
-        `salt`, if the cache has one; the checkpoints that came with it are appended to
-        `checkpoints`."""
+             salt: str = "") -> Restore | None:
+        """A better prefix of `prompt` than `slot_tokens` (what `seq` keeps) from namespace
+        `salt`, as rows for `seq` to hold in place of its own, locked until `Restore.done`;
+        None if the cache has none (or `seq` could not hold it). The pool is only read."""
         ...
 
     def update(self) -> None:
@@ -125,6 +177,7 @@ class PromptCache(Protocol):
         ...
 
     def check(self) -> None:
+        """AssertionError when the bookkeeping is off (at idle: nothing left locked)."""
         ...
 
     def disk_tier(self) -> DiskTierCache | None:
@@ -147,7 +200,7 @@ class NullPromptCache:
         return 0
 
     def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
-             checkpoints: list[Checkpoint] | None = None, salt: str = "") -> list[int] | None:
+             salt: str = "") -> Restore | None:
         return None
 
     def update(self) -> None:

@@ -17,15 +17,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from radixserve.cache.base import stats_dict
+from radixserve.cache.base import Restore, Segment, stats_dict
 from radixserve.cache.prefix import common_prefix
 from radixserve.kv.checkpoint import Checkpoint
 from radixserve.kv.pool import KVPool, OutOfCells
-from radixserve.kv.state import (Fingerprint, StateError, draft_state_size, get_draft_state,
-                                  get_state, set_draft_state, set_state, state_size)
+from radixserve.kv.state import (Fingerprint, ParsedState, StateError, check_room,
+                                  draft_state_size, get_draft_state, get_state, parse_draft_rows,
+                                  parse_pool_state, state_size)
 
 log = logging.getLogger(__name__)
 MiB = 1024 * 1024
@@ -172,34 +173,47 @@ class LegacyPromptCache:
         return self._best(slot_tokens, prompt, salt)[1]
 
     def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
-             checkpoints: list[Checkpoint] | None = None, salt: str = "") -> list[int] | None:
-        """Take the entry of namespace `salt` that beats the slot on both f_keep and f_sim; it
-        leaves the cache, its checkpoints going to `checkpoints`."""
+             salt: str = "") -> Restore | None:
+        """The entry of namespace `salt` that beats the slot on both f_keep and f_sim, its
+        state checked against `pool` and `seq`'s room first (a failure: None, counted); it
+        leaves the cache once written (take-and-delete), its checkpoints going with it. The
+        draft part is checked as its rows are handed over: a bad one fails the whole restore."""
         best, n, f_keep_best, f_sim_best = self._best(slot_tokens, prompt, salt)
         if best is None:
             return None
         log.info(" - found better prompt with f_keep = %.3f, f_sim = %.3f", f_keep_best, f_sim_best)
         try:
-            set_state(pool, seq, best.data, self.fp)  # validates everything before touching
+            st = parse_pool_state(pool, best.data, self.fp)  # everything checked before writing
+            check_room(pool, seq, st)
         except (StateError, OutOfCells) as e:
             log.error("failed to restore state with size %d: %s", len(best.data), e)
             self.counters["load_failures"] += 1
             return None
+        entry: CacheEntry = best
+        return Restore(list(entry.tokens), self._segments(pool, entry, st),
+                       list(entry.checkpoints), kept=False,
+                       on_done=lambda error: self._loaded(entry, n, error))
+
+    @staticmethod
+    def _segments(pool: KVPool, e: CacheEntry, st: ParsedState) -> Iterator[Segment]:
+        """The entry's rows: one segment, its draft part with it or neither (StateError)."""
+        draft = None
         if pool.draft is not None:
-            try:  # the draft part with it, or neither
-                set_draft_state(pool, seq, best.draft)
-            except StateError as e:
-                log.error("failed to restore the draft state with size %d: %s",
-                          len(best.draft), e)
-                pool.seq_rm(seq)
-                self.counters["load_failures"] += 1
-                return []
-        self._remove(best, None)  # consumed: the entry now lives in the slot
+            d = parse_draft_rows(pool, e.draft, sorted(st.positions))
+            draft = (d.k, d.v)
+        swa = None if st.swa is None else (st.swa.positions, st.swa.k, st.swa.v)
+        yield Segment(st.positions, st.k, st.v, swa, draft)
+
+    def _loaded(self, e: CacheEntry, n: int, error: BaseException | None) -> None:
+        """The slot's report on `e`'s rows: consumed when written, kept (and counted) if not."""
+        if error is not None:
+            log.error("failed to restore the prompt cache entry (%d tokens, draft state %d "
+                      "bytes): %s", len(e.tokens), len(e.draft), error)
+            self.counters["load_failures"] += 1
+            return
+        self._remove(e, None)  # consumed: the entry now lives in the slot
         self.counters["loads"] += 1
         self.counters["hit_tokens"] += n
-        if checkpoints is not None:
-            checkpoints.extend(best.checkpoints)
-        return best.tokens
 
     def update(self) -> None:
         t0 = time.perf_counter()

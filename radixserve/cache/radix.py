@@ -2,10 +2,12 @@
 
 Prompts are kept in a radix tree (`radix_tree.py`) whose edges own the K/V rows of their tokens,
 so a prefix shared by many prompts is stored once. `save` copies out only the rows past the
-longest stored prefix; `load` restores the longest stored prefix of a new prompt straight into
-the slot's cells ("direct KV"), without consuming it. A restore that fails part-way removes what
-it wrote and reports [] so the scheduler prefills from scratch (a "fallback"); the tree stays
-usable. `--cache-ram` bounds the bytes; LRU leaves go first.
+longest stored prefix; `load` hands the longest stored prefix of a new prompt over as the
+matched segments themselves (locked until the slot's KV owner has copied them straight into its
+cells: "direct KV"), without consuming it. A restore that fails part-way (a bad segment, out of
+cells, an injected fault) has its cells removed by the writer, which reports the error: counted
+as a "fallback", the scheduler prefills from scratch, the tree stays usable. `--cache-ram`
+bounds the bytes; LRU leaves go first.
 
 Sliding-window models (kv/swa.py): a segment keeps every layer of every token, the sliding
 layers stacked after the global ones, so the tree never needs checkpoints: restoring a prefix
@@ -21,24 +23,23 @@ Disk tier (`disk`, cache/disk.py): every block of `disk.block` tokens a save com
 through to disk (in the background), and an evicted leaf's blocks the disk lacks are written
 before it goes. `disk_lookup` starts reading a prompt's blocks past what RAM and the slots hold;
 `take_disk_loads` puts what was read into the tree (on the engine thread), from where `load`
-restores it as any other prefix.
+hands it over as any other prefix.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 
 import torch
 
-from radixserve.cache.base import stats_dict
+from radixserve.cache.base import Restore, Segment, stats_dict
 from radixserve.cache.disk import DiskTier, Loaded
 from radixserve.cache.prefix import common_prefix
 from radixserve.cache.radix_tree import RadixMatch, RadixNode, RadixTree, own_rows
 from radixserve.kv.checkpoint import Checkpoint
 from radixserve.kv.pool import KVPool
-from radixserve.kv.state import write_draft_rows, write_rows
 from radixserve.kv.swa import SWAPool
 
 log = logging.getLogger(__name__)
@@ -152,15 +153,14 @@ class RadixPromptCache:
             return None
         return match if self.can_restore(pool, seq, m) else None
 
-    def load(
-        self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
-        checkpoints: list[Checkpoint] | None = None, salt: str = "",
-    ) -> list[int] | None:
-        """Restore the longest stored prefix of `prompt` into `seq` if it beats what `seq` keeps.
+    def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
+             salt: str = "") -> Restore | None:
+        """The longest stored prefix of `prompt`, if it beats what `seq` keeps, as the matched
+        segments in `pool`'s layout for positions 0..m-1 (the whole match: the scheduler keeps
+        at least one token to evaluate itself).
 
-        None: nothing better (or too few free cells), `seq` untouched. [] : the restore failed
-        and `seq` now holds nothing. Otherwise the tokens `seq` now holds, `prompt[:m]` (the
-        whole match: the scheduler keeps at least one token to evaluate itself).
+        None: nothing better (or too few free cells). Otherwise the matched nodes stay locked
+        (never evicted) until `Restore.done`, which counts a load, or a fallback for an error.
         """
         match = self._restorable(pool, seq, slot_tokens, prompt, salt)
         if match is None:
@@ -168,27 +168,26 @@ class RadixPromptCache:
         m = match.length
         end = match.path[-1]
         self.tree.touch(end)
-        self.tree.lock(end)  # eviction must not drop the segments while we copy them
-        try:
-            pool.seq_rm(seq)
-            self._restore(pool, seq, match)
-        except Exception as e:
-            pool.seq_rm(seq)
+        self.tree.lock(end)  # eviction must not drop the segments while they are copied
+        return Restore(prompt[:m], self._segments(pool, match), kept=True,
+                       on_done=lambda error: self._restored(end, m, seq, error))
+
+    def _restored(self, end: RadixNode, m: int, seq: int, error: BaseException | None) -> None:
+        """The writer's report on a restore of `m` tokens into `seq` (locked at `end`)."""
+        self.tree.unlock(end)
+        if error is not None:
             self.fallbacks += 1
             log.warning(
                 "radix restore of %d tokens into sequence %d failed (%s: %s); "
                 "falling back to a full prefill",
                 m,
                 seq,
-                type(e).__name__,
-                e,
+                type(error).__name__,
+                error,
             )
-            return []
-        finally:
-            self.tree.unlock(end)
+            return
         self.loads += 1
         self.hit_tokens += m
-        return prompt[:m]
 
     def update(self) -> None:
         """Evict LRU leaves until the tree fits the byte limit (locked nodes stay)."""
@@ -351,8 +350,11 @@ class RadixPromptCache:
                     and min(n, pool.n_swa) <= pool.swa.n_reclaimable(seq))
         return n <= pool.n_reclaimable(seq)
 
-    def _restore(self, pool: KVPool, seq: int, match: RadixMatch) -> None:
-        """Write the matched segments into fresh cells of `seq` at positions 0..match.length-1."""
+    def _segments(self, pool: KVPool, match: RadixMatch) -> Iterator[Segment]:
+        """The matched rows at positions 0..match.length-1 in `pool`'s layout (a sliding-window
+        pool's sliding layers for the window only), a segment per node; ValueError for a
+        segment of another layout, InjectedFault (the fault hook) once that many tokens' rows
+        were handed over."""
         fault, written = self.fault_after_tokens, 0
         swa = pool if isinstance(pool, SWAPool) else None
         n_layer = pool.n_layer + (swa.swa.n_layer if swa is not None else 0)
@@ -370,14 +372,12 @@ class RadixPromptCache:
                 )
             n = k.shape[2] if fault is None else min(k.shape[2], fault - written)
             g = pool.n_layer
-            positions = list(range(pos0, pos0 + n))
-            write_rows(pool, seq, positions, k[:g, :, :n], v[:g, :, :n])
-            if draft:
-                write_draft_rows(pool, seq, positions, draft[0][:, :, :n], draft[1][:, :, :n])
+            sliding = None
             if swa is not None and pos0 + n > lo:
                 a = max(lo, pos0) - pos0
-                write_rows(swa.swa, seq, list(range(pos0 + a, pos0 + n)), k[g:, :, a:n],
-                           v[g:, :, a:n])
+                sliding = (list(range(pos0 + a, pos0 + n)), k[g:, :, a:n], v[g:, :, a:n])
+            yield Segment(list(range(pos0, pos0 + n)), k[:g, :, :n], v[:g, :, :n], sliding,
+                          (draft[0][:, :, :n], draft[1][:, :, :n]) if draft else None)
             written += n
             if fault is not None and written >= fault:
                 if self.fault_restores_left is not None:

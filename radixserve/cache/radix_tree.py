@@ -1,6 +1,7 @@
 """The radix fork's tree: token ids on compressed edges, each owning the K/V rows of its tokens.
 
-Pure data structure (no pool): `radix.py` copies rows in and out of the device pool.
+Pure data structure (no pool): `radix.py` copies rows out of the device pool and hands them
+over for a restore, which the slot's KV owner (engine/slot_kv.py) writes into it.
 
 - A node's `k`/`v` are [n_layer, n_head_kv, len(tokens), head_dim] host tensors that own their
   storage (a split copies both halves), so `bytes` is exactly the memory the tree holds.

@@ -11,6 +11,12 @@ only writer of a block table), so the rule holds by construction and `check` can
 Cells reserved for a forward (`reserve`) are the one transient exception: they are committed
 (`commit`) when the forward succeeded or dropped with the rest when it failed.
 
+Host-cache restores (`restore_from`): a cache never writes the pool. It hands its rows over
+(cache/base.py's `Restore`: segments of rows in the pool's layout, the tokens they are of, the
+checkpoints that came with them) and this object writes them (`write_restore`); when writing
+fails part-way (a bad segment, out of cells, an injected fault) the cells written so far go,
+the slot is left empty and the cache is told, so it counts a fallback and releases its locks.
+
 Context shift (`shift`, `--context-shift`): when a generating slot's context is full, the tokens
 after the first n_keep are partly discarded and the rest moved left with K re-rotated, as
 llama-server does. The KV that results is NOT the KV a fresh computation of the new token list
@@ -41,12 +47,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from radixserve.cache.base import PromptCache
+from radixserve.cache.base import PromptCache, Restore, Segment
 from radixserve.cache.prefix import common_prefix
 from radixserve.kv.checkpoint import Checkpoint, seal, unseal
 from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.kv.state import (Fingerprint, StateError, get_swa_state, parse_swa_state,
-                                  set_draft_state, set_swa_state, write_rows)
+                                  set_draft_state, set_swa_state, write_draft_rows, write_rows)
 from radixserve.kv.swa import SWAPool, alloc_step
 
 MiB = 1024 * 1024
@@ -297,20 +303,52 @@ class SlotKV:
         return True
 
     def restore_from(self, cache: PromptCache, prompt: list[int], salt: str) -> bool:
-        """Let the host cache write its best prefix of `prompt` from namespace `salt`; False if
-        it had none better (slot untouched) or the restore failed (slot emptied: the caller
-        plans again)."""
-        cks: list[Checkpoint] = []
-        loaded = cache.load(self.pool, self.seq, self.offered(prompt, salt), prompt, cks,
-                            salt=salt)
-        if loaded is None:
+        """Restore the host cache's best prefix of `prompt` from namespace `salt` (the cache
+        hands its rows over, this object writes them); False if it had none better (slot
+        untouched) or the restore failed (slot emptied: the caller plans again)."""
+        got = cache.load(self.pool, self.seq, self.offered(prompt, salt), prompt, salt=salt)
+        if got is None:
             return False
-        self._tokens, self._ahead = list(loaded), []
+        return bool(self.write_restore(got, salt))
+
+    def write_restore(self, got: Restore, salt: str = "") -> list[int]:
+        """Replace the content with the rows a host cache handed over, as KV of namespace
+        `salt`; returns the tokens now held. Any error while writing (a bad segment, out of
+        cells, an injected fault) removes the cells written so far: the slot then holds nothing
+        and [] is returned. Either way the cache hears the outcome (`Restore.done`: it counts
+        the load or the fallback, and releases what it locked)."""
+        failed: BaseException | None = None
+        try:
+            self.pool.seq_rm(self.seq)
+            for seg in got.segments:
+                self._write_segment(seg)
+        except BaseException as e:  # reported to the cache; an interrupt re-raised below
+            self.pool.seq_rm(self.seq)  # the cells written so far go
+            failed = e
+        tokens = [] if failed is not None else list(got.tokens)
+        self._tokens, self._ahead = tokens, []
         self.salt = salt
-        self.saved_upto = len(loaded) if cache.load_always else 0  # radix keeps what it gave
-        self.n_draft = len(loaded)  # every tier restores the draft rows with the target's
-        self.set_checkpoints(cks)
-        return bool(loaded)
+        self.saved_upto = len(tokens) if got.kept else 0  # radix keeps what it gave
+        self.n_draft = len(tokens)  # every tier restores the draft rows with the target's
+        self.set_checkpoints(list(got.checkpoints) if tokens else [])
+        got.done(failed)
+        if failed is not None and not isinstance(failed, Exception):
+            raise failed  # an interrupt: the slot and the cache are consistent, go on up
+        return tokens
+
+    def _write_segment(self, seg: Segment) -> None:
+        """Put a segment's rows into fresh cells of this sequence (ValueError for parts this
+        pool lacks; OutOfCells when there is no room)."""
+        if seg.swa is not None and self.swa is None:
+            raise ValueError("sliding-window rows for a pool without a sliding part")
+        if seg.draft is not None and self.pool.draft is None:
+            raise ValueError("draft rows for a pool without a draft model")
+        write_rows(self.pool, self.seq, seg.positions, seg.k, seg.v)
+        if seg.draft is not None:
+            write_draft_rows(self.pool, self.seq, seg.positions, *seg.draft)
+        if seg.swa is not None:
+            assert self.swa is not None
+            write_rows(self.swa.swa, self.seq, *seg.swa)
 
     def load_rows(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor,
                   swa: tuple[list[int], torch.Tensor, torch.Tensor] | None = None,

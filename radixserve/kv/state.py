@@ -7,7 +7,9 @@ V rows, in the pool's dtype. A sliding-window pool (kv/swa.py) appends a second 
 sliding layers (arch suffixed ":swa", the window's positions only), as llama.cpp's iSWA state
 writes the base cache then the SWA cache; a context checkpoint is that second block alone.
 `set_state` validates everything (sizes, fingerprint, positions, free cells) before it touches
-the pool, so a bad or foreign state leaves the pool exactly as it was.
+the pool, so a bad or foreign state leaves the pool exactly as it was. The engine restores a
+host-cache entry the same way in two steps: the cache parses and checks (`parse_pool_state`,
+`check_room`, `parse_draft_rows`: nothing written), the slot's KV owner writes the rows.
 """
 
 from __future__ import annotations
@@ -200,15 +202,27 @@ def _check_room(pool: KVPool, seq: int, n: int) -> None:
         raise OutOfCells(f"state of {n} tokens needs more free cells than available")
 
 
+def parse_pool_state(pool: KVPool, data: bytes | memoryview, fp: Fingerprint) -> ParsedState:
+    """Decode and check a state of `pool`'s layout (a sliding-window pool's: both parts);
+    touches nothing."""
+    swa = pool if isinstance(pool, SWAPool) else None
+    return parse_state(data, fp, pool.dtype, None if swa is None else swa_fingerprint(swa, fp))
+
+
+def check_room(pool: KVPool, seq: int, st: ParsedState) -> None:
+    """OutOfCells unless `seq` could hold the state once its own cells go (reads only)."""
+    _check_room(pool, seq, len(st.positions))
+    if isinstance(pool, SWAPool):
+        assert st.swa is not None
+        _check_room(pool.swa, seq, len(st.swa.positions))
+
+
 def set_state(pool: KVPool, seq: int, data: bytes | memoryview, fp: Fingerprint) -> int:
     """Replace `seq`'s KV with the state; returns its token count. All checks come first."""
     swa = pool if isinstance(pool, SWAPool) else None
-    st = parse_state(data, fp, pool.dtype, None if swa is None else swa_fingerprint(swa, fp))
+    st = parse_pool_state(pool, data, fp)
     n = len(st.positions)
-    _check_room(pool, seq, n)
-    if swa is not None:
-        assert st.swa is not None
-        _check_room(swa.swa, seq, len(st.swa.positions))
+    check_room(pool, seq, st)
     pool.seq_rm(seq)
     write_rows(pool, seq, st.positions, st.k, st.v)
     if swa is not None and st.swa is not None:
@@ -236,14 +250,20 @@ def set_swa_state(pool: SWAPool, seq: int, data: bytes | memoryview, fp: Fingerp
 def parse_draft_state(pool: KVPool, seq: int, data: bytes | memoryview) -> ParsedState:
     """A draft state, checked against the draft rows' shape and against the cells `seq` holds
     now (StateError unless it has rows for exactly their positions); touches nothing."""
+    return parse_draft_rows(pool, data, pool.seq_positions(seq))
+
+
+def parse_draft_rows(pool: KVPool, data: bytes | memoryview, positions: list[int]) -> ParsedState:
+    """A draft state, checked against the draft rows' shape and against the (ascending)
+    `positions` it must have rows for exactly (StateError); touches nothing."""
     assert pool.draft is not None
     r = _Reader(data)
     st = _parse_block(r, pool.draft.fp, pool.draft.dtype)
     if r.off != len(r.data):
         raise StateError(f"draft state has {len(r.data) - r.off} trailing bytes")
-    if st.positions != pool.seq_positions(seq):
+    if st.positions != positions:
         raise StateError(f"draft state of {len(st.positions)} positions does not fit the "
-                         f"sequence's {pool.seq_len(seq)}")
+                         f"sequence's {len(positions)}")
     return st
 
 

@@ -29,6 +29,7 @@ from radixserve.engine.host_tier import make_disk
 from radixserve.model.kernels import cache_dir, kernels
 from radixserve.model.loader import Model
 from tests.cache.test_radix import fake_pool, fill, pool_rows, prefix_hashes
+from tests.conftest import restore
 
 B = 4  # tokens a block
 LAYOUT = [RowSpec(2, 1, 3, torch.bfloat16)] * 2 + [RowSpec(1, 1, 2, torch.float32)] * 2
@@ -602,7 +603,7 @@ def test_radix_writes_through_and_a_new_cache_restores_from_disk(tmp_path):
     d2.drain()
     assert fresh.take_disk_loads() == [ticket]
     pool.seq_rm(0)
-    assert fresh.load(pool, 1, [], prompt) == tokens[:12]
+    assert restore(fresh, pool, 1, [], prompt) == tokens[:12]
     expect = torch.tensor(prefix_hashes(tokens)[:12])
     assert torch.equal(pool_rows(pool, 1), expect)
     assert fresh.disk_lookup(prompt, "", 0) is None  # the tree has it now
@@ -653,6 +654,6 @@ def test_disk_read_joins_what_the_tree_holds_now(tmp_path, keep):
     assert cache.tree.match(tokens).length == 16 and ticket
     cache.check()
     pool.seq_rm(0)
-    assert cache.load(pool, 1, [], tokens) == tokens[:16]
+    assert restore(cache, pool, 1, [], tokens) == tokens[:16]
     assert torch.equal(pool_rows(pool, 1), torch.tensor(prefix_hashes(tokens)[:16]))
     cache.close()

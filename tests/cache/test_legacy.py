@@ -10,7 +10,7 @@ from radixserve.cache.legacy import LegacyPromptCache
 from radixserve.engine.batch import BatchSeq, forward
 from radixserve.kv.state import fingerprint_of
 from radixserve.model.forward import Transformer
-from tests.conftest import make_pool
+from tests.conftest import make_pool, restore
 
 T = list(range(4000, 4100))
 U = list(range(6000, 6100))
@@ -116,7 +116,7 @@ def test_load_skips_entries_with_f_keep_below_quarter(env):
     fill(tr, pool, 0, T[:100])
     c.save(pool, 0, T[:100])
     prompt = T[:20] + U[:10]  # lcp 20 -> f_keep = 0.2 for the 100-token entry
-    assert c.load(pool, 1, [], prompt) is None
+    assert restore(c, pool, 1, [], prompt) is None
     assert pool.seq_len(1) == 0 and len(c.states) == 1
 
 
@@ -131,7 +131,7 @@ def test_load_restores_the_entry_and_removes_it(env):
     c.save(pool, 0, T[:30])
     pool.seq_rm(0)
     fill(tr, pool, 1, U[:8])
-    got_tokens = c.load(pool, 1, U[:8], T[:30] + W[:5])
+    got_tokens = restore(c, pool, 1, U[:8], T[:30] + W[:5])
     assert got_tokens == T[:30]
     assert len(c.states) == 0 and c.counters["loads"] == 1 and c.counters["hit_tokens"] == 30
     cells1 = pool.seq_cells(1)
@@ -151,9 +151,9 @@ def test_load_needs_improvement_on_both_f_keep_and_f_sim(env):
     c.save(pool, 1, T[:20] + W[:5])
     # slot holds T[:10] + U[:2]: f_keep 10/12 = 0.83, f_sim 0.25 -> nothing beats f_keep
     fill(tr, pool, 2, T[:10] + U[:2])
-    assert c.load(pool, 2, T[:10] + U[:2], prompt) is None
+    assert restore(c, pool, 2, T[:10] + U[:2], prompt) is None
     # empty slot (f_keep -1): first entry wins, second does not dominate it (f_sim 0.5 < 0.75)
-    got = c.load(pool, 3, [], prompt)
+    got = restore(c, pool, 3, [], prompt)
     assert got == T[:30] + U[:70]
     c.check()
 

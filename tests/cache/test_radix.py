@@ -22,7 +22,7 @@ from radixserve.engine.batch import BatchSeq, forward
 from radixserve.kv.pool import KVPool
 from radixserve.kv.state import write_rows
 from radixserve.model.forward import Transformer
-from tests.conftest import make_pool
+from tests.conftest import make_pool, restore
 
 MOD = 16_777_213  # row values stay exact in f32
 
@@ -288,7 +288,7 @@ def test_repeated_hits_do_not_consume_the_match() -> None:
     cache.save(pool, 0, [1, 2, 3, 4, 5])
     before = snapshot(cache.tree)
     for seq in (1, 2, 1):
-        assert cache.load(pool, seq, [], [1, 2, 3, 4, 9]) == [1, 2, 3, 4]
+        assert restore(cache, pool, seq, [], [1, 2, 3, 4, 9]) == [1, 2, 3, 4]
         assert pool_rows(pool, seq).tolist() == prefix_hashes([1, 2, 3, 4])
         assert pool.seq_positions(seq) == [0, 1, 2, 3]
         cache.check()
@@ -304,11 +304,11 @@ def test_load_only_when_better_than_slot_and_long_enough() -> None:
     cache.save(pool, 0, [1, 2, 3, 4])
     fill(pool, 1, [1, 2, 3, 4])
     cells = pool.seq_cells(1)
-    assert cache.load(pool, 1, [1, 2, 3, 4], [1, 2, 3, 4, 5]) is None  # slot already has it
-    assert cache.load(pool, 1, [1, 2, 3, 4], [1, 2]) is None  # below min_restore_tokens
-    assert cache.load(pool, 1, [1, 2, 3, 4], [7]) is None  # no match
+    assert restore(cache, pool, 1, [1, 2, 3, 4], [1, 2, 3, 4, 5]) is None  # slot already has it
+    assert restore(cache, pool, 1, [1, 2, 3, 4], [1, 2]) is None  # below min_restore_tokens
+    assert restore(cache, pool, 1, [1, 2, 3, 4], [7]) is None  # no match
     assert pool.seq_cells(1) == cells and cache.loads == 0
-    assert cache.load(pool, 1, [1, 2, 8], [1, 2, 3, 4, 5]) == [1, 2, 3, 4]
+    assert restore(cache, pool, 1, [1, 2, 8], [1, 2, 3, 4, 5]) == [1, 2, 3, 4]
     cache.check()
 
 
@@ -331,7 +331,7 @@ def test_partitioned_pool_round_trip() -> None:
     cache = RadixPromptCache(-1)
     fill(pool, 0, [4, 5, 6])
     cache.save(pool, 0, [4, 5, 6])
-    assert cache.load(pool, 1, [], [4, 5, 6, 7]) == [4, 5, 6]
+    assert restore(cache, pool, 1, [], [4, 5, 6, 7]) == [4, 5, 6]
     assert pool_rows(pool, 1).tolist() == prefix_hashes([4, 5, 6])
     assert all(c >= 8 for c in pool.seq_cells(1))
     pool.check()
@@ -343,7 +343,7 @@ def test_not_enough_cells_skips_without_touching_the_slot() -> None:
     fill(pool, 0, list(range(8)))
     cache.save(pool, 0, list(range(8)))
     fill(pool, 1, [50, 51])  # 2 + 2 free < 8
-    assert cache.load(pool, 1, [50, 51], list(range(9))) is None
+    assert restore(cache, pool, 1, [50, 51], list(range(9))) is None
     assert pool_rows(pool, 1).tolist() == prefix_hashes([50, 51])
     assert cache.fallbacks == 0
     pool.check()
@@ -359,7 +359,7 @@ def test_out_of_cells_during_restore_falls_back(monkeypatch: pytest.MonkeyPatch)
     fill(pool, 0, [60] * 8)  # 4 cells left for seq 1
     before = snapshot(cache.tree)
     monkeypatch.setattr(cache, "can_restore", lambda pool, seq, n: True)  # skip the guard
-    assert cache.load(pool, 1, [], list(range(9))) == []  # 3 cells written, then OutOfCells
+    assert restore(cache, pool, 1, [], list(range(9))) == []  # 3 cells written, then OutOfCells
     assert pool.seq_len(1) == 0 and pool.n_free == 4 and cache.fallbacks == 1
     pool.check()
     cache.check()
@@ -372,7 +372,7 @@ def test_bad_segment_falls_back() -> None:
     fill(pool, 0, [1, 2, 3])
     cache.save(pool, 0, [1, 2, 3])
     other = fake_pool(head_dim=4)  # rows of another shape
-    assert cache.load(other, 1, [], [1, 2, 3]) == []
+    assert restore(cache, other, 1, [], [1, 2, 3]) == []
     assert other.seq_len(1) == 0 and cache.fallbacks == 1
     other.check()
     cache.check()
@@ -386,7 +386,7 @@ def test_stats_and_log_line(caplog: pytest.LogCaptureFixture) -> None:
     for p in ([1, 2, 3], [1, 2, 4, 5]):
         fill(pool, 0, p)
         cache.save(pool, 0, p)
-    cache.load(pool, 1, [], [1, 2, 4, 6])
+    restore(cache, pool, 1, [], [1, 2, 4, 6])
     s = cache.stats()
     assert all(isinstance(v, float) for v in s.values())
     assert s == {
@@ -416,8 +416,8 @@ def test_fault_hook_faults_only_the_first_restores() -> None:
     cache = RadixPromptCache(-1, fault_after_tokens=2, fault_restores=1)
     fill(pool, 0, [1, 2, 3, 4])
     cache.save(pool, 0, [1, 2, 3, 4])
-    assert cache.load(pool, 1, [], [1, 2, 3, 4, 5]) == [] and pool.seq_len(1) == 0
-    assert cache.load(pool, 1, [], [1, 2, 3, 4, 5]) == [1, 2, 3, 4]
+    assert restore(cache, pool, 1, [], [1, 2, 3, 4, 5]) == [] and pool.seq_len(1) == 0
+    assert restore(cache, pool, 1, [], [1, 2, 3, 4, 5]) == [1, 2, 3, 4]
     assert cache.stats()["fallbacks"] == 1 and cache.stats()["loads"] == 1
     cache.check()
     pool.check()
@@ -461,7 +461,7 @@ def test_cache_agrees_with_naive_model(ops: list[tuple[str, object]]) -> None:
             if cache.evictions == 0:
                 assert stored == model and stored_prompts(cache.tree) == saved
             before = pool.seq_cells(1)
-            got = cache.load(pool, 1, [], arg)
+            got = restore(cache, pool, 1, [], arg)
             if stored == 0:
                 assert got is None and pool.seq_cells(1) == before
             else:
@@ -511,7 +511,7 @@ def as_bytes(t: torch.Tensor) -> bytes:
 def test_direct_restore_round_trip(tiny_tr: Transformer, n_segments: int) -> None:
     pool, cache = build(tiny_tr, n_segments)
     nxt = 17
-    assert cache.load(pool, 1, P[:3] + [1, 2], P + [nxt]) == P
+    assert restore(cache, pool, 1, P[:3] + [1, 2], P + [nxt]) == P
     pool.check()
     cache.check()
     assert pool.seq_positions(1) == pool.seq_positions(0) == list(range(len(P)))
@@ -534,7 +534,7 @@ def test_fault_after_partial_restore_falls_back_and_tree_stays_usable(
     before = snapshot(cache.tree)
     n_free = pool.n_free + pool.seq_len(1)
     with caplog.at_level(logging.WARNING, logger="radixserve.cache.radix"):
-        assert cache.load(pool, 1, [], P + [3]) == []
+        assert restore(cache, pool, 1, [], P + [3]) == []
     assert "after 17 restored tokens" in caplog.text
     assert pool.seq_len(1) == 0 and pool.n_free == n_free
     assert cache.fallbacks == 1 and cache.loads == 0
@@ -542,7 +542,7 @@ def test_fault_after_partial_restore_falls_back_and_tree_stays_usable(
     cache.check()
     assert snapshot(cache.tree) == before
     cache.fault_after_tokens = None
-    assert cache.load(pool, 1, [], P + [3]) == P
+    assert restore(cache, pool, 1, [], P + [3]) == P
     assert torch.equal(pool.k[:, :, pool.seq_cells(1)], pool.k[:, :, pool.seq_cells(0)])
     pool.check()
     cache.check()

@@ -15,7 +15,7 @@ from radixserve.kv.pool import KVPool
 from radixserve.kv.state import (StateError, draft_state_size, fingerprint_of,
                                   get_draft_state, parse_draft_state, set_draft_state)
 from radixserve.model.forward import Transformer
-from tests.conftest import make_pool, make_transformer
+from tests.conftest import make_pool, make_transformer, restore
 
 A = list(range(1000, 1040))
 B = list(range(2000, 2040))
@@ -107,14 +107,14 @@ def test_legacy_entry_carries_and_counts_the_draft(tiny_tr, draft_tr):
     e = cache.states[0]
     assert e.draft and e.size == len(e.data) + len(e.draft) and cache.size() == e.size
     want = drows(pool, 0)
-    assert cache.load(pool, 1, [], A + [1]) == A
+    assert restore(cache, pool, 1, [], A + [1]) == A
     assert all(torch.equal(a, b) for a, b in zip(drows(pool, 1), want))
     # a draft part that does not load: neither part is restored, the entry stays
     cache.save(pool, 1, A)
     e = cache.states[0]
     e.draft = e.draft.replace(b":draft", b":drafx", 1)  # (same size: the counters hold)
     pool.seq_rm(0)
-    assert cache.load(pool, 0, [], A + [1]) == []
+    assert restore(cache, pool, 0, [], A + [1]) == []
     assert pool.seq_len(0) == 0 and len(cache.states) == 1
     cache.check()
 
@@ -133,7 +133,7 @@ def test_radix_nodes_hold_draft_rows_through_splits(tiny_tr, draft_tr):
     assert cache.tree.bytes == (len(A) + 10) * per_token
     cache.check()
     want = fresh(tiny_tr, draft_tr, A)
-    assert cache.load(pool, 1, [], A + [7]) == A
+    assert restore(cache, pool, 1, [], A + [7]) == A
     assert all(torch.equal(a, b) for a, b in zip(drows(pool, 1), want))
     # a tree whose nodes lack draft rows cannot serve a pool with a draft: a fallback
     bare = RadixPromptCache(0)
@@ -141,7 +141,7 @@ def test_radix_nodes_hold_draft_rows_through_splits(tiny_tr, draft_tr):
     run_plain = place(plain, [BatchSeq(0, A, 0)])
     tiny_tr.hidden(plain.k, plain.v, run_plain)
     assert bare.save(plain, 0, A)
-    assert bare.load(pool, 1, [], A + [7]) == [] and bare.fallbacks == 1
+    assert restore(bare, pool, 1, [], A + [7]) == [] and bare.fallbacks == 1
     assert pool.seq_len(1) == 0
 
 
