@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 
 import radixserve.engine.slot_kv as slot_kv_module
 import radixserve.kv.pool as pool_module
-from radixserve.cache.base import NullPromptCache, PromptCache, Restore, Segment, common_prefix
+from radixserve.cache.base import NullPromptCache, PromptCache, Restore, Segment
+from radixserve.cache.prefix import common_prefix
 from radixserve.cache.disk import DiskTier
 from radixserve.cache.legacy import LegacyPromptCache
 from radixserve.cache.radix import RadixPromptCache
