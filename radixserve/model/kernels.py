@@ -482,27 +482,43 @@ class Kernels:
 I8_BLOCK_BYTES = {1: 576, 2: 640, 3: 640}
 
 
-class Q4Matrix:
-    """A matrix in q4_gemv.c's tiles, 4-bit (fmt 0) or 8-bit (I8_BLOCK_BYTES): products with
-    bf16 rows, and the 4-bit one's bf16 unpack."""
+class _KernelMatrix:
+    """What the matrices held in a kernel's own layout share: W [n, k] at `_ptr`, and products
+    with bf16 rows through `_mm(ptr, x, rows, n, k, y)`, which returns 0, 2 (out of memory for
+    `_oom`) or another code (a shape it refuses). One check of the input, one output buffer and
+    one reading of the return code for every layout, so they cannot drift apart."""
 
-    def __init__(self, kern: Kernels, tiles: torch.Tensor, n: int, k: int, fmt: int = 0) -> None:
-        self.tiles, self.n, self.k, self.fmt = tiles, n, k, fmt
-        self._ptr, self._unpack = tiles.data_ptr(), kern._q4_dequant
-        self._mm = kern._q4 if fmt == 0 else functools.partial(kern._i8, fmt)
+    n: int
+    k: int
+    _ptr: int
+    _mm: Any
+    _name: str  # for the errors: "q4", "bf16"
+    _oom: str  # what the kernel allocates per call
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, k] bf16 (contiguous) times W^T -> [rows, n] bf16."""
         if not (x.dtype == torch.bfloat16 and x.is_contiguous() and x.dim() == 2
                 and x.shape[1] == self.k):
-            raise ValueError(f"q4 matmul needs contiguous bf16 rows of {self.k}")
+            raise ValueError(f"{self._name} matmul needs contiguous bf16 rows of {self.k}")
         y = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16)
         rc = self._mm(self._ptr, x.data_ptr(), x.shape[0], self.n, self.k, y.data_ptr())
         if rc == 2:
-            raise MemoryError("q4 matmul: no memory for the group sums")
+            raise MemoryError(f"{self._name} matmul: no memory for {self._oom}")
         if rc != 0:
-            raise ValueError("q4 matmul kernel refused the shape")
+            raise ValueError(f"{self._name} matmul kernel refused the shape")
         return y
+
+
+class Q4Matrix(_KernelMatrix):
+    """A matrix in q4_gemv.c's tiles, 4-bit (fmt 0) or 8-bit (I8_BLOCK_BYTES): products with
+    bf16 rows, and the 4-bit one's bf16 unpack."""
+
+    _name, _oom = "q4", "the group sums"
+
+    def __init__(self, kern: Kernels, tiles: torch.Tensor, n: int, k: int, fmt: int = 0) -> None:
+        self.tiles, self.n, self.k, self.fmt = tiles, n, k, fmt
+        self._ptr, self._unpack = tiles.data_ptr(), kern._q4_dequant
+        self._mm = kern._q4 if fmt == 0 else functools.partial(kern._i8, fmt)
 
     def weight(self) -> torch.Tensor:
         """bf16 W [n, k]: a transposed view of a [k, n] buffer, the layout the unpack writes
@@ -523,26 +539,15 @@ BF16_PANEL = 32  # output rows per panel of bf16_gemm.c's layout
 ATTN_BLOCK = 256  # positions a block of decode_attn.c's attention (its BLOCK)
 
 
-class Bf16Matrix:
+class Bf16Matrix(_KernelMatrix):
     """A bf16 matrix in bf16_gemm.c's panels: products with bf16 rows, each row's bits the same
     whatever the rows and threads sharing the call."""
+
+    _name, _oom = "bf16", "padded rows"
 
     def __init__(self, kern: Kernels, panels: torch.Tensor, n: int, k: int) -> None:
         self.panels, self.n, self.k = panels, n, k
         self._ptr, self._mm = panels.data_ptr(), kern._bf16_mm
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, k] bf16 (contiguous) times W^T -> [rows, n] bf16."""
-        if not (x.dtype == torch.bfloat16 and x.is_contiguous() and x.dim() == 2
-                and x.shape[1] == self.k):
-            raise ValueError(f"bf16 matmul needs contiguous bf16 rows of {self.k}")
-        y = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16)
-        rc = self._mm(self._ptr, x.data_ptr(), x.shape[0], self.n, self.k, y.data_ptr())
-        if rc == 2:
-            raise MemoryError("bf16 matmul: no memory for padded rows")
-        if rc != 0:
-            raise ValueError("bf16 matmul kernel refused the shape")
-        return y
 
     def weight(self) -> torch.Tensor:
         """W [n, k] bf16, unpacked (a copy)."""
