@@ -1,6 +1,66 @@
-"""Shared fixtures: tiny random GGUF models (fast) and the default SmolLM2 model (marked)."""
+"""Shared fixtures: tiny random GGUF models (fast) and the default SmolLM2 model (marked).
+
+What is shared, and what stays fresh (issue 37: the suite's model loads, server processes and
+reference runs; a load of the default model takes ~10-20 s on 2 cores, a server start ~5-10 s).
+
+Loaded models, one a session (a `Model` is read only: no engine or test changes it; a test that
+needs another template or mode makes a copy with `dataclasses.replace`):
+  default_tr            f32 Transformer of the default model (model/ tests)
+  default_f32           load_model(default, "f32"): http/test_server_defaults.py,
+                        http/test_sampling_llama.py, engine/test_disk_tier.py's other dtype
+  default_f32_dequant   load_model(default, "f32", weights="dequant"): http/test_multi_task.py,
+                        http/test_cache_salt_http.py, http/test_webui.py (two tests)
+  engine/conftest.py    `model`, the default model in deterministic bf16: every engine module
+                        that does not override it (test_deterministic, test_cache_salt,
+                        test_cache_view, test_disk_tier, test_speculative); was one a module
+  http/conftest.py      `model`, the tiny model in f32: the in-process app tests; was one a
+                        module
+Each of those tests still builds its own Engine/Scheduler (slots, caches and counters from zero).
+Loads that stay per test: model/test_forward.py's kernel-path model (the test sets and clears
+`tr.kern` on it), model/test_deterministic.py's (one per kernel variant, RADIXSERVE_KERNELS set
+while loading, and the torch-ops one), test_gemma3/test_gemma_step (other models and dtypes).
+
+Server processes (tests/http/harness.py running_server), ~45 a run:
+  shared a session      http/conftest.py `shared_server(args)`: one process per argument list;
+                        `default_f32_np2_server` (--dtype f32 -np 2 -c 4096) serves
+                        test_tools.py's `server` and test_constrained.py's `f32_server`, which
+                        were two processes with the same arguments: their tests read answers to
+                        prompts of their own and reuse as lower bounds (`cache_n >= n`)
+  shared in a module    test_api.py (one per weight path), test_errors.py, test_slot_http.py,
+                        test_tools.py's Qwen3-template server, test_tools_cache.py,
+                        test_constrained.py's bf16 server, webui/test_page.py, cluster's
+                        single server (session); test_host_cache.py's no-cache reference server
+                        now also serves test_cache_ram_zero_disables_the_host_tier (the same
+                        arguments; its host-tier counters cannot move with --cache-ram 0)
+  fresh, and why        every cache-tier comparison that checks reuse or counters from an
+                        empty process: test_swa_http.py (cache_n of the first turns == 0,
+                        checkpoints_restored_total == 2, a slot file saved from its own run),
+                        test_host_cache.py's tiers (every later turn back from host RAM, loads
+                        counted from zero), test_radix_http.py's layouts and
+                        shared-prefixes-computed-once (tokens computed since start), the spec
+                        servers of test_spec_http.py (draft counts, one flag set each);
+                        restarts and directories: test_disk_http.py (two servers on one
+                        directory, then a restart); startup flags: test_server_flags.py,
+                        test_constrained.py's --grammar-file/-jf servers, test_slot_http.py's
+                        server without --slot-save-path; absolute /metrics counters:
+                        test_disconnects.py (tokens predicted since start), bench e2e/soak
+                        (a restart run, a soak); kills: cluster/test_cluster_prefix.py.
+  in process            http/test_webui.py's cache-view tests (totals read from zero: a fresh
+                        engine, the shared model), test_radix_http.py's faulty-cache engine.
+
+Reference runs (each prompt alone, no cache): computed once a module, and no two modules ask
+for the same one: engine/test_deterministic.py (100 chat prompts x 64 tokens, ~55 s),
+test_disk_tier.py, test_cache_salt.py, test_speculative.py, http/test_swa_http.py (Gemma 3),
+test_host_cache.py, test_radix_http.py, test_spec_http.py each use prompts, lengths or models
+of their own, so there is nothing to share between modules; model/test_gemma3.py's ~80 s setup
+is its one HF transformers load and greedy run of Gemma 3 (module-scoped, used by its five
+tests), model/test_forward.py's is the same for the default model, used once.
+"""
 
 from __future__ import annotations
+
+import os
+from typing import Any
 
 import gguf
 import pytest
@@ -14,6 +74,7 @@ from radixserve.model.chat_template import ChatTemplate
 from radixserve.model.default_model import default_model_path
 from radixserve.model.forward import Transformer
 from radixserve.model.hparams import HParams
+from radixserve.model.loader import Model, load_model
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.model.weights import load_weights
 from tests.tiny_gguf import write_tiny_gguf
@@ -80,6 +141,32 @@ def tiny_tr(tiny_path: str) -> Transformer:
 @pytest.fixture(scope="session")
 def default_path() -> str:
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def default_f32_dequant(default_path: str) -> Model:
+    """The default model, f32 activations on dequantized weights, loaded once a session (~10-20
+    s a load here): the in-process apps of http/test_multi_task.py, test_cache_salt_http.py and
+    test_webui.py, each over an engine of its own (a Model is read only)."""
+    return load_model(default_path, "f32", weights="dequant")
+
+
+@pytest.fixture(scope="session")
+def default_f32(default_path: str) -> Model:
+    """The default model in f32 on its default weights, loaded once a session:
+    http/test_server_defaults.py, http/test_sampling_llama.py and
+    engine/test_disk_tier.py's other-dtype engine, each over an engine of its own."""
+    return load_model(default_path, "f32")
+
+
+@pytest.fixture(scope="session")
+def hf_default_tokenizer(default_path: str) -> Any:
+    """transformers' own tokenizer for the default GGUF (the reference; a test-only
+    dependency), converted once a session (~8 s): model/test_tokenizer.py,
+    test_chat_template.py and test_grammar.py read it (test_tokenizer.py changes a deep copy)."""
+    import transformers
+    return transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(default_path), gguf_file=os.path.basename(default_path))
 
 
 @pytest.fixture(scope="session")

@@ -100,12 +100,12 @@ def test_restart_restores_from_disk_and_answers_as_no_cache(model, prompts, refe
     s.close()
 
 
-def test_another_dtype_never_sees_the_files(model, prompts, tmp_path):
+def test_another_dtype_never_sees_the_files(model, prompts, tmp_path, default_f32):
     s = engine(model, tmp_path)
     run_to_end(s, [task(prompts[0])])
     s.close()
     n = len(files(tmp_path))
-    f32 = load_model("default", "f32")
+    f32 = default_f32  # load_model("default", "f32"), the session's (tests/conftest.py)
     other = engine(f32, tmp_path)
     got = run_to_end(other, [task(prompts[1])])[0]
     assert got.timings.cache_n == 0

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from radixserve.config import ServerConfig
 from radixserve.engine.engine import Engine
 from radixserve.http.parse import ParseContext, parse_chat, parse_completion
-from radixserve.model.loader import load_model
+from radixserve.model.loader import Model
 from tests.http.harness import app_client
 from tests.http.test_app import assert_error
 
@@ -33,10 +33,10 @@ ROUTES: list[tuple[str, dict[str, Any]]] = [
 
 
 @pytest.fixture(scope="module")
-def client(default_path: str):
+def client(default_path: str, default_f32_dequant: Model):
     cfg = ServerConfig(model=default_path, dtype="f32", weights="dequant", n_parallel=1,
                        ctx_size=512, cache_ram_mib=0)
-    with app_client(Engine(load_model(default_path, "f32", weights="dequant"), cfg), cfg) as c:
+    with app_client(Engine(default_f32_dequant, cfg), cfg) as c:
         yield c
 
 

@@ -47,12 +47,12 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def f32_server(tmp_path_factory):
+def f32_server(default_f32_np2_server):
     """f32 activations, where outputs must equal each other token for token (a cached and a
     fresh prompt, a batch of one and of two): bf16 near-ties can flip (issue #15)."""
-    log = str(tmp_path_factory.mktemp("constrained-f32") / "server.log")
-    with running_server(["--dtype", "f32", "-np", "2", "-c", "4096"], log) as srv:
-        yield srv
+    return default_f32_np2_server  # the session's (tests/http/conftest.py), shared with
+    # test_tools.py: these tests send prompts of their own to slots they name, and their reuse
+    # counts are lower bounds, so whatever ran before on the process changes nothing
 
 
 def post(srv, path: str, body: dict) -> httpx.Response:

@@ -58,13 +58,21 @@ def metrics(url: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_path, tmp_path_factory):
+def no_host_cache_server(tiny_path, tmp_path_factory):
+    """A server with no host cache (--cache-ram 0): the reference's, then
+    test_cache_ram_zero_disables_the_host_tier's (its host-tier counters cannot move whatever
+    ran before, and its own prompts lose their slots all the same)."""
+    log = str(tmp_path_factory.mktemp("ref") / "server.log")
+    with running_server(["-m", tiny_path, *NATIVE_F32, "-np", "2", "-c", "1024", "--metrics",
+                         "--cache-ram", "0"], log) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def reference(no_host_cache_server):
     """The same conversations on a server with no host cache, every token computed."""
     schedule = convo_schedule(7, 6, 3)
-    log = str(tmp_path_factory.mktemp("ref") / "server.log")
-    with running_server(["-m", tiny_path, *NATIVE_F32, "-np", "2", "-c", "1024",
-                         "--cache-ram", "0"], log) as srv:
-        return schedule, run_convos(srv.url, schedule, cache_prompt=False)
+    return schedule, run_convos(no_host_cache_server.url, schedule, cache_prompt=False)
 
 
 @pytest.mark.parametrize("backend,extra", [
@@ -90,14 +98,12 @@ def test_conversations_come_back_from_host_ram(tiny_path, tmp_path, reference, b
     assert props["backend"] == backend.split("-")[0]
 
 
-def test_cache_ram_zero_disables_the_host_tier(tiny_path, tmp_path, reference):
+def test_cache_ram_zero_disables_the_host_tier(reference, no_host_cache_server):
     schedule, expect = reference
-    args = ["-m", tiny_path, *NATIVE_F32, "-np", "2", "-c", "1024", "--metrics",
-            "--cache-ram", "0"]
-    with running_server(args, str(tmp_path / "server.log")) as srv:
-        got = run_convos(srv.url, schedule)
-        props = httpx.get(srv.url + "/props").json()["prompt_cache"]
-        m = metrics(srv.url)
+    srv = no_host_cache_server  # -m tiny, native f32, -np 2 -c 1024 --metrics --cache-ram 0
+    got = run_convos(srv.url, schedule)
+    props = httpx.get(srv.url + "/props").json()["prompt_cache"]
+    m = metrics(srv.url)
     assert [r["tokens"] for r in got] == [r["tokens"] for r in expect]
     assert props["backend"] == "none" and props["cache_idle_slots"] is False
     # the same figures as with a cache (names never depend on the backend), all zero

@@ -15,7 +15,6 @@ from fastapi.testclient import TestClient
 
 from radixserve.config import ServerConfig
 from radixserve.engine.engine import Engine
-from radixserve.model.loader import load_model
 from tests.http.harness import app_client
 
 pytestmark = pytest.mark.model
@@ -23,10 +22,10 @@ N_CTX_SLOT = 256
 
 
 @pytest.fixture(scope="module")
-def client(default_path):
+def client(default_path, default_f32_dequant):
     cfg = ServerConfig(model=default_path, dtype="f32", weights="dequant", n_parallel=2,
                        ctx_size=2 * N_CTX_SLOT, cache_ram_mib=0, context_shift=True)
-    with app_client(Engine(load_model(default_path, "f32", weights="dequant"), cfg), cfg) as c:
+    with app_client(Engine(default_f32_dequant, cfg), cfg) as c:
         yield c
 
 

@@ -31,7 +31,7 @@ from radixserve.engine.batch import BatchSeq, hidden
 from radixserve.engine.engine import Engine
 from radixserve.http.app import create_app
 from radixserve.kv.pool import KVPool
-from radixserve.model.loader import load_model
+from radixserve.model.loader import Model
 from radixserve.model.sampler_ops import MT19937
 
 pytestmark = pytest.mark.model
@@ -45,9 +45,9 @@ NO_DRAW_CHECK = {"typical_0_5", "adaptive_p"}
 
 
 @pytest.fixture(scope="module")
-def server() -> Any:
+def server(default_f32: Model) -> Any:
     cfg = ServerConfig(dtype="f32", ctx_size=2048, n_parallel=2)
-    engine = Engine(load_model("default", "f32"), cfg)
+    engine = Engine(default_f32, cfg)  # the session's model (tests/http/conftest.py)
     engine.start()
     try:
         with TestClient(create_app(engine, cfg)) as c:

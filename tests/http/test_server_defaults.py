@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from radixserve.config import ServerConfig
 from radixserve.engine.engine import Engine
 from radixserve.http.app import create_app
-from radixserve.model.loader import Model, load_model
+from radixserve.model.loader import Model
 from radixserve.model.sampling import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -23,8 +23,10 @@ CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "temperature": 
 
 
 @pytest.fixture(scope="module")
-def model(default_path: str) -> Model:
-    return load_model(default_path, "f32")
+def model(default_f32: Model) -> Model:
+    """The session's default model in f32 (tests/http/conftest.py): each test starts its own
+    engine over it."""
+    return default_f32
 
 
 @contextmanager

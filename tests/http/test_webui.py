@@ -18,7 +18,7 @@ from radixserve.engine.engine import Engine
 from radixserve.http.app import create_app
 from radixserve.http import webui
 from radixserve.http.webui import UI_DIR, ui_files
-from radixserve.model.loader import Model, load_model
+from radixserve.model.loader import Model
 from tests.http.harness import app_client
 from tests.http.test_app import ScriptedEngine, assert_error, client
 
@@ -118,7 +118,7 @@ def test_the_page_loads_while_the_model_does(model: Model) -> None:
 
 
 @pytest.mark.model
-def test_cache_view_on_the_default_model(default_path: str,
+def test_cache_view_on_the_default_model(default_path: str, default_f32_dequant: Model,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Two chats with one system prompt, then another: the view's totals and history are the
     responses' own timings, and the tree's node reads as the start of the conversation. Polls
@@ -129,7 +129,7 @@ def test_cache_view_on_the_default_model(default_path: str,
     system = ("You answer questions about the printing press, movable type and the book "
               "trade of fifteenth-century Europe, briefly and precisely.")
     timings: list[dict[str, Any]] = []
-    with app_client(Engine(load_model(default_path, "f32", weights="dequant"), cfg), cfg) as c:
+    with app_client(Engine(default_f32_dequant, cfg), cfg) as c:
         assert c.get("/cache").json()["totals"]["requests"] == 0
         chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
                  for q in ("Who built the first press?", "When did printing reach Venice?")]
@@ -157,13 +157,14 @@ def test_cache_view_on_the_default_model(default_path: str,
         assert view["text_shown"] is True
 
 
-def test_the_cache_view_shows_no_prompt_text_by_default(default_path: str) -> None:
+def test_the_cache_view_shows_no_prompt_text_by_default(default_path: str,
+                                                        default_f32_dequant: Model) -> None:
     """As llama-server's /slots, which shows prompt text only with LLAMA_SERVER_SLOTS_DEBUG: a
     key holder sees sizes and reuse, never what another client asked (the real engine's view)."""
     cfg = ServerConfig(model=default_path, dtype="f32", weights="dequant", n_parallel=2,
                        ctx_size=1024)
     assert cfg.slots_debug is False
-    with app_client(Engine(load_model(default_path, "f32", weights="dequant"), cfg), cfg) as c:
+    with app_client(Engine(default_f32_dequant, cfg), cfg) as c:
         secret = ("My account number is 4417-2231 and my address is 12 Quay Street; write a "
                   "short letter to my bank asking them to close the account this month.")
         for q in (secret, "Name three rivers of Europe and the seas they flow into.",

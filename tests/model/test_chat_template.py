@@ -3,7 +3,6 @@ sandbox, content-part flattening, errors as ValueError, and the ChatML fallback.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,7 @@ import gguf
 import pytest
 
 from radixserve.model.chat_template import CHATML_TEMPLATE, ChatTemplate, flatten_content
-from radixserve.model.default_model import DEFAULT_MODEL_FILE, default_model_path
+from radixserve.model.default_model import default_model_path
 from radixserve.model.tokenizer import GGUFVocab, Tokenizer
 
 CONVERSATION = [
@@ -32,13 +31,10 @@ def default_template(reader: gguf.GGUFReader) -> ChatTemplate:
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer() -> Any:
-    """transformers' tokenizer for the default GGUF: the reference (test-only dependency)."""
-    import transformers
-    path = default_model_path()
-    return transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(path), gguf_file=DEFAULT_MODEL_FILE
-    )
+def hf_tokenizer(hf_default_tokenizer: Any) -> Any:
+    """transformers' tokenizer for the default GGUF: the reference (test-only dependency), the
+    session's (tests/conftest.py)."""
+    return hf_default_tokenizer
 
 
 @pytest.mark.model

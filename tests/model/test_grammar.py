@@ -61,14 +61,14 @@ def tok(default_path: str) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def reference_vocab(default_path: str, tok: Tokenizer) -> llg.LLTokenizer:
+def reference_vocab(request: pytest.FixtureRequest, tok: Tokenizer) -> llg.LLTokenizer:
     """llguidance's own tokenizer, built by llguidance.hf from the HF tokenizer that
     transformers converts the GGUF into: nothing shared with grammar.py's _Vocab."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     import llguidance.hf
 
-    path = Path(default_path)
-    hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # the session's conversion of the default GGUF (tests/conftest.py), read only here
+    hf = request.getfixturevalue("hf_default_tokenizer")
     return llguidance.hf.from_tokenizer(hf, n_vocab=tok.n_vocab, eos_token=sorted(tok.eog_ids))
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import os
 import random
 import unicodedata
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 import gguf
 import pytest
 
-from radixserve.model.default_model import DEFAULT_MODEL_FILE, default_model_path
+from radixserve.model.default_model import default_model_path
 from radixserve.model.pretokenize import PRE_TOKENIZERS, pre_tokenizer_spec
 from radixserve.model.tokenizer import GGUFVocab, Tokenizer
 
@@ -89,13 +88,10 @@ def tok() -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf_gguf() -> Any:
-    """transformers' own tokenizer for the default GGUF (the reference; test-only dependency)."""
-    import transformers
-    path = default_model_path()
-    return transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(path), gguf_file=DEFAULT_MODEL_FILE
-    )
+def hf_gguf(hf_default_tokenizer: Any) -> Any:
+    """transformers' own tokenizer for the default GGUF (the reference; test-only dependency):
+    the session's (tests/conftest.py), read only here (hf_hub changes a deep copy)."""
+    return hf_default_tokenizer
 
 
 @pytest.fixture(scope="module")
