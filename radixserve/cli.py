@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         from radixserve.generate import run_generate
         from radixserve.model.loader import load_model
-        from radixserve.model.sampling import SamplingParams
+        from radixserve.sampling.chain import SamplingParams
 
         params = SamplingParams(temperature=a.temp, top_k=a.top_k, top_p=a.top_p,
                                 min_p=a.min_p, repeat_penalty=a.repeat_penalty, seed=a.seed)

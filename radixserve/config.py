@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from radixserve.model.sampling import SamplingParams
+from radixserve.sampling.chain import SamplingParams
 
 DTYPES = ("auto", "f32", "bf16", "f16")
 WEIGHTS = ("auto", "native", "dequant")

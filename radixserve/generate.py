@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from radixserve.engine.batch import BatchSeq, hidden, model_pool
 from radixserve.engine.task import Timings
 from radixserve.model.loader import Model
-from radixserve.model.sampling import Sampler, SamplingParams
+from radixserve.sampling.chain import Sampler, SamplingParams
 
 
 def summary(t: Timings) -> str:

@@ -70,13 +70,13 @@ from radixserve.cache.base import PromptCache
 from radixserve.engine.slot_kv import SlotKV
 from radixserve.kv.pool import KVPool
 from radixserve.kv.swa import make_pool as swa_make_pool
-from radixserve.model.chat_template import ChatTemplate
 from radixserve.model.default_model import default_model_path
 from radixserve.model.forward import Transformer
 from radixserve.model.hparams import HParams
 from radixserve.model.loader import Model, load_model
-from radixserve.model.tokenizer import Tokenizer
 from radixserve.model.weights import load_weights
+from radixserve.text.chat_template import ChatTemplate
+from radixserve.text.tokenizer import Tokenizer
 from tests.tiny_gguf import write_tiny_gguf
 
 # the fast tier's marks and its guard (tests/tiers.py)

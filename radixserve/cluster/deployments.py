@@ -224,7 +224,7 @@ class Ingress:
         """The model's template, from a replica's /props (asked again at most every 10 s until
         one answers): the ingress renders chat prompts with it to route them. Without it a
         chat is routed by its messages' text."""
-        from radixserve.model.chat_template import ChatTemplate
+        from radixserve.text.chat_template import ChatTemplate
 
         if self.template is None and time.monotonic() - self._template_at > 10:
             self._template_at = time.monotonic()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from radixserve.model.chat_template import ChatTemplate, flatten_content
+from radixserve.text.chat_template import ChatTemplate, flatten_content
 
 CHAT_PATHS = frozenset({"/chat/completions", "/v1/chat/completions"})
 COMPLETION_PATHS = frozenset({"/completion", "/completions", "/v1/completions"})

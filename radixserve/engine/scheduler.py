@@ -49,9 +49,9 @@ from radixserve.kv.pool import OutOfCells
 from radixserve.kv.state import fingerprint_of
 from radixserve.kv.swa import SWAPool
 from radixserve.model.forward import SeqStep
-from radixserve.model.grammar import Constraint
 from radixserve.model.loader import Model
-from radixserve.model.sampling import Sampler, sample_batch
+from radixserve.sampling.chain import Sampler, sample_batch
+from radixserve.text.grammar import Constraint
 
 log = logging.getLogger(__name__)
 Emit = Callable[[Any], None]

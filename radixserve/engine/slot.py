@@ -19,8 +19,8 @@ import torch
 from radixserve.config import SpecConfig
 from radixserve.engine.slot_kv import SlotKV
 from radixserve.engine.task import CompletionTask, FinalResult, PartialResult, Timings, TokenProbs
-from radixserve.model.sampling import Sampler
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.sampling.chain import Sampler
+from radixserve.text.tokenizer import Tokenizer
 
 
 class SlotState(enum.Enum):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config import SpecConfig
-from radixserve.model.sampling import SamplingParams
+from radixserve.sampling.chain import SamplingParams
 
 
 class TaskError(Exception):
@@ -60,7 +60,7 @@ class CompletionTask:
     # n_cmpl > 1: the first completion of the same prompt; this task waits until that one's
     # prompt is computed and takes its cells instead of computing them again
     parent: CompletionTask | None = None
-    # a compiled llguidance grammar (model/grammar.py) constraining the output, or None
+    # a compiled llguidance grammar (text/grammar.py) constraining the output, or None
     grammar: str | None = None
     # chat prompts: token positions where a user message starts (llama-server's message spans):
     # sliding-window models take context checkpoints there

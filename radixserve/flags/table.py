@@ -24,7 +24,7 @@ from radixserve.flags.spec import (
     Parsed,
     parse_bool,
 )
-from radixserve.model import sampling
+from radixserve.sampling import chain as sampling
 
 GPU = "radixserve runs on the CPU: there is no GPU offload"
 PLACEMENT = "threads are placed by the OS and PyTorch"
@@ -187,7 +187,7 @@ def _reverse_prompt(p: Parsed, v: str) -> None:
 def _grammar(p: Parsed, v: str, kind: str) -> None:
     """The default grammar, compiled and checked now (a bad one stops start-up); the last of
     --grammar/-j wins, as they set one parameter in llama.cpp."""
-    from radixserve.model import grammar
+    from radixserve.text import grammar
 
     try:
         g = grammar.from_gbnf(v) if kind == "gbnf" else grammar.from_json_schema(v)
@@ -197,7 +197,7 @@ def _grammar(p: Parsed, v: str, kind: str) -> None:
 
 
 def _chat_template(p: Parsed, v: str) -> None:
-    from radixserve.model.chat_template import CHATML_TEMPLATE, ChatTemplate
+    from radixserve.text.chat_template import CHATML_TEMPLATE, ChatTemplate
 
     if "{{" in v or "{%" in v:
         ChatTemplate(v)  # ValueError (-> exit 1) naming the syntax error, before loading

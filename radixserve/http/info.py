@@ -13,9 +13,9 @@ from typing import Any
 
 from radixserve.config import RequestDefaults, ServerConfig
 from radixserve.http.responses import BUILD_INFO, params_json
-from radixserve.model.chat_caps import template_caps
 from radixserve.model.kernels import variant_name
 from radixserve.model.loader import Model
+from radixserve.text.chat_caps import template_caps
 
 log = logging.getLogger(__name__)
 

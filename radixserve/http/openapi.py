@@ -26,7 +26,7 @@ from radixserve.http.schemas import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from radixserve.model.chat_format import REASONING_FORMATS, TOOL_CHOICES
+from radixserve.text.chat_format import REASONING_FORMATS, TOOL_CHOICES
 
 Schema = dict[str, Any]
 

@@ -23,19 +23,19 @@ from radixserve.http.schemas import (
     range_error,
     validate_body,
 )
-from radixserve.model import grammar as grammars
-from radixserve.model.chat_caps import render
-from radixserve.model.chat_format import ChatInputs, ChatPlan, plan_chat
-from radixserve.model.chat_parse import OutputFormat
-from radixserve.model.chat_template import ChatTemplate, flatten_content
-from radixserve.model.sampling import (
+from radixserve.sampling.chain import (
     SamplingParams,
     dry_breakers_for,
     parse_logit_bias,
     samplers_from_chars,
     samplers_from_names,
 )
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.text import grammar as grammars
+from radixserve.text.chat_caps import render
+from radixserve.text.chat_format import ChatInputs, ChatPlan, plan_chat
+from radixserve.text.chat_parse import OutputFormat
+from radixserve.text.chat_template import ChatTemplate, flatten_content
+from radixserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -510,7 +510,7 @@ def parse_completion(body: Any, ctx: ParseContext) -> ParsedRequest:
 
 
 RESERVED_TEMPLATE_VARS = ("messages", "add_generation_prompt", "tools")
-# the chat renderer's own keyword parameters (model/chat_caps.render, ChatTemplate.render): a
+# the chat renderer's own keyword parameters (text/chat_caps.render, ChatTemplate.render): a
 # template variable of one of these names would collide with them (a TypeError, a 500)
 RENDER_PARAMS = frozenset(
     name for fn in (render, ChatTemplate.render)
@@ -522,7 +522,7 @@ RENDER_PARAMS = frozenset(
 def chat_plan(req: ChatRequest, template: ChatTemplate, tok: Tokenizer,
               ctx: ParseContext | None = None) -> ChatPlan:
     """The prompt text for a chat request, as llama-server builds it, with its tools' grammar
-    and reply format (model/chat_format.py).
+    and reply format (text/chat_format.py).
 
     A trailing assistant message is a prefill: the reply continues its text. The template's
     leading BOS text is dropped when the tokenizer adds BOS itself (no double BOS).

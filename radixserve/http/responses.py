@@ -19,9 +19,9 @@ from radixserve import __version__
 from radixserve.config import SpecConfig
 from radixserve.engine.task import FinalResult, TokenProbs
 from radixserve.http.parse import ParsedRequest
-from radixserve.model.chat_parse import ParsedMessage, message_json
-from radixserve.model.sampling import SamplingParams
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.sampling.chain import SamplingParams
+from radixserve.text.chat_parse import ParsedMessage, message_json
+from radixserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from radixserve.http.errors import read_json
 from radixserve.http.parse import render_chat, tokenize_mixed
 from radixserve.http.schemas import ChatRequest, DetokenizeRequest, TokenizeRequest, validate_body
 from radixserve.http.state import AppState
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import uvicorn
 from radixserve.config import ServerConfig
 from radixserve.engine.engine import Engine
 from radixserve.http.app import create_app
-from radixserve.model.chat_template import ChatTemplate
 from radixserve.model.loader import Model, load_model
+from radixserve.text.chat_template import ChatTemplate
 
 log = logging.getLogger(__name__)
 

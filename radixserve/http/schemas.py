@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from radixserve.engine.task import TaskError, invalid_request
-from radixserve.model.chat_template import flatten_content
+from radixserve.text.chat_template import flatten_content
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class GenerationRequest(_Body):
     # parse.py): requests of different salts never share cached prompt KV
     cache_salt: Str | None = None
     model: Str | None = None  # accepted and ignored: one model per server
-    # -- sampling (model/sampling.py; llama.cpp's common_params_sampling) --
+    # -- sampling (sampling/chain.py; llama.cpp's common_params_sampling) --
     temperature: Float | None = None
     top_k: Int | None = None
     top_p: Float | None = None
@@ -165,7 +165,7 @@ class GenerationRequest(_Body):
     speculative_ngram_size_n: Int | None = Field(None, alias="speculative.ngram_size_n")
     speculative_ngram_size_m: Int | None = Field(None, alias="speculative.ngram_size_m")
     speculative_ngram_min_hits: Int | None = Field(None, alias="speculative.ngram_min_hits")
-    # -- constraints and tools: checked in parse.py / model/chat_format.py --
+    # -- constraints and tools: checked in parse.py / text/chat_format.py --
     grammar: Any = None
     json_schema: Any = None
     response_format: Any = None
@@ -228,7 +228,7 @@ class ChatMessage(_Body):
     @field_validator("tool_calls")
     @classmethod
     def _tool_calls_shape(cls, calls: Any) -> Any:
-        """An array of objects whose `function`, where given, is an object (model/chat_caps.py
+        """An array of objects whose `function`, where given, is an object (text/chat_caps.py
         reads them so when the template cannot show tool calls itself)."""
         if calls is None:
             return calls

@@ -28,7 +28,7 @@ from radixserve.http.responses import (
     probs_json,
     usage_json,
 )
-from radixserve.model.chat_parse import ParsedMessage, message_deltas
+from radixserve.text.chat_parse import ParsedMessage, message_deltas
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from radixserve.config import ServerConfig
 from radixserve.http.errors import error_response
 from radixserve.http.state import AppState
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.text.tokenizer import Tokenizer
 
 UI_DIR = Path(__file__).resolve().parent.parent / "webui"
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",

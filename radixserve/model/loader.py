@@ -11,13 +11,13 @@ from dataclasses import dataclass
 import gguf
 import torch
 
-from radixserve.model.chat_template import ChatTemplate
 from radixserve.model.default_model import resolve_model_path
 from radixserve.model.forward import Transformer
 from radixserve.model.hparams import HParams
 from radixserve.model.rope import Rope
-from radixserve.model.tokenizer import Tokenizer
 from radixserve.model.weights import load_weights
+from radixserve.text.chat_template import ChatTemplate
+from radixserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from radixserve.bench.scenarios import (
     split_at_restart,
     warmup_sessions,
 )
-from radixserve.model.chat_template import ChatTemplate
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.text.chat_template import ChatTemplate
+from radixserve.text.tokenizer import Tokenizer
 
 # the project's seed documents (shared/seeds next to the checkout), when this machine has them
 

@@ -19,7 +19,7 @@ from radixserve.cluster.metrics import aggregate
 from radixserve.cluster.prefix_index import PrefixIndex
 from radixserve.cluster.route_key import route_key
 from radixserve.cluster.router import PrefixRouter
-from radixserve.model.chat_template import CHATML_TEMPLATE, ChatTemplate
+from radixserve.text.chat_template import CHATML_TEMPLATE, ChatTemplate
 
 DOC = "".join(f"sentence {i} of the shared document. " for i in range(40))
 

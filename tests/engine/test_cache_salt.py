@@ -29,7 +29,7 @@ from radixserve.engine.task import CompletionTask, FinalResult
 from radixserve.kv.pool import KVPool
 from radixserve.kv.state import fingerprint_of
 from radixserve.model.loader import Model
-from radixserve.model.sampling import SamplingParams
+from radixserve.sampling.chain import SamplingParams
 from tests.engine.test_deterministic import run_to_end
 
 # -- the planner and the legacy cache on fake KV (K row = the token id) ------------------------

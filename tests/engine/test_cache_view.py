@@ -18,7 +18,7 @@ from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.slot import SlotState
 from radixserve.engine.task import CompletionTask, FinalResult
 from radixserve.model.loader import Model
-from radixserve.model.sampling import SamplingParams
+from radixserve.sampling.chain import SamplingParams
 from tests.engine.test_deterministic import run_to_end
 
 pytestmark = pytest.mark.model

@@ -20,7 +20,7 @@ from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.slot import Slot, SlotState
 from radixserve.engine.task import CompletionTask, FinalResult
 from radixserve.model.loader import load_model
-from radixserve.model.sampling import Sampler, SamplingParams
+from radixserve.sampling.chain import Sampler, SamplingParams
 from tests.engine.test_scheduler import run as drive
 
 

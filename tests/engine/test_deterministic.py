@@ -26,7 +26,7 @@ from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.slot_actions import slot_action
 from radixserve.engine.task import CompletionTask, FinalResult
 from radixserve.model.loader import Model
-from radixserve.model.sampling import SamplingParams
+from radixserve.sampling.chain import SamplingParams
 
 N_DOCS, N_Q, N_PREDICT = 25, 4, 64
 

@@ -23,7 +23,7 @@ from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.task import CompletionTask
 from radixserve.model.loader import Model, load_model
-from radixserve.model.sampling import SamplingParams
+from radixserve.sampling.chain import SamplingParams
 from tests.engine.test_deterministic import run_to_end
 
 B = 32  # tokens a block

@@ -12,7 +12,7 @@ from radixserve.config import ServerConfig
 from radixserve.engine.engine import Engine
 from radixserve.engine.task import CompletionTask, FinalResult
 from radixserve.model.loader import load_model
-from radixserve.model.sampling import SamplingParams
+from radixserve.sampling.chain import SamplingParams
 
 
 def test_boot_loads_and_serves_on_one_thread(tiny_path: str) -> None:

@@ -33,7 +33,7 @@ from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.slot_actions import slot_action
 from radixserve.engine.task import CompletionTask, FinalResult, TaskError
 from radixserve.model.loader import Model, load_model
-from radixserve.model.sampling import SamplingParams
+from radixserve.sampling.chain import SamplingParams
 
 N_SLOTS = 3
 # three documents; two of them share their first 24 tokens (a prefix shared across documents)

@@ -9,7 +9,7 @@ from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.task import CompletionTask, FinalResult, TaskError
 from radixserve.model.loader import load_model
-from radixserve.model.sampling import SamplingParams
+from radixserve.sampling.chain import SamplingParams
 
 
 @pytest.fixture(scope="module", params=["native", "dequant"])

@@ -25,7 +25,7 @@ from radixserve.engine.slot_actions import NOT_SUPPORTED, slot_action
 from radixserve.engine.task import CompletionTask, FinalResult, TaskError
 from radixserve.kv.state import fingerprint_of, get_state
 from radixserve.model.loader import Model, load_model
-from radixserve.model.sampling import SamplingParams
+from radixserve.sampling.chain import SamplingParams
 
 PROMPT = [1000 + 7 * i for i in range(12)]
 OTHER = [3000 + 5 * i for i in range(9)]

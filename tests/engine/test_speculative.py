@@ -22,7 +22,7 @@ from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.slot_actions import slot_action
 from radixserve.engine.task import CompletionTask, FinalResult
 from radixserve.model.loader import Model, load_model
-from radixserve.model.sampling import SamplingParams
+from radixserve.sampling.chain import SamplingParams
 from radixserve.bench.scenarios import make_text
 from tests.engine.test_deterministic import Recorder, drive
 from tests.tiny_gguf import write_tiny_gguf

@@ -31,9 +31,9 @@ from radixserve.http.responses import (
     usage_json,
 )
 from radixserve.http.sse import SSE_DONE, ChatStream, NativeStream, TextStream, sse_event
-from radixserve.model.chat_template import ChatTemplate
 from radixserve.model.loader import load_model
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.text.chat_template import ChatTemplate
+from radixserve.text.tokenizer import Tokenizer
 
 # captured from a real llama-server (copied from shared/reference/llama-server-shapes)
 SHAPES = Path(__file__).resolve().parent / "fixtures/llama-server-shapes"

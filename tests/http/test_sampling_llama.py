@@ -32,7 +32,7 @@ from radixserve.engine.engine import Engine
 from radixserve.http.app import create_app
 from radixserve.kv.pool import KVPool
 from radixserve.model.loader import Model
-from radixserve.model.sampler_ops import MT19937
+from radixserve.sampling.ops import MT19937
 
 pytestmark = pytest.mark.model
 

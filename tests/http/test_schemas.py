@@ -21,8 +21,8 @@ from radixserve.http.parse import (
     parse_chat,
     parse_completion,
 )
-from radixserve.model.chat_template import ChatTemplate
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.text.chat_template import ChatTemplate
+from radixserve.text.tokenizer import Tokenizer
 
 N_CTX = 64
 
@@ -395,7 +395,7 @@ def test_chat_known_roles(ctx: ParseContext, role: str) -> None:
         ),
         ([], "Field 'messages' must not be empty"),
         # tool_calls the template polyfills could not read (were 500s: TypeError,
-        # AttributeError in model/chat_caps.py)
+        # AttributeError in text/chat_caps.py)
         (
             [{"role": "user", "content": "hi", "tool_calls": 7}],
             "Field 'messages[0].tool_calls': Value must be an array of tool call objects",

@@ -15,7 +15,7 @@ from radixserve.config import ServerConfig
 from radixserve.engine.engine import Engine
 from radixserve.http.app import create_app
 from radixserve.model.loader import Model
-from radixserve.model.sampling import SamplingParams
+from radixserve.sampling.chain import SamplingParams
 
 pytestmark = pytest.mark.model
 

@@ -24,10 +24,10 @@ from radixserve.http.responses import (
     params_json,
     spec_params_json,
 )
-from radixserve.model.chat_template import ChatTemplate
 from radixserve.model.loader import Model
-from radixserve.model.sampling import SamplingParams
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.sampling.chain import SamplingParams
+from radixserve.text.chat_template import ChatTemplate
+from radixserve.text.tokenizer import Tokenizer
 from tests.http.test_app import GOOD, assert_error, client, final
 
 SERVER = SpecConfig(types=["ngram-simple", "ngram-mod"], n_max=5, n_min=1, p_min=0.2,

@@ -20,12 +20,12 @@ from fastapi.testclient import TestClient
 from radixserve.config import ServerConfig
 from radixserve.engine.task import PartialResult, TokenProbs
 from radixserve.http.app import create_app
-from radixserve.model.chat_format import RESPOND_IN_JSON
-from radixserve.model.chat_template import ChatTemplate
 from radixserve.model.loader import Model
+from radixserve.text.chat_format import RESPOND_IN_JSON
+from radixserve.text.chat_template import ChatTemplate
 from tests.http.harness import running_server
 from tests.http.test_app import ScriptedEngine, assert_error, final
-from tests.model.chat_templates import QWEN3
+from tests.text.chat_templates import QWEN3
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from radixserve.model.head import MAX_TOP, OutputHead, RowNeed, split_int8
-from radixserve.model.sampling import Sampler, SamplingParams
+from radixserve.sampling.chain import Sampler, SamplingParams
 from tests.model.kernel_variants import VARIANTS, variant_kernels
 
 V, D = 8192, 64

@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.model import grammar as grammars
-from radixserve.model.chat_caps import TemplateCaps, add_system, render, template_caps
-from radixserve.model.chat_parse import THINK_CLOSE, THINK_OPEN, OutputFormat
-from radixserve.model.chat_template import ChatTemplate
+from radixserve.text import grammar as grammars
+from radixserve.text.chat_caps import TemplateCaps, add_system, render, template_caps
+from radixserve.text.chat_parse import THINK_CLOSE, THINK_OPEN, OutputFormat
+from radixserve.text.chat_template import ChatTemplate
 
 REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
 TOOL_CHOICES = ("auto", "none", "required")

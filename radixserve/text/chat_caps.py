@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from radixserve.model.chat_template import ChatTemplate, flatten_content
+from radixserve.text.chat_template import ChatTemplate, flatten_content
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixserve.model import sampler_ops as ops
-from radixserve.model.grammar import Constraint
 from radixserve.model.head import MAX_TOP, RowNeed
+from radixserve.sampling import ops
+from radixserve.text.grammar import Constraint
 
 _MAX_N_PROBS = 100
 _MAX_SEED = 2**64  # requests may send any uint64; llama.cpp keeps the low 32 bits

@@ -9,9 +9,9 @@ from typing import Any
 import gguf
 import pytest
 
-from radixserve.model.chat_template import CHATML_TEMPLATE, ChatTemplate, flatten_content
 from radixserve.model.default_model import default_model_path
-from radixserve.model.tokenizer import GGUFVocab, Tokenizer
+from radixserve.text.chat_template import CHATML_TEMPLATE, ChatTemplate, flatten_content
+from radixserve.text.tokenizer import GGUFVocab, Tokenizer
 
 CONVERSATION = [
     {"role": "user", "content": "What is 2+2?"},

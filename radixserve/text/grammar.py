@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from radixserve.model.tokenizer import Tokenizer
+    from radixserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class _Vocab:
     and an encode function for the text a grammar forces."""
 
     def __init__(self, tok: Tokenizer) -> None:
-        from radixserve.model.tokenizer import CONTROL, USER_DEFINED
+        from radixserve.text.tokenizer import CONTROL, USER_DEFINED
 
         self._tok = tok
         self.eos_token_id = tok.eos_id

@@ -1,7 +1,7 @@
 """The samplers of llama.cpp's chain, one function each, as src/llama-sampler.cpp computes
 them on its candidate array (`Candidates`: ids, logits, probs, a `sorted` flag, in its order),
 in float32 like the C code; and std::mt19937 with libstdc++'s distributions (`MT19937`), so a
-seeded draw equals llama.cpp's. sampling.py strings them into the chain."""
+seeded draw equals llama.cpp's. chain.py strings them into the chain."""
 
 from __future__ import annotations
 

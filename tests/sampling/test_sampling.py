@@ -1,4 +1,4 @@
-"""Tests for radixserve.model.sampling: llama.cpp sampler-chain semantics and reproducibility."""
+"""Tests for radixserve.sampling.chain: llama.cpp sampler-chain semantics and reproducibility."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.model.sampling import Sampler, SamplingParams, sample_batch
+from radixserve.sampling.chain import Sampler, SamplingParams, sample_batch
 
 # Probabilities chosen so cumulative sums avoid float boundary cases: 0.5, 0.8, 0.95, 1.0.
 PROBS = [0.5, 0.3, 0.15, 0.05]

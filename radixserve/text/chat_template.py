@@ -23,7 +23,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 if TYPE_CHECKING:
-    from radixserve.model.tokenizer import Tokenizer
+    from radixserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

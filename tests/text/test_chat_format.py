@@ -1,4 +1,4 @@
-"""Chat formats (model/chat_format.py, chat_caps.py, chat_parse.py): template capabilities from
+"""Chat formats (text/chat_format.py, chat_caps.py, chat_parse.py): template capabilities from
 probe renders, prompts with tools and polyfills, the tools' grammars, and reply parsing, final
 and streamed (deltas never taken back, adding up to the final message)."""
 
@@ -13,25 +13,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.model import grammar as grammars
-from radixserve.model.chat_caps import template_caps
-from radixserve.model.chat_format import (
+from radixserve.text import grammar as grammars
+from radixserve.text.chat_caps import template_caps
+from radixserve.text.chat_format import (
     RESPOND_IN_JSON,
     ChatInputs,
     ChatPlan,
     generic_schema,
     plan_chat,
 )
-from radixserve.model.chat_parse import (
+from radixserve.text.chat_parse import (
     OutputFormat,
     ParsedMessage,
     ToolCall,
     message_deltas,
     message_json,
 )
-from radixserve.model.chat_template import ChatTemplate
-from radixserve.model.tokenizer import Tokenizer
-from tests.model import chat_templates as T
+from radixserve.text.chat_template import ChatTemplate
+from radixserve.text.tokenizer import Tokenizer
+from tests.text import chat_templates as T
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -472,7 +472,7 @@ def test_streamed_calls_add_up_to_the_final_call(reply: tuple, cut: float) -> No
                                       "\\ude00", "\\u00e9", "\\uD8", "0", "f", "\\x", '"']),
                      max_size=12).map("".join))
 def test_the_fast_string_decode_is_the_reference_s(body: str) -> None:
-    from radixserve.model.partial_json import decode_string, string_prefix
+    from radixserve.text.partial_json import decode_string, string_prefix
     text = '"' + body
     for n in range(1, len(text) + 1):
         for final in (False, True):

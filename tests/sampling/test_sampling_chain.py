@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.model.sampler_ops import MT19937
-from radixserve.model.sampling import (
+from radixserve.sampling.chain import (
     Sampler,
     SamplingParams,
     dry_breakers,
@@ -20,6 +19,7 @@ from radixserve.model.sampling import (
     samplers_from_chars,
     samplers_from_names,
 )
+from radixserve.sampling.ops import MT19937
 
 X = np.array([2.0, 1.5, 1.2, 0.3, 0.2, -0.5, -1.0, -3.0], dtype=np.float32)
 

@@ -24,7 +24,7 @@ import gguf
 from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from radixserve.model.pretokenize import PreTokenizerSpec, pre_tokenizer_spec
+from radixserve.text.pretokenize import PreTokenizerSpec, pre_tokenizer_spec
 
 logger = logging.getLogger(__name__)
 

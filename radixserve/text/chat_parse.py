@@ -18,7 +18,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.model.partial_json import (
+from radixserve.text.partial_json import (
     Member,
     array_items,
     object_members,

@@ -1,4 +1,4 @@
-"""radixserve.model.grammar (llguidance) and where its masks go: the Constraint's masks equal
+"""radixserve.text.grammar (llguidance) and where its masks go: the Constraint's masks equal
 llguidance's own LLMatcher bit for bit on the default model's vocabulary; compile errors are
 ValueErrors naming the problem; the Sampler applies a grammar in llama.cpp's order (sample,
 then resample a rejected token from the allowed ones, the RNG running on); and the output
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.model import grammar as G
 from radixserve.model.head import OutputHead, RowNeed
-from radixserve.model.sampling import Sampler, SamplingParams, sample_batch
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.sampling.chain import Sampler, SamplingParams, sample_batch
+from radixserve.text import grammar as G
+from radixserve.text.tokenizer import Tokenizer
 
 GRAMMARS = Path(__file__).resolve().parents[1] / "fixtures" / "grammars"
 
@@ -258,7 +258,7 @@ def test_a_token_the_grammar_rejects_ends_the_sequence_with_an_error(tok, caplog
     c = G.Constraint(G.from_gbnf('root ::= "yes" | "no"'), tok)
     bad = encode(tok, "maybe")[0]
     assert not c.allows(bad) and not c.allows(-1) and not c.allows(tok.n_vocab)
-    with caplog.at_level(logging.ERROR, logger="radixserve.model.grammar"):
+    with caplog.at_level(logging.ERROR, logger="radixserve.text.grammar"):
         c.accept(bad)
     assert c.done and "maybe" in c.error
     assert any("grammar rejected token" in r.message for r in caplog.records)

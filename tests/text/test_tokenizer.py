@@ -14,8 +14,8 @@ import gguf
 import pytest
 
 from radixserve.model.default_model import default_model_path
-from radixserve.model.pretokenize import PRE_TOKENIZERS, pre_tokenizer_spec
-from radixserve.model.tokenizer import GGUFVocab, Tokenizer
+from radixserve.text.pretokenize import PRE_TOKENIZERS, pre_tokenizer_spec
+from radixserve.text.tokenizer import GGUFVocab, Tokenizer
 
 # ---- corpus ----------------------------------------------------------------------------------
 
