@@ -62,6 +62,24 @@ SLOW_TESTS: dict[str, str] = {
     "tests/engine/test_cache_salt.py::test_device_sharing_between_slots":
         "default-model generation",
     "tests/engine/test_cache_salt.py::test_host_cache": "default-model generation",
+    "tests/http/test_webui.py::test_cache_view_on_the_default_model": "default-model generation",
+    "tests/http/test_webui.py::test_the_cache_view_shows_no_prompt_text_by_default":
+        "default-model generation",
+    "tests/http/test_server_flags.py::test_deterministic_on_where_it_cannot_hold_stops_startup":
+        "a server process (loads the model, then stops)",
+    "tests/http/test_errors.py::test_model_that_fails_to_load_stops_the_server":
+        "a server process",
+    "tests/model/test_forward.py::test_default_model_matches_hf_logits_and_greedy":
+        "default-model greedy generation beside transformers' (~40 s)",
+    "tests/model/test_forward.py::test_native_bf16_greedy_matches_hf": "default-model generation",
+    "tests/model/test_forward.py::test_kernel_path_as_close_to_reference_as_torch_ops":
+        "default-model generation",
+    "tests/model/test_head_blocks.py::test_loaded_models_hold_their_tied_tables_in_blocks":
+        "loads Gemma 3 and the default model (~17 s)",
+    "tests/model/test_forward.py::test_tiny_architectures_match_hf":
+        "transformers' reference of each architecture (~10 s each)",
+    "tests/model/test_i8_tiles.py::test_loader_runs_them_packed_only_with_avx512bf16":
+        "loads Gemma 3 (~11 s)",
 }
 
 # `radixserve` sub-commands that run a model however they are called (`serve` and `cluster`
