@@ -216,25 +216,28 @@ class RequestDefaults:
     -s, --keep, -r, --ignore-eos, -sp, --cache-prompt, --grammar, --spec-*, the chat flags),
     gathered once from a `ServerConfig` (`from_config`) and read where a request is parsed
     (http/parse.py) and where /props reports them. The defaults themselves live on
-    `ServerConfig`; this is the one object that carries them to requests."""
+    `ServerConfig` only (no field here has a default of its own); this is the one object that
+    carries them to requests."""
 
-    n_predict: int = -1  # --n-predict; also a cap on what requests may ask for
-    cache_prompt: bool = True  # --cache-prompt
-    seed: int = -1  # -s: wins over `sampling.seed` unless -1
-    sampling: SamplingParams = field(default_factory=SamplingParams)  # --temp, --top-k, ...
-    n_keep: int = 0  # --keep
-    stop: tuple[str, ...] = ()  # -r: a request's own stop strings replace these
-    ignore_eos: bool = False  # --ignore-eos
-    special: bool = False  # -sp: special tokens appear in the text
-    grammar: str | None = None  # --grammar/--grammar-file/-j/-jf, compiled (llguidance)
-    chat_template_kwargs: dict[str, object] = field(default_factory=dict)
-    prefill_assistant: bool = True  # --no-prefill-assistant: a last assistant turn is complete
-    reasoning_format: str = "auto"  # --reasoning-format: requests may choose their own
-    skip_chat_parsing: bool = False  # --skip-chat-parsing: replies stay plain content
-    spec: SpecConfig = field(default_factory=SpecConfig)  # --spec-*: speculative decoding
+    n_predict: int  # --n-predict; also a cap on what requests may ask for
+    cache_prompt: bool  # --cache-prompt
+    seed: int  # -s: wins over `sampling.seed` unless -1
+    sampling: SamplingParams  # --temp, --top-k, ...
+    n_keep: int  # --keep
+    stop: tuple[str, ...]  # -r: a request's own stop strings replace these
+    ignore_eos: bool  # --ignore-eos
+    special: bool  # -sp: special tokens appear in the text
+    grammar: str | None  # --grammar/--grammar-file/-j/-jf, compiled (llguidance)
+    chat_template_kwargs: dict[str, object]
+    prefill_assistant: bool  # --no-prefill-assistant: a last assistant turn is complete
+    reasoning_format: str  # --reasoning-format: requests may choose their own
+    skip_chat_parsing: bool  # --skip-chat-parsing: replies stay plain content
+    spec: SpecConfig  # --spec-*: speculative decoding
 
     @classmethod
-    def from_config(cls, cfg: ServerConfig) -> RequestDefaults:
+    def from_config(cls, cfg: ServerConfig | None = None) -> RequestDefaults:
+        """`cfg`'s defaults; without one, those of a server started with no flags."""
+        cfg = ServerConfig() if cfg is None else cfg
         return cls(
             n_predict=cfg.n_predict,
             cache_prompt=cfg.cache_prompt,

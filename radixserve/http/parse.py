@@ -55,7 +55,7 @@ class ParseContext:
     chat_template: ChatTemplate
     n_ctx_slot: int
     n_slots: int
-    defaults: RequestDefaults = field(default_factory=RequestDefaults)
+    defaults: RequestDefaults = field(default_factory=RequestDefaults.from_config)
 
     @classmethod
     def for_model(cls, tokenizer: Tokenizer, chat_template: ChatTemplate, n_ctx_slot: int,

@@ -5,6 +5,7 @@ does not run; and the speculative fields of the task `params` the responses repo
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -42,7 +43,7 @@ def server_spec() -> SpecConfig:
 @pytest.fixture
 def ctx(tok_tmpl: tuple[Tokenizer, ChatTemplate]) -> ParseContext:
     return ParseContext(tok_tmpl[0], tok_tmpl[1], n_ctx_slot=64, n_slots=2,
-                        defaults=RequestDefaults(spec=server_spec()))
+                        defaults=replace(RequestDefaults.from_config(), spec=server_spec()))
 
 
 @pytest.fixture
