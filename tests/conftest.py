@@ -80,7 +80,7 @@ from radixserve.text.tokenizer import Tokenizer
 from tests.tiny_gguf import write_tiny_gguf
 
 # the fast tier's marks and its guard (tests/tiers.py)
-pytest_plugins = ("tests.tiers",)
+pytest_plugins = ("tests.tiers", "tests.workers")
 
 
 def make_transformer(path: str, dtype: torch.dtype = torch.float32) -> Transformer:

@@ -1,0 +1,85 @@
+"""How the suite spreads over pytest-xdist workers (`./scripts/test.sh` runs `-n auto --dist
+loadgroup`; the whole suite took ~27 minutes on one process on the 2-core machine).
+
+- A file is one unit of work and runs on one worker, so a module's servers and reference runs
+  are still computed once (a session fixture once a worker).
+- Every test under tests/cluster/ runs on one worker, one after another: a local Ray instance
+  takes fixed ports, and `ray stop --force` (after a replica had to be killed) stops every Ray
+  instance on the machine, another worker's too.
+- The heaviest files start first (HEAVY, measured with `--durations=0`: the seconds each file
+  took on one process), so that no long file starts when the other workers are almost done.
+  A file not listed is light; the list only orders the work, it cannot drop or skip a test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# seconds a file took in one process (2-core AMD EPYC, `./scripts/test.sh --durations=0`)
+HEAVY: dict[str, float] = {
+    "tests/model/test_deterministic.py": 226,
+    "tests/engine/test_deterministic.py": 220,
+    "tests/http/test_api.py": 125,
+    "tests/model/test_gemma3.py": 117,
+    "tests/http/test_swa_http.py": 98,
+    "tests/model/test_forward.py": 85,
+    "tests/http/test_constrained.py": 83,
+    "tests/http/test_server_flags.py": 54,
+    "tests/cluster/test_cluster_pow2.py": 44,
+    "tests/http/test_radix_http.py": 44,
+    "tests/cluster/test_cluster_prefix.py": 36,
+    "tests/bench/test_bench_e2e.py": 36,
+    "tests/http/test_host_cache.py": 30,
+    "tests/model/test_kernels.py": 28,
+    "tests/http/test_disk_http.py": 27,
+    "tests/http/test_tools.py": 25,
+    "tests/engine/test_speculative.py": 24,
+    "tests/model/test_gemma_step.py": 24,
+    "tests/engine/test_disk_tier.py": 23,
+    "tests/http/test_multi_task.py": 22,
+    "tests/http/test_tools_cache.py": 22,
+    "tests/http/test_spec_http.py": 21,
+    "tests/webui/test_page.py": 19,
+    "tests/bench/test_soak.py": 19,
+    "tests/model/test_head_blocks.py": 18,
+    "tests/http/test_slot_http.py": 15,
+    "tests/http/test_cache_salt_http.py": 14,
+    "tests/test_cli.py": 14,
+    "tests/engine/test_slot_actions.py": 13,
+    "tests/engine/test_swa.py": 11,
+    "tests/http/test_errors.py": 11,
+    "tests/http/test_fuzz_schema.py": 10,
+    "tests/http/test_disconnects.py": 10,
+    "tests/engine/test_cache_salt.py": 9,
+    "tests/http/test_server_defaults.py": 9,
+}
+
+RAY_GROUP = "tests/cluster"
+
+
+def group_of(path: str) -> str:
+    """The unit of work a test file belongs to."""
+    return RAY_GROUP if path.startswith(RAY_GROUP + "/") else path
+
+
+def _weight(group: str) -> float:
+    if group == RAY_GROUP:
+        return sum(s for p, s in HEAVY.items() if group_of(p) == RAY_GROUP)
+    return HEAVY.get(group, 0.0)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = str(config.rootpath)
+    groups = {}
+    for item in items:
+        path = os.path.relpath(str(item.path), root).replace(os.sep, "/")
+        groups[item] = group = group_of(path)
+        item.add_marker(pytest.mark.xdist_group(group))
+    # heaviest first; a stable sort keeps each file's own order (its fixtures' lifetimes)
+    first = {}
+    for item in items:
+        first.setdefault(groups[item], len(first))
+    items.sort(key=lambda it: (-_weight(groups[it]), first[groups[it]]))
