@@ -31,8 +31,12 @@ def chromium_path() -> str:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
+    """Chromium, for one module. Not a session: Playwright's sync API keeps an asyncio loop
+    running in this thread while it is open, and every later test that calls asyncio.run()
+    (the bench client, the engine, the in-process app) would fail with "cannot be called from
+    a running event loop"."""
     from playwright.sync_api import sync_playwright
 
     path = chromium_path()
