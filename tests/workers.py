@@ -70,16 +70,21 @@ def _weight(group: str) -> float:
     return HEAVY.get(group, 0.0)
 
 
+def run_order(paths: list[str]) -> list[int]:
+    """The positions of the collected tests (each given by its file) in the order they run:
+    the heaviest unit of work first; a stable sort keeps each unit's own order, so a module's
+    tests stay together and its fixtures live as long as before."""
+    first: dict[str, int] = {}
+    for p in paths:
+        first.setdefault(group_of(p), len(first))
+    return sorted(range(len(paths)),
+                  key=lambda i: (-_weight(group_of(paths[i])), first[group_of(paths[i])]))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = str(config.rootpath)
-    groups = {}
-    for item in items:
-        path = os.path.relpath(str(item.path), root).replace(os.sep, "/")
-        groups[item] = group = group_of(path)
-        item.add_marker(pytest.mark.xdist_group(group))
-    # heaviest first; a stable sort keeps each file's own order (its fixtures' lifetimes)
-    first = {}
-    for item in items:
-        first.setdefault(groups[item], len(first))
-    items.sort(key=lambda it: (-_weight(groups[it]), first[groups[it]]))
+    paths = [os.path.relpath(str(it.path), root).replace(os.sep, "/") for it in items]
+    for item, path in zip(items, paths):
+        item.add_marker(pytest.mark.xdist_group(group_of(path)))
+    items[:] = [items[i] for i in run_order(paths)]
