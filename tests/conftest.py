@@ -3,6 +3,9 @@
 What is shared, and what stays fresh (issue 37: the suite's model loads, server processes and
 reference runs; a load of the default model takes ~10-20 s on 2 cores, a server start ~5-10 s).
 
+The whole suite runs on pytest-xdist workers (tests/workers.py): "a session" below is a
+worker's session, and a module still runs whole on one worker.
+
 Loaded models, one a session (a `Model` is read only: no engine or test changes it; a test that
 needs another template or mode makes a copy with `dataclasses.replace`):
   default_tr            f32 Transformer of the default model (model/ tests)

@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -180,8 +181,16 @@ def test_a_killed_replica_costs_only_its_own_requests(srv: ServerProcess) -> Non
     for q in ("One?", "Two?", "Three?"):
         assert httpx.post(url, json=chat(documents()[3], q), timeout=120).status_code == 200
     deadline = time.monotonic() + 180
+    now: list[dict[str, Any]] = []
     while time.monotonic() < deadline:
-        now = replicas(srv.url)["replicas"]
+        try:
+            now = replicas(srv.url)["replicas"]
+        except httpx.ConnectError:
+            # seen once with another test worker loading both cores: Ray's proxy refused
+            # for a moment while the controller replaced the replica. The requests above were
+            # answered; the replacement must still come within the deadline
+            time.sleep(1)
+            continue
         if len(now) == 2 and all("pid" in x for x in now) and victim not in {
                 x["pid"] for x in now}:
             break
