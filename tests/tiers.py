@@ -87,8 +87,13 @@ SLOW_TESTS: dict[str, str] = {
 _RUNNING_COMMANDS = {"generate", "perf", "bench"}
 
 
+def file_of(item: pytest.Item) -> str:
+    """The test's file, as SLOW_FILES and tests/workers.py name files."""
+    return os.path.relpath(str(item.path), str(item.config.rootpath)).replace(os.sep, "/")
+
+
 def slow_reason(item: pytest.Item) -> str | None:
-    path = os.path.relpath(str(item.path), str(item.config.rootpath)).replace(os.sep, "/")
+    path = file_of(item)
     if path in SLOW_FILES:
         return SLOW_FILES[path]
     return next((why for prefix, why in SLOW_TESTS.items() if item.nodeid.startswith(prefix)),

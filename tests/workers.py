@@ -13,9 +13,9 @@ loadgroup`; the whole suite took ~27 minutes on one process on the 2-core machin
 
 from __future__ import annotations
 
-import os
-
 import pytest
+
+from tests.tiers import file_of
 
 # seconds a file took in one process (2-core AMD EPYC, `./scripts/test.sh --durations=0`)
 HEAVY: dict[str, float] = {
@@ -83,8 +83,7 @@ def run_order(paths: list[str]) -> list[int]:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    root = str(config.rootpath)
-    paths = [os.path.relpath(str(it.path), root).replace(os.sep, "/") for it in items]
+    paths = [file_of(it) for it in items]
     for item, path in zip(items, paths):
         item.add_marker(pytest.mark.xdist_group(group_of(path)))
     items[:] = [items[i] for i in run_order(paths)]
