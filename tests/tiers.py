@@ -25,6 +25,7 @@ SLOW_FILES: dict[str, str] = {
     "tests/bench/test_soak.py": "a server process",
     "tests/cluster/test_cluster_pow2.py": "Ray",
     "tests/cluster/test_cluster_prefix.py": "Ray",
+    "tests/engine/test_agent_sessions.py": "default-model generation",
     "tests/engine/test_cache_view.py": "default-model generation",
     "tests/engine/test_context_shift.py": "default-model generation",
     "tests/engine/test_deterministic.py": "default-model generation",

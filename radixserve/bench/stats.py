@@ -145,6 +145,21 @@ def prefix_bound(prompts: Sequence[Sequence[int]]) -> int:
     return total
 
 
+def unshared_minimum(sent: Sequence[tuple[Sequence[int], Sequence[int]]]) -> int:
+    """Prompt tokens a server that never drops computed KV would compute (issue 36): for each
+    (prompt, answer) in the order sent, the prompt's tokens past its longest common prefix with
+    any earlier prompt followed by that request's decoded answer (every answer token but the
+    last was fed back, so its KV exists), and always the prompt's last token (its logits).
+    An answer re-tokenized differently in the next prompt counts as new, as on any server."""
+    total = 0
+    known: list[Sequence[int]] = []
+    for prompt, answer in sent:
+        shared = max((len(os.path.commonprefix([prompt, q])) for q in known), default=0)
+        total += len(prompt) - min(shared, len(prompt) - 1)
+        known.append(list(prompt) + list(answer[:-1]))
+    return total
+
+
 def host_cache_figures(before: dict[str, float],
                        after: dict[str, float]) -> dict[str, float | None]:
     """Host-cache figures from two /metrics scrapes (the same names for every backend: the

@@ -144,6 +144,10 @@ class Restore:
 class PromptCache(Protocol):
     name: str
     load_always: bool  # try `load` for every new prompt, not only when the slot is overwritten
+    # a slot's reusable KV is offered before any of it is removed (a radix tree stores only
+    # the rows it lacks, so a slot sharing most of a new prompt costs its own suffix), not only
+    # when a new prompt keeps less than half of it (llama.cpp's rule for whole-prompt entries)
+    offer_every_drop: bool
 
     def save(self, pool: KVPool, seq: int, tokens: list[int],
              checkpoints: Sequence[Checkpoint] = (), salt: str = "") -> bool:
@@ -190,6 +194,7 @@ class NullPromptCache:
 
     name = "none"
     load_always = False
+    offer_every_drop = False
 
     def save(self, pool: KVPool, seq: int, tokens: list[int],
              checkpoints: Sequence[Checkpoint] = (), salt: str = "") -> bool:

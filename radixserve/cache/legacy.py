@@ -50,6 +50,7 @@ class CacheEntry:
 class LegacyPromptCache:
     name = "legacy"
     load_always = False  # llama.cpp loads only when the slot is about to be overwritten
+    offer_every_drop = False  # whole-prompt entries: llama.cpp's save-when-mostly-lost rule
 
     def __init__(self, limit_bytes: int, limit_tokens: int, fingerprint: Fingerprint) -> None:
         self.limit_size = max(0, limit_bytes)  # 0: no byte limit (--cache-ram -1)

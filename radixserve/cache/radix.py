@@ -81,6 +81,7 @@ class RadixPromptCache:
 
     name = "radix"
     load_always = True  # hits are not consumed: try the tree for every new prompt
+    offer_every_drop = True  # a save stores only the rows past the stored prefix
 
     def __init__(
         self, limit_bytes: int, min_restore_tokens: int = 0, fault_after_tokens: int | None = None,

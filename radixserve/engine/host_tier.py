@@ -1,9 +1,17 @@
 """When slots and the host prompt cache exchange KV (the engine's side of the host tier).
 
-- Before a slot takes a new prompt that would keep less than half of its tokens (or that it got
-  by LRU), its content is saved. Whether the prompt's prefix is then restored from the cache is
-  the prefix planner's decision (prefix_plan.py); the legacy backend is consulted only at that
-  moment (llama.cpp), the radix backend, whose hits are not consumed, for every prompt.
+- Nothing reusable is dropped unseen (radix backend): before a slot takes a new prompt that will
+  not keep all it holds (another session's request, an n > 1 child, a slot file restored into
+  it), before a context shift discards part of it, and before an idle slot's cells go to another
+  slot, its KV (prompt and generated tokens) is offered to the tree, which stores only the rows
+  it lacks, within `--cache-ram` and LRU. A session whose slot was taken by a request sharing
+  only the long system prompt so finds its history in the tree. The legacy backend keeps
+  llama.cpp's rule: save only when the new prompt keeps less than half of the slot's tokens (or
+  the slot was picked by LRU), since each entry is a whole prompt. Admin flushes, slot erase and
+  failed or shifted KV are dropped unsaved. Whether the prompt's prefix is then restored from
+  the cache is the prefix planner's decision (prefix_plan.py); the legacy backend is consulted
+  only when the slot is overwritten (llama.cpp), the radix backend, whose hits are not
+  consumed, for every prompt.
 - `--cache-idle-slots`: when a task starts, every idle slot is published to the cache and, with
   unified KV, cleared: only then do its cells become usable by the active slots. llama.cpp does
   this after the new task took its slot; with the radix backend we do it just before (the new
@@ -22,6 +30,7 @@ from radixserve.cache.disk_block import RowSpec, load_key, private_dir
 from radixserve.cache.legacy import LegacyPromptCache
 from radixserve.cache.radix import RadixPromptCache
 from radixserve.config import ServerConfig
+from radixserve.engine.prefix_plan import salted_lcp
 from radixserve.engine.slot import Slot
 from radixserve.kv.pool import KVPool
 from radixserve.kv.state import fingerprint_of
@@ -91,8 +100,23 @@ class HostTier:
         are not consumed), only when the slot is about to be overwritten for the legacy one."""
         return self.cache if update_cache or self.cache.load_always else None
 
-    def save_before_overwrite(self, slot: Slot) -> None:
+    def save_before_overwrite(self, slot: Slot, prompt: list[int], salt: str,
+                              update_cache: bool) -> None:
+        """Before `slot` takes `prompt` (of namespace `salt`): the radix tree is offered what
+        the slot holds whenever the prompt will not keep all of it (its last token is always
+        computed); the legacy cache only when `update_cache` (llama.cpp's rule)."""
+        if self.cache.offer_every_drop:
+            if min(salted_lcp(slot.kv, prompt, salt), len(prompt) - 1) >= len(slot.kv):
+                return
+        elif not update_cache:
+            return
+        self.offer(slot)
+
+    def offer(self, slot: Slot) -> None:
+        """The slot's KV into the host cache (nothing when it is not reusable or the cache
+        declines: over its budget, or a sliding window that dropped the rows)."""
         if slot.kv.save_to(self.cache):
+            self.cache.update()
             log.debug("slot %d: saved %d tokens to the host cache", slot.id, len(slot.kv))
 
     def cache_idle_slots(self, slots: list[Slot], exclude: Slot | None = None) -> None:

@@ -284,8 +284,7 @@ class Scheduler:
             while (self.pool.n_free + len(slot.kv) < len(prompt)
                    and self.try_clear_idle_slots(exclude=slot)):
                 pass
-        if update_cache:
-            self.host.save_before_overwrite(slot)
+        self.host.save_before_overwrite(slot, prompt, task.cache_salt, update_cache)
         n_reuse = self.cfg.cache_reuse if task.n_cache_reuse is None else task.n_cache_reuse
         if n_reuse > 0 and self.no_shift:
             if task.n_cache_reuse:  # llama-server's words where it cannot shift the cache
@@ -348,6 +347,8 @@ class Scheduler:
         n_discard = min(max(n_discard, 0), max(0, n_left - 1))
         log.warning("slot %d: context shift, n_keep = %d, n_left = %d, n_discard = %d",
                     s.id, n_keep, n_left, n_discard)
+        if self.host.cache.offer_every_drop:  # the shifted KV is never reused: keep it first
+            self.host.offer(s)
         if not s.kv.shift(n_keep, n_discard):
             self._fail(s, TaskError(500, "server_error", "Context size has been exceeded."))
             return False

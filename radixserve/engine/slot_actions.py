@@ -166,6 +166,8 @@ def _restore(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str
     if sf.checkpoints and swa is None:
         log.info("slot %d: %d checkpoints in %r are not used (the model has no sliding "
                  "window)", seq, len(sf.checkpoints), filename)
+    if sched.host.cache.offer_every_drop:  # what the slot held stays reusable from the tree
+        sched.host.offer(slot)
     # the restored KV is back in the cache namespace it was saved from (the file's
     # `cache_salt`; "" for a version-1 file): it serves requests of that salt and no other
     slot.kv.load_rows(list(sf.tokens), st.k, st.v, window,

@@ -17,6 +17,7 @@ from radixserve.bench.stats import (
     parse_prometheus,
     percentile,
     prefix_bound,
+    unshared_minimum,
     series_key,
     sum_counter_figures,
     summarize_run,
@@ -183,6 +184,21 @@ def test_prefix_bound_counts_what_no_earlier_prompt_shared() -> None:
     assert prefix_bound([]) == 0
     # the longest match counts, whichever earlier prompt it is with
     assert prefix_bound([[1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5]]) == (2 + 2 + 1) + 3
+
+
+def test_unshared_minimum_counts_decoded_answers_as_computed() -> None:
+    tools = [1, 2, 3, 4]
+    sent = [
+        (tools + [10], [11, 12, 13]),  # 5 new
+        (tools + [20], [21]),  # 1 past the shared tools
+        (tools + [10, 11, 12, 13, 14], [15]),  # the answer's fed-back KV (11, 12): 13, 14 new
+        (tools + [20], [21]),  # an exact repeat still computes its last token
+        (tools + [20, 21, 22], []),  # a one-token answer was never fed back: 21, 22 new
+    ]
+    assert unshared_minimum(sent) == 5 + 1 + 2 + 1 + 2
+    assert unshared_minimum([]) == 0
+    # the answers counted as new: [11, 12, 13, 14] past the first prompt, [21, 22] past the 2nd
+    assert unshared_minimum([(p, []) for p, _ in sent]) == 5 + 1 + 4 + 1 + 2
 
 
 def _rec(name: str, predicted_n: int, draft_n: int | None = None, accepted: int | None = None,
