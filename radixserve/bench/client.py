@@ -158,25 +158,34 @@ async def run_sessions(url: str, sessions: list[Session], concurrency: int, opt:
     return records, time.perf_counter() - t0
 
 
-async def prompt_token_ids(url: str, sent: list[tuple[RequestRecord, Messages]],
-                           ) -> list[list[int]] | None:
-    """The token ids of the successful requests' prompts, in the order they were sent, through
-    the server's own template and tokenizer (llama-server's /apply-template and /tokenize).
-    None when the server lacks those endpoints."""
-    out: list[list[int]] = []
+async def sent_token_ids(url: str, sent: list[tuple[RequestRecord, Messages]],
+                         ) -> list[tuple[list[int], list[int]]] | None:
+    """The token ids of the successful requests' prompts (through the server's own template
+    and tokenizer: llama-server's /apply-template and /tokenize) and of their replies (the
+    reply text tokenized alone), in the order they were sent. None when the server lacks
+    those endpoints."""
+    out: list[tuple[list[int], list[int]]] = []
     try:
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as c:
+
+            async def tokenize(text: str, add_special: bool) -> list[int] | None:
+                r = await c.post(url + "/tokenize",
+                                 json={"content": text, "add_special": add_special})
+                if r.status_code != 200:
+                    return None
+                return [t if isinstance(t, int) else t["id"] for t in r.json()["tokens"]]
+
             for rec, messages in sorted(sent, key=lambda x: x[0].t_start):
                 if rec.error is not None:
                     continue
                 r = await c.post(url + "/apply-template", json={"messages": messages})
                 if r.status_code != 200:
                     return None
-                r = await c.post(url + "/tokenize",
-                                 json={"content": r.json()["prompt"], "add_special": True})
-                if r.status_code != 200:
+                prompt = await tokenize(r.json()["prompt"], True)
+                reply = await tokenize(rec.reply or "", False) if rec.reply else []
+                if prompt is None or reply is None:
                     return None
-                out.append([t if isinstance(t, int) else t["id"] for t in r.json()["tokens"]])
+                out.append((prompt, reply))
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
     return out

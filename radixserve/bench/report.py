@@ -260,6 +260,11 @@ def markdown_report(summary: Summary, results: list[dict[str, Any]],
                 out.append(f"- {m}: prompt tokens computed {f['prompt_tokens_computed']:.0f}, "
                            f"bound {f['prompt_tokens_bound']:.0f} (what no earlier prompt "
                            "shared + 1 per request)")
+            if f.get("prompt_tokens_min") is not None:
+                out.append(f"- {m}: prompt tokens computed {f['prompt_tokens_computed']:.0f} = "
+                           f"{f['prompt_tokens_computed'] / max(1, f['prompt_tokens_min']):.2f}x "
+                           f"the unshared minimum {f['prompt_tokens_min']:.0f} (what no earlier "
+                           "prompt or decoded answer held, + each prompt's last token)")
             if f.get("draft_n") is not None:
                 out.append(f"- {m}: draft tokens accepted / proposed "
                            f"{_tok(f.get('draft_n_accepted'))} / {_tok(f['draft_n'])}")

@@ -51,7 +51,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from radixserve.bench.client import Messages, RequestOptions, prompt_token_ids, run_sessions
+from radixserve.bench.client import Messages, RequestOptions, run_sessions, sent_token_ids
 from radixserve.bench.modes import Mode
 from radixserve.bench.scenarios import (
     Scenario,
@@ -71,6 +71,7 @@ from radixserve.bench.stats import (
     sum_counter_figures,
     summarize_run,
     tier_figures,
+    unshared_minimum,
 )
 
 log = logging.getLogger(__name__)
@@ -205,8 +206,9 @@ async def _result(url: str, parts: list[Part]) -> dict[str, Any]:
     tiers = tier_figures(last.before, last.after)
     if any(v is not None for v in tiers.values()):  # only servers with cache tiers export them
         figures |= tiers
-    prompts = await prompt_token_ids(url, sent)
-    figures["prompt_tokens_bound"] = None if prompts is None else prefix_bound(prompts)
+    ids = await sent_token_ids(url, sent)
+    figures["prompt_tokens_bound"] = None if ids is None else prefix_bound([p for p, _ in ids])
+    figures["prompt_tokens_min"] = None if ids is None else unshared_minimum(ids)
     figures["rss_start_mib"] = parts[0].rss_start_mib
     peaks = [p.rss_peak_mib for p in parts if p.rss_peak_mib is not None]
     figures["rss_peak_mib"] = max(peaks) if peaks else None

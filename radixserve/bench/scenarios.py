@@ -30,6 +30,7 @@ from typing import Any
 from radixserve.bench.words import WORDS
 
 INSTRUCTION = "you are a document assistant. answer the question from the document only."
+AGENT_INSTRUCTION = "you are an agent. call one of the tools below, or answer when done."
 # shared-prefix request orders: questions spread out at random, one per document in turn, or
 # each document's questions together (a burst of traffic on one hot document at a time)
 ORDERS = ("shuffle", "round-robin", "grouped")
@@ -39,6 +40,8 @@ KIND_PARAMS: dict[str, tuple[str, ...]] = {
     "exact-reuse": ("doc_tokens", "question_tokens", "n_requests"),
     "no-sharing": ("doc_tokens", "question_tokens", "n_requests"),
     "multi-turn": ("n_conversations", "n_turns", "system_tokens", "turn_tokens"),
+    # agent sessions: a long shared tool prefix, a task, then a tool result after each answer
+    "agent-loop": ("n_sessions", "n_steps", "tools_tokens", "task_tokens", "result_tokens"),
     "capacity": ("n_hot", "n_cold", "cold_per_round", "doc_tokens", "question_tokens"),
     # documents come from the file's `documents`; each is asked for `n_quotes` of its paragraphs
     "rag-quote": ("n_quotes", "passage_min_chars", "opening_chars"),
@@ -252,7 +255,24 @@ def build_workload(s: Scenario) -> list[Session]:
         return [Session(f"c{c}", "chat", system,
                         tuple(make_text(rng, p["turn_tokens"]) for _ in range(p["n_turns"])))
                 for c in range(p["n_conversations"])]
+    if s.kind == "agent-loop":
+        return _agent_loop(s, rng)
     return _capacity(s, rng)
+
+
+def _agent_loop(s: Scenario, rng: random.Random) -> list[Session]:
+    """Agent sessions (issue 36): every request starts with the same long system prompt of tool
+    definitions; a session's first turn is its task, each later one a tool result appended
+    after the model's answer, so its history grows by an answer and a result a step. With more
+    sessions than slots, a session comes back to a slot another session took, keeping only the
+    tools: its own history must come from the host cache, or be computed again."""
+    p = s.params
+    tools = AGENT_INSTRUCTION + "\n\ntools:\n" + make_text(rng, p["tools_tokens"])
+    return [Session(f"a{i}", "agent", tools,
+                    ("task: " + make_text(rng, p["task_tokens"]),
+                     *("tool result: " + make_text(rng, p["result_tokens"])
+                       for _ in range(p["n_steps"] - 1))))
+            for i in range(p["n_sessions"])]
 
 
 def _capacity(s: Scenario, rng: random.Random) -> list[Session]:

@@ -177,7 +177,7 @@ def test_radix_disk_runs_get_a_fresh_dir_that_survives_the_restart(tmp_path: Pat
     async def no_tokenizer(url, sent):
         return None
 
-    monkeypatch.setattr(runner, "prompt_token_ids", no_tokenizer)
+    monkeypatch.setattr(runner, "sent_token_ids", no_tokenizer)
     s = load_scenario("restart-shared-prefix")
     opt = BenchOptions(out_dir=tmp_path)
     done: list[RequestRecord] = []

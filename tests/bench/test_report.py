@@ -84,14 +84,17 @@ def test_write_report_creates_files(tmp_path: Path) -> None:
 def test_issue5_lines_bound_and_host_ratio() -> None:
     runs = [_run("s", m, 0, 0.5, 10.0) for m in ("no-cache", "legacy", "radix")]
     for r, mib in zip(runs, (None, 30.0, 9.0)):
-        r["figures"] |= {"host_cache_mib": mib, "prompt_tokens_bound": 60}
+        r["figures"] |= {"host_cache_mib": mib, "prompt_tokens_bound": 60,
+                         "prompt_tokens_min": 40}
     s = summarize(runs)
     assert host_ratio(s["s"]) == 0.3
     md = markdown_report(s, runs)
     assert "- host cache bytes radix / legacy: 0.30" in md
     assert "- radix: prompt tokens computed 50, bound 60" in md
     assert "- legacy: prompt tokens computed 50, bound 60" in md
-    assert "- no-cache: prompt tokens computed" not in md  # computes everything by design
+    assert "- no-cache: prompt tokens computed 50, bound" not in md  # all computed by design
+    for m in ("no-cache", "legacy", "radix"):  # the unshared minimum: every mode
+        assert f"- {m}: prompt tokens computed 50 = 1.25x the unshared minimum 40 (" in md
     assert host_ratio(summarize(runs[:1] + runs[2:])["s"]) is None  # no legacy run
 
 

@@ -32,7 +32,7 @@ from radixserve.text.tokenizer import Tokenizer
 REQUIRED = {"shared-prefix-main", "exact-reuse", "no-sharing", "prefix-512", "prefix-1024",
             "prefix-2048", "prefix-4096", "concurrency-1", "concurrency-4", "capacity-lru-512",
             "multi-turn-chat", "shared-prefix-shuffled", "shared-prefix-long", "single-stream",
-            "decode-4", "rag-quote", "restart-shared-prefix"}
+            "decode-4", "rag-quote", "restart-shared-prefix", "agent-loop"}
 
 
 def test_engine_yardsticks_compute_every_prompt() -> None:
@@ -118,6 +118,20 @@ def test_multi_turn_sessions() -> None:
     assert len(w) == s.params["n_conversations"]
     assert all(len(x.user_turns) == s.params["n_turns"] for x in w)
     assert len({x.system for x in w}) == 1  # one shared system prompt
+
+
+def test_agent_loop_sessions_share_the_tools_and_outnumber_the_slots() -> None:
+    s = load_scenario("agent-loop")
+    w = build_workload(s)
+    p = s.params
+    assert len(w) == p["n_sessions"] and len({x.system for x in w}) == 1  # the tools, shared
+    assert all(len(x.user_turns) == p["n_steps"] for x in w)
+    assert all(x.user_turns[0].startswith("task: ") for x in w)
+    assert all(t.startswith("tool result: ") for x in w for t in x.user_turns[1:])
+    assert len({x.user_turns[0] for x in w}) == len(w)  # each its own task
+    n_slots = int(s.server_args[s.server_args.index("-np") + 1])
+    assert len(w) > n_slots and s.concurrency == n_slots
+    assert len(w[0].system.split()) > 1500 and s.n_predict <= 64  # long tools, short answers
 
 
 def test_capacity_hot_set_is_refreshed_between_cold_rounds() -> None:
