@@ -32,6 +32,7 @@ SLOW_FILES: dict[str, str] = {
     "tests/engine/test_disk_tier.py": "default-model generation",
     "tests/engine/test_slot_actions.py": "default-model generation",
     "tests/engine/test_speculative.py": "default-model generation",
+    "tests/engine/test_reuse.py": "default-model generation",
     "tests/engine/test_swa.py": "Gemma 3 generation",
     "tests/http/test_api.py": "server processes",
     "tests/http/test_cache_salt_http.py": "default-model generation",

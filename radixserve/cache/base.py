@@ -168,6 +168,12 @@ class PromptCache(Protocol):
         None if the cache has none (or `seq` could not hold it). The pool is only read."""
         ...
 
+    def held(self, prompt: list[int], salt: str, n_more: int) -> tuple[int, list[int]]:
+        """What the cache holds of `prompt` in namespace `salt` (whether restorable now or
+        not): the longest stored prefix's length and up to `n_more` tokens the stored sequence
+        continues with past it ([]: it ends there). For the reuse report (engine/reuse.py)."""
+        ...
+
     def update(self) -> None:
         """Enforce the size limits (evict)."""
         ...
@@ -195,6 +201,9 @@ class NullPromptCache:
     name = "none"
     load_always = False
     offer_every_drop = False
+
+    def held(self, prompt: list[int], salt: str, n_more: int) -> tuple[int, list[int]]:
+        return 0, []
 
     def save(self, pool: KVPool, seq: int, tokens: list[int],
              checkpoints: Sequence[Checkpoint] = (), salt: str = "") -> bool:

@@ -169,6 +169,18 @@ class LegacyPromptCache:
                 best, n_best, f_keep_best, f_sim_best = e, n, f_keep, f_sim
         return best, n_best, f_keep_best, f_sim_best
 
+    def held(self, prompt: list[int], salt: str, n_more: int) -> tuple[int, list[int]]:
+        """The entry of namespace `salt` sharing the longest prefix with `prompt` (the newest
+        of equals) and what it continues with."""
+        best, more = 0, []
+        for e in self.states:
+            if e.salt != salt:
+                continue
+            n = common_prefix(e.tokens, prompt)
+            if n >= best and n:
+                best, more = n, e.tokens[n:n + n_more]
+        return best, more
+
     def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
               salt: str = "") -> int:
         return self._best(slot_tokens, prompt, salt)[1]

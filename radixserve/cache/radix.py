@@ -144,6 +144,22 @@ class RadixPromptCache:
         found = self._restorable(pool, seq, slot_tokens, prompt, salt)
         return found.length if found is not None else 0
 
+    def held(self, prompt: list[int], salt: str, n_more: int) -> tuple[int, list[int]]:
+        """The tree's longest match; past it, the rest of the edge it ends in, else the edge of
+        the most recently used child: the stored text the prompt turned away from."""
+        match = self.tree.match(prompt, salt)
+        m = match.length
+        node = match.path[-1] if match.path else self.tree.roots.get(salt)
+        if node is None:
+            return 0, []
+        if m < node.depth:  # the prompt leaves in the middle of this edge
+            return m, list(node.tokens[m - (node.depth - len(node.tokens)):][:n_more])
+        more: list[int] = []
+        while len(more) < n_more and node.children:
+            node = max(node.children.values(), key=lambda c: c.last_access)
+            more += node.tokens[:n_more - len(more)]
+        return m, more
+
     def _restorable(self, pool: KVPool, seq: int, slot_tokens: list[int],
                     prompt: list[int], salt: str) -> RadixMatch | None:
         """The stored prefix `load` would restore: long enough, better than the slot's own, and

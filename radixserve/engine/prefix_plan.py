@@ -67,6 +67,7 @@ class PrefixPlan:
     n_prefix: int = 0
     donor: Slot | None = None  # the slot a SLOT prefix comes from
     checkpoint: Checkpoint | None = None  # to restore first for an OWN prefix (sliding window)
+    restored: int = 0  # tokens a host restore gave (the plan then names them the slot's own)
 
     @property
     def n_reused(self) -> int:
@@ -236,7 +237,7 @@ def take_prefix(slot: Slot, prompt: list[int], slots: list[Slot], host: PromptCa
     a restore, the rest is planned from what the slot now holds. Returns the plan carried out;
     the slot's KV then belongs to namespace `salt` (the prompt's `cache_salt`): this is where
     a slot's KV starts belonging to a task."""
-    donors = slots
+    donors, restored = slots, 0
     while True:
         plan = plan_prefix(slot, prompt, donors, host, cache_prompt, n_reuse, prefer,
                            salt=salt)
@@ -245,9 +246,11 @@ def take_prefix(slot: Slot, prompt: list[int], slots: list[Slot], host: PromptCa
             host = None
             if done:
                 donors = []  # decided against them already: what the slot holds now is better
+                restored = len(slot.kv)
             continue
         if done:
             slot.kv.claim(salt)
+            plan.restored = min(restored, plan.n_prefix)
             return plan
         if plan.source is Source.SLOT:
             donors = []

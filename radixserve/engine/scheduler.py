@@ -36,6 +36,7 @@ import torch
 
 from radixserve.cache.base import DiskTierCache, PromptCache
 from radixserve.config import ServerConfig
+from radixserve.engine import reuse
 from radixserve.engine.batch import model_pool, run, seq_step
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.host_tier import HostTier
@@ -110,6 +111,7 @@ class Scheduler:
         # the disk tier under the host cache: tasks wait (unslotted) while their blocks load
         self.radix_disk: DiskTierCache | None = hc.disk_tier()
         self._disk_wait: dict[int, int] = {}  # task id -> disk ticket it waits for
+        self._from_disk: dict[int, bool] = {}  # task ids whose disk read ended (reuse report)
         self._disk_asked: set[int] = set()  # task ids whose disk lookup was made
         log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = %s",
                  n_slots, self.n_ctx_slot, unified)
@@ -160,6 +162,7 @@ class Scheduler:
             if t is task:
                 del self.deferred[i]
                 self._disk_wait.pop(task.id, None)
+                self._from_disk.pop(task.id, None)
                 self._disk_asked.discard(task.id)
                 return
         for slot in self.slots:
@@ -220,6 +223,9 @@ class Scheduler:
             return
         done = set(self.radix_disk.take_disk_loads())
         if done:
+            for t, k in self._disk_wait.items():
+                if k in done:  # its prefix is in the tree now, read from disk
+                    self._from_disk[t] = True
             self._disk_wait = {t: k for t, k in self._disk_wait.items() if k not in done}
             self.launch_deferred()
 
@@ -271,6 +277,7 @@ class Scheduler:
             self.metrics.checkpoint_bytes = sum(s.kv.checkpoint_bytes for s in self.slots)
 
     def _launch(self, slot: Slot, task: CompletionTask, emit: Emit, update_cache: bool) -> None:
+        from_disk = self._from_disk.pop(task.id, False)
         try:
             # ignore_eos: -inf biases on the EOG tokens, appended to logit_bias as llama-server
             constraint = None if task.grammar is None else Constraint(task.grammar, self.tok)
@@ -293,21 +300,23 @@ class Scheduler:
             n_reuse = 0
         host = self.host.consulted(update_cache)
         loads = host.stats()["loads"] if host is not None and task.cache_prompt else None
+        held = reuse.probe(prompt, task.cache_salt, self.slots, self.host.cache)
         plan = take_prefix(slot, prompt, self.slots, host,
                            task.cache_prompt, n_reuse, prefer=self._holder(task.parent),
                            salt=task.cache_salt)
+        why = reuse.report(held, plan, prompt, from_disk, self.tok)
         if loads is not None and host is not None and host.stats()["loads"] == loads:
             self.host.misses += 1
         if update_cache:
             self.host.cache.update()
         if plan.checkpoint is not None:
             self.metrics.checkpoints_restored_total += 1
-        slot.start(task, sampler, emit, plan.todo, plan.n_reused)
+        slot.start(task, sampler, emit, plan.todo, plan.n_reused, why)
         if self.spec is not None:
             slot.speculative = bool(self.spec.spec_of(slot).types)
             self.spec.begin(slot)
-        log.info("slot %d: task %d, prompt %d tokens, %d reused", slot.id, task.id,
-                 len(prompt), plan.n_reused)
+        log.info("slot %d: task %d, prompt %d tokens, %d reused; %s", slot.id, task.id,
+                 len(prompt), plan.n_reused, reuse.describe(why))
 
     def _prefilling(self, parent: CompletionTask) -> bool:
         """The parent of an n_cmpl > 1 child is still waiting or computing its prompt."""

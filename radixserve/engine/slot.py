@@ -18,7 +18,8 @@ import torch
 
 from radixserve.config import SpecConfig
 from radixserve.engine.slot_kv import SlotKV
-from radixserve.engine.task import CompletionTask, FinalResult, PartialResult, Timings, TokenProbs
+from radixserve.engine.task import (CompletionTask, FinalResult, PartialResult, Reuse, Timings,
+                                   TokenProbs)
 from radixserve.sampling.chain import Sampler
 from radixserve.text.tokenizer import Tokenizer
 
@@ -40,6 +41,7 @@ class Slot:
         self.emit: Callable[[object], None] | None = None  # the running task's consumer
         self.can_speculate = False  # the server drafts (/slots "speculative")
         self.server_spec = SpecConfig()  # the server's --spec-* (a task's own may differ)
+        self.reuse: Reuse | None = None  # the last task's reuse report
         self._reset_task_state()
 
     def _reset_task_state(self) -> None:
@@ -96,13 +98,14 @@ class Slot:
         return self.state is not SlotState.IDLE
 
     def start(self, task: CompletionTask, sampler: Sampler, emit: Callable[[object], None],
-              todo: list[tuple[int, int]], n_cached: int) -> None:
+              todo: list[tuple[int, int]], n_cached: int, reuse: Reuse | None = None) -> None:
         """Take `task`, whose prompt's reused part the slot's KV already holds; `todo`: the
-        position ranges still to compute."""
+        position ranges still to compute; `reuse`: where that part came from (kept after the
+        task ends: /slots shows the last)."""
         self._reset_task_state()
         self._task, self._sampler, self.emit = task, sampler, emit
         self.prompt = task.prompt_tokens
-        self.todo, self.n_cached = todo, n_cached
+        self.todo, self.n_cached, self.reuse = todo, n_cached, reuse
         self.state = SlotState.PROCESSING_PROMPT
         self.t_start = time.perf_counter()
 
@@ -229,6 +232,7 @@ class Slot:
             predicted_ms=max((now - t_first) * 1e3, 1e-3) if self.generated else 0.0,
             draft_n=self.n_drafted if self.speculative else None,
             draft_n_accepted=self.n_draft_accepted,
+            reuse=self.reuse,
         )
 
     def final(self, now: float) -> FinalResult:
@@ -273,6 +277,7 @@ class Slot:
             n_prompt_tokens=len(self.tokens),
             n_prompt_tokens_processed=self.n_prompt_processed,
             n_prompt_tokens_cache=self.n_cached,
+            **({} if self.reuse is None else {"reuse": self.reuse.to_json()}),
             params={
                 **task.params.llama_fields(),
                 "n_predict": n_predict,

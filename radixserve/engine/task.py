@@ -82,6 +82,24 @@ class TokenProbs:
     top: list[tuple[int, str, float]]
 
 
+@dataclass(slots=True, frozen=True)
+class Reuse:
+    """Where a prompt's reused prefix came from and, when less than the cache held or nothing
+    was reused, why (engine/reuse.py): `timings.reuse`, the log and `/slots`."""
+
+    tier: str  # slot, slot_share, ram, disk or none
+    n_tokens: int  # prompt tokens it gave (timings.cache_n)
+    n_held: int  # the longest prefix of the prompt any tier held (same cache_salt)
+    first_diff: int | None  # where the prompt left the best cached sequence (None: it did not)
+    cached_text: str | None  # that sequence's text from first_diff on (a short excerpt)
+    prompt_text: str | None  # the prompt's text from first_diff on
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tier": self.tier, "n_tokens": self.n_tokens, "n_held": self.n_held,
+                "first_diff": self.first_diff, "cached_text": self.cached_text,
+                "prompt_text": self.prompt_text}
+
+
 @dataclass(slots=True)
 class Timings:
     cache_n: int = 0
@@ -91,6 +109,7 @@ class Timings:
     predicted_ms: float = 0.0
     draft_n: int | None = None  # draft tokens proposed (None: the task did not speculate)
     draft_n_accepted: int = 0  # of them, accepted by the target
+    reuse: Reuse | None = None  # why the prompt's prefix was (not) reused
 
     def to_json(self) -> dict[str, Any]:
         """llama-server's timings; generation rates use n-1 steps (the first token is free)."""
@@ -110,6 +129,7 @@ class Timings:
             if steps > 0 and self.predicted_ms > 0
             else 0.0,
             **draft,
+            **({} if self.reuse is None else {"reuse": self.reuse.to_json()}),
         }
 
 

@@ -92,6 +92,8 @@ def test_restart_restores_from_disk_and_answers_as_no_cache(model, prompts, refe
     for f, p, before in zip(second, (prompts[1], prompts[3]), (prompts[0], prompts[2])):
         assert f.tokens == reference[tuple(p)]
         assert f.timings.cache_n == on_disk(before, p) > 200
+        assert f.timings.reuse is not None and f.timings.reuse.tier == "disk"
+        assert f.timings.reuse.n_tokens == f.timings.cache_n
     fig = s.tier_figures()["disk"]
     assert fig["hits"] == 2 and fig["hit_tokens"] >= sum(f.timings.cache_n for f in second)
     assert fig["bytes"] > 0 and fig["tokens"] % B == 0
