@@ -137,6 +137,8 @@ class ServerConfig:
     cache_idle_slots: bool = True
     cache_radix_prompt: bool = True
     cache_radix_min_restore_tokens: int = 0
+    # `prompt_cache_retention: 24h` pins, radix only (issue 36); bounded by --cache-ram too
+    cache_pin_mib: int = 1024
     # disk tier (issue 6)
     slot_save_path: str | None = None
     # disk tier under the radix cache (issue 18)
@@ -208,6 +210,14 @@ class ServerConfig:
         self.spec.validate()
         if self.cache_ram_mib < -1:
             raise ValueError("--cache-ram must be -1 (no limit), 0 (off) or a size in MiB")
+        if self.cache_pin_mib < 0:
+            raise ValueError(f"--cache-pin-mib must be 0 (no pins) or a size in MiB, got "
+                             f"{self.cache_pin_mib}")
+
+    @property
+    def can_pin(self) -> bool:
+        """Whether `prompt_cache_retention` pins can be kept: the radix RAM tier and a budget."""
+        return self.cache_radix_prompt and self.cache_ram_mib != 0 and self.cache_pin_mib > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +243,7 @@ class RequestDefaults:
     reasoning_format: str  # --reasoning-format: requests may choose their own
     skip_chat_parsing: bool  # --skip-chat-parsing: replies stay plain content
     spec: SpecConfig  # --spec-*: speculative decoding
+    can_pin: bool  # `prompt_cache_retention` other than in_memory can be honored
 
     @classmethod
     def from_config(cls, cfg: ServerConfig | None = None) -> RequestDefaults:
@@ -253,5 +264,6 @@ class RequestDefaults:
             reasoning_format=cfg.reasoning_format,
             skip_chat_parsing=cfg.skip_chat_parsing,
             spec=cfg.spec,
+            can_pin=cfg.can_pin,
         )
 

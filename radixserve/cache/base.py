@@ -61,6 +61,8 @@ STAT_NAMES = (
     "evictions",  # entries (legacy) or leaves (radix) evicted
     "evicted_tokens",  # tokens they held
     "fallbacks",  # restores that failed (the slot computes what it then lacks)
+    "pins",  # prompts kept from eviction (`prompt_cache_retention`; radix only)
+    "pinned_bytes",  # the bytes they hold, shared prefixes once
 )
 
 
@@ -174,6 +176,11 @@ class PromptCache(Protocol):
         continues with past it ([]: it ends there). For the reuse report (engine/reuse.py)."""
         ...
 
+    def pin(self, tokens: list[int], salt: str, seconds: float) -> bool:
+        """Keep the stored `tokens` from eviction for `seconds` (`prompt_cache_retention`);
+        False where the backend keeps no pins or they did not fit its pin budget."""
+        ...
+
     def update(self) -> None:
         """Enforce the size limits (evict)."""
         ...
@@ -204,6 +211,9 @@ class NullPromptCache:
 
     def held(self, prompt: list[int], salt: str, n_more: int) -> tuple[int, list[int]]:
         return 0, []
+
+    def pin(self, tokens: list[int], salt: str, seconds: float) -> bool:
+        return False
 
     def save(self, pool: KVPool, seq: int, tokens: list[int],
              checkpoints: Sequence[Checkpoint] = (), salt: str = "") -> bool:

@@ -169,6 +169,10 @@ class LegacyPromptCache:
                 best, n_best, f_keep_best, f_sim_best = e, n, f_keep, f_sim
         return best, n_best, f_keep_best, f_sim_best
 
+    def pin(self, tokens: list[int], salt: str, seconds: float) -> bool:
+        """Not kept: requests asking for retention are refused with this backend (parse.py)."""
+        return False
+
     def held(self, prompt: list[int], salt: str, n_more: int) -> tuple[int, list[int]]:
         """The entry of namespace `salt` sharing the longest prefix with `prompt` (the newest
         of equals) and what it continues with."""

@@ -29,8 +29,10 @@ hands it over as any other prefix.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -76,6 +78,14 @@ def _copy_out(pool: KVPool, seq: int, p0: int, p1: int) -> list[torch.Tensor]:
     return [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in rows]
 
 
+@dataclass(slots=True)
+class Pin:
+    """`end` and the nodes above it are kept (locked) until `until` (time.monotonic())."""
+
+    end: RadixNode
+    until: float
+
+
 class RadixPromptCache:
     """The `PromptCache` protocol over a radix tree of K/V segments."""
 
@@ -99,6 +109,11 @@ class RadixPromptCache:
         self.fault_restores_left = fault_restores  # None: every restore faults
         self.saves = self.loads = self.hit_tokens = 0
         self.evictions = self.evicted_tokens = self.fallbacks = self.skipped = 0
+        # `prompt_cache_retention`: prompts kept from eviction until a time, oldest first,
+        # within pin_limit_bytes (held through the tree's locks; see `pin`)
+        self.pins: list[Pin] = []
+        self.pin_limit_bytes = 0
+        self.pins_lapsed = 0  # pins released early to stay within the budget
 
     # ##### PromptCache #####
     def save(self, pool: KVPool, seq: int, tokens: list[int],
@@ -207,15 +222,61 @@ class RadixPromptCache:
         self.hit_tokens += m
 
     def update(self) -> None:
-        """Evict LRU leaves until the tree fits the byte limit (locked nodes stay)."""
+        """Evict LRU leaves until the tree fits the byte limit (locked and pinned nodes stay;
+        pins past their time are released first)."""
+        self.expire_pins()
         if self.limit_bytes > 0:
             on_evict = self._to_disk if self.disk is not None else None
             nodes, tokens = self.tree.evict(self.limit_bytes, on_evict)
             self.evictions += nodes
             self.evicted_tokens += tokens
 
+    # ##### Pins (`prompt_cache_retention`) #####
+    def pin(self, tokens: list[int], salt: str, seconds: float,
+            now: float | None = None) -> bool:
+        """Keep the nodes holding `tokens` (stored whole: save them first) from LRU eviction for
+        `seconds`; a pin of the same nodes is extended. Pins hold at most `pin_limit_bytes`
+        (shared nodes counted once): the oldest lapse first to make room, and a prompt larger
+        than the budget alone is not pinned (False)."""
+        now = time.monotonic() if now is None else now
+        self.expire_pins(now)
+        match = self.tree.match(tokens, salt)
+        if not match.path or match.length < len(tokens):
+            return False
+        end = match.path[-1]
+        old = next((p for p in self.pins if p.end is end), None)
+        if old is not None:
+            self.pins.remove(old)
+            self.pins.append(Pin(end, max(old.until, now + seconds)))
+            return True
+        self.tree.lock(end)
+        self.pins.append(Pin(end, now + seconds))
+        while self.pins and self.pinned_bytes() > self.pin_limit_bytes:
+            self._unpin(self.pins[0])
+            self.pins_lapsed += 1
+        return any(p.end is end for p in self.pins)
+
+    def expire_pins(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for p in [p for p in self.pins if p.until <= now]:
+            self._unpin(p)
+
+    def pinned_bytes(self) -> int:
+        seen: dict[int, int] = {}
+        for p in self.pins:
+            for n in self.tree.path_to(p.end):
+                seen[id(n)] = n.nbytes
+        return sum(seen.values())
+
+    def _unpin(self, p: Pin) -> None:
+        self.pins.remove(p)
+        self.tree.unlock(p.end)
+
     def clear(self) -> tuple[int, int]:
-        """An admin flush: drop every prefix (none is written to disk); (nodes, bytes) gone."""
+        """An admin flush: drop every prefix, pinned ones too (none is written to disk);
+        (nodes, bytes) gone."""
+        for p in list(self.pins):
+            self._unpin(p)
         n_bytes = self.tree.bytes
         nodes, _ = self.tree.clear()
         return nodes, n_bytes - self.tree.bytes
@@ -330,6 +391,7 @@ class RadixPromptCache:
             logical_tokens=t.logical_tokens, saves=self.saves, loads=self.loads,
             hit_tokens=self.hit_tokens, skipped=self.skipped, evictions=self.evictions,
             evicted_tokens=self.evicted_tokens, fallbacks=self.fallbacks,
+            pins=len(self.pins), pinned_bytes=self.pinned_bytes(),
         )
 
     def log_stats(self) -> None:
@@ -354,7 +416,14 @@ class RadixPromptCache:
     def check(self) -> None:
         """Tree integrity, plus: at idle nothing is locked and the limit holds."""
         self.tree.check()
-        assert all(r.lock_ref == 1 for r in self.tree.roots.values()), "a restore left locks"
+        pins: dict[str, int] = {}
+        for p in self.pins:
+            ns = self.tree.path_to(p.end)[0].parent
+            assert ns is not None
+            pins[ns.ns] = pins.get(ns.ns, 0) + 1
+        assert all(r.lock_ref == 1 + pins.get(ns, 0) for ns, r in self.tree.roots.items()), \
+            "a restore left locks"
+        assert self.pinned_bytes() <= self.pin_limit_bytes or not self.pins
         assert self.limit_bytes <= 0 or self.tree.bytes <= self.limit_bytes, "over the byte limit"
         assert min(self.saves, self.loads, self.hit_tokens, self.fallbacks, self.evictions) >= 0
 

@@ -5,7 +5,10 @@ replica's /props: `chat_template`, `bos_token`, `eos_token`), so a chat and a /c
 whose prompt is the same text route alike, as they share KV on a replica. A request the
 template cannot render is keyed by its messages' text in order, which keeps the prefix
 order of the conversation. `cache_salt` leads the key: tenants never match each other.
-Requests that compute no prompt (GET routes, /tokenize, ...) have no key. The replica's own
+Requests that compute no prompt (GET routes, /tokenize, ...) have no key. A request with
+OpenAI's `prompt_cache_key` is keyed by that string instead (in its salt's namespace): every
+request with the key goes where the first went, unless that replica is overloaded (the router's
+imbalance rule), whatever its prompt. The replica's own
 rendering differs only where every request's does alike (a leading BOS it drops when the
 tokenizer adds one) or at the very end (a trailing assistant message it continues), so the
 key's prefixes are the prompt's.
@@ -13,6 +16,7 @@ key's prefixes are the prompt's.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -79,7 +83,19 @@ def route_key(path: str, body: bytes, template: ChatTemplate | None,
                 else _prompt_text(obj.get("prompt")))
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None
+    salt = obj.get("cache_salt")
+    salt = salt if isinstance(salt, str) else ""
+    pck = obj.get("prompt_cache_key")
+    if isinstance(pck, str) and pck:
+        return key_of_name(salt, pck)
     if not text:
         return None
-    salt = obj.get("cache_salt")
-    return f"{salt if isinstance(salt, str) else ''}\x00{text}"
+    return f"{salt}\x00{text}"
+
+
+def key_of_name(salt: str, name: str) -> str:
+    """A routing key for a `prompt_cache_key`: never a prompt's (a prompt key has no \x01 after
+    the salt), and long enough to fill whole blocks of the router's index (block names are taken
+    of whole blocks only), so the same name always matches its replica in full."""
+    digest = hashlib.sha256(name.encode(errors="surrogatepass")).hexdigest()
+    return f"{salt}\x00\x01{digest * 8}"

@@ -62,6 +62,7 @@ class CacheView:
                 "unique_tokens": int(stats["unique_tokens"]),
                 "logical_tokens": int(stats["logical_tokens"]),
                 "hit_tokens": int(stats["hit_tokens"]), "evictions": int(stats["evictions"]),
+                "pins": int(stats["pins"]), "pinned_bytes": int(stats["pinned_bytes"]),
             },
             "disk": None if disk is None else {
                 "bytes": int(disk["bytes"]), "limit_bytes": int(disk["limit_bytes"]),

@@ -50,7 +50,10 @@ def make_cache(cfg: ServerConfig, pool: KVPool, arch: str,
     limit = cfg.cache_ram_mib * 1024 * 1024 if cfg.cache_ram_mib > 0 else 0
     if cfg.cache_radix_prompt:
         disk = make_disk(cfg, pool, models) if cfg.cache_disk else None
-        return RadixPromptCache(limit, cfg.cache_radix_min_restore_tokens, disk=disk)
+        radix = RadixPromptCache(limit, cfg.cache_radix_min_restore_tokens, disk=disk)
+        pin = cfg.cache_pin_mib * 1024 * 1024
+        radix.pin_limit_bytes = min(pin, limit) if limit > 0 else pin  # bounded by --cache-ram
+        return radix
     return LegacyPromptCache(limit, pool.n_cells, fingerprint_of(pool, arch))
 
 

@@ -620,10 +620,17 @@ class Scheduler:
         self.metrics.observe_n_tokens(len(s.tokens))
         log.info("slot %d: stop processing, n_tokens = %d, truncated = %s",
                  s.id, len(s.tokens), s.truncated)
+        task = s.task
         if not s.kv.reusable:  # shifted KV is not what its tokens compute to: never reuse it
             s.kv.drop()
-        elif self.radix_disk is not None and s.kv.save_to(self.host.cache):
-            self.host.cache.update()  # on disk now, not only when the slot is reused: a restart
+        elif (self.radix_disk is not None or task.pin_s) and s.kv.save_to(self.host.cache):
+            # on disk now, not only when the slot is reused: a restart; pinned: in the tree
+            self.host.cache.update()
+        if task.pin_s and emit_final and s.kv.reusable and not self.host.cache.pin(
+                list(task.prompt_tokens), task.cache_salt, task.pin_s):
+            log.warning("slot %d: task %d's prompt (%d tokens) not pinned: over "
+                        "--cache-pin-mib, or not kept by the host cache", s.id, task.id,
+                        len(task.prompt_tokens))
         s.release()
         self.launch_deferred()
 

@@ -42,6 +42,9 @@ class CompletionTask:
     # never share a cached prefix in any tier (a tenant's prompt cannot speed up, so cannot be
     # probed by, another's); "" is the shared namespace of requests that give none
     cache_salt: str = ""
+    # OpenAI's `prompt_cache_retention`: seconds the prompt's nodes stay pinned in the radix
+    # tree after the task (0: in_memory, plain LRU)
+    pin_s: float = 0.0
     ignore_eos: bool = False
     special: bool = False  # -sp: special tokens (EOS, <|im_end|>...) appear in the text
     timings_per_token: bool = False  # every partial result carries the timings so far

@@ -818,6 +818,9 @@ OWN_FLAGS: list[Flag] = [
          set_("cache_radix_prompt", parse_bool)),
     flag("--cache-radix-min-restore-tokens N", H, "restore from the radix cache only when at "
          "least this many tokens match", set_("cache_radix_min_restore_tokens", I)),
+    flag("--cache-pin-mib N", H, "host RAM the radix cache may keep pinned for requests with "
+         "prompt_cache_retention 24h (the oldest pins lapse first beyond it; 0: such requests "
+         "are refused)", set_("cache_pin_mib", I)),
     flag("--cache-disk DIR", H, "disk tier under the radix cache: prompt KV blocks written to "
          "DIR survive restarts and are shared by the servers using DIR", set_("cache_disk")),
     flag("--cache-disk-mib N", H, "bound on the block files in --cache-disk (LRU; -1: none)",

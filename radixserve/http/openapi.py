@@ -80,6 +80,11 @@ GENERATION_FIELDS: dict[str, Schema] = {
     "n_cache_reuse": _int(0),
     "cache_salt": {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT,
                    "description": "the prompt cache's namespace: different salts share no KV"},
+    "prompt_cache_key": {"type": "string", "description": "OpenAI's routing hint: in "
+                         "radixserve cluster, requests with the same key go to one replica"},
+    "prompt_cache_retention": {"type": "string", "enum": ["in_memory", "24h"],
+                               "description": "24h: the prompt stays pinned in the radix "
+                               "cache (--cache-pin-mib)"},
     "repeat_last_n": _int(0),
     "repeat_penalty": {"type": "number", "exclusiveMinimum": 0},
     "dry_allowed_length": _int(0),

@@ -419,6 +419,26 @@ def _cache_salt(req: GenerationRequest) -> str:
     return salt
 
 
+RETENTION_S = {"in_memory": 0.0, "24h": 24 * 3600.0}  # prompt_cache_retention -> pin seconds
+
+
+def _retention(req: GenerationRequest, can_pin: bool) -> float:
+    """OpenAI's `prompt_cache_retention`: in_memory (the default: LRU) or 24h (pinned in the
+    radix tree, --cache-pin-mib); anything else, or 24h where nothing can be pinned, is a 400
+    rather than a promise silently not kept."""
+    value = req.prompt_cache_retention
+    if value is None:
+        return 0.0
+    if value not in RETENTION_S:
+        raise invalid_request("Field 'prompt_cache_retention': Value must be one of "
+                              f"{', '.join(RETENTION_S)}, got {value!r}")
+    if RETENTION_S[value] and not can_pin:
+        raise invalid_request("Field 'prompt_cache_retention': 24h needs the radix host cache "
+                              "(--cache-radix-prompt on, --cache-ram other than 0) and "
+                              "--cache-pin-mib above 0")
+    return RETENTION_S[value]
+
+
 def _child_seed(seed: int, j: int) -> int:
     """Seed of the j-th extra completion (llama-server's add_child: seed + j, as uint32)."""
     if seed == -1:
@@ -464,6 +484,7 @@ def build_task(
         cache_prompt=d.cache_prompt if req.cache_prompt is None else req.cache_prompt,
         n_cache_reuse=req.n_cache_reuse,
         cache_salt=_cache_salt(req),  # prompt arrays and n_cmpl children copy it (replace)
+        pin_s=_retention(req, d.can_pin),
         ignore_eos=d.ignore_eos if req.ignore_eos is None else req.ignore_eos,
         special=d.special,
         timings_per_token=bool(req.timings_per_token),

@@ -108,6 +108,10 @@ class GenerationRequest(_Body):
     # vLLM's cache namespace (a non-empty string of at most 512 characters, checked in
     # parse.py): requests of different salts never share cached prompt KV
     cache_salt: Str | None = None
+    # OpenAI's prompt-cache fields: a routing hint (radixserve cluster) and how long the
+    # prompt should stay cached (in_memory | 24h), checked in parse.py
+    prompt_cache_key: Str | None = None
+    prompt_cache_retention: Str | None = None
     model: Str | None = None  # accepted and ignored: one model per server
     # -- sampling (sampling/chain.py; llama.cpp's common_params_sampling) --
     temperature: Float | None = None

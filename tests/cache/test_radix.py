@@ -7,6 +7,7 @@ checked against what must be there, not only against what the cache says it hold
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -326,6 +327,46 @@ def test_byte_limit_evicts_on_save() -> None:
     cache.check()
 
 
+def test_pins_survive_eviction_lapse_on_time_and_fit_their_budget() -> None:
+    pool = fake_pool()
+    cache = RadixPromptCache(limit_bytes=8 * BPT)
+    cache.pin_limit_bytes = 6 * BPT
+    t0 = time.monotonic()  # saves expire pins against the clock: pins are made from now
+
+    def save(p: list[int]) -> None:
+        fill(pool, 0, p)
+        assert cache.save(pool, 0, p)
+        cache.check()
+
+    save([1, 1, 1, 1])
+    assert cache.pin([1, 1, 1, 1], "", 100.0, now=t0)
+    assert not cache.pin([1, 1, 1, 1, 5], "", 100.0, now=t0)  # not stored whole: no pin
+    assert not cache.pin([1, 1, 1, 1], "other salt", 100.0, now=t0)
+    for p in ([2, 2, 2, 2], [3, 3, 3, 3], [4, 4, 4, 4]):  # LRU would evict [1]*4 first
+        save(p)
+    assert (1, 1, 1, 1) in stored_prompts(cache.tree) and cache.evictions == 2
+    st = cache.stats()
+    assert (st["pins"], st["pinned_bytes"]) == (1, 4 * BPT)
+    # a second pin over the budget (4 + 4 > 6 tokens' bytes): the oldest lapses
+    assert cache.pin([4, 4, 4, 4], "", 100.0, now=t0 + 1)
+    assert [p.end.tokens for p in cache.pins] == [[4, 4, 4, 4]] and cache.pins_lapsed == 1
+    cache.check()
+    # a pin past its time is released at the next update: then LRU applies again
+    cache.expire_pins(now=t0 + 200)
+    assert cache.stats()["pins"] == 0
+    save([5, 5, 5, 5])
+    save([6, 6, 6, 6])
+    assert (4, 4, 4, 4) not in stored_prompts(cache.tree)
+    # a prompt larger than the pin budget alone is not pinned; a flush drops pins with the rest
+    save([7] * 7)
+    assert not cache.pin([7] * 7, "", 100.0)
+    save([8, 8])
+    assert cache.pin([8, 8], "", 100.0)
+    cache.clear()
+    assert cache.tree.bytes == 0 and not cache.pins
+    cache.check()
+
+
 def test_partitioned_pool_round_trip() -> None:
     pool = fake_pool(n_cells=16, n_seq=2, unified=False)
     cache = RadixPromptCache(-1)
@@ -404,6 +445,8 @@ def test_stats_and_log_line(caplog: pytest.LogCaptureFixture) -> None:
         "evictions": 0.0,
         "evicted_tokens": 0.0,
         "fallbacks": 0.0,
+        "pins": 0.0,
+        "pinned_bytes": 0.0,
     }
     with caplog.at_level(logging.INFO, logger="radixserve.cache.radix"):
         cache.log_stats()

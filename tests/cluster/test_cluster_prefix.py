@@ -122,6 +122,24 @@ def test_cache_salt_routes_within_its_namespace(srv: ServerProcess) -> None:
     assert after["new"] - before.get("new", 0) >= 2
 
 
+def test_a_prompt_cache_key_keeps_a_user_on_one_replica(srv: ServerProcess) -> None:
+    """OpenAI's `prompt_cache_key`: every request with the key goes where the first went,
+    whatever document it asks about; the key's requests are answered as without it."""
+    docs = documents()
+    with httpx.Client(timeout=120) as c:
+        def ask(d: int, **extra: object) -> httpx.Response:
+            r = c.post(srv.url + "/v1/chat/completions", json=chat(docs[d], "Which?", **extra))
+            assert r.status_code == 200, r.text
+            return r
+
+        keyed = [ask(d, prompt_cache_key="user-36") for d in (0, 1, 2, 3, 0)]
+        plain = [ask(d) for d in (0, 1, 2, 3, 0)]
+    homes = {r.headers["x-radixserve-replica"] for r in keyed}
+    assert len(homes) == 1, homes
+    assert ([r.json()["choices"][0]["message"] for r in keyed]
+            == [r.json()["choices"][0]["message"] for r in plain])
+
+
 def test_errors_come_back_in_the_openai_shape(srv: ServerProcess) -> None:
     with httpx.Client(timeout=60) as c:
         bad = c.post(srv.url + "/v1/chat/completions", content=b"{not json",

@@ -127,6 +127,26 @@ def test_the_longest_holder_first_unless_its_queue_is_much_longer() -> None:
     assert r.decisions == {"new": 2, "prefix": 1}
 
 
+def test_a_prompt_cache_key_routes_every_prompt_where_its_first_went() -> None:
+    def key(prompt: str, name: str | None, salt: str | None = None) -> str | None:
+        body = {"prompt": prompt, **({} if name is None else {"prompt_cache_key": name}),
+                **({} if salt is None else {"cache_salt": salt})}
+        return route_key("/v1/completions", json.dumps(body).encode(), None)
+
+    k1, k2 = key(DOC, "user-7"), key("a different prompt altogether", "user-7")
+    assert k1 == k2 != key(DOC, "user-8")  # the key, not the prompt, decides
+    assert key(DOC, "user-7", salt="t") not in (k1, key(DOC, None, salt="t"))
+    assert key(DOC, "") == key(DOC, None)  # an empty key is no key
+    r, reps = fake_router({}, {"a": 0, "b": 0, "c": 0})
+    first = names(asyncio.run(r._by_prefix(k1, reps)))[0]
+    assert names(asyncio.run(r._by_prefix(k2, reps)))[0] == first  # every prompt after it
+    # unless that replica is overloaded (the router's imbalance rule, as for any prefix)
+    busy = {n: (9 if [n] == first else 0) for n in ("a", "b", "c")}
+    r2, reps2 = fake_router({k1: first[0]}, busy)
+    assert names(asyncio.run(r2._by_prefix(k2, reps2)))[0] != first
+    assert r2.decisions == {"least_loaded": 1}
+
+
 def test_choose_replicas_pins_targets_and_routes_keys_by_prefix() -> None:
     r, reps = fake_router({DOC + "q1": "b"}, {"a": 0, "b": 0})
 

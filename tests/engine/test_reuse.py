@@ -93,3 +93,21 @@ def test_eviction_leaves_only_what_every_prompt_shares(model: Model, alone: Alon
     assert sched.cache.stats()["evictions"] >= 1
     assert r.tier in ("none", "slot") and r.n_held == r.n_tokens <= 1  # at most the BOS
     assert r.first_diff == r.n_held and r.cached_text is not None  # what it found instead
+
+
+def test_a_pinned_prompt_survives_the_eviction_that_takes_an_unpinned_one(
+        model: Model, alone: Alone) -> None:
+    """`prompt_cache_retention: 24h` (task.pin_s): the same workload as above, but the first
+    prompt pinned: it comes back whole from RAM, while the unpinned run lost it."""
+    a = prompt(model)
+    fill = [model.tokenizer.encode(w * 8) for w in ("apples and pears ", "rivers and hills ")]
+    for pin_s, tier in ((0.0, "none"), (24 * 3600.0, "ram")):
+        cfg = ServerConfig(n_parallel=1, ctx_size=512, cache_ram_mib=2, cache_pin_mib=2)
+        sched = Scheduler(model, cfg, ServerMetrics())
+        one(sched, alone, a, pin_s=pin_s)
+        assert sched.cache.stats()["pins"] == (1 if pin_s else 0)
+        for p in fill:
+            one(sched, alone, p)
+        r = one(sched, alone, a)
+        assert r.tier == tier and (r.n_tokens == len(a) - 1 if pin_s else r.n_tokens <= 1)
+        assert sched.cache.stats()["evictions"] >= 1  # the pressure was there both times

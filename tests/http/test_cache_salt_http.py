@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from radixserve.config import ServerConfig
+from radixserve.config import RequestDefaults, ServerConfig
 from radixserve.engine.engine import Engine
 from radixserve.http.parse import ParseContext, parse_chat, parse_completion
 from radixserve.model.loader import Model
@@ -85,6 +85,47 @@ def test_malformed_salts_are_400_and_the_server_keeps_serving(client: TestClient
     assert post(client, path, body, None)[1]  # null / absent: the shared namespace
     r = client.post(path, json={**body, "n_predict": 1, "cache_salt": None})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path, body", ROUTES)
+def test_prompt_cache_fields_over_http(client: TestClient, path: str,
+                                       body: dict[str, Any]) -> None:
+    """Accepted or refused in the OpenAI error shape; this server has no host cache, so 24h
+    cannot be kept: a 400 says so rather than a silent promise."""
+    ok = client.post(path, json={**body, "n_predict": 1, "prompt_cache_key": "user-1",
+                                 "prompt_cache_retention": "in_memory"})
+    assert ok.status_code == 200, ok.text
+    for bad, says in (("1h", "in_memory, 24h"), ("24h", "--cache-pin-mib")):
+        r = client.post(path, json={**body, "n_predict": 1, "prompt_cache_retention": bad})
+        assert_error(r, 400, "invalid_request_error")
+        assert "'prompt_cache_retention'" in r.json()["error"]["message"]
+        assert says in r.json()["error"]["message"]
+    r = client.post(path, json={**body, "n_predict": 1, "prompt_cache_key": 5})
+    assert_error(r, 400, "invalid_request_error")
+
+
+def test_openai_prompt_cache_fields(tok_tmpl: Any) -> None:
+    """`prompt_cache_key` (a routing hint: accepted by one server) and `prompt_cache_retention`
+    (in_memory, or 24h pinned where the radix cache can pin; anything else a 400 naming it)."""
+    tok, tmpl = tok_tmpl
+    ctx = ParseContext(tok, tmpl, n_ctx_slot=512, n_slots=2)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_chat({**chat, "prompt_cache_key": "user-1"}, ctx).task.pin_s == 0
+    for path_parse in (parse_chat, parse_completion):
+        body = chat if path_parse is parse_chat else {"prompt": "hi"}
+        assert path_parse({**body, "prompt_cache_retention": "in_memory"}, ctx).task.pin_s == 0
+        req = path_parse({**body, "prompt_cache_retention": "24h", "n": 2}, ctx)
+        assert [t.pin_s for t in req.tasks] == [86400.0] * 2
+        for bad in ("1h", "forever", ""):
+            with pytest.raises(Exception) as e:
+                path_parse({**body, "prompt_cache_retention": bad}, ctx)
+            assert "'prompt_cache_retention'" in str(e.value) and "in_memory, 24h" in str(e.value)
+    legacy = RequestDefaults.from_config(ServerConfig(cache_radix_prompt=False))
+    no_pins = ParseContext(tok, tmpl, n_ctx_slot=512, n_slots=2, defaults=legacy)
+    with pytest.raises(Exception) as e:
+        parse_chat({**chat, "prompt_cache_retention": "24h"}, no_pins)
+    assert "--cache-pin-mib" in str(e.value)
+    assert parse_chat({**chat, "prompt_cache_retention": "in_memory"}, no_pins).task.pin_s == 0
 
 
 def test_prompt_arrays_and_extra_completions_inherit_the_salt(tok_tmpl: Any) -> None:
