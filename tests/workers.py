@@ -81,8 +81,12 @@ def run_order(paths: list[str]) -> list[int]:
                   key=lambda i: (-_weight(group_of(paths[i])), first[group_of(paths[i])]))
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Before xdist's own hook, which turns each `xdist_group` mark into the `@group` suffix of
+    the test's id that `--dist loadgroup` schedules by: a mark added after it is never seen,
+    and every test is then scheduled alone (a module's fixtures built on both workers, two Ray
+    clusters at once: CI's killed-replica failure)."""
     paths = [file_of(it) for it in items]
     for item, path in zip(items, paths):
         item.add_marker(pytest.mark.xdist_group(group_of(path)))

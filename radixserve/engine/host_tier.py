@@ -113,7 +113,10 @@ class HostTier:
                 return
         elif not update_cache:
             return
-        self.offer(slot)
+        # no update() here: the legacy cache evicts after the load, as llama.cpp (the
+        # scheduler calls it); a radix save enforces its limit itself
+        if slot.kv.save_to(self.cache):
+            log.debug("slot %d: saved %d tokens to the host cache", slot.id, len(slot.kv))
 
     def offer(self, slot: Slot) -> None:
         """The slot's KV into the host cache (nothing when it is not reusable or the cache
