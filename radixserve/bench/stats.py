@@ -8,12 +8,13 @@ reused = sum(cache_n), computed = sum(prompt_n), hit rate = reused / (reused + c
 from __future__ import annotations
 
 import math
-import os
 import re
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from radixserve.cache.prefix import common_prefix
 
 MIB = 1024 * 1024
 
@@ -139,8 +140,7 @@ def prefix_bound(prompts: Sequence[Sequence[int]]) -> int:
     prompt that is all cached still computes its last token, for the logits)."""
     total = 0
     for i, p in enumerate(prompts):
-        # os.path.commonprefix compares any sequences element-wise: token lists too
-        shared = max((len(os.path.commonprefix([p, q])) for q in prompts[:i]), default=0)
+        shared = max((common_prefix(p, q) for q in prompts[:i]), default=0)
         total += len(p) - shared + 1
     return total
 
@@ -154,7 +154,7 @@ def unshared_minimum(sent: Sequence[tuple[Sequence[int], Sequence[int]]]) -> int
     total = 0
     known: list[Sequence[int]] = []
     for prompt, answer in sent:
-        shared = max((len(os.path.commonprefix([prompt, q])) for q in known), default=0)
+        shared = max((common_prefix(prompt, q) for q in known), default=0)
         total += len(prompt) - min(shared, len(prompt) - 1)
         known.append(list(prompt) + list(answer[:-1]))
     return total

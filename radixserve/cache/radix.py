@@ -96,9 +96,11 @@ class RadixPromptCache:
     def __init__(
         self, limit_bytes: int, min_restore_tokens: int = 0, fault_after_tokens: int | None = None,
         fault_restores: int | None = None, disk: DiskTier | None = None,
+        pin_limit_bytes: int = 0,
     ) -> None:
         """`fault_after_tokens` (tests only): restores raise InjectedFault after writing that
-        many tokens' cells - every restore, or only the first `fault_restores`."""
+        many tokens' cells - every restore, or only the first `fault_restores`.
+        `pin_limit_bytes`: what `prompt_cache_retention` pins may hold (0: no pins)."""
         self.tree = RadixTree()
         self.disk = disk
         self._inflight: dict[tuple[str, bytes], int] = {}  # (salt, last key) -> disk ticket
@@ -112,7 +114,8 @@ class RadixPromptCache:
         # `prompt_cache_retention`: prompts kept from eviction until a time, oldest first,
         # within pin_limit_bytes (held through the tree's locks; see `pin`)
         self.pins: list[Pin] = []
-        self.pin_limit_bytes = 0
+        self.pin_limit_bytes = pin_limit_bytes
+        self.pinned_bytes = 0  # the pins' nodes, shared ones once (kept by `_count_pins`)
         self.pins_lapsed = 0  # pins released early to stay within the budget
 
     # ##### PromptCache #####
@@ -251,7 +254,8 @@ class RadixPromptCache:
             return True
         self.tree.lock(end)
         self.pins.append(Pin(end, now + seconds))
-        while self.pins and self.pinned_bytes() > self.pin_limit_bytes:
+        self._count_pins()
+        while self.pins and self.pinned_bytes > self.pin_limit_bytes:
             self._unpin(self.pins[0])
             self.pins_lapsed += 1
         return any(p.end is end for p in self.pins)
@@ -261,16 +265,19 @@ class RadixPromptCache:
         for p in [p for p in self.pins if p.until <= now]:
             self._unpin(p)
 
-    def pinned_bytes(self) -> int:
+    def _count_pins(self) -> None:
+        """Recount `pinned_bytes` when the pins change (pinned nodes are never evicted, and a
+        split keeps a path's bytes, so it holds in between: stats() runs at every launch)."""
         seen: dict[int, int] = {}
         for p in self.pins:
             for n in self.tree.path_to(p.end):
                 seen[id(n)] = n.nbytes
-        return sum(seen.values())
+        self.pinned_bytes = sum(seen.values())
 
     def _unpin(self, p: Pin) -> None:
         self.pins.remove(p)
         self.tree.unlock(p.end)
+        self._count_pins()
 
     def clear(self) -> tuple[int, int]:
         """An admin flush: drop every prefix, pinned ones too (none is written to disk);
@@ -391,7 +398,7 @@ class RadixPromptCache:
             logical_tokens=t.logical_tokens, saves=self.saves, loads=self.loads,
             hit_tokens=self.hit_tokens, skipped=self.skipped, evictions=self.evictions,
             evicted_tokens=self.evicted_tokens, fallbacks=self.fallbacks,
-            pins=len(self.pins), pinned_bytes=self.pinned_bytes(),
+            pins=len(self.pins), pinned_bytes=self.pinned_bytes,
         )
 
     def log_stats(self) -> None:
@@ -423,7 +430,10 @@ class RadixPromptCache:
             pins[ns.ns] = pins.get(ns.ns, 0) + 1
         assert all(r.lock_ref == 1 + pins.get(ns, 0) for ns, r in self.tree.roots.items()), \
             "a restore left locks"
-        assert self.pinned_bytes() <= self.pin_limit_bytes or not self.pins
+        counted = self.pinned_bytes
+        self._count_pins()
+        assert counted == self.pinned_bytes, "pinned bytes miscounted"
+        assert self.pinned_bytes <= self.pin_limit_bytes or not self.pins
         assert self.limit_bytes <= 0 or self.tree.bytes <= self.limit_bytes, "over the byte limit"
         assert min(self.saves, self.loads, self.hit_tokens, self.fallbacks, self.evictions) >= 0
 

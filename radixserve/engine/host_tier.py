@@ -50,10 +50,9 @@ def make_cache(cfg: ServerConfig, pool: KVPool, arch: str,
     limit = cfg.cache_ram_mib * 1024 * 1024 if cfg.cache_ram_mib > 0 else 0
     if cfg.cache_radix_prompt:
         disk = make_disk(cfg, pool, models) if cfg.cache_disk else None
-        radix = RadixPromptCache(limit, cfg.cache_radix_min_restore_tokens, disk=disk)
         pin = cfg.cache_pin_mib * 1024 * 1024
-        radix.pin_limit_bytes = min(pin, limit) if limit > 0 else pin  # bounded by --cache-ram
-        return radix
+        return RadixPromptCache(limit, cfg.cache_radix_min_restore_tokens, disk=disk,
+                                pin_limit_bytes=min(pin, limit) if limit > 0 else pin)
     return LegacyPromptCache(limit, pool.n_cells, fingerprint_of(pool, arch))
 
 
@@ -113,16 +112,14 @@ class HostTier:
                 return
         elif not update_cache:
             return
-        # no update() here: the legacy cache evicts after the load, as llama.cpp (the
-        # scheduler calls it); a radix save enforces its limit itself
-        if slot.kv.save_to(self.cache):
-            log.debug("slot %d: saved %d tokens to the host cache", slot.id, len(slot.kv))
+        self.offer(slot)
 
     def offer(self, slot: Slot) -> None:
         """The slot's KV into the host cache (nothing when it is not reusable or the cache
-        declines: over its budget, or a sliding window that dropped the rows)."""
+        declines: over its budget, or a sliding window that dropped the rows). No update()
+        here: a radix save enforces its limit itself, and the legacy cache evicts after the
+        load, as llama.cpp (the scheduler calls it)."""
         if slot.kv.save_to(self.cache):
-            self.cache.update()
             log.debug("slot %d: saved %d tokens to the host cache", slot.id, len(slot.kv))
 
     def cache_idle_slots(self, slots: list[Slot], exclude: Slot | None = None) -> None:

@@ -111,7 +111,7 @@ class Scheduler:
         # the disk tier under the host cache: tasks wait (unslotted) while their blocks load
         self.radix_disk: DiskTierCache | None = hc.disk_tier()
         self._disk_wait: dict[int, int] = {}  # task id -> disk ticket it waits for
-        self._from_disk: dict[int, bool] = {}  # task ids whose disk read ended (reuse report)
+        self._from_disk: set[int] = set()  # task ids whose disk read ended (reuse report)
         self._disk_asked: set[int] = set()  # task ids whose disk lookup was made
         log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = %s",
                  n_slots, self.n_ctx_slot, unified)
@@ -162,7 +162,7 @@ class Scheduler:
             if t is task:
                 del self.deferred[i]
                 self._disk_wait.pop(task.id, None)
-                self._from_disk.pop(task.id, None)
+                self._from_disk.discard(task.id)
                 self._disk_asked.discard(task.id)
                 return
         for slot in self.slots:
@@ -223,9 +223,8 @@ class Scheduler:
             return
         done = set(self.radix_disk.take_disk_loads())
         if done:
-            for t, k in self._disk_wait.items():
-                if k in done:  # its prefix is in the tree now, read from disk
-                    self._from_disk[t] = True
+            # their prefixes are in the tree now, read from disk
+            self._from_disk |= {t for t, k in self._disk_wait.items() if k in done}
             self._disk_wait = {t: k for t, k in self._disk_wait.items() if k not in done}
             self.launch_deferred()
 
@@ -277,7 +276,8 @@ class Scheduler:
             self.metrics.checkpoint_bytes = sum(s.kv.checkpoint_bytes for s in self.slots)
 
     def _launch(self, slot: Slot, task: CompletionTask, emit: Emit, update_cache: bool) -> None:
-        from_disk = self._from_disk.pop(task.id, False)
+        from_disk = task.id in self._from_disk
+        self._from_disk.discard(task.id)
         try:
             # ignore_eos: -inf biases on the EOG tokens, appended to logit_bias as llama-server
             constraint = None if task.grammar is None else Constraint(task.grammar, self.tok)

@@ -7,6 +7,7 @@ HTTP status and OpenAI error type. Nothing here holds tensors.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,9 +99,7 @@ class Reuse:
     prompt_text: str | None  # the prompt's text from first_diff on
 
     def to_json(self) -> dict[str, Any]:
-        return {"tier": self.tier, "n_tokens": self.n_tokens, "n_held": self.n_held,
-                "first_diff": self.first_diff, "cached_text": self.cached_text,
-                "prompt_text": self.prompt_text}
+        return dataclasses.asdict(self)
 
 
 @dataclass(slots=True)

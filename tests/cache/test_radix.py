@@ -329,8 +329,7 @@ def test_byte_limit_evicts_on_save() -> None:
 
 def test_pins_survive_eviction_lapse_on_time_and_fit_their_budget() -> None:
     pool = fake_pool()
-    cache = RadixPromptCache(limit_bytes=8 * BPT)
-    cache.pin_limit_bytes = 6 * BPT
+    cache = RadixPromptCache(limit_bytes=8 * BPT, pin_limit_bytes=6 * BPT)
     t0 = time.monotonic()  # saves expire pins against the clock: pins are made from now
 
     def save(p: list[int]) -> None:

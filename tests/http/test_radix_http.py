@@ -123,27 +123,27 @@ def test_restore_fault_falls_back_and_the_tree_stays_usable(tiny_path, tmp_path)
     assert health.status_code == 200
 
 
-def test_every_completion_says_where_its_prefix_came_from(tiny_path, tmp_path):
+def test_every_completion_says_where_its_prefix_came_from(default_f32_np2_server):
     """`timings.reuse` on /completion (plain and streamed), on the chat endpoint, and the
-    slot's last report in /slots (the fields' meaning: tests/engine/test_reuse.py)."""
+    slot's last report in /slots (the fields' meaning: tests/engine/test_reuse.py). On the
+    session's shared server: prompts of their own, read per slot."""
+    url = default_f32_np2_server.url
     rng = random.Random(36)
     doc = [rng.randrange(1000, 40000) for _ in range(120)]
-    with running_server(["-m", tiny_path, *TINY, "-np", "1"], str(tmp_path / "s.log")) as srv:
-        first = complete(srv.url, doc + [7])["timings"]["reuse"]
-        assert first == {"tier": "none", "n_tokens": 0, "n_held": 0, "first_diff": None,
-                         "cached_text": None, "prompt_text": None}
-        r = complete(srv.url, doc + [9])["timings"]
-        assert r["reuse"]["tier"] == "slot" and r["reuse"]["n_tokens"] == r["cache_n"] == 120
-        assert r["reuse"]["first_diff"] == 120 and r["reuse"]["prompt_text"]
-        body = {"prompt": doc + [11], "n_predict": 4, "temperature": 0, "stream": True}
-        with httpx.stream("POST", srv.url + "/completion", json=body, timeout=120) as s:
-            chunks = [line for line in s.iter_lines() if line.startswith("data: ")]
-        last = httpx.Response(200, content=chunks[-1][6:]).json()
-        assert last["stop"] and last["timings"]["reuse"]["n_tokens"] == 120
-        slots = httpx.get(srv.url + "/slots", timeout=60).json()
-        assert slots[0]["reuse"] == last["timings"]["reuse"]
-        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-        for _ in range(2):
-            c = httpx.post(srv.url + "/v1/chat/completions", json=chat, timeout=120).json()
-        assert c["timings"]["reuse"]["tier"] == "slot"
-        assert c["timings"]["reuse"]["n_tokens"] == c["timings"]["cache_n"] > 0
+    first = complete(url, doc + [7])["timings"]["reuse"]
+    assert (first["tier"], first["n_tokens"]) == ("none", 0)
+    r = complete(url, doc + [9])["timings"]
+    assert r["reuse"]["tier"] == "slot" and r["reuse"]["n_tokens"] == r["cache_n"] == 120
+    assert r["reuse"]["n_held"] == r["reuse"]["first_diff"] == 120 and r["reuse"]["prompt_text"]
+    body = {"prompt": doc + [11], "n_predict": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/completion", json=body, timeout=120) as s:
+        chunks = [line for line in s.iter_lines() if line.startswith("data: ")]
+    last = httpx.Response(200, content=chunks[-1][6:]).json()
+    assert last["stop"] and last["timings"]["reuse"]["n_tokens"] == 120
+    slots = httpx.get(url + "/slots", timeout=60).json()
+    assert slots[last["id_slot"]]["reuse"] == last["timings"]["reuse"]
+    chat = {"messages": [{"role": "user", "content": f"hi {rng.random()}"}], "max_tokens": 3}
+    for _ in range(2):
+        c = httpx.post(url + "/v1/chat/completions", json=chat, timeout=120).json()
+    assert c["timings"]["reuse"]["tier"] == "slot"
+    assert c["timings"]["reuse"]["n_tokens"] == c["timings"]["cache_n"] > 0
