@@ -46,9 +46,10 @@ def weights_digest(path: str, cache_dir: str | None = None) -> bytes:
         while chunk := f.read(1 << 24):
             h.update(chunk)
     if memo is not None:
+        # owner-only, as every file under a cache directory: the memo names a model file
         tmp = f"{memo}.{os.getpid()}.tmp"
         try:
-            with open(tmp, "w") as f:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
                 f.write(h.hexdigest())
             os.replace(tmp, memo)
         except OSError:

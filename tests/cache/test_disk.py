@@ -657,3 +657,27 @@ def test_disk_read_joins_what_the_tree_holds_now(tmp_path, keep):
     assert restore(cache, pool, 1, [], tokens) == tokens[:16]
     assert torch.equal(pool_rows(pool, 1), torch.tensor(prefix_hashes(tokens)[:16]))
     cache.close()
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022])
+def test_the_weights_digest_memo_is_owner_only_whatever_the_umask(tmp_path, umask):
+    """The digest memo the disk tier keeps beside its blocks names a model file: like every
+    file the server writes under a cache directory it is readable by its owner alone."""
+    from radixserve.model.loader import weights_digest
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    cache = tmp_path / "kv"
+    cache.mkdir(mode=0o700)
+    old = os.umask(umask)
+    try:
+        first = weights_digest(str(model), str(cache))
+    finally:
+        os.umask(old)
+    memos = list(cache.iterdir())
+    assert len(memos) == 1 and memos[0].name.endswith(".digest")
+    assert stat.S_IMODE(memos[0].stat().st_mode) == 0o600
+    # the digest of the file's bytes, and what a restart reads back from the memo
+    assert first == hashlib.blake2b(model.read_bytes(), digest_size=16).digest()
+    memos[0].write_text("00" * 16)
+    assert weights_digest(str(model), str(cache)) == bytes(16)

@@ -166,7 +166,7 @@ static inline void k_affine(const uint8_t *b, int j, float *scale, float *off) {
     *off = -(f16_to_f32(rd16(b + 2)) * (float)mn);
 }
 
-/* Where group g (32 weights) of a Q6_K row lies: its low and high code bytes (ql, qh: 32 each,
+/* Where group s (32 weights) of a Q6_K super-block b lies: its low and high code bytes (ql, qh: 32 each,
  * a code ((ql >> lsh) & 15) | ((qh >> hsh) & 3) << 4), its two sub-blocks' scales and d. */
 typedef struct {
     const uint8_t *ql, *qh;
@@ -175,9 +175,8 @@ typedef struct {
     int lsh, hsh;
 } q6k_t;
 
-static inline q6k_t q6k_at(const uint8_t *row, int64_t g) {
-    const uint8_t *b = row + 210 * (g / 8);
-    int s = (int)(g % 8), h = s / 4, s2 = s % 4;
+static inline q6k_t q6k_at(const uint8_t *b, int s) {
+    int h = s / 4, s2 = s % 4;
     return (q6k_t){b + 64 * h + 32 * (s2 & 1), b + 128 + 32 * h, (const int8_t *)(b + 192) + 2 * s,
                    f16_to_f32(rd16(b + 208)), 4 * (s2 / 2), 2 * s2};
 }
@@ -185,6 +184,18 @@ static inline q6k_t q6k_at(const uint8_t *row, int64_t g) {
 /* The fifth bits of 32 weights (bit i of qh for weight i) as 16s in bytes: h0 weights 0-15,
  * h1 16-31. Each byte of qh copied to 8 lanes, masked by its lane's bit (byte ops, one register
  * each, where a variable shift a lane takes eight). */
+#if defined(__AVX2__)
+static inline void q5_high(uint32_t qh, v16b *h0, v16b *h1) { /* the same in three AVX2 ops */
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i q = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+                                    _mm256_setr_epi64x(0, 0x0101010101010101LL,
+                                                       0x0202020202020202LL,
+                                                       0x0303030303030303LL));
+    q = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(q, bit), bit), _mm256_set1_epi8(16));
+    *h0 = (v16b)_mm256_castsi256_si128(q);
+    *h1 = (v16b)_mm256_extracti128_si256(q, 1);
+}
+#else
 static inline void q5_high(uint32_t qh, v16b *h0, v16b *h1) {
     const v16b bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
     v16b q = (v16b){(uint8_t)qh, (uint8_t)(qh >> 8), (uint8_t)(qh >> 16), (uint8_t)(qh >> 24)};
@@ -193,83 +204,139 @@ static inline void q5_high(uint32_t qh, v16b *h0, v16b *h1) {
     *h0 = (v16b)((b0 & bit) != 0) & 16;
     *h1 = (v16b)((b1 & bit) != 0) & 16;
 }
+#endif
 
-/* Group g (32 weights) of a row in type t as gguf-py dequantizes it, w[i] = weights 8i..8i+7. */
-static inline __attribute__((always_inline)) void group(const int t, const uint8_t *row,
-                                                        int64_t g, v8f w[4]) {
-    v8i q[4];
+/* The one block decoder of each quantized type. Groups of 32 weights are addressed as group j
+ * of block b: a K-quant's super-block holds 8 (GPB), the other types' blocks one, so a loop
+ * over a row's blocks with j a constant (unrolled) decodes a super-block's shared scales once.
+ * A group is its codes c0 (weights 0-15) and c1 (16-31) as bytes, w = d_h (c - bias) + m: d0,
+ * d1 the halves' scales (equal but for Q6_K's sub-blocks of 16), m the affine types' offset
+ * (0 for the others), bias the symmetric types' centre (8, 16 or 32; 0 for the affine ones).
+ * Q8_0's codes are its signed bytes (bias 0: read them as int8). Every path takes its weights
+ * from here: the f32 loop (group), the bf16 and integer dot products and the int8 tiles
+ * (qmm_codes), so a format is decoded in one place. */
+typedef struct {
+    v16b c0, c1;
+    float d0, d1, m;
+    int bias;
+} small_t;
+
+static inline int has_offset(int t) {
+    return t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K;
+}
+
+static inline int is_k(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
+#define GPB(t) (is_k(t) ? 8 : 1) /* groups a block */
+
+/* Bytes a block of a quantized type (the blocks a row is made of) */
+static inline int64_t block_bytes(int t) {
     switch (t) {
-    case T_Q4_0:
-    case T_Q4_1: {
-        const int one = t == T_Q4_1;
-        const uint8_t *b = row + (one ? 20 : 18) * g;
-        float d = f16_to_f32(rd16(b)), m = one ? f16_to_f32(rd16(b + 2)) : 0.f;
-        v16b c = loadb(b + (one ? 4 : 2));
-        codes16(c & 15, &q[0], &q[1]);
-        codes16(c >> 4, &q[2], &q[3]);
-        for (int i = 0; i < 4; i++) w[i] = one ? tof(q[i]) * d + m : tof(q[i] - 8) * d;
-        return;
+    case T_Q4_0: return 18;
+    case T_Q4_1: return 20;
+    case T_Q5_0: return 22;
+    case T_Q5_1: return 24;
+    case T_Q8_0: return 34;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    default: return 210; /* T_Q6_K */
     }
+}
+
+static inline __attribute__((always_inline)) small_t codes_at(const int t, const uint8_t *b,
+                                                              const int j) {
+    small_t o = {.m = 0.f, .bias = 0};
+    switch (t) {
+    case T_Q8_0:
+        o.d0 = o.d1 = f16_to_f32(rd16(b));
+        o.c0 = loadb(b + 2);
+        o.c1 = loadb(b + 18);
+        break;
+    case T_Q4_0:
+    case T_Q4_1:
     case T_Q5_0:
     case T_Q5_1: {
-        const int one = t == T_Q5_1;
-        const uint8_t *b = row + (one ? 24 : 22) * g;
-        float d = f16_to_f32(rd16(b)), m = one ? f16_to_f32(rd16(b + 2)) : 0.f;
-        uint32_t qh;
-        memcpy(&qh, b + (one ? 4 : 2), 4);
-        v16b h0, h1;
-        q5_high(qh, &h0, &h1);
-        v16b c = loadb(b + (one ? 8 : 6));
-        codes16((c & 15) | h0, &q[0], &q[1]);
-        codes16((c >> 4) | h1, &q[2], &q[3]);
-        for (int i = 0; i < 4; i++) w[i] = one ? tof(q[i]) * d + m : tof(q[i] - 16) * d;
-        return;
-    }
-    case T_Q8_0: {
-        const uint8_t *b = row + 34 * g;
-        float d = f16_to_f32(rd16(b));
-        for (int i = 0; i < 4; i++) w[i] = tof(sbytes8(b + 2 + 8 * i)) * d;
-        return;
+        const int one = t == T_Q4_1 || t == T_Q5_1, five = t == T_Q5_0 || t == T_Q5_1;
+        o.d0 = o.d1 = f16_to_f32(rd16(b));
+        if (one) o.m = f16_to_f32(rd16(b + 2));
+        else o.bias = five ? 16 : 8;
+        v16b c = loadb(b + (one ? 4 : 2) + (five ? 4 : 0));
+        o.c0 = c & 15;
+        o.c1 = c >> 4;
+        if (five) {
+            uint32_t qh;
+            memcpy(&qh, b + (one ? 4 : 2), 4);
+            v16b h0, h1;
+            q5_high(qh, &h0, &h1);
+            o.c0 |= h0;
+            o.c1 |= h1;
+        }
+        break;
     }
     case T_Q4_K:
     case T_Q5_K: {
         const int five = t == T_Q5_K;
-        const uint8_t *b = row + (five ? 176 : 144) * (g / 8);
-        int j = (int)(g % 8);
-        float scale, off;
-        k_affine(b, j, &scale, &off);
+        k_affine(b, j, &o.d0, &o.m);
+        o.d1 = o.d0;
         const uint8_t *qs = b + (five ? 48 : 16) + 32 * (j / 2);
         const int shift = 4 * (j & 1);
-        v16b c0 = (loadb(qs) >> shift) & 15, c1 = (loadb(qs + 16) >> shift) & 15;
+        o.c0 = (loadb(qs) >> shift) & 15;
+        o.c1 = (loadb(qs + 16) >> shift) & 15;
         if (five) {
-            const uint8_t *qh = b + 16;
-            c0 |= ((loadb(qh) >> j) & 1) << 4;
-            c1 |= ((loadb(qh + 16) >> j) & 1) << 4;
+            o.c0 |= ((loadb(b + 16) >> j) & 1) << 4;
+            o.c1 |= ((loadb(b + 32) >> j) & 1) << 4;
         }
-        codes16(c0, &q[0], &q[1]);
-        codes16(c1, &q[2], &q[3]);
-        for (int i = 0; i < 4; i++) w[i] = tof(q[i]) * scale + off;
-        return;
+        break;
     }
-    case T_Q6_K: {
-        q6k_t z = q6k_at(row, g);
-        v16b c0 = ((loadb(z.ql) >> z.lsh) & 15) | (((loadb(z.qh) >> z.hsh) & 3) << 4);
-        v16b c1 = ((loadb(z.ql + 16) >> z.lsh) & 15) | (((loadb(z.qh + 16) >> z.hsh) & 3) << 4);
-        codes16(c0, &q[0], &q[1]);
-        codes16(c1, &q[2], &q[3]);
-        float d0 = z.d * (float)z.sc[0], d1 = z.d * (float)z.sc[1]; /* sub-blocks of 16 */
-        for (int i = 0; i < 4; i++) w[i] = tof(q[i] - 32) * (i < 2 ? d0 : d1);
-        return;
+    default: { /* T_Q6_K */
+        q6k_t z = q6k_at(b, j);
+        o.c0 = ((loadb(z.ql) >> z.lsh) & 15) | (((loadb(z.qh) >> z.hsh) & 3) << 4);
+        o.c1 = ((loadb(z.ql + 16) >> z.lsh) & 15) | (((loadb(z.qh + 16) >> z.hsh) & 3) << 4);
+        o.d0 = z.d * (float)z.sc[0];
+        o.d1 = z.d * (float)z.sc[1];
+        o.bias = 32;
+        break;
     }
+    }
+    return o;
+}
+
+/* Group g of a row (any position: the block and group within it computed) */
+static inline __attribute__((always_inline)) small_t small_codes(const int t, const uint8_t *row,
+                                                                 int64_t g) {
+    return codes_at(t, row + block_bytes(t) * (g / GPB(t)), (int)(g % GPB(t)));
+}
+
+/* Group g (32 weights) of a row in type t as gguf-py dequantizes it, w[i] = weights 8i..8i+7:
+ * the quantized types from their decoder (d (c - bias), or d c + m as one fused multiply-add
+ * where the CPU has FMA), the float types as they lie. */
+static inline __attribute__((always_inline)) void group(const int t, const uint8_t *row,
+                                                        int64_t g, v8f w[4]) {
+    switch (t) {
     case T_F16:
         for (int i = 0; i < 4; i++) w[i] = f16x8(row + 64 * g + 16 * i);
         return;
     case T_BF16:
         for (int i = 0; i < 4; i++) w[i] = bf16x8(row + 64 * g + 16 * i);
         return;
-    default: /* T_F32 */
+    case T_F32:
         memcpy(w, row + 128 * g, 128);
         return;
+    default: {
+        small_t z = small_codes(t, row, g);
+        v8i q[4];
+        if (t == T_Q8_0) {
+            q[0] = widen_s((v8c)lo8(z.c0)), q[1] = widen_s((v8c)hi8(z.c0));
+            q[2] = widen_s((v8c)lo8(z.c1)), q[3] = widen_s((v8c)hi8(z.c1));
+        } else {
+            codes16(z.c0, &q[0], &q[1]);
+            codes16(z.c1, &q[2], &q[3]);
+        }
+        for (int i = 0; i < 4; i++) {
+            float d = i < 2 ? z.d0 : z.d1;
+            w[i] = has_offset(t) ? tof(q[i]) * d + z.m : tof(q[i] - z.bias) * d;
+        }
+        return;
+    }
     }
 }
 
@@ -344,74 +411,6 @@ static inline __attribute__((always_inline)) void cols_many(
             y[r * n + c] = f32_to_bf16(hsum32(acc));
         }
     }
-}
-
-/* A group of a type whose codes have at most 6 bits (all but Q8_0 and the float types): its
- * codes c0 (weights 0-15) and c1 (16-31) as bytes, w = d_h (c - bias) + m: d0, d1 the halves'
- * scales (equal but for Q6_K's sub-blocks of 16), m the affine types' offset (0 for the
- * others), bias the symmetric types' centre (8, 16 or 32; 0 for the affine ones). Shared by
- * the bf16 dot products and the integer ones. */
-typedef struct {
-    v16b c0, c1;
-    float d0, d1, m;
-    int bias;
-} small_t;
-
-static inline __attribute__((always_inline)) small_t small_codes(const int t, const uint8_t *row,
-                                                                 int64_t g) {
-    small_t o = {.m = 0.f, .bias = 0};
-    switch (t) {
-    case T_Q4_0:
-    case T_Q4_1:
-    case T_Q5_0:
-    case T_Q5_1: {
-        const int one = t == T_Q4_1 || t == T_Q5_1, five = t == T_Q5_0 || t == T_Q5_1;
-        const int size = five ? (one ? 24 : 22) : (one ? 20 : 18);
-        const uint8_t *b = row + size * g;
-        o.d0 = o.d1 = f16_to_f32(rd16(b));
-        if (one) o.m = f16_to_f32(rd16(b + 2));
-        else o.bias = five ? 16 : 8;
-        v16b c = loadb(b + (one ? 4 : 2) + (five ? 4 : 0));
-        o.c0 = c & 15;
-        o.c1 = c >> 4;
-        if (five) {
-            uint32_t qh;
-            memcpy(&qh, b + (one ? 4 : 2), 4);
-            v16b h0, h1;
-            q5_high(qh, &h0, &h1);
-            o.c0 |= h0;
-            o.c1 |= h1;
-        }
-        break;
-    }
-    case T_Q4_K:
-    case T_Q5_K: {
-        const int five = t == T_Q5_K;
-        const uint8_t *b = row + (five ? 176 : 144) * (g / 8);
-        int j = (int)(g % 8);
-        k_affine(b, j, &o.d0, &o.m);
-        o.d1 = o.d0;
-        const uint8_t *qs = b + (five ? 48 : 16) + 32 * (j / 2);
-        const int shift = 4 * (j & 1);
-        o.c0 = (loadb(qs) >> shift) & 15;
-        o.c1 = (loadb(qs + 16) >> shift) & 15;
-        if (five) {
-            o.c0 |= ((loadb(b + 16) >> j) & 1) << 4;
-            o.c1 |= ((loadb(b + 32) >> j) & 1) << 4;
-        }
-        break;
-    }
-    default: { /* T_Q6_K */
-        q6k_t z = q6k_at(row, g);
-        o.c0 = ((loadb(z.ql) >> z.lsh) & 15) | (((loadb(z.qh) >> z.hsh) & 3) << 4);
-        o.c1 = ((loadb(z.ql + 16) >> z.lsh) & 15) | (((loadb(z.qh + 16) >> z.hsh) & 3) << 4);
-        o.d0 = z.d * (float)z.sc[0];
-        o.d1 = z.d * (float)z.sc[1];
-        o.bias = 32;
-        break;
-    }
-    }
-    return o;
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -634,13 +633,11 @@ static inline v16s widen16(v16b q) {
 #endif
 }
 
-static inline v16s swiden16(const uint8_t *p) {
+static inline v16s swiden16(v16b q) {
 #if defined(__AVX2__)
-    return (v16s)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    return (v16s)_mm256_cvtepi8_epi16((__m128i)q);
 #else
-    v16c c;
-    memcpy(&c, p, sizeof c);
-    return __builtin_convertvector(c, v16s);
+    return __builtin_convertvector((v16c)q, v16s);
 #endif
 }
 
@@ -674,22 +671,15 @@ static inline float fma1(float a, float b, float c) {
 #endif
 }
 
-static inline int has_offset(int t) {
-    return t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K;
-}
-
-static inline __attribute__((always_inline)) void igroup_of(const int t, const uint8_t *row,
-                                                            int64_t g, igroup *o) {
+static inline __attribute__((always_inline)) void igroup_at(const int t, const uint8_t *b,
+                                                            const int j, igroup *o) {
+    small_t z = codes_at(t, b, j);
+    o->d0 = z.d0, o->d1 = z.d1, o->m = z.m;
     if (t == T_Q8_0) {
-        const uint8_t *b = row + 34 * g;
-        o->d0 = o->d1 = f16_to_f32(rd16(b));
-        o->m = 0.f;
-        o->c[0] = swiden16(b + 2);
-        o->c[1] = swiden16(b + 18);
+        o->c[0] = swiden16(z.c0);
+        o->c[1] = swiden16(z.c1);
         return;
     }
-    small_t z = small_codes(t, row, g);
-    o->d0 = z.d0, o->d1 = z.d1, o->m = z.m;
     o->c[0] = widen16(z.c0) - (int16_t)z.bias;
     o->c[1] = widen16(z.c1) - (int16_t)z.bias;
 }
@@ -772,6 +762,19 @@ typedef struct {
     int64_t k;
 } iacts;
 
+/* Group j of block b (group g of the row) against nr activation rows. */
+static inline __attribute__((always_inline)) void icol_group(const int t, const uint8_t *b,
+                                                             const int j, int64_t g,
+                                                             const iacts *x, const int nr,
+                                                             v8f *acc, float *off) {
+    const int64_t k = x->k, ng = k / 32;
+    igroup gr;
+    igroup_at(t, b, j, &gr);
+    for (int r = 0; r < nr; r++)
+        ig_row(t, &gr, x->a + r * k + 32 * g, x->s[r * ng + g], x->sa[r * ng + g], &acc[r],
+               &off[r]);
+}
+
 /* Few rows: column `row` of W against nr <= FEW_ROWS activation rows. */
 static inline __attribute__((always_inline)) void icol_few(const int t, const uint8_t *row,
                                                            const iacts *x, const int nr,
@@ -779,12 +782,16 @@ static inline __attribute__((always_inline)) void icol_few(const int t, const ui
     const int64_t k = x->k, ng = k / 32;
     v8f acc[FEW_ROWS] = {};
     float off[FEW_ROWS] = {};
-    for (int64_t g = 0; g < ng; g++) {
-        igroup gr;
-        igroup_of(t, row, g, &gr);
-        for (int r = 0; r < nr; r++)
-            ig_row(t, &gr, x->a + r * k + 32 * g, x->s[r * ng + g], x->sa[r * ng + g], &acc[r],
-                   &off[r]);
+    for (int64_t g0 = 0; g0 < ng; g0 += GPB(t)) {
+        const uint8_t *b = row + block_bytes(t) * (g0 / GPB(t));
+        if (is_k(t)) { /* j a constant in each: the super-block's scales decoded once */
+            icol_group(t, b, 0, g0, x, nr, acc, off), icol_group(t, b, 1, g0 + 1, x, nr, acc, off);
+            icol_group(t, b, 2, g0 + 2, x, nr, acc, off), icol_group(t, b, 3, g0 + 3, x, nr, acc, off);
+            icol_group(t, b, 4, g0 + 4, x, nr, acc, off), icol_group(t, b, 5, g0 + 5, x, nr, acc, off);
+            icol_group(t, b, 6, g0 + 6, x, nr, acc, off), icol_group(t, b, 7, g0 + 7, x, nr, acc, off);
+        } else {
+            icol_group(t, b, 0, g0, x, nr, acc, off);
+        }
     }
     for (int r = 0; r < nr; r++) y[r * n] = f32_to_bf16(ig_result(acc[r], off[r]));
 }
@@ -796,7 +803,17 @@ static inline __attribute__((always_inline)) void icols_many(
     uint16_t *y, int64_t n, igroup *buf) {
     const int64_t k = x->k, ng = k / 32;
     for (int c = 0; c < nc; c++)
-        for (int64_t g = 0; g < ng; g++) igroup_of(t, w + c * row_bytes, g, &buf[c * ng + g]);
+        for (int64_t g = 0; g < ng; g += GPB(t)) {
+            const uint8_t *b = w + c * row_bytes + block_bytes(t) * (g / GPB(t));
+            igroup *o = &buf[c * ng + g];
+            if (is_k(t)) {
+                igroup_at(t, b, 0, o), igroup_at(t, b, 1, o + 1), igroup_at(t, b, 2, o + 2);
+                igroup_at(t, b, 3, o + 3), igroup_at(t, b, 4, o + 4), igroup_at(t, b, 5, o + 5);
+                igroup_at(t, b, 6, o + 6), igroup_at(t, b, 7, o + 7);
+            } else {
+                igroup_at(t, b, 0, o);
+            }
+        }
     for (int r = 0; r < nr; r++) {
         const int16_t *ar = x->a + r * k;
         const float *sr = x->s + r * ng, *sar = x->sa + r * ng;
@@ -1003,54 +1020,17 @@ int qmm_codes(int t, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, 
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *row = w + i * row_bytes;
         for (int64_t g = 0; g < k / 32; g++) {
+            small_t z = small_codes(t, row, g);
             int8_t *cg = c + i * k + 32 * g;
-            float *dg = d + i * (k / 16) + 2 * g, *mg = m + i * (k / 32) + g;
-            *mg = 0.f;
-            switch (t) {
-            case T_Q8_0: {
-                const uint8_t *b = row + 34 * g;
-                dg[0] = dg[1] = f16_to_f32(rd16(b));
-                memcpy(cg, b + 2, 32);
-                break;
-            }
-            case T_Q5_0:
-            case T_Q5_1: {
-                const int one = t == T_Q5_1;
-                const uint8_t *b = row + (one ? 24 : 22) * g;
-                dg[0] = dg[1] = f16_to_f32(rd16(b));
-                if (one) *mg = f16_to_f32(rd16(b + 2));
-                uint32_t qh;
-                memcpy(&qh, b + (one ? 4 : 2), 4);
-                const uint8_t *qs = b + (one ? 8 : 6);
-                for (int j = 0; j < 16; j++) {
-                    int lo = (qs[j] & 15) | (((qh >> j) & 1) << 4);
-                    int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-                    cg[j] = (int8_t)(one ? lo : lo - 16);
-                    cg[j + 16] = (int8_t)(one ? hi : hi - 16);
-                }
-                break;
-            }
-            case T_Q5_K: {
-                const uint8_t *b = row + 176 * (g / 8);
-                int j = (int)(g % 8);
-                k_affine(b, j, &dg[0], mg);
-                dg[1] = dg[0];
-                const uint8_t *qs = b + 48 + 32 * (j / 2);
-                const int shift = 4 * (j & 1);
-                for (int x = 0; x < 32; x++)
-                    cg[x] = (int8_t)(((qs[x] >> shift) & 15) | (((b[16 + x] >> j) & 1) << 4));
-                break;
-            }
-            default: { /* T_Q6_K */
-                q6k_t z = q6k_at(row, g);
-                for (int x = 0; x < 32; x++)
-                    cg[x] = (int8_t)((((z.ql[x] >> z.lsh) & 15) | (((z.qh[x] >> z.hsh) & 3) << 4))
-                                     - 32);
-                dg[0] = z.d * (float)z.sc[0];
-                dg[1] = z.d * (float)z.sc[1];
-                break;
-            }
-            }
+            float *dg = d + i * (k / 16) + 2 * g;
+            uint8_t u[32];
+            memcpy(u, &z.c0, 16);
+            memcpy(u + 16, &z.c1, 16);
+            for (int x = 0; x < 32; x++)
+                cg[x] = t == T_Q8_0 ? (int8_t)u[x] : (int8_t)((int)u[x] - z.bias);
+            dg[0] = z.d0;
+            dg[1] = z.d1;
+            m[i * (k / 32) + g] = z.m;
         }
     }
     return 0;

