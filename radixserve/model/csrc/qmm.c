@@ -744,17 +744,44 @@ static inline __attribute__((always_inline)) void ig_row(const int t, const igro
     v8f d = {};
     d += gr->d0 * s;
     *acc = fma8(tof(s0 + s1), d, *acc);
-    if (has_offset(t)) *off = fma1(gr->m, sa, *off);
+    if (has_offset(t) && !is_k(t)) *off = fma1(gr->m, sa, *off);
+}
+
+/* A K-quant super-block b's 8 offsets -(dmin mn_j), each as k_affine computes it: the mins of
+ * k_scale_min taken 8 at a time (scales[4..11], with scales[4..7]'s high bits for j >= 4) */
+static inline v8f k_offsets(const uint8_t *b) {
+    const float dmin = f16_to_f32(rd16(b + 2));
+#if defined(__AVX2__)
+    const __m128i u = _mm_loadl_epi64((const __m128i *)(b + 8)); /* scales[4..11] */
+    const __m128i lo = _mm_and_si128(u, _mm_set1_epi8(63));
+    const __m128i top = _mm_shuffle_epi8(u, _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3,
+                                                         0, 1, 2, 3));
+    const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(u, 4), _mm_set1_epi8(15)),
+                                    _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
+    const __m128i mn = _mm_blend_epi32(lo, hi, 2); /* bytes 0-3 from lo, 4-7 from hi */
+    v8f m = tof((v8i)_mm256_cvtepu8_epi32(mn));
+#else
+    v8f m;
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        k_scale_min(b + 4, j, &sc, &mn);
+        m[j] = (float)mn;
+    }
+#endif
+    return -(m * dmin);
+}
+
+/* The 8 lanes of v in one fixed order */
+static inline float hsum8(v8f v) {
+    float f[8];
+    memcpy(f, &v, sizeof f);
+    f[0] += f[4], f[1] += f[5], f[2] += f[6], f[3] += f[7];
+    f[0] += f[2], f[1] += f[3];
+    return f[0] + f[1];
 }
 
 /* An output's 8 lanes in one fixed order, plus its offsets' sum. */
-static inline float ig_result(v8f acc, float off) {
-    float f[8];
-    memcpy(f, &acc, sizeof f);
-    f[0] += f[4], f[1] += f[5], f[2] += f[6], f[3] += f[7];
-    f[0] += f[2], f[1] += f[3];
-    return (f[0] + f[1]) + off;
-}
+static inline float ig_result(v8f acc, float off) { return hsum8(acc) + off; }
 
 typedef struct {
     const int16_t *a;
@@ -775,12 +802,19 @@ static inline __attribute__((always_inline)) void icol_group(const int t, const 
                &off[r]);
 }
 
-/* Few rows: column `row` of W against nr <= FEW_ROWS activation rows. */
+/* An output's result: its 8 lanes, plus its offsets (a K-quant's in 8 lanes, one a group of
+ * its super-blocks, summed in the same order). */
+static inline float ig_out(const int t, v8f acc, float off, v8f koff) {
+    return ig_result(acc, is_k(t) ? hsum8(koff) : off);
+}
+
+/* Few rows: column `row` of W against nr <= FEW_ROWS activation rows. A K-quant's offsets
+ * -(dmin mn_j) (sum of a) go 8 at a time, one fused multiply-add a super-block. */
 static inline __attribute__((always_inline)) void icol_few(const int t, const uint8_t *row,
                                                            const iacts *x, const int nr,
                                                            uint16_t *y, int64_t n) {
-    const int64_t k = x->k, ng = k / 32;
-    v8f acc[FEW_ROWS] = {};
+    const int64_t ng = x->k / 32;
+    v8f acc[FEW_ROWS] = {}, koff[FEW_ROWS] = {};
     float off[FEW_ROWS] = {};
     for (int64_t g0 = 0; g0 < ng; g0 += GPB(t)) {
         const uint8_t *b = row + block_bytes(t) * (g0 / GPB(t));
@@ -789,19 +823,52 @@ static inline __attribute__((always_inline)) void icol_few(const int t, const ui
             icol_group(t, b, 2, g0 + 2, x, nr, acc, off), icol_group(t, b, 3, g0 + 3, x, nr, acc, off);
             icol_group(t, b, 4, g0 + 4, x, nr, acc, off), icol_group(t, b, 5, g0 + 5, x, nr, acc, off);
             icol_group(t, b, 6, g0 + 6, x, nr, acc, off), icol_group(t, b, 7, g0 + 7, x, nr, acc, off);
+            if (has_offset(t)) {
+                v8f m = k_offsets(b);
+                for (int r = 0; r < nr; r++)
+                    koff[r] = fma8(m, loadf(x->sa + r * ng + g0), koff[r]);
+            }
         } else {
             icol_group(t, b, 0, g0, x, nr, acc, off);
         }
     }
-    for (int r = 0; r < nr; r++) y[r * n] = f32_to_bf16(ig_result(acc[r], off[r]));
+    for (int r = 0; r < nr; r++) y[r * n] = f32_to_bf16(ig_out(t, acc[r], off[r], koff[r]));
 }
 
-/* Many rows: COL_BLOCK columns' groups decoded once into buf [COL_BLOCK][k / 32], then each
- * activation row against them in threes (the row's two activation vectors shared). */
+/* A tile of nr (a constant) activation rows from r by nc (a constant) columns of buf (the
+ * columns' decoded groups, ng apart; mins: their K-quant offsets, ng apart): nr nc independent
+ * chains, each output's sequence that of icol_few. */
+#define TILE_ROWS 2
+static inline __attribute__((always_inline)) void itile(const int t, const igroup *buf,
+                                                        const float *mins, const iacts *x,
+                                                        int64_t r, const int nr, const int nc,
+                                                        uint16_t *y, int64_t n) {
+    const int64_t k = x->k, ng = k / 32;
+    v8f acc[TILE_ROWS][3] = {}, koff[TILE_ROWS][3] = {};
+    float off[TILE_ROWS][3] = {};
+    for (int64_t g = 0; g < ng; g++) {
+        for (int i = 0; i < nr; i++)
+            for (int m = 0; m < nc; m++)
+                ig_row(t, &buf[m * ng + g], x->a + (r + i) * k + 32 * g, x->s[(r + i) * ng + g],
+                       x->sa[(r + i) * ng + g], &acc[i][m], &off[i][m]);
+        if (has_offset(t) && is_k(t) && g % 8 == 7)
+            for (int i = 0; i < nr; i++)
+                for (int m = 0; m < nc; m++)
+                    koff[i][m] = fma8(loadf(mins + m * ng + g - 7),
+                                      loadf(x->sa + (r + i) * ng + g - 7), koff[i][m]);
+    }
+    for (int i = 0; i < nr; i++)
+        for (int m = 0; m < nc; m++)
+            y[i * n + m] = f32_to_bf16(ig_out(t, acc[i][m], off[i][m], koff[i][m]));
+}
+
+/* Many rows: COL_BLOCK columns' groups decoded once into buf [COL_BLOCK][k / 32] (a K-quant's
+ * offsets into mins, the same shape), then the activation rows against them in tiles of
+ * TILE_ROWS rows by 3 columns. */
 static inline __attribute__((always_inline)) void icols_many(
     const int t, const uint8_t *w, int64_t row_bytes, int nc, const iacts *x, int nr,
-    uint16_t *y, int64_t n, igroup *buf) {
-    const int64_t k = x->k, ng = k / 32;
+    uint16_t *y, int64_t n, igroup *buf, float *mins) {
+    const int64_t ng = x->k / 32;
     for (int c = 0; c < nc; c++)
         for (int64_t g = 0; g < ng; g += GPB(t)) {
             const uint8_t *b = w + c * row_bytes + block_bytes(t) * (g / GPB(t));
@@ -810,29 +877,28 @@ static inline __attribute__((always_inline)) void icols_many(
                 igroup_at(t, b, 0, o), igroup_at(t, b, 1, o + 1), igroup_at(t, b, 2, o + 2);
                 igroup_at(t, b, 3, o + 3), igroup_at(t, b, 4, o + 4), igroup_at(t, b, 5, o + 5);
                 igroup_at(t, b, 6, o + 6), igroup_at(t, b, 7, o + 7);
+                if (has_offset(t)) {
+                    v8f m = k_offsets(b);
+                    memcpy(mins + c * ng + g, &m, sizeof m);
+                }
             } else {
                 igroup_at(t, b, 0, o);
             }
         }
-    for (int r = 0; r < nr; r++) {
-        const int16_t *ar = x->a + r * k;
-        const float *sr = x->s + r * ng, *sar = x->sa + r * ng;
+    for (int r = 0; r < nr; r += TILE_ROWS) {
         int c = 0;
-        for (; c + 3 <= nc; c += 3) {
-            v8f acc[3] = {};
-            float off[3] = {};
-            for (int64_t g = 0; g < ng; g++)
-                for (int m = 0; m < 3; m++)
-                    ig_row(t, &buf[(c + m) * ng + g], ar + 32 * g, sr[g], sar[g], &acc[m],
-                           &off[m]);
-            for (int m = 0; m < 3; m++) y[r * n + c + m] = f32_to_bf16(ig_result(acc[m], off[m]));
-        }
-        for (; c < nc; c++) {
-            v8f acc = {};
-            float off = 0.f;
-            for (int64_t g = 0; g < ng; g++)
-                ig_row(t, &buf[c * ng + g], ar + 32 * g, sr[g], sar[g], &acc, &off);
-            y[r * n + c] = f32_to_bf16(ig_result(acc, off));
+        if (r + TILE_ROWS <= nr) {
+            for (; c + 3 <= nc; c += 3)
+                itile(t, buf + c * ng, mins + c * ng, x, r, TILE_ROWS, 3, y + r * n + c, n);
+            for (; c < nc; c++)
+                itile(t, buf + c * ng, mins + c * ng, x, r, TILE_ROWS, 1, y + r * n + c, n);
+        } else {
+            for (int i = r; i < nr; i++) {
+                for (c = 0; c + 3 <= nc; c += 3)
+                    itile(t, buf + c * ng, mins + c * ng, x, i, 1, 3, y + i * n + c, n);
+                for (; c < nc; c++)
+                    itile(t, buf + c * ng, mins + c * ng, x, i, 1, 1, y + i * n + c, n);
+            }
         }
     }
 }
@@ -862,13 +928,16 @@ static inline __attribute__((always_inline)) void irun(const int t, const uint8_
     }
     const int64_t k = x->k, ng = k / 32;
     igroup *buf = bufs + (size_t)omp_get_thread_num() * (size_t)(COL_BLOCK * ng);
+    float *mins = (float *)(bufs + (size_t)omp_get_max_threads() * (size_t)(COL_BLOCK * ng)) +
+                  (size_t)omp_get_thread_num() * (size_t)(COL_BLOCK * ng);
     for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
         int nr = rows - r0 < ROW_BLOCK ? (int)(rows - r0) : ROW_BLOCK;
         iacts xb = {x->a + r0 * k, x->s + r0 * ng, x->sa + r0 * ng, k};
 #pragma omp for schedule(static) nowait
         for (int64_t j = 0; j < n; j += COL_BLOCK) {
             int nc = n - j < COL_BLOCK ? (int)(n - j) : COL_BLOCK;
-            icols_many(t, w + j * row_bytes, row_bytes, nc, &xb, nr, y + r0 * n + j, n, buf);
+            icols_many(t, w + j * row_bytes, row_bytes, nc, &xb, nr, y + r0 * n + j, n, buf,
+                       mins);
         }
     }
 }
@@ -888,7 +957,8 @@ static int qmm_int(int t, const uint8_t *w, int64_t row_bytes, const uint16_t *x
     float *s = aligned_alloc(64, sbytes + (sizeof(int16_t) * (size_t)(rows * k) + 63) / 64 * 64);
     igroup *bufs = NULL;
     if (s && rows > FEW_ROWS)
-        bufs = aligned_alloc(64, (sizeof(igroup) * nt * COL_BLOCK * ng + 63) / 64 * 64);
+        bufs = aligned_alloc(64, ((sizeof(igroup) + sizeof(float)) * nt * COL_BLOCK * ng + 63)
+                                     / 64 * 64); /* the groups, then the K-quants' mins */
     if (!s || (rows > FEW_ROWS && !bufs)) {
         free(s);
         free(bufs);
