@@ -15,10 +15,11 @@
  * lanes are summed in one fixed tree (hsum16). Few rows decode a group into registers for all
  * rows; many rows decode a column once into a buffer per block of rows: the same values and the
  * same chain per row either way. Built without -fassociative-math (kernels.py), so the compiler
- * keeps this order. That f32 loop runs the float types (F16, BF16, F32) everywhere, and Q8_0
- * with AVX512-BF16; the other quantized types take bf16 dot products with AVX512-BF16
- * (QMM_BF16 below) and integer dot products on 16-bit activations without it (QMM_INT), each
- * with the same properties: row-invariant bits, the file's weights times the identity.
+ * keeps this order. That f32 loop runs the float types (F16, BF16, F32) and decodes rows for the
+ * head and the embedding (qmm_head_dots, qmm_rows_f32); the quantized types take integer dot
+ * products on 16-bit activations (qmm_int below), with the same properties: row-invariant bits,
+ * the file's weights times the identity. Which matrices run here is quant.py's route table: the
+ * CPUs without AVX512-BF16 (where that has it, q4_gemv.c's tiles run them).
  */
 #include <math.h>
 #include <omp.h>
@@ -91,7 +92,6 @@ enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q
 
 #define FEW_ROWS 4    /* up to this many rows: groups decoded into registers */
 #define ROW_BLOCK 128   /* many rows: rows per block, a column decoded once per block */
-#define BF_ROW_BLOCK 32 /* the same for the bf16 dot path (its column against each row) */
 
 /* IEEE half -> float, exact for every input (subnormals, infinities, NaNs). */
 static inline float f16_to_f32(uint16_t h) {
@@ -413,192 +413,8 @@ static inline __attribute__((always_inline)) void cols_many(
     }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-/* With AVX512-BF16, the types whose codes have at most 6 bits (Q4_*, Q5_*, Q4_K, Q5_K, Q6_K)
- * take bf16 dot products instead: a code c OR 0x4300 is the bf16 of 128 + c exactly, so one
- * vdpbf16ps multiplies a group's 32 codes by 32 bf16 activations with exact products and no
- * conversion (q4_gemv.c's trick, on the file's rows). A group is w = d_h c + m_h for its halves
- * h (weights 0-15, 16-31; one scale for both except Q6_K's sub-blocks of 16), so a row adds
- * d . (sum over lanes of (128 + c) x) to its 16-lane accumulator (lanes 0-7: half 0) and
- * (m_h - 128 d_h) S_h to a scalar one, S_h the half's activation sum (hsums, one fixed order).
- * Times the identity: d (128 + c) and m - 128 d each round once in f32, so the affine types are
- * within an f32 ulp or two of gguf-py's d c + m (the symmetric ones are exact). */
-#define QMM_BF16 1
-
-typedef struct {
-    __m512bh q; /* 128 + c, weights 0..31 */
-    __m512 d;   /* lanes 0-7 d_0, 8-15 d_1 */
-    __m128 off; /* m_h - 128 d_h in lanes 0, 1; lanes 2, 3 zero */
-} bgroup;
-
-static inline __m512bh bf_codes(__m256i c) {
-    return (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(c), _mm512_set1_epi16(0x4300));
-}
-
-static inline __m256i join(v16b lo, v16b hi) {
-    return _mm256_set_m128i((__m128i)hi, (__m128i)lo);
-}
-
-static inline int bf_type(int t) {
-    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q4_K ||
-           t == T_Q5_K || t == T_Q6_K;
-}
-
-static inline __attribute__((always_inline)) void bgroup_of(const int t, const uint8_t *row,
-                                                            int64_t g, bgroup *o) {
-    small_t z = small_codes(t, row, g);
-    float d0 = z.d0, d1 = z.d1;
-    float m0 = z.bias ? -(float)z.bias * d0 : z.m, m1 = z.bias ? -(float)z.bias * d1 : z.m;
-    v16b c0 = z.c0, c1 = z.c1;
-    o->q = bf_codes(join(c0, c1));
-    o->d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
-    o->off = _mm_setr_ps(m0 - 128.f * d0, m1 - 128.f * d1, 0.f, 0.f);
-}
-
-/* s[i] = the sum of 16 bf16 activations x[16 i ..], halves then quarters (fixed order). */
-static void hsums(const uint16_t *x, int64_t count, float *s) {
-    for (int64_t i = 0; i < count; i++) {
-        __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + 16 * i))), 16));
-        __m256 s8 = _mm256_add_ps(_mm512_extractf32x8_ps(v, 1), _mm512_castps512_ps256(v));
-        __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
-        __m128 s2 = _mm_add_ps(_mm_movehl_ps(s4, s4), s4);
-        __m128 s1 = _mm_add_ss(_mm_shuffle_ps(s2, s2, 0x55), s2);
-        s[i] = _mm_cvtss_f32(s1);
-    }
-}
-
-/* A row's state: even and odd groups in their own accumulators (two chains: one would make
- * a step wait on the previous group's multiply-add), each a 16-lane sum of d . t and the
- * offsets' two lanes. */
-typedef struct {
-    __m512 acc[2];
-    __m128 off[2];
-} brow;
-
-static inline float bf_result(const brow *s) {
-    float f[16];
-    _mm512_storeu_ps(f, _mm512_add_ps(s->acc[0], s->acc[1]));
-    for (int i = 0; i < 8; i++) f[i] += f[i + 8];
-    f[0] += f[4], f[1] += f[5], f[2] += f[6], f[3] += f[7];
-    f[0] += f[2], f[1] += f[3];
-    float o[4];
-    _mm_storeu_ps(o, _mm_add_ps(s->off[0], s->off[1]));
-    return (f[0] + f[1]) + (o[0] + o[1]);
-}
-
-/* One row's share of group g: its 32 activations xg (bf16), its half sums hs. */
-static inline __attribute__((always_inline)) void bf_row(const bgroup *gr, int64_t g,
-                                                         const uint16_t *xg, const float *hs,
-                                                         brow *s) {
-    __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), gr->q,
-                                (__m512bh)_mm512_loadu_si512((const void *)xg));
-    s->acc[g & 1] = _mm512_fmadd_ps(gr->d, t, s->acc[g & 1]);
-    __m128 h = _mm_castpd_ps(_mm_load_sd((const double *)hs));
-    s->off[g & 1] = _mm_fmadd_ps(gr->off, h, s->off[g & 1]);
-}
-
-static const brow BROW0;
-
-static inline __attribute__((always_inline)) void bf_col_few(const int t, const uint8_t *row,
-                                                             const uint16_t *x, const float *hs,
-                                                             const int nr, int64_t k,
-                                                             uint16_t *y, int64_t n) {
-    brow st[FEW_ROWS];
-    for (int r = 0; r < nr; r++) st[r] = BROW0;
-    for (int64_t g = 0; g < k / 32; g++) {
-        bgroup gr;
-        bgroup_of(t, row, g, &gr);
-        for (int r = 0; r < nr; r++)
-            bf_row(&gr, g, x + r * k + 32 * g, hs + r * (k / 16) + 2 * g, &st[r]);
-    }
-    for (int r = 0; r < nr; r++) y[r * n] = f32_to_bf16(bf_result(&st[r]));
-}
-
-/* nr rows (a constant) through a column's decoded groups */
-static inline __attribute__((always_inline)) void bf_rows(const bgroup *buf, const uint16_t *x,
-                                                          const float *hs, const int nr,
-                                                          int64_t k, uint16_t *y, int64_t n) {
-    brow st[FEW_ROWS];
-    for (int r = 0; r < nr; r++) st[r] = BROW0;
-    for (int64_t g = 0; g < k / 32; g++)
-        for (int r = 0; r < nr; r++)
-            bf_row(&buf[g], g, x + r * k + 32 * g, hs + r * (k / 16) + 2 * g, &st[r]);
-    for (int r = 0; r < nr; r++) y[r * n] = f32_to_bf16(bf_result(&st[r]));
-}
-
-static inline __attribute__((always_inline)) void bf_col_many(const int t, const uint8_t *row,
-                                                              const uint16_t *x, const float *hs,
-                                                              int nr, int64_t k, uint16_t *y,
-                                                              int64_t n, bgroup *buf) {
-    for (int64_t g = 0; g < k / 32; g++) bgroup_of(t, row, g, &buf[g]);
-    int r = 0;
-    for (; r + FEW_ROWS <= nr; r += FEW_ROWS)
-        bf_rows(buf, x + r * k, hs + r * (k / 16), FEW_ROWS, k, y + r * n, n);
-    for (; r < nr; r++) bf_rows(buf, x + r * k, hs + r * (k / 16), 1, k, y + r * n, n);
-}
-
-static inline __attribute__((always_inline)) void bf_run(const int t, const uint8_t *w,
-                                                         int64_t row_bytes, const uint16_t *x,
-                                                         const float *hs, int64_t rows,
-                                                         int64_t n, int64_t k, uint16_t *y,
-                                                         bgroup *bufs) {
-    if (rows <= FEW_ROWS) {
-#pragma omp for schedule(static)
-        for (int64_t j = 0; j < n; j++) {
-            const uint8_t *row = w + j * row_bytes;
-            switch (rows) {
-            case 1: bf_col_few(t, row, x, hs, 1, k, y + j, n); break;
-            case 2: bf_col_few(t, row, x, hs, 2, k, y + j, n); break;
-            case 3: bf_col_few(t, row, x, hs, 3, k, y + j, n); break;
-            default: bf_col_few(t, row, x, hs, 4, k, y + j, n); break;
-            }
-        }
-        return;
-    }
-    bgroup *buf = bufs + (size_t)omp_get_thread_num() * (size_t)(k / 32);
-    for (int64_t r0 = 0; r0 < rows; r0 += BF_ROW_BLOCK) {
-        int nr = rows - r0 < BF_ROW_BLOCK ? (int)(rows - r0) : BF_ROW_BLOCK;
-#pragma omp for schedule(static) nowait
-        for (int64_t j = 0; j < n; j++)
-            bf_col_many(t, w + j * row_bytes, x + r0 * k, hs + r0 * (k / 16), nr, k,
-                        y + r0 * n + j, n, buf);
-    }
-}
-
-static int qmm_bf16_dots(int t, const uint8_t *w, int64_t row_bytes, const uint16_t *x,
-                         int64_t rows, int64_t n, int64_t k, uint16_t *y) {
-    size_t nt = (size_t)omp_get_max_threads(), ng = (size_t)(k / 32);
-    float *hs = malloc(sizeof(float) * (size_t)(rows * (k / 16) + 1));
-    bgroup *bufs = aligned_alloc(64, sizeof(bgroup) * nt * ng);
-    if (!hs || !bufs) {
-        free(hs);
-        free(bufs);
-        return 2;
-    }
-#pragma omp parallel
-    {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) hsums(x + r * k, k / 16, hs + r * (k / 16));
-        switch (t) {
-        case T_Q4_0: bf_run(T_Q4_0, w, row_bytes, x, hs, rows, n, k, y, bufs); break;
-        case T_Q4_1: bf_run(T_Q4_1, w, row_bytes, x, hs, rows, n, k, y, bufs); break;
-        case T_Q5_0: bf_run(T_Q5_0, w, row_bytes, x, hs, rows, n, k, y, bufs); break;
-        case T_Q5_1: bf_run(T_Q5_1, w, row_bytes, x, hs, rows, n, k, y, bufs); break;
-        case T_Q4_K: bf_run(T_Q4_K, w, row_bytes, x, hs, rows, n, k, y, bufs); break;
-        case T_Q5_K: bf_run(T_Q5_K, w, row_bytes, x, hs, rows, n, k, y, bufs); break;
-        default: bf_run(T_Q6_K, w, row_bytes, x, hs, rows, n, k, y, bufs); break;
-        }
-    }
-    free(hs);
-    free(bufs);
-    return 0;
-}
-#endif
-
-#ifndef QMM_BF16
-/* Without AVX512-BF16 (the avx512, avx2 and generic builds) the quantized types multiply in
- * integers, as llama.cpp's CPU kernels do, but with 16-bit activations: the f32 loop above
+/* The quantized types multiply in integers, as llama.cpp's CPU kernels do, but with 16-bit
+ * activations: the f32 loop above
  * spent ~33 instructions a group of 32 decoding to floats (compute-bound: ~8-10 GB/s of blocks
  * on 2 cores), where vpmaddwd multiplies 16 code / activation pairs in one.
  *
@@ -608,11 +424,11 @@ static int qmm_bf16_dots(int t, const uint8_t *w, int64_t row_bytes, const uint1
  * largest). A group's integer sums are exact; each of its 8 lanes (the sum of 4 products, under
  * 2^24) converts to f32 exactly and adds d_h 2^e times it to the output's 8-lane accumulator
  * (one fused multiply-add a group, two for Q6_K's sub-blocks of 16), the affine types' offsets
- * m (2^e sum a) to a scalar one, groups in order; the 8 lanes are then summed in one fixed tree.
+ * m (2^e sum a) to a scalar one, groups in order (a K-quant's 8 at a time: lane j takes its
+ * super-blocks' group j), the 8 lanes then summed in one fixed tree.
  * Both paths (few rows, many rows) run this very sequence per output (ig_row), so a row's bits
  * are the same at any row count or thread count. Times the identity (a = 2^14, e = -14) the
  * result is d c + m rounded once: gguf-py's weight, the affine types included. */
-#define QMM_INT 1
 #define PF_ROWS 8
 
 typedef int16_t v16s __attribute__((vector_size(32)));
@@ -984,7 +800,6 @@ static int qmm_int(int t, const uint8_t *w, int64_t row_bytes, const uint16_t *x
     free(bufs);
     return 0;
 }
-#endif
 
 /* Every column of one type, the type a constant so each gets its own compiled loop. */
 static inline __attribute__((always_inline)) void run(const int t, const uint8_t *w,
@@ -1042,12 +857,7 @@ int qmm_bf16(int t, const uint8_t *w, int64_t row_bytes, const uint16_t *x, int6
     int64_t bytes, per = qmm_block(t, &bytes);
     if (!per || n < 0 || rows < 0 || k <= 0 || k % per || row_bytes < k / per * bytes) return 1;
     if (rows == 0 || n == 0) return 0; /* nothing to write (the paths assume a row and a column) */
-#ifdef QMM_BF16
-    if (bf_type(t)) return qmm_bf16_dots(t, w, row_bytes, x, rows, n, k, y);
-#endif
-#ifdef QMM_INT
     if (int_type(t)) return qmm_int(t, w, row_bytes, x, rows, n, k, y);
-#endif
     /* the f32 rows, then one column buffer per thread (many rows) */
     size_t nt = (size_t)omp_get_max_threads();
     float *xf = malloc(sizeof(float) * ((size_t)(rows * k) + nt * (size_t)(COL_BLOCK * k) + 1));
