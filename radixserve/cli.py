@@ -52,11 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
     pf = sub.add_parser("perf", help="engine micro-benchmark (prefill/decode tok/s), prints JSON",
                         formatter_class=fmt, allow_abbrev=False)
     pf.add_argument("-m", "--model", default="default")
-    pf.add_argument("--dtypes", default="f32,bf16")
-    pf.add_argument("--weights", default="auto,dequant",
-                    help="weight paths to measure, comma separated")
+    pf.add_argument("--dtypes", default=None, help="compute dtypes, comma separated (default: "
+                    "f32,bf16; auto with --routes)")
+    pf.add_argument("--weights", default=None,
+                    help="weight paths to measure, comma separated (default: auto,dequant; auto "
+                         "with --routes)")
     pf.add_argument("--ctx", type=int, default=512, help="context of the decode figures")
     pf.add_argument("--repeats", type=int, default=3)
+    pf.add_argument("--routes", action="store_true",
+                    help="print the kernel route table for this CPU and which route each "
+                         "layer matrix of the model takes (at the first of --dtypes and "
+                         "--weights), then exit")
     pf.add_argument("--deterministic", default="auto",
                     help="deterministic modes to measure, comma separated (auto, on, off); "
                          "they take turns in one process")
@@ -127,8 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if getattr(a, "threads", -1) > 0 and a.cmd != "serve":  # serve: set on the engine thread
         torch.set_num_threads(a.threads)
+    if a.cmd == "perf" and a.routes:
+        from radixserve.perf import print_routes
+
+        return print_routes(a.model, (a.dtypes or "auto").split(",")[0],
+                            (a.weights or "auto").split(",")[0])
     if a.cmd == "perf":
         from radixserve.perf import main as perf_main
+
+        a.dtypes, a.weights = a.dtypes or "f32,bf16", a.weights or "auto,dequant"
 
         return perf_main(a.model, a.dtypes.split(","), a.weights.split(","), a.repeats, a.ctx,
                          tuple(a.deterministic.split(",")))

@@ -131,3 +131,21 @@ def main(model_path: str, dtypes: list[str], weights: list[str], repeats: int,
                 print(json.dumps(fig), flush=True)
             p.join()
     return 0
+
+
+def print_routes(model_path: str, dtype: str, weights: str) -> int:
+    """`radixserve perf --routes`: the route table's rows for this CPU's kernel build, then the
+    route of each layer matrix of the loaded model."""
+    from radixserve.model.routes import build_of, table_text
+
+    model = load_model(model_path, dtype=dtype, weights=weights)
+    kern = model.transformer.kern
+    build = build_of(kern.variant if kern is not None else None, model.dtype,
+                     model.weights == "native")
+    print(f"kernel build: {build} (RADIXSERVE_KERNELS; compute {model.dtype}, "
+          f"{model.weights} weights)")
+    print(table_text(build))
+    print(f"{model.name}:")
+    for name, routes in model.transformer.w.routes().items():
+        print(f"  {name:<10} " + ", ".join(f"{r} x{n}" for r, n in routes.items()))
+    return 0

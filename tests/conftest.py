@@ -65,6 +65,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+# every kernel call range-checks the indices it reads through (model/kernels.py's check mode),
+# in this process and in the servers the tests start
+os.environ["RADIXSERVE_KERNEL_CHECKS"] = "1"
+
 import gguf
 import pytest
 import torch

@@ -118,6 +118,8 @@ def props_json(
         # ours: the variant of radixserve's C kernels the model runs (RADIXSERVE_KERNELS,
         # model/kernels.py), "none" on torch's ops
         "kernels": variant_name(model.transformer.kern),
+        # ours: what runs each layer matrix, {matrix: {route: layers}} (model/routes.py)
+        "kernel_routes": model.transformer.w.routes(),
         "prompt_cache": {
             "backend": "none" if cfg.cache_ram_mib == 0
             else ("radix" if cfg.cache_radix_prompt else "legacy"),

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from radixserve.model.hparams import UnsupportedModelError
 from radixserve.model.kernels import Kernels, kernels
 from radixserve.model.qmm import QuantMatrix
 
@@ -58,6 +59,11 @@ def _bind(lib: ctypes.CDLL) -> tuple[Any, Any]:
 MAX_TOP = 256  # samplers looking at more tokens than this get the full head
 _MARGIN = 1.01  # slack on the bound for the kernel's own rounding order
 _CHUNK = 4096  # rows decoded at a time for the int8 copy at load
+# The widest head whose int8 pass sums exactly in int32 (csrc/int8_head.c): a product is an
+# activation byte a + 128 in [0, 255] times a weight code in [-128, 127] (|.| <= 32640), and a
+# logit's sum runs over the width, so width x 32640 must stay within 2^31 - 1: 65793. Wider
+# heads are refused at load rather than summed with overflow (undefined behaviour in C).
+INT8_HEAD_MAX_WIDTH = (2**31 - 1) // (255 * 128)
 
 
 @dataclass(slots=True)
@@ -107,6 +113,10 @@ class OutputHead:
             raise ValueError("a head in the file's blocks needs our kernels")
         if not shortlist:
             return
+        if d > INT8_HEAD_MAX_WIDTH:
+            raise UnsupportedModelError(
+                f"output head of width {d}: the int8 pass's sums are exact up to "
+                f"{INT8_HEAD_MAX_WIDTH} (csrc/int8_head.c; head.py's INT8_HEAD_MAX_WIDTH)")
         self.q8 = torch.empty(n, d, dtype=torch.int8)
         self.s8 = torch.empty(n, dtype=torch.bfloat16)
         self.err, self.amax = torch.empty(n), torch.empty(n)

@@ -239,8 +239,20 @@ def build(variant: str | None = None) -> Path | None:
         return None
 
 
+CHECKS_ENV = "RADIXSERVE_KERNEL_CHECKS"
+
+
+def checks_on() -> bool:
+    """RADIXSERVE_KERNEL_CHECKS=1: every index a kernel reads through is range-checked before
+    the call (a pass over it: the test suite runs so, a server need not; the sizes a kernel
+    trusts are checked either way, once, where the matrix, pool or head is bound)."""
+    return os.environ.get(CHECKS_ENV, "") == "1"
+
+
 def _cells_arg(cells: slice | torch.Tensor, n_cells: int) -> tuple[int | None, int, int]:
-    """A sequence's cells as the kernels take them: (index pointer or None, first cell, count)."""
+    """A sequence's cells as the kernels take them: (index pointer or None, first cell, count);
+    an index tensor's entries must lie in the pool (checked in check mode: decode_attn.c reads
+    kh + cells[j] d unchecked)."""
     if isinstance(cells, slice):
         c0 = cells.start or 0
         n = (n_cells if cells.stop is None else cells.stop) - c0
@@ -249,6 +261,9 @@ def _cells_arg(cells: slice | torch.Tensor, n_cells: int) -> tuple[int | None, i
         return None, c0, n
     if cells.dtype != torch.int64 or not cells.is_contiguous() or cells.numel() == 0:
         raise ValueError("cell index must be a non-empty contiguous int64 tensor")
+    if checks_on() and not (0 <= int(cells.min()) and int(cells.max()) < n_cells):
+        raise IndexError(f"cell index outside a pool of {n_cells} cells "
+                         f"({int(cells.min())}..{int(cells.max())})")
     return cells.data_ptr(), 0, cells.numel()
 
 

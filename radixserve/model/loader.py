@@ -13,7 +13,8 @@ import torch
 
 from radixserve.model.default_model import resolve_model_path
 from radixserve.model.forward import Transformer
-from radixserve.model.hparams import HParams
+from radixserve.model.gguf_check import check_gguf
+from radixserve.model.hparams import HParams, UnsupportedModelError
 from radixserve.model.rope import Rope
 from radixserve.model.weights import load_weights
 from radixserve.text.chat_template import ChatTemplate
@@ -145,7 +146,11 @@ def load_model(path: str | None = "default", dtype: str = "auto", device: str = 
     dev = torch.device(device)
     dt = resolve_dtype(dtype, dev)
     mode = resolve_weights(weights, dt)
-    reader = gguf.GGUFReader(path)
+    check_gguf(path)  # its structure, naming a malformed tensor, before anything maps them
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, KeyError, IndexError, OSError) as e:
+        raise UnsupportedModelError(f"{path}: gguf-py cannot read it: {e}") from e
     hp = HParams.from_gguf(reader)
     w = load_weights(reader, hp, dt, packed=mode == "native")
     if dev.type != "cpu":

@@ -40,14 +40,14 @@ import torch.nn.functional as F
 
 from radixserve.model import qmm
 from radixserve.model.kernels import BF16_PANEL, Bf16Matrix, Kernels, kernels
+from radixserve.model.routes import FLOAT_TYPES, I8_TYPES, Q4_TYPES, build_of, route_for
 
 GROUP = 32
 Q = gguf.GGMLQuantizationType
-PACKED_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
-# csrc/qmm.c's types, read in the file's blocks (QuantLinear); the float ones only where our
-# bf16 kernel (DenseLinear) is missing, as that one's bits are the tested reference elsewhere
-QMM_TYPES = (*PACKED_TYPES, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q5_K, Q.Q6_K)
-QMM_FLOAT_TYPES = (Q.F16, Q.BF16, Q.F32)
+PACKED_TYPES = Q4_TYPES
+# the types csrc/qmm.c reads in the file's blocks: every layer matrix where the route table
+# says so, and the rows of the embedding and the head on every build
+QMM_ROW_TYPES = (*Q4_TYPES, *I8_TYPES, *FLOAT_TYPES)
 # torch's int4 kernel: chunks of this many rows or more run as a dense bf16 matmul on weights
 # unpacked for that call, as it is compute-bound there and loses to a bf16 GEMM (except in
 # deterministic mode: other bits). Our Q4 kernel keeps up with the GEMM at every size
@@ -123,6 +123,8 @@ class Linear:
     # whether `invariant=True` holds: checked row by row for each kernel (tests/model/
     # test_quant.py); deterministic mode needs it of every layer matrix
     row_invariant: bool = False
+    # the route table's name for what runs it (model/routes.py)
+    route: str = ""
 
     def __call__(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         raise NotImplementedError
@@ -162,6 +164,7 @@ class DenseLinear(Linear):
                 and kern.has_bf16_gemm):
             self.mat, self.w = kern.bf16(pack_bf16(w), *w.shape), None
         self.row_invariant = self.mat is not None
+        self.route = "bf16-panels" if self.mat is not None else "torch-dense"
 
     def __call__(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         if self.mat is None:
@@ -226,6 +229,8 @@ class Int4Linear(PackedLinear):
     """4-bit codes in torch's int4 CPU layout, one (scale, zero) pair per 32 weights; the
     unpack gives the kernel's own dequantized values (bitwise)."""
 
+    route = "torch-int4"
+
     def __init__(self, codes: Codes, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         q = torch.from_numpy(np.ascontiguousarray(codes.q)).to(torch.int32)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
@@ -263,6 +268,7 @@ class ConcatLinear(Linear):
         self.parts, self.bias = parts, None
         self.n_out = sum(p.n_out for p in parts)
         self.row_invariant = all(p.row_invariant for p in parts)
+        self.route = "+".join(p.route for p in parts)
 
     def __call__(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         return torch.cat([p(x, invariant) for p in self.parts], dim=-1)
@@ -298,6 +304,7 @@ class Q4Linear(PackedLinear):
     unpack + GEMM path at 512 rows (faster below), so it never switches."""
 
     dense_from = None
+    route = "q4-tiles"
 
     def __init__(self, codes: Codes, bias: torch.Tensor | None, kern: Kernels) -> None:
         self.n_out, self.n_in = codes.q.shape
@@ -316,13 +323,16 @@ class Q4Linear(PackedLinear):
 
 
 def packed_linear(codes: Codes, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
-    """Our kernel's layout when it can run these weights (bf16 compute, AVX512-BF16, scales and
-    offsets within f16's range), else torch's int4 layout; both need rows in tiles of 16, so
-    other matrices stay dense."""
+    """4-bit codes in our tiles where the route table's 4-bit route at this dtype is theirs
+    (and scales and offsets fit f16), else in torch's int4 layout (the loader takes this only
+    where the table says torch-int4; builds that read the file's blocks never pack); both need
+    rows in tiles of 16, so other matrices stay dense."""
+    kern = kernels()
+    route = route_for(build_of(kern.variant if kern is not None else None, dtype, True),
+                      Q.Q4_0, codes.q.shape[0])
     if codes.q.shape[0] % TILE:
         return DenseLinear(torch.from_numpy(codes.dequantize()).to(dtype), bias)
-    kern = kernels()
-    if (dtype == torch.bfloat16 and kern is not None and kern.has_q4
+    if (route == "q4-tiles" and kern is not None
             and all(np.abs(a).max(initial=0) <= F16_MAX for a in (codes.scale, codes.offset))):
         return Q4Linear(codes, bias, kern)
     return Int4Linear(codes, bias, dtype)
@@ -372,6 +382,7 @@ class QuantLinear(Linear):
                  bias: torch.Tensor | None, kern: Kernels) -> None:
         self.qtype, self.n_out, self.n_in, self.bias = qtype, raw.shape[0], k, bias
         self.mat = qmm.QuantMatrix(kern.lib, int(qtype), torch.from_numpy(np.array(raw)), k)
+        self.route = "qmm-f32" if qtype in FLOAT_TYPES else "qmm-int"
 
     def __call__(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -385,19 +396,6 @@ class QuantLinear(Linear):
     @property
     def nbytes(self) -> int:
         return self.mat.raw.nbytes + (self.bias.nbytes if self.bias is not None else 0)
-
-
-def quant_kernels(dtype: torch.dtype, qtype: gguf.GGMLQuantizationType) -> Kernels | None:
-    """Our kernels when QuantLinear runs this type at this compute dtype, else None."""
-    kern = kernels()
-    if dtype != torch.bfloat16 or kern is None or not qmm.available(kern.lib):
-        return None
-    # with AVX512-BF16, our bf16 GEMM (dense) stays ahead of qmm from 4 rows on (qmm decodes a
-    # group per weight row, where the tile kernels share that work across 16 rows), and Q4
-    # types run the 4-bit tiles: qmm is for the CPUs without those
-    if kern.has_bf16_gemm:
-        return None
-    return kern if qtype in QMM_TYPES or qtype in QMM_FLOAT_TYPES else None
 
 
 class I8Linear(QuantLinear):
@@ -421,6 +419,7 @@ class I8Linear(QuantLinear):
         c, d, m = (np.concatenate([cd[i] for cd in codes]) for i in range(3))
         self.n_out, self.n_in, self.bias = c.shape[0], k, bias
         self.mat = kern.i8(pack_i8(c, d, m, fmt), fmt, self.n_out, k)
+        self.route = "i8-tiles"
 
     def weight(self) -> torch.Tensor:
         """bf16 W [N, K]: bf16(d c + m), the product with the identity."""

@@ -27,10 +27,7 @@ from radixserve.model.hparams import HParams, UnsupportedModelError
 from radixserve.model.kernels import kernels
 from radixserve.model.quant import (
     I8_FORMATS,
-    PACKED_TYPES,
-    QMM_FLOAT_TYPES,
-    QMM_TYPES,
-    TILE,
+    QMM_ROW_TYPES,
     Codes,
     ConcatLinear,
     DenseLinear,
@@ -38,10 +35,10 @@ from radixserve.model.quant import (
     Linear,
     QuantLinear,
     packed_linear,
-    quant_kernels,
     raw_rows,
     split_blocks,
 )
+from radixserve.model.routes import build_of, route_for
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +81,17 @@ class ModelWeights:
             return self.tok_embd.rows(tokens).to(self.dtype).float()
         return F.embedding(tokens, self.tok_embd).float()
 
+    def routes(self) -> dict[str, dict[str, int]]:
+        """Each layer matrix's route (model/routes.py; a fused matrix of mixed routes is one
+        route a part, joined by "+"), as {matrix: {route: layers}}."""
+        out: dict[str, dict[str, int]] = {}
+        for lw in self.layers:
+            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+                r = getattr(lw, name).route
+                out.setdefault(name, {})
+                out[name][r] = out[name].get(r, 0) + 1
+        return out
+
     @property
     def nbytes(self) -> int:
         """Bytes the weights hold in memory."""
@@ -114,6 +122,9 @@ class _Loader:
     def __init__(self, reader: gguf.GGUFReader, dtype: torch.dtype, packed: bool) -> None:
         self.tensors = {t.name: t for t in reader.tensors}
         self.dtype, self.packed = dtype, packed
+        kern = kernels()
+        # the route table's row for this load (model/routes.py)
+        self.build = build_of(kern.variant if kern is not None else None, dtype, packed)
 
     def tensor(self, name: str, required: bool = True) -> gguf.ReaderTensor | None:
         t = self.tensors.get(name)
@@ -142,7 +153,7 @@ class _Loader:
         kern = kernels()
         qtype = t.tensor_type
         if (self.packed and kern is not None and qmm.available(kern.lib) and len(t.shape) == 2
-                and (qtype in QMM_TYPES or qtype in QMM_FLOAT_TYPES)):
+                and qtype in QMM_ROW_TYPES):
             k = int(t.shape[0])
             try:
                 qmm.row_bytes(kern.lib, int(qtype), k)
@@ -155,29 +166,17 @@ class _Loader:
         assert out is not None
         return out if dtype is None else out.to(dtype)
 
-    def _kind(self, t: gguf.ReaderTensor) -> str:
-        """How a matrix runs: "q4" (our 4-bit tiles, or torch's int4 layout without our
-        kernels), "i8" (our 8-bit tiles: Q5_*, Q6_K, Q8_0 with AVX512-BF16), "quant" (its own
-        blocks, csrc/qmm.c) or "dense"."""
-        if not self.packed:
-            return "dense"
-        kern = kernels()
-        q4_tiles = kern is not None and kern.has_q4 and self.dtype == torch.bfloat16
-        if t.tensor_type in PACKED_TYPES and (q4_tiles or kern is None):
-            return "q4"
-        if q4_tiles and t.tensor_type in I8_FORMATS and int(t.shape[1]) % TILE == 0:
-            return "i8"
-        if quant_kernels(self.dtype, t.tensor_type) is not None:
-            return "quant"
-        return "q4" if t.tensor_type in PACKED_TYPES else "dense"
+    def _route(self, t: gguf.ReaderTensor) -> str:
+        """The matrix's route (model/routes.py's table)."""
+        return route_for(self.build, t.tensor_type, int(t.shape[1]), self.packed)
 
     def _run_key(self, t: gguf.ReaderTensor) -> tuple[str, object]:
-        """Parts with equal keys run as one matrix: "q4" and "dense" parts of any type, the
+        """Parts with equal keys run as one matrix: 4-bit and dense parts of any type, the
         file's blocks of one type, 8-bit tiles of one tile format (Q5_0 beside Q8_0)."""
-        kind = self._kind(t)
-        if kind == "i8":
-            return kind, I8_FORMATS[t.tensor_type]
-        return kind, t.tensor_type if kind == "quant" else None
+        route = self._route(t)
+        if route == "i8-tiles":
+            return route, I8_FORMATS[t.tensor_type]
+        return route, t.tensor_type if route.startswith("qmm") else None
 
     def linear(self, names: list[str], heads: list[int | None],
                biases: list[np.ndarray] | None = None) -> Linear:
@@ -199,20 +198,20 @@ class _Loader:
                 for run in runs
             ])
         bias = None if biases is None else torch.from_numpy(np.concatenate(biases)).to(self.dtype)
-        kind = kinds[0][0]
+        route = kinds[0][0]
         qtype = ts[0].tensor_type
-        if kind == "q4":
+        if route in ("q4-tiles", "torch-int4"):
             parts = [split_blocks(t) for t in ts]
             parts = [c if h is None else c.rows(_row_order(c.q.shape[0], h))
                      for c, h in zip(parts, heads)]
             return packed_linear(Codes.concat(parts), bias, self.dtype)
-        if kind in ("quant", "i8"):
+        if route in ("qmm-int", "qmm-f32", "i8-tiles"):
             kern = kernels()
             assert kern is not None and qtype is not None
             raws = [raw_rows(t) for t in ts]
             raws = [r if h is None else r[_row_order(r.shape[0], h)] for r, h in zip(raws, heads)]
             k = int(ts[0].shape[0])
-            if kind == "i8":
+            if route == "i8-tiles":
                 return I8Linear([(t.tensor_type, r) for t, r in zip(ts, raws)], k, bias, kern)
             return QuantLinear(qtype, np.concatenate(raws), k, bias, kern)
         arrays = []

@@ -218,6 +218,10 @@ def test_deterministic_mode_is_reported_by_props(mode: str, on: bool, kernels: s
     assert props["prompt_cache"]["cache_reuse"] == (0 if on else 16)
     variant = "avx512bf16" if kernels == "auto" else kernels
     assert props["kernels"] == variant
+    # each layer matrix's route (model/routes.py): the default model's Q4_1 layers
+    route = {"avx512bf16": "q4-tiles", "avx2": "qmm-int"}[variant]
+    assert props["kernel_routes"] == {m: {route: 30} for m in ("wqkv", "wo", "w_gate_up",
+                                                                "w_down")}
     build = {"avx512bf16": "x86-64-v4 + AVX512-VNNI + AVX512-BF16 build",
              "avx2": "x86-64-v3 build"}[variant]
     assert log_file.read_text().count(f"kernels: {variant} ({build})") == 1

@@ -211,3 +211,14 @@ def test_bound_kernels_in_every_variant(vnni, variant):
         count = cand(up.data_ptr(), rows, floor, ids.data_ptr(), fill.data_ptr())
         assert torch.equal(ids[:count], (up >= floor).nonzero().squeeze(1)), floor
         assert torch.isinf(fill).all() and (fill < 0).all()
+
+
+def test_a_head_wider_than_the_int8_sums_keep_exact_is_refused(vnni):
+    """INT8_HEAD_MAX_WIDTH: the widest head whose int8 pass sums fit int32 (head.py's
+    derivation); one wider is refused at load naming the limit, never summed with overflow."""
+    from radixserve.model.head import INT8_HEAD_MAX_WIDTH
+    from radixserve.model.hparams import UnsupportedModelError
+
+    assert INT8_HEAD_MAX_WIDTH * 255 * 128 <= 2**31 - 1 < (INT8_HEAD_MAX_WIDTH + 1) * 255 * 128
+    with pytest.raises(UnsupportedModelError, match=str(INT8_HEAD_MAX_WIDTH)):
+        OutputHead(torch.zeros(2, INT8_HEAD_MAX_WIDTH + 64), shortlist=True)

@@ -741,3 +741,23 @@ def test_head_dots_are_exact_dots_and_refuse_ids_outside_the_head(kern):
             kern.head_dots(w, h, torch.tensor(bad))
     with pytest.raises(ValueError):
         kern.head_dots(w, h.double())
+
+
+def test_check_mode_refuses_a_cell_index_outside_the_pool(kern, monkeypatch):
+    """decode_attn.c reads K/V at kh + cells[j] d unchecked; in check mode (the suite's) an
+    index outside the pool is an IndexError before the call, and without it the call is made
+    (so the check, not something else, is what refuses)."""
+    from radixserve.model.kernels import CHECKS_ENV
+
+    q = torch.randn(1, 4, 64).to(torch.bfloat16)
+    pk = torch.randn(2, 16, 64).to(torch.bfloat16)
+    good = torch.tensor([0, 5, 15])
+    kern.attend_causal(q, pk, pk, good)
+    for bad in ([0, 5, 16], [-1, 3]):
+        with pytest.raises(IndexError, match="outside a pool of 16"):
+            kern.attend_causal(q, pk, pk, torch.tensor(bad))
+    monkeypatch.setenv(CHECKS_ENV, "0")
+    calls = []
+    monkeypatch.setattr(kern, "_attn", lambda *a: calls.append(a) or 0)
+    kern.attend_causal(q, pk, pk, torch.tensor([0, 5, 16]))
+    assert len(calls) == 1

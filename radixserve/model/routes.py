@@ -1,0 +1,113 @@
+"""Which kernel runs each weight matrix: one table, keyed by the kernel build and the GGUF type,
+read once per matrix at load (weights.py), and printed by `radixserve perf --routes` and
+`/props`' `kernel_routes`.
+
+Why one table: the choice had grown into seven places (the loader, three checks in quant.py,
+the C entry point), each with its own idea of what a CPU runs; a route that nothing chose
+could linger unseen (qmm.c's bf16 dot products did). Here every reachable route is a row, and
+tests/model/test_routes.py runs each one.
+
+A row's `few` and `many` say what runs a decode step (up to 4 rows) and a prefill chunk: every
+route runs one kernel for both except torch's int4 layout, whose prefill chunks (96 rows and
+more, outside deterministic mode) run a bf16 GEMM on weights unpacked for the call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import torch
+
+Q = gguf.GGMLQuantizationType
+Q4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)  # one affine map a group of 4-bit codes: the 4-bit tiles
+I8_TYPES = (Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q5_K, Q.Q6_K)  # int8 codes and f32 scales: 8-bit tiles
+FLOAT_TYPES = (Q.F16, Q.BF16, Q.F32)
+TILE_ROWS = 16  # the tiles' rows (q4_gemv.c): a matrix whose rows are not a multiple runs dense
+
+
+@dataclass(frozen=True)
+class Route:
+    name: str
+    few: str  # up to 4 rows (decode)
+    many: str  # prefill chunks
+    holds: str  # what memory holds
+
+
+ROUTES = {r.name: r for r in (
+    Route("q4-tiles", "q4_gemv.c 4-bit tiles", "q4_gemv.c 4-bit tiles",
+          "4-bit codes in 16-row tiles, f16 scale and offset a group"),
+    Route("i8-tiles", "q4_gemv.c 8-bit tiles", "q4_gemv.c 8-bit tiles",
+          "int8 codes in 16-row tiles, f32 scales (and offsets) a group"),
+    Route("bf16-panels", "bf16_gemm.c", "bf16_gemm.c", "bf16 in 32-row panels"),
+    Route("qmm-int", "qmm.c integer dots, groups decoded in registers",
+          "qmm.c integer dots, 2x3 tiles over columns decoded once a row block",
+          "the file's blocks"),
+    Route("qmm-f32", "qmm.c f32 multiply-adds", "qmm.c f32 multiply-adds", "the file's blocks"),
+    Route("torch-int4", "torch's int4 weight-only kernel",
+          "bf16 GEMM on weights unpacked per call (the int4 kernel in deterministic mode)",
+          "torch's int4 layout, scale and zero a group in the compute dtype"),
+    Route("torch-dense", "F.linear", "F.linear", "dense in the compute dtype"),
+)}
+
+# the kernel builds (model/kernels.py's VARIANTS), and "none": no kernels of ours
+# (RADIXSERVE_KERNELS=0, no compiler) or a compute dtype they do not take (f16, f32)
+BUILDS = ("avx512bf16", "avx512", "avx2", "generic", "none")
+KINDS = ("4-bit", "5-8-bit", "float", "other")
+_QMM = {"4-bit": "qmm-int", "5-8-bit": "qmm-int", "float": "qmm-f32", "other": "torch-dense"}
+TABLE: dict[tuple[str, str], str] = {
+    ("avx512bf16", "4-bit"): "q4-tiles",
+    ("avx512bf16", "5-8-bit"): "i8-tiles",
+    ("avx512bf16", "float"): "bf16-panels",
+    ("avx512bf16", "other"): "bf16-panels",  # dequantized at load
+    **{(b, kind): r for b in ("avx512", "avx2", "generic") for kind, r in _QMM.items()},
+    ("none", "4-bit"): "torch-int4",
+    ("none", "5-8-bit"): "torch-dense",
+    ("none", "float"): "torch-dense",
+    ("none", "other"): "torch-dense",
+}
+# where a matrix cannot take its row's route, what it takes instead, and why
+FALLBACK = {
+    "q4-tiles": ("bf16-panels", f"rows not a multiple of {TILE_ROWS}"),
+    "i8-tiles": ("bf16-panels", f"rows not a multiple of {TILE_ROWS}"),
+    "torch-int4": ("torch-dense", f"rows not a multiple of {TILE_ROWS}"),
+}
+
+
+def kind_of(qtype: Q) -> str:
+    if qtype in Q4_TYPES:
+        return "4-bit"
+    if qtype in I8_TYPES:
+        return "5-8-bit"
+    return "float" if qtype in FLOAT_TYPES else "other"
+
+
+def build_of(variant: str | None, dtype: torch.dtype, packed: bool) -> str:
+    """The table's build for kernels of `variant` (None: none) at this compute dtype; the dequant
+    path (packed False) runs every matrix dense, as "other" types."""
+    if variant is None or dtype != torch.bfloat16:
+        return "none"
+    return variant
+
+
+def route_for(build: str, qtype: Q, n_rows: int, packed: bool = True) -> str:
+    """The route of a matrix of `n_rows` rows in `qtype` under `build`."""
+    name = TABLE[build, kind_of(qtype) if packed else "other"]
+    if name in FALLBACK and n_rows % TILE_ROWS:
+        name = FALLBACK[name][0]
+    return name
+
+
+def table_text(build: str | None = None) -> str:
+    """The table as text, one build's rows (all builds when None)."""
+    lines = [f"{'build':<11} {'GGUF types':<34} {'route':<12} few rows | many rows"]
+    types = {"4-bit": "Q4_0 Q4_1 Q4_K", "5-8-bit": "Q5_0 Q5_1 Q8_0 Q5_K Q6_K",
+             "float": "F16 BF16 F32", "other": "any other (dequantized at load)"}
+    for b in BUILDS if build is None else (build,):
+        for kind in KINDS:
+            r = ROUTES[TABLE[b, kind]]
+            lines.append(f"{b:<11} {types[kind]:<34} {r.name:<12} {r.few} | {r.many}")
+    for name, (to, why) in FALLBACK.items():
+        lines.append(f"  {name} -> {to} where {why}")
+    lines.append("  q4-tiles -> torch-int4 where a scale or offset exceeds f16's range")
+    return "\n".join(lines)

@@ -1,0 +1,131 @@
+"""Malformed GGUF files are refused at load with UnsupportedModelError naming what is wrong
+(the tensor, where one is at fault): never a crash, never a silent read. Each file is a real
+tiny model (tests/tiny_gguf.py) with one field of its header changed, byte for byte."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from radixserve.model.gguf_check import check_gguf
+from radixserve.model.hparams import UnsupportedModelError
+from radixserve.model.loader import load_model
+from tests.tiny_gguf import write_tiny_gguf
+
+TARGET = "blk.0.attn_q.weight"  # a Q4_1 matrix of the tiny model
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(write_tiny_gguf(str(tmp_path_factory.mktemp("gguf") / "ok.gguf")))
+
+
+def info_at(path: Path, name: str) -> tuple[int, int]:
+    """Where tensor `name`'s table entry keeps its dimension count, and that count."""
+    t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == name)
+    raw = path.read_bytes()
+    (nlen,) = struct.unpack_from("<Q", raw, t.field.offset)
+    pos = t.field.offset + 8 + nlen
+    return pos, struct.unpack_from("<I", raw, pos)[0]
+
+
+def changed(good: Path, tmp_path: Path, edit: Callable[[bytearray, int, int], None]) -> str:
+    b = bytearray(good.read_bytes())
+    pos, nd = info_at(good, TARGET)
+    edit(b, pos, nd)
+    out = tmp_path / "bad.gguf"
+    out.write_bytes(bytes(b))
+    return str(out)
+
+
+def refused(path: str, *words: str) -> str:
+    with pytest.raises(UnsupportedModelError) as e:
+        load_model(path, dtype="f32")
+    msg = str(e.value)
+    assert all(w in msg for w in words), msg
+    return msg
+
+
+def test_the_unchanged_file_loads(good: Path) -> None:
+    check_gguf(str(good))
+    assert load_model(str(good), dtype="f32").hp.n_layer == 2
+
+
+def test_truncated_tensor_data(good: Path, tmp_path: Path) -> None:
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(good.read_bytes()[:-1000])
+    refused(str(path), "past the end of the file", "truncated")
+
+
+def test_a_row_length_that_does_not_divide_into_blocks(good: Path, tmp_path: Path) -> None:
+    # ne[0] 64 -> 48, and the row count doubled so the bytes still fit: only the blocks are off
+    def edit(b: bytearray, pos: int, nd: int) -> None:
+        ne0, ne1 = struct.unpack_from("<QQ", b, pos + 4)
+        struct.pack_into("<QQ", b, pos + 4, ne0 - 16, ne1)
+    refused(changed(good, tmp_path, edit), TARGET, "not a multiple of its 32-weight blocks")
+
+
+def test_an_offset_past_the_end(good: Path, tmp_path: Path) -> None:
+    def edit(b: bytearray, pos: int, nd: int) -> None:
+        struct.pack_into("<Q", b, pos + 4 + 8 * nd + 4, 1 << 30)
+    refused(changed(good, tmp_path, edit), TARGET, "past the end of the file")
+
+
+def test_an_offset_onto_another_tensor(good: Path, tmp_path: Path) -> None:
+    def edit(b: bytearray, pos: int, nd: int) -> None:
+        struct.pack_into("<Q", b, pos + 4 + 8 * nd + 4, 0)
+    refused(changed(good, tmp_path, edit), TARGET, "overlap")
+
+
+@pytest.mark.parametrize("dim", [0, 2**40])
+def test_absurd_dimensions(good: Path, tmp_path: Path, dim: int) -> None:
+    def edit(b: bytearray, pos: int, nd: int) -> None:
+        struct.pack_into("<Q", b, pos + 4 + 8, dim)
+    refused(changed(good, tmp_path, edit), TARGET, "dimensions")
+
+
+def test_too_many_dimensions(good: Path, tmp_path: Path) -> None:
+    def edit(b: bytearray, pos: int, nd: int) -> None:
+        struct.pack_into("<I", b, pos, 9)
+    refused(changed(good, tmp_path, edit), TARGET, "9 dimensions")
+
+
+def test_an_unknown_type_id(good: Path, tmp_path: Path) -> None:
+    def edit(b: bytearray, pos: int, nd: int) -> None:
+        struct.pack_into("<I", b, pos + 4 + 8 * nd, 99)
+    refused(changed(good, tmp_path, edit), TARGET, "unknown type id 99")
+
+
+def test_a_vocabulary_that_disagrees_with_the_embedding(tmp_path: Path) -> None:
+    """The token list one token short of the embedding's rows (written as such)."""
+    src = gguf.GGUFReader(write_tiny_gguf(str(tmp_path / "ok.gguf")))
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
+    for key, field in src.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        if key == "tokenizer.ggml.tokens" or key == "tokenizer.ggml.token_type":
+            value = value[:-1]
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, value, vtype, sub_type=field.types[-1])
+        else:
+            w.add_key_value(key, value, vtype)
+    for t in src.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    refused(str(tmp_path / "bad.gguf"), "token_embd.weight", "vocabulary")
+
+
+def test_not_a_gguf_at_all(tmp_path: Path) -> None:
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"PK\x03\x04" + bytes(100))
+    refused(str(path), "not a GGUF file")

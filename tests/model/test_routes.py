@@ -1,0 +1,97 @@
+"""The route table (model/routes.py): every row is what the loader builds, every route is
+reached, and each route's matrix multiplies as gguf-py's dequantized weights do, on one row
+(decode) and on many (prefill), in every kernel build and without kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from radixserve.model import kernels as K
+from radixserve.model import routes
+from radixserve.model.routes import BUILDS, FALLBACK, KINDS, ROUTES, TABLE, route_for
+from radixserve.model.weights import _Loader
+from tests.model.kernel_variants import variant_kernels
+
+Q = gguf.GGMLQuantizationType
+# one type of each kind: a 4-bit one, an 8-bit one, a float one, one no kernel of ours reads
+KIND_TYPE = {"4-bit": Q.Q4_K, "5-8-bit": Q.Q6_K, "float": Q.F16, "other": Q.Q3_K}
+KDIM = 512
+
+
+def tensor(qtype: Q, n: int, seed: int) -> SimpleNamespace:
+    """A matrix [n, KDIM] of `qtype` as the GGUF reader gives it: random blocks whose scales
+    (the leading f16s; Q6_K's and Q3_K's d at the end) keep weights small."""
+    rng = np.random.default_rng(seed)
+    if qtype in (Q.F16,):
+        data = (rng.standard_normal((n, KDIM)) * 0.05).astype(np.float16)
+        return SimpleNamespace(name="w", tensor_type=qtype, shape=np.array([KDIM, n]),
+                               data=data)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n, KDIM // block, size), dtype=np.uint8)
+    d = rng.uniform(0.001, 0.01, size=(n, KDIM // block, 2)).astype(np.float16).view(np.uint8)
+    if qtype in (Q.Q6_K, Q.Q3_K):
+        raw[..., size - 2:] = d[..., :2]
+    else:
+        raw[..., :4] = d.reshape(n, KDIM // block, 4)
+    return SimpleNamespace(name="w", tensor_type=qtype, shape=np.array([KDIM, n]),
+                           data=raw.reshape(n, -1))
+
+
+@pytest.fixture(params=BUILDS)
+def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """kernels() as RADIXSERVE_KERNELS=<build> gives it ("none": 0, no kernels)."""
+    if request.param != "none":
+        variant_kernels(request.param)
+    monkeypatch.setenv(K.ENV, "0" if request.param == "none" else request.param)
+    K.kernels.cache_clear()
+    yield request.param
+    K.kernels.cache_clear()
+
+
+def test_every_build_and_kind_has_a_route_and_every_route_is_reached():
+    assert set(TABLE) == {(b, k) for b in BUILDS for k in KINDS}
+    reached = set(TABLE.values()) | {to for to, _ in FALLBACK.values()}
+    assert reached == set(ROUTES), f"routes nothing reaches: {set(ROUTES) - reached}"
+    text = routes.table_text()
+    assert all(name in text for name in ROUTES)
+
+
+@pytest.mark.parametrize("n_rows", [32, 40], ids=["tiled-rows", "odd-rows"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_loader_builds_the_tables_route_and_it_multiplies_the_files_weights(
+        build: str, kind: str, n_rows: int):
+    qtype = KIND_TYPE[kind]
+    t = tensor(qtype, n_rows, seed=int(qtype) + n_rows)
+    ld = _Loader(SimpleNamespace(tensors=[t]), torch.bfloat16, packed=True)
+    assert ld.build == build
+    lin = ld.linear(["w"], [None])
+    want = route_for(build, qtype, n_rows)
+    assert lin.route == want, f"{build} {qtype.name}: built {lin.route}, table says {want}"
+    if n_rows % 16:
+        assert want not in ("q4-tiles", "i8-tiles", "torch-int4")
+    w = torch.from_numpy(np.asarray(gguf.quants.dequantize(t.data, qtype), np.float32)
+                         .reshape(n_rows, KDIM))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(130, KDIM, generator=g).to(torch.bfloat16)
+    ref = x.double() @ w.double().T
+    scale = (x.double().abs() @ w.double().abs().T)
+    many = lin(x).double()  # a prefill chunk
+    few = torch.cat([lin(x[i:i + 1]) for i in range(0, 130, 13)]).double()  # decode rows
+    # bf16 output rounding plus the route's own (bf16 weights or activations): 2^-7 relative
+    # to the sum of magnitudes
+    for got, rows in ((many, slice(None)), (few, slice(0, 130, 13))):
+        err = (got - ref[rows]).abs()
+        assert (err <= scale[rows] * 2.0**-7 + 1e-6).all(), (
+            f"{lin.route}: worst error {(err / (scale[rows] + 1e-12)).max():.2e} of the scale")
+
+
+def test_dequant_weights_run_every_type_dense(build: str):
+    t = tensor(Q.Q4_K, 32, seed=1)
+    lin = _Loader(SimpleNamespace(tensors=[t]), torch.bfloat16, packed=False).linear(["w"], [None])
+    assert lin.route == ("bf16-panels" if build == "avx512bf16" else "torch-dense")
