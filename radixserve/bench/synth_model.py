@@ -19,6 +19,7 @@ Never commit the files (about 2.5 GB at F16).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -53,14 +54,20 @@ _TOKENIZER = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.toke
               "tokenizer.ggml.add_bos_token", "tokenizer.chat_template")
 
 
+@functools.cache
+def _tokenizer() -> dict[str, object]:
+    """The default model's tokenizer and template fields (read once: ~2 s of parsing)."""
+    r = gguf.GGUFReader(default_model_path())
+    return {k: r.fields[k].contents() for k in _TOKENIZER if k in r.fields}
+
+
 def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
     """Write the GGUF at `path`: weights N(0, 0.02) (the init Llama uses, so activations stay
     in range through the layers), norms 1, in `wtype` (TYPES)."""
     if wtype not in TYPES:
         raise ValueError(f"weight type {wtype!r}: one of {', '.join(TYPES)}")
     qtype = TYPES[wtype]
-    r = gguf.GGUFReader(default_model_path())
-    tok = {k: r.fields[k].contents() for k in _TOKENIZER if k in r.fields}
+    tok = _tokenizer()
     n_vocab = len(tok["tokenizer.ggml.tokens"])
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, "llama")

@@ -14,8 +14,7 @@ from radixserve.model.loader import load_model
 SHAPE = SHAPES["llama-tiny"]
 
 
-def logits(path: str, dtype: str, weights: str, ids: list[int]) -> torch.Tensor:
-    m = load_model(path, dtype=dtype, weights=weights)
+def logits(m, ids: list[int]) -> torch.Tensor:
     pool = model_pool(m, 64, 1, True, len(ids))
     tr = m.transformer
     return tr.w.head.full(hidden(tr, pool, [BatchSeq(0, ids, 0)]))[-1].float()
@@ -36,8 +35,8 @@ def test_the_written_model_has_the_shape_and_runs_alike_on_every_path(tmp_path, 
     assert (m.hp.n_layer, m.hp.n_embd, m.hp.n_head, m.hp.n_head_kv) == (
         SHAPE.n_layer, SHAPE.n_embd, SHAPE.n_head, SHAPE.n_head_kv)
     ids = m.tokenizer.encode("The quick brown fox jumps over the lazy dog, twice over.")
-    ref = logits(path, "f32", "dequant", ids)
-    got = logits(path, "auto", "native", ids)
+    ref = logits(m, ids)
+    got = logits(load_model(path, dtype="auto", weights="native"), ids)
     assert torch.isfinite(ref).all() and ref.std() > 0
     assert torch.nn.functional.cosine_similarity(ref, got, dim=0) > 0.99
 

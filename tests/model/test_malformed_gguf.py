@@ -4,6 +4,7 @@ tiny model (tests/tiny_gguf.py) with one field of its header changed, byte for b
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(write_tiny_gguf(str(tmp_path_factory.mktemp("gguf") / "ok.gguf")))
 
 
+@functools.cache
 def info_at(path: Path, name: str) -> tuple[int, int]:
     """Where tensor `name`'s table entry keeps its dimension count, and that count."""
     t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == name)
