@@ -65,6 +65,11 @@ def test_packed_times_identity_equals_gguf_dequantization(qtype: Q):
     assert torch.equal(lin.weight(), kernel.t())
 
 
+# the tests of a tile kernel's own properties run on the build that has the tiles; the other
+# builds' fallback (torch's int4 layout, F.linear) is checked once a variant below
+ON_TILES = pytest.mark.parametrize("variant", ["avx512bf16"], indirect=True)
+
+
 def q4_here() -> bool:
     """Whether the kernels under test (kernels(): the `variant` fixture's) have our Q4 kernel:
     the AVX512-BF16 build does, and must (this project's machines have a compiler and
@@ -82,10 +87,10 @@ def q4_here() -> bool:
     return False
 
 
+@ON_TILES
 @pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda q: q.name)
 def test_q4_kernel_times_identity_equals_gguf_dequantization(variant: str, qtype: Q):
-    if not q4_here():
-        return
+    assert q4_here()
     t = raw_tensor(qtype, seed=int(qtype))
     ref = gguf.quants.dequantize(t.data, qtype).reshape(N, K).astype(np.float32)
     codes = split_blocks(t)
@@ -204,13 +209,13 @@ def random_q4(n: int, k: int, seed: int) -> tuple[Q4Linear, torch.Tensor, torch.
     return Q4Linear(codes, None, kernels()), w, x
 
 
+@ON_TILES
 @pytest.mark.parametrize("n,k", Q4_SHAPES, ids=lambda v: str(v))
 def test_q4_many_rows_equal_each_row_alone_bitwise(variant: str, n: int, k: int):
     """Deterministic mode's premise: a row's product through the 4-bit kernel is the same bits
     whatever the number of rows multiplied with it (the kernel's few- and many-rows paths) and
     the number of threads."""
-    if not q4_here():
-        return
+    assert q4_here()
     lin, _, x = random_q4(n, k, seed=n + k)
     assert_rows_alone(lin.kernel, x, Q4_ROWS)
 
@@ -233,12 +238,12 @@ def assert_rows_alone(mul, x: torch.Tensor, row_counts) -> None:
         torch.set_num_threads(before)
 
 
+@ON_TILES
 @pytest.mark.parametrize("n,k", Q4_SHAPES, ids=lambda v: str(v))
 def test_q4_many_rows_within_bf16_of_f64(variant: str, n: int, k: int):
     """The many-rows product against f64 with the kernel's own weights: bf16 output rounding,
     plus f32 sums relative to the products' magnitudes (outputs near 0)."""
-    if not q4_here():
-        return
+    assert q4_here()
     lin, w, x = random_q4(n, k, seed=2 * n + k)
     y = lin.kernel(x).double()
     ref = x.double() @ w.T
@@ -314,24 +319,24 @@ def random_dense(n: int, k: int, seed: int) -> tuple[DenseLinear, torch.Tensor, 
     return lin, w, x
 
 
+@ON_TILES
 @pytest.mark.parametrize("n,k", BF16_SHAPES, ids=lambda v: str(v))
 def test_bf16_many_rows_equal_each_row_alone_bitwise(variant: str, n: int, k: int):
     """Deterministic mode's premise for dense weights: a row's product through the bf16 kernel
     is the same bits whatever the number of rows multiplied with it (its few- and many-rows
     paths, every remainder of its row blocks) and the number of threads."""
-    if not bf16_here():
-        return
+    assert bf16_here()
     lin, _, x = random_dense(n, k, seed=n + k)
     assert_rows_alone(lambda a: lin(a, invariant=True), x, ROW_COUNTS)
 
 
+@ON_TILES
 @pytest.mark.parametrize("n,k", BF16_SHAPES, ids=lambda v: str(v))
 def test_bf16_within_bf16_of_f64(variant: str, n: int, k: int):
     """Against f64: the bf16 output rounding, plus f32 sums (at most one rounding per product,
     relative to the products' magnitudes: outputs near 0). The same weights with the two halves
     of every pair swapped (a layout slip) fail that tolerance."""
-    if not bf16_here():
-        return
+    assert bf16_here()
     lin, w, x = random_dense(n, k, seed=2 * n + k)
     ref = x.double() @ w.double().T
     mag = x.double().abs() @ w.double().abs().T
@@ -372,3 +377,10 @@ def test_dense_linear_paths(variant: str):
         assert plain.mat is None and plain.weight() is wd
         assert torch.equal(plain(x.to(dtype)),
                            torch.nn.functional.linear(x.to(dtype), wd, b.to(dtype)))
+
+
+def test_builds_without_tiles_fall_back(variant: str):
+    """Where the build has no 4-bit or bf16 tiles (avx512, avx2, generic), the 4-bit layout
+    falls back to torch's int4 kernel and bf16 weights to F.linear (q4_here, bf16_here); the
+    tile build has both."""
+    assert q4_here() == bf16_here() == (variant == "avx512bf16")

@@ -30,6 +30,8 @@
 #include "common.h"
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__SSE2__)
+#include <emmintrin.h>
 #endif
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -461,6 +463,17 @@ static inline v16s swiden16(v16b q) {
 static inline v8i madd(v16s c, v16s a) {
 #if defined(__AVX2__)
     return (v8i)_mm256_madd_epi16((__m256i)c, (__m256i)a);
+#elif defined(__SSE2__)
+    /* the generic x86 build: pmaddwd on each half (GCC turns the portable form below into
+     * ~20 shuffles and multiplies a lane) */
+    typedef int32_t v4i __attribute__((vector_size(16)));
+    v8s2 c0 = __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7);
+    v8s2 c1 = __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15);
+    v8s2 a0 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7);
+    v8s2 a1 = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4i r0 = (v4i)_mm_madd_epi16((__m128i)c0, (__m128i)a0);
+    v4i r1 = (v4i)_mm_madd_epi16((__m128i)c1, (__m128i)a1);
+    return __builtin_shufflevector(r0, r1, 0, 1, 2, 3, 4, 5, 6, 7);
 #else
     v8s2 ce = __builtin_shufflevector(c, c, 0, 2, 4, 6, 8, 10, 12, 14);
     v8s2 co = __builtin_shufflevector(c, c, 1, 3, 5, 7, 9, 11, 13, 15);
