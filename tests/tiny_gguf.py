@@ -10,25 +10,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from radixserve.model.default_model import default_model_path
-
-TOKENIZER_KEYS = (
-    "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
-    "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
-    "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
-    "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token",
-    "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template",
-)
-_tok_cache: dict[str, object] = {}
-
-
-def _tokenizer_fields() -> dict[str, object]:
-    if not _tok_cache:
-        r = gguf.GGUFReader(default_model_path())
-        for k in TOKENIZER_KEYS:
-            if k in r.fields:
-                _tok_cache[k] = r.fields[k].contents()
-    return _tok_cache
+from radixserve.bench.synth_model import add_default_tokenizer, default_tokenizer_fields
 
 
 def write_tiny_gguf(
@@ -48,8 +30,7 @@ def write_tiny_gguf(
     """`arch` gemma3: Gemma 3's layer pattern (every 6th layer global, the others sliding over
     `sliding_window` positions), q/k norms and post-norms."""
     rng = np.random.default_rng(seed)
-    tok = _tokenizer_fields()
-    n_vocab = len(tok["tokenizer.ggml.tokens"])
+    n_vocab = len(default_tokenizer_fields()["tokenizer.ggml.tokens"])
     head_dim = n_embd // n_head
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"tiny-{arch}")
@@ -67,15 +48,7 @@ def write_tiny_gguf(
         w.add_value_length(head_dim)
     if arch == "gemma3":
         w.add_sliding_window(sliding_window)
-    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
-    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
-    w.add_token_list(tok["tokenizer.ggml.tokens"])
-    w.add_token_types(tok["tokenizer.ggml.token_type"])
-    w.add_token_merges(tok["tokenizer.ggml.merges"])
-    w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
-    w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
-    w.add_add_bos_token(bool(tok.get("tokenizer.ggml.add_bos_token", False)))
-    w.add_chat_template(tok["tokenizer.chat_template"])
+    add_default_tokenizer(w)
 
     def rand(*shape: int, scale: float = 0.08) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)

@@ -55,10 +55,25 @@ _TOKENIZER = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.toke
 
 
 @functools.cache
-def _tokenizer() -> dict[str, object]:
+def default_tokenizer_fields() -> dict[str, object]:
     """The default model's tokenizer and template fields (read once: ~2 s of parsing)."""
     r = gguf.GGUFReader(default_model_path())
     return {k: r.fields[k].contents() for k in _TOKENIZER if k in r.fields}
+
+
+def add_default_tokenizer(w: gguf.GGUFWriter) -> None:
+    """Write the default model's tokenizer and chat template into `w`: real tokenization for a
+    model whose weights are made up (here and in the tests' tiny models)."""
+    tok = default_tokenizer_fields()
+    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+    w.add_token_list(tok["tokenizer.ggml.tokens"])
+    w.add_token_types(tok["tokenizer.ggml.token_type"])
+    w.add_token_merges(tok["tokenizer.ggml.merges"])
+    w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
+    w.add_add_bos_token(bool(tok.get("tokenizer.ggml.add_bos_token", False)))
+    w.add_chat_template(tok["tokenizer.chat_template"])
 
 
 def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
@@ -67,8 +82,7 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
     if wtype not in TYPES:
         raise ValueError(f"weight type {wtype!r}: one of {', '.join(TYPES)}")
     qtype = TYPES[wtype]
-    tok = _tokenizer()
-    n_vocab = len(tok["tokenizer.ggml.tokens"])
+    n_vocab = len(default_tokenizer_fields()["tokenizer.ggml.tokens"])
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, "llama")
     w.add_name(f"synthetic-{wtype}")
@@ -82,15 +96,7 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(n_vocab)
     w.add_rope_dimension_count(shape.n_embd // shape.n_head)
-    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
-    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
-    w.add_token_list(tok["tokenizer.ggml.tokens"])
-    w.add_token_types(tok["tokenizer.ggml.token_type"])
-    w.add_token_merges(tok["tokenizer.ggml.merges"])
-    w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
-    w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
-    w.add_add_bos_token(bool(tok.get("tokenizer.ggml.add_bos_token", False)))
-    w.add_chat_template(tok["tokenizer.chat_template"])
+    add_default_tokenizer(w)
 
     def matrix(name: str, rows: int, cols: int) -> None:
         a = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.02)
