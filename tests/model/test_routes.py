@@ -95,3 +95,25 @@ def test_dequant_weights_run_every_type_dense(build: str):
     t = tensor(Q.Q4_K, 32, seed=1)
     lin = _Loader(SimpleNamespace(tensors=[t]), torch.bfloat16, packed=False).linear(["w"], [None])
     assert lin.route == ("bf16-panels" if build == "avx512bf16" else "torch-dense")
+
+
+def test_perf_routes_prints_the_table_and_the_models_routes(tmp_path, capsys, monkeypatch):
+    """`radixserve perf --routes`: this build's rows of the table, then each layer matrix's
+    route as the loaded model took it (the tiny model's Q4_1 q/k/gate, Q8_0 v/o/up and f32
+    down on the avx2 build: the file's blocks)."""
+    from radixserve.cli import main
+    from tests.tiny_gguf import write_tiny_gguf
+
+    monkeypatch.setenv(K.ENV, "avx2")
+    K.kernels.cache_clear()
+    try:
+        path = write_tiny_gguf(str(tmp_path / "m.gguf"))
+        assert main(["perf", "--routes", "-m", path]) == 0
+    finally:
+        K.kernels.cache_clear()
+    out = capsys.readouterr().out
+    assert out.startswith("kernel build: avx2")
+    assert "avx2        Q4_0 Q4_1 Q4_K" in out and "qmm-int" in out
+    assert "avx512bf16" not in out  # only this build's rows
+    # q/k (Q4_1) and v (Q8_0) are two runs of the file's blocks, one a type; down is f32
+    assert "  wqkv       qmm-int+qmm-int x2" in out and "  w_down     qmm-f32 x2" in out
