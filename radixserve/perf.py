@@ -140,10 +140,10 @@ def print_routes(model_path: str, dtype: str, weights: str) -> int:
 
     model = load_model(model_path, dtype=dtype, weights=weights)
     kern = model.transformer.kern
-    build = build_of(kern.variant if kern is not None else None, model.dtype,
-                     model.weights == "native")
+    build = build_of(kern.variant if kern is not None else None, model.dtype)
+    dense = ": every type takes the 'other' row" if model.weights == "dequant" else ""
     print(f"kernel build: {build} (RADIXSERVE_KERNELS; compute {model.dtype}, "
-          f"{model.weights} weights)")
+          f"{model.weights} weights{dense})")
     print(table_text(build))
     print(f"{model.name}:")
     for name, routes in model.transformer.w.routes().items():

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from radixserve.model import qmm
 from radixserve.model.kernels import BF16_PANEL, Bf16Matrix, Kernels, kernels
-from radixserve.model.routes import FLOAT_TYPES, I8_TYPES, Q4_TYPES, build_of, route_for
+from radixserve.model.routes import FLOAT_TYPES, I8_TYPES, Q4_TYPES, current_build, route_for
 
 GROUP = 32
 Q = gguf.GGMLQuantizationType
@@ -327,12 +327,11 @@ def packed_linear(codes: Codes, bias: torch.Tensor | None, dtype: torch.dtype) -
     (and scales and offsets fit f16), else in torch's int4 layout (the loader takes this only
     where the table says torch-int4; builds that read the file's blocks never pack); both need
     rows in tiles of 16, so other matrices stay dense."""
-    kern = kernels()
-    route = route_for(build_of(kern.variant if kern is not None else None, dtype, True),
-                      Q.Q4_0, codes.q.shape[0])
     if codes.q.shape[0] % TILE:
         return DenseLinear(torch.from_numpy(codes.dequantize()).to(dtype), bias)
-    if (route == "q4-tiles" and kern is not None
+    kern = kernels()
+    tiles = route_for(current_build(dtype), Q.Q4_0, codes.q.shape[0]) == "q4-tiles"
+    if (tiles and kern is not None
             and all(np.abs(a).max(initial=0) <= F16_MAX for a in (codes.scale, codes.offset))):
         return Q4Linear(codes, bias, kern)
     return Int4Linear(codes, bias, dtype)

@@ -82,12 +82,20 @@ def kind_of(qtype: Q) -> str:
     return "float" if qtype in FLOAT_TYPES else "other"
 
 
-def build_of(variant: str | None, dtype: torch.dtype, packed: bool) -> str:
-    """The table's build for kernels of `variant` (None: none) at this compute dtype; the dequant
-    path (packed False) runs every matrix dense, as "other" types."""
+def build_of(variant: str | None, dtype: torch.dtype) -> str:
+    """The table's build for kernels of `variant` (None: none) at this compute dtype (our
+    kernels take bf16 activations only)."""
     if variant is None or dtype != torch.bfloat16:
         return "none"
     return variant
+
+
+def current_build(dtype: torch.dtype) -> str:
+    """The table's build for the kernels this process runs (model/kernels.py's kernels())."""
+    from radixserve.model.kernels import kernels
+
+    kern = kernels()
+    return build_of(kern.variant if kern is not None else None, dtype)
 
 
 def route_for(build: str, qtype: Q, n_rows: int, packed: bool = True) -> str:

@@ -38,7 +38,7 @@ from radixserve.model.quant import (
     raw_rows,
     split_blocks,
 )
-from radixserve.model.routes import build_of, route_for
+from radixserve.model.routes import current_build, route_for
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +122,7 @@ class _Loader:
     def __init__(self, reader: gguf.GGUFReader, dtype: torch.dtype, packed: bool) -> None:
         self.tensors = {t.name: t for t in reader.tensors}
         self.dtype, self.packed = dtype, packed
-        kern = kernels()
-        # the route table's row for this load (model/routes.py)
-        self.build = build_of(kern.variant if kern is not None else None, dtype, packed)
+        self.build = current_build(dtype)  # the route table's row for this load
 
     def tensor(self, name: str, required: bool = True) -> gguf.ReaderTensor | None:
         t = self.tensors.get(name)

@@ -16,14 +16,14 @@ import pytest
 from radixserve.model.gguf_check import check_gguf
 from radixserve.model.hparams import UnsupportedModelError
 from radixserve.model.loader import load_model
-from tests.tiny_gguf import write_tiny_gguf
 
 TARGET = "blk.0.attn_q.weight"  # a Q4_1 matrix of the tiny model
 
 
 @pytest.fixture(scope="module")
-def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(write_tiny_gguf(str(tmp_path_factory.mktemp("gguf") / "ok.gguf")))
+def good(tiny_path: str) -> Path:
+    """The session's tiny model (read only here: each test changes a copy)."""
+    return Path(tiny_path)
 
 
 @functools.cache
@@ -53,9 +53,10 @@ def refused(path: str, *words: str) -> str:
     return msg
 
 
-def test_the_unchanged_file_loads(good: Path) -> None:
+def test_the_unchanged_file_passes_the_check(good: Path, tiny_tr) -> None:
+    """The session's tiny model (loaded by tiny_tr) passes the check the loader runs."""
     check_gguf(str(good))
-    assert load_model(str(good), dtype="f32").hp.n_layer == 2
+    assert tiny_tr.hp.n_layer == 2
 
 
 def test_truncated_tensor_data(good: Path, tmp_path: Path) -> None:
@@ -103,9 +104,9 @@ def test_an_unknown_type_id(good: Path, tmp_path: Path) -> None:
     refused(changed(good, tmp_path, edit), TARGET, "unknown type id 99")
 
 
-def test_a_vocabulary_that_disagrees_with_the_embedding(tmp_path: Path) -> None:
+def test_a_vocabulary_that_disagrees_with_the_embedding(good: Path, tmp_path: Path) -> None:
     """The token list one token short of the embedding's rows (written as such)."""
-    src = gguf.GGUFReader(write_tiny_gguf(str(tmp_path / "ok.gguf")))
+    src = gguf.GGUFReader(str(good))
     w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
     for key, field in src.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":

@@ -97,18 +97,16 @@ def test_dequant_weights_run_every_type_dense(build: str):
     assert lin.route == ("bf16-panels" if build == "avx512bf16" else "torch-dense")
 
 
-def test_perf_routes_prints_the_table_and_the_models_routes(tmp_path, capsys, monkeypatch):
+def test_perf_routes_prints_the_table_and_the_models_routes(tiny_path, capsys, monkeypatch):
     """`radixserve perf --routes`: this build's rows of the table, then each layer matrix's
     route as the loaded model took it (the tiny model's Q4_1 q/k/gate, Q8_0 v/o/up and f32
     down on the avx2 build: the file's blocks)."""
     from radixserve.cli import main
-    from tests.tiny_gguf import write_tiny_gguf
 
     monkeypatch.setenv(K.ENV, "avx2")
     K.kernels.cache_clear()
     try:
-        path = write_tiny_gguf(str(tmp_path / "m.gguf"))
-        assert main(["perf", "--routes", "-m", path]) == 0
+        assert main(["perf", "--routes", "-m", tiny_path]) == 0
     finally:
         K.kernels.cache_clear()
     out = capsys.readouterr().out

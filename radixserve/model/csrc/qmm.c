@@ -65,7 +65,7 @@ static inline v8f tof(v8i q) { return __builtin_convertvector(q, v8f); }
 static inline v8b lo8(v16b q) { return __builtin_shufflevector(q, q, 0, 1, 2, 3, 4, 5, 6, 7); }
 static inline v8b hi8(v16b q) { return __builtin_shufflevector(q, q, 8, 9, 10, 11, 12, 13, 14, 15); }
 
-/* 16 codes (bytes) as two 8-lane integer vectors; 8 signed bytes at p as one. With AVX2 one
+/* 16 codes (bytes, unsigned or signed) as two 8-lane integer vectors. With AVX2 one
  * vpmovzxbd / vpmovsxbd each (GCC's generic conversions take three instructions and a lane
  * insert here). */
 #if defined(__AVX2__)
@@ -73,18 +73,18 @@ static inline void codes16(v16b q, v8i *a, v8i *b) {
     *a = (v8i)_mm256_cvtepu8_epi32((__m128i)q);
     *b = (v8i)_mm256_cvtepu8_epi32(_mm_srli_si128((__m128i)q, 8));
 }
-static inline v8i sbytes8(const uint8_t *p) {
-    return (v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+static inline void scodes16(v16b q, v8i *a, v8i *b) {
+    *a = (v8i)_mm256_cvtepi8_epi32((__m128i)q);
+    *b = (v8i)_mm256_cvtepi8_epi32(_mm_srli_si128((__m128i)q, 8));
 }
 #else
 static inline void codes16(v16b q, v8i *a, v8i *b) {
     *a = widen(lo8(q));
     *b = widen(hi8(q));
 }
-static inline v8i sbytes8(const uint8_t *p) {
-    v8c c;
-    memcpy(&c, p, 8);
-    return widen_s(c);
+static inline void scodes16(v16b q, v8i *a, v8i *b) {
+    *a = widen_s((v8c)lo8(q));
+    *b = widen_s((v8c)hi8(q));
 }
 #endif
 
@@ -215,7 +215,7 @@ static inline void q5_high(uint32_t qh, v16b *h0, v16b *h1) {
  * d1 the halves' scales (equal but for Q6_K's sub-blocks of 16), m the affine types' offset
  * (0 for the others), bias the symmetric types' centre (8, 16 or 32; 0 for the affine ones).
  * Q8_0's codes are its signed bytes (bias 0: read them as int8). Every path takes its weights
- * from here: the f32 loop (group), the bf16 and integer dot products and the int8 tiles
+ * from here: the f32 loop (group), the integer dot products (igroup_at) and the int8 tiles
  * (qmm_codes), so a format is decoded in one place. */
 typedef struct {
     v16b c0, c1;
@@ -230,7 +230,7 @@ static inline int has_offset(int t) {
 static inline int is_k(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
 #define GPB(t) (is_k(t) ? 8 : 1) /* groups a block */
 
-/* Bytes a block of a quantized type (the blocks a row is made of) */
+/* Bytes a block of a quantized type (the blocks a row is made of; qmm_block tells Python) */
 static inline int64_t block_bytes(int t) {
     switch (t) {
     case T_Q4_0: return 18;
@@ -327,8 +327,8 @@ static inline __attribute__((always_inline)) void group(const int t, const uint8
         small_t z = small_codes(t, row, g);
         v8i q[4];
         if (t == T_Q8_0) {
-            q[0] = widen_s((v8c)lo8(z.c0)), q[1] = widen_s((v8c)hi8(z.c0));
-            q[2] = widen_s((v8c)lo8(z.c1)), q[3] = widen_s((v8c)hi8(z.c1));
+            scodes16(z.c0, &q[0], &q[1]);
+            scodes16(z.c1, &q[2], &q[3]);
         } else {
             codes16(z.c0, &q[0], &q[1]);
             codes16(z.c1, &q[2], &q[3]);
@@ -848,14 +848,10 @@ static inline __attribute__((always_inline)) void run(const int t, const uint8_t
 /* Weights per block and bytes per block of a type; 0 for a type this file does not run. */
 int64_t qmm_block(int t, int64_t *bytes) {
     switch (t) {
-    case T_Q4_0: *bytes = 18; return 32;
-    case T_Q4_1: *bytes = 20; return 32;
-    case T_Q5_0: *bytes = 22; return 32;
-    case T_Q5_1: *bytes = 24; return 32;
-    case T_Q8_0: *bytes = 34; return 32;
-    case T_Q4_K: *bytes = 144; return 256;
-    case T_Q5_K: *bytes = 176; return 256;
-    case T_Q6_K: *bytes = 210; return 256;
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0:
+    case T_Q4_K: case T_Q5_K: case T_Q6_K:
+        *bytes = block_bytes(t);
+        return 32 * GPB(t);
     case T_F16: *bytes = 64; return 32;
     case T_BF16: *bytes = 64; return 32;
     case T_F32: *bytes = 128; return 32;
