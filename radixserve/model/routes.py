@@ -52,7 +52,7 @@ ROUTES = {r.name: r for r in (
 
 # the kernel builds (model/kernels.py's VARIANTS), and "none": no kernels of ours
 # (RADIXSERVE_KERNELS=0, no compiler) or a compute dtype they do not take (f16, f32)
-BUILDS = ("avx512bf16", "avx512", "avx2", "generic", "none")
+BUILDS = ("avx512bf16", "avx512", "avx2", "neon", "generic", "none")
 KINDS = ("4-bit", "5-8-bit", "float", "other")
 _QMM = {"4-bit": "qmm-int", "5-8-bit": "qmm-int", "float": "qmm-f32", "other": "torch-dense"}
 TABLE: dict[tuple[str, str], str] = {
@@ -60,7 +60,7 @@ TABLE: dict[tuple[str, str], str] = {
     ("avx512bf16", "5-8-bit"): "i8-tiles",
     ("avx512bf16", "float"): "bf16-panels",
     ("avx512bf16", "other"): "bf16-panels",  # dequantized at load
-    **{(b, kind): r for b in ("avx512", "avx2", "generic") for kind, r in _QMM.items()},
+    **{(b, kind): r for b in ("avx512", "avx2", "neon", "generic") for kind, r in _QMM.items()},
     ("none", "4-bit"): "torch-int4",
     ("none", "5-8-bit"): "torch-dense",
     ("none", "float"): "torch-dense",

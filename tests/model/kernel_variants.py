@@ -1,6 +1,7 @@
-"""Every variant of our C kernels (model/kernels.py's VARIANTS), for the tests that check the
-kernels: this project's machines run all four (AVX512-BF16), so a variant this CPU cannot run
-fails the test that asks for it, naming the missing flags; it never skips."""
+"""Every x86 variant of our C kernels (model/kernels.py's VARIANTS), for the tests that check
+the kernels: this project's machines run all four (AVX512-BF16), so a variant this CPU cannot
+run fails the test that asks for it, naming the missing flags; it never skips. The aarch64
+variant (neon) is built and run under qemu-user by tests/model/test_neon.py."""
 
 from __future__ import annotations
 

@@ -580,9 +580,12 @@ def test_auto_takes_the_best_variant_the_cpu_runs():
     # a core that lacks a flag the others list: the CPU lacks it
     mixed = ICELAKE_INFO + f"processor\t: 2\nflags\t\t: {HASWELL}\n"
     assert K.select_variant("auto", mixed, "x86_64") == "avx2"
-    # other machines: the generic build, with no -march
+    # aarch64: neon where the CPU has the dot-product instructions, else generic (no -march)
     assert K.select_variant("auto", "Features : fp asimd", "aarch64") == "generic"
     assert K.supported_variants("Features : fp asimd", "aarch64") == ["generic"]
+    assert K.supported_variants("Features : fp asimd asimddp", "arm64") == ["neon", "generic"]
+    # other machines: the generic build, with no -march
+    assert K.supported_variants("", "riscv64") == ["generic"]
     assert not any(f.startswith("-m") for f in K.compile_flags("rowwise.c", "generic",
                                                                "aarch64"))
 
@@ -600,7 +603,7 @@ def test_a_variant_the_cpu_cannot_run_or_an_unknown_value_is_an_error(monkeypatc
     with pytest.raises(K.KernelsError, match="lacks .*avx2"):
         K.select_variant("avx2", "flags : fpu sse sse2", "x86_64")
     with pytest.raises(K.KernelsError, match="x86-64 build and this machine is aarch64.*"
-                                             "allowed values: auto, generic, 0"):
+                                             "allowed values: auto, neon, generic, 0"):
         K.select_variant("avx2", "Features : fp asimd", "aarch64")
     assert K.select_variant("generic", "Features : fp asimd", "aarch64") == "generic"
     for bogus in ("bogus", "avx512-bf16", "2", "native"):
@@ -702,7 +705,7 @@ def test_strict_sources_drop_only_the_reassociation_flags():
         assert all(f in common for f in loose) and not any(f in strict for f in loose)
         assert strict == [f for f in common if f not in loose]
         assert {"-O3", "-fopenmp", "-fPIC"} <= set(strict) and "-march=native" not in common
-        assert [f for f in common if f.startswith("-m")] == list(K.VARIANTS[variant].x86_flags)
+        assert [f for f in common if f.startswith("-m")] == list(K.VARIANTS[variant].flags("x86_64"))
 
 
 def test_int8_head_equals_its_integer_dots_or_is_refused(kern):

@@ -5,6 +5,15 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The neon variant (kernels.py: -march=armv8.2-a+dotprod): NEON intrinsics where a kernel
+ * has them (qmm's integer dot products, the head's int8 pass on sdot, attention's dot products).
+ * The generic build on aarch64 (no +dotprod) runs the plain C, which the tests compare it with
+ * under qemu-user (tests/model/test_neon.py). */
+#if defined(__aarch64__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+#define RS_NEON 1
+#include <arm_neon.h>
+#endif
+
 static inline float bf16_to_f32(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
     float f;

@@ -23,7 +23,8 @@
  *
  * With AVX512-BF16 the dot products are bf16 pairs (exact products, f32 sums) for head_dim 64,
  * 128, 192 or 256 (attend_bf16: q.k 16 keys at a time per query head, p.V in 64-dimension
- * slices); other head sizes, and builds without it, take the plain-C path. Each path is the same for every query, so the guarantees above hold in each.
+ * slices); the neon variant's dot products run in 4-lane f32 vectors (attend_neon); other
+ * head sizes, and other builds, take the plain-C path. Each path is the same for every query, so the guarantees above hold in each.
  *
  * Built by radixserve/model/kernels.py with the system C compiler; OpenMP calls resolve to the
  * libgomp torch has already loaded, so the kernel shares torch's thread pool.
@@ -95,6 +96,72 @@ static void attend_share_generic(const uint16_t *q, const uint16_t *kh, const ui
     for (int a = 0; a < g; a++) memcpy(part + a * (2 + d) + 2, acc[a], d * sizeof(float));
 }
 
+#if defined(RS_NEON)
+/* 4 bf16 -> 4 f32: the bits shifted into the high halves */
+static inline float32x4_t bf4(const uint16_t *p) {
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
+}
+
+/* attend_share_generic in 4-lane vectors (the neon variant, d a multiple of 4): each q.k in
+ * two 4-lane partial sums added across lanes at the end (another order than the plain C's,
+ * within f32 rounding of it), the key row converted once for the group; p.V lane by lane,
+ * p v + acc fused, as the plain C's compiles on aarch64. */
+static void attend_neon(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
+                        const int64_t *cells, int64_t c0, int64_t j0, int64_t j1, int g, int d,
+                        float scale, float *s, int64_t s_stride, float *part) {
+    float32x4_t qf[MAXG][MAXD / 4], acc[MAXG][MAXD / 4], row[MAXD / 4];
+    float m[MAXG];
+    const int n4 = d / 4;
+    for (int a = 0; a < g; a++) {
+        for (int i = 0; i < n4; i++) qf[a][i] = vmulq_n_f32(bf4(q + a * d + 4 * i), scale);
+        m[a] = -INFINITY;
+    }
+    for (int64_t j = j0; j < j1; j++) {
+        const uint16_t *kr = kh + (cells ? cells[j] : c0 + j) * d;
+        if (j + GPF < j1) {
+            int64_t e = cells ? cells[j + GPF] : c0 + j + GPF;
+            for (int c = 0; c < 2 * d; c += 64) {
+                __builtin_prefetch((const char *)(kh + e * d) + c, 0, 3);
+                __builtin_prefetch((const char *)(vh + e * d) + c, 0, 2);
+            }
+        }
+        for (int i = 0; i < n4; i++) row[i] = bf4(kr + 4 * i);
+        for (int a = 0; a < g; a++) {
+            float32x4_t s0 = vdupq_n_f32(0.f), s1 = s0;
+            int i = 0;
+            for (; i + 1 < n4; i += 2) {
+                s0 = vfmaq_f32(s0, qf[a][i], row[i]);
+                s1 = vfmaq_f32(s1, qf[a][i + 1], row[i + 1]);
+            }
+            if (i < n4) s0 = vfmaq_f32(s0, qf[a][i], row[i]);
+            float dot = vaddvq_f32(vaddq_f32(s0, s1));
+            s[a * s_stride + (j - j0)] = dot;
+            m[a] = dot > m[a] ? dot : m[a];
+        }
+    }
+    for (int a = 0; a < g; a++) {
+        float *sa = s + a * s_stride, sum = 0.f;
+        for (int64_t j = 0; j < j1 - j0; j++) {
+            float e = exp_clamped(sa[j] - m[a]);
+            sa[j] = e;
+            sum += e;
+        }
+        float *pa = part + a * (2 + d);
+        pa[0] = m[a];
+        pa[1] = sum;
+        for (int i = 0; i < n4; i++) acc[a][i] = vdupq_n_f32(0.f);
+    }
+    for (int64_t j = j0; j < j1; j++) {
+        const uint16_t *vr = vh + (cells ? cells[j] : c0 + j) * d;
+        for (int i = 0; i < n4; i++) row[i] = bf4(vr + 4 * i);
+        for (int a = 0; a < g; a++) {
+            float32x4_t p = vdupq_n_f32(s[a * s_stride + (j - j0)]);
+            for (int i = 0; i < n4; i++) acc[a][i] = vfmaq_f32(acc[a][i], p, row[i]);
+        }
+    }
+    for (int a = 0; a < g; a++) memcpy(part + a * (2 + d) + 2, acc[a], d * sizeof(float));
+}
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -297,6 +364,12 @@ static void attend_share(const uint16_t *q, const uint16_t *kh, const uint16_t *
     }
 #else
     (void)pairs;
+#endif
+#if defined(RS_NEON)
+    if (d % 4 == 0 && d <= MAXD) {
+        attend_neon(q, kh, vh, cells, c0, j0, j1, g, d, scale, s, s_stride, part);
+        return;
+    }
 #endif
     attend_share_generic(q, kh, vh, cells, c0, j0, j1, g, d, scale, s, s_stride, part);
 }

@@ -1,4 +1,5 @@
-/* The output head's approximate pass (radixserve/model/head.py): AVX512-VNNI, AVX2 or plain C.
+/* The output head's approximate pass (radixserve/model/head.py): AVX512-VNNI, AVX2, NEON's
+ * sdot or plain C.
  *
  * Why: torch's _weight_int8pack_mm reads the default model's 28 MB int8 head copy in ~1.9 ms
  * (compute-bound on this CPU: it converts every weight to float); the integer dot product
@@ -15,6 +16,7 @@
  * pass reads the copy at the speed of a plain read of its bytes (168 MB there: it is bound by
  * memory bandwidth, and software prefetching did not help).
  *
+ * On aarch64 (the neon variant) sdot takes the parts centred to signed bytes (a - 128).
  * Without VNNI the same integer sums come from vpmaddwd on bytes widened to 16 bits (AVX2: the
  * parts widened once a call, a row's 16 bytes once per 16 weights) or from plain C loops; the
  * sums are exact in every build, so y has the same bits wherever the f32 formula after them
@@ -29,6 +31,8 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "common.h"
 
 /* What int8_head_bound adds to each logit (head.py's certified bound): for token i of vector
  * v, B = margin (err_i cw_v + amax_i ca_v + rel |y|); up = y + B and lo = y - B are written
@@ -113,6 +117,24 @@ static inline __attribute__((always_inline)) void row_dots(const int8_t *qr, con
         tot[t] = _mm_cvtsi128_si32(h);
     }
 }
+#elif defined(RS_NEON)
+#define MAXV 4
+#define CENTRED_PARTS 1
+/* sdot multiplies signed by signed bytes: the parts are centred once a call (run: a - 128, the
+ * byte a ^ 0x80), so the sums are those of the other builds less 128 rowsum, exactly, and
+ * one_row subtracts nothing. 16 byte products a step into each of 4 lanes. */
+typedef int8_t apart_t;
+static inline __attribute__((always_inline)) void row_dots(const int8_t *qr, const apart_t *a,
+                                                           int64_t d, const int nt,
+                                                           int32_t *tot) {
+    int32x4_t acc[2 * MAXV];
+    for (int t = 0; t < nt; t++) acc[t] = vdupq_n_s32(0);
+    for (int64_t x = 0; x < d; x += 16) {
+        int8x16_t w = vld1q_s8(qr + x);
+        for (int t = 0; t < nt; t++) acc[t] = vdotq_s32(acc[t], vld1q_s8(a + t * d + x), w);
+    }
+    for (int t = 0; t < nt; t++) tot[t] = vaddvq_s32(acc[t]);
+}
 #else
 #define MAXV 4
 /* Plain C (any CPU): the compiler vectorizes the byte products as it can. */
@@ -142,7 +164,13 @@ static inline __attribute__((always_inline)) void one_row(
     int64_t i, float *mx) {
     if (i + PF_ROWS < rows)
         for (int64_t x = 0; x < d; x += 64) __builtin_prefetch(q + (i + PF_ROWS) * d + x, 0, 2);
-    int32_t off = 128 * rowsum[i], tot[2 * MAXV];
+#ifdef CENTRED_PARTS
+    const int32_t off = 0;
+    (void)rowsum;
+#else
+    int32_t off = 128 * rowsum[i];
+#endif
+    int32_t tot[2 * MAXV];
     row_dots(q + i * d, a, d, 2 * nv, tot);
     for (int v = 0; v < nv; v++) {
         float d1 = (float)(tot[2 * v] - off);
@@ -191,10 +219,14 @@ ROWS(4)
 static int run(const int8_t *q, const int32_t *rowsum, const float *scale, const uint8_t *a,
                const float *s, int64_t rows, int64_t d, int nvec, float *y, const bound_t *b) {
     if (d % 64) return -1;
-#ifdef WIDE_PARTS
-    int16_t *wide = malloc(sizeof(int16_t) * (size_t)(2 * nvec * d));
+#if defined(WIDE_PARTS) || defined(CENTRED_PARTS)
+    apart_t *wide = malloc(sizeof(apart_t) * (size_t)(2 * nvec * d));
     if (!wide) return -2;
+#ifdef WIDE_PARTS
     for (int64_t x = 0; x < 2 * nvec * d; x++) wide[x] = a[x];
+#else
+    for (int64_t x = 0; x < 2 * nvec * d; x++) wide[x] = (int8_t)(a[x] ^ 0x80);
+#endif
     const apart_t *parts = wide;
 #else
     const apart_t *parts = a;
@@ -219,7 +251,7 @@ static int run(const int8_t *q, const int32_t *rowsum, const float *scale, const
         default: rows_4(q, rowsum, scale, av, sv, rows, d, yv, bp); break;
         }
     }
-#ifdef WIDE_PARTS
+#if defined(WIDE_PARTS) || defined(CENTRED_PARTS)
     free(wide);
 #endif
     return 0;

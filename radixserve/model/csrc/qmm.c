@@ -474,6 +474,18 @@ static inline v8i madd(v16s c, v16s a) {
     v4i r0 = (v4i)_mm_madd_epi16((__m128i)c0, (__m128i)a0);
     v4i r1 = (v4i)_mm_madd_epi16((__m128i)c1, (__m128i)a1);
     return __builtin_shufflevector(r0, r1, 0, 1, 2, 3, 4, 5, 6, 7);
+#elif defined(RS_NEON)
+    /* smull / smull2 of each half, then addp of neighbouring products: the same exact sums */
+    v8s2 c0 = __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7);
+    v8s2 c1 = __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15);
+    v8s2 a0 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7);
+    v8s2 a1 = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    int32x4_t r0 = vpaddq_s32(vmull_s16(vget_low_s16((int16x8_t)c0), vget_low_s16((int16x8_t)a0)),
+                              vmull_high_s16((int16x8_t)c0, (int16x8_t)a0));
+    int32x4_t r1 = vpaddq_s32(vmull_s16(vget_low_s16((int16x8_t)c1), vget_low_s16((int16x8_t)a1)),
+                              vmull_high_s16((int16x8_t)c1, (int16x8_t)a1));
+    typedef int32_t v4i __attribute__((vector_size(16)));
+    return __builtin_shufflevector((v4i)r0, (v4i)r1, 0, 1, 2, 3, 4, 5, 6, 7);
 #else
     v8s2 ce = __builtin_shufflevector(c, c, 0, 2, 4, 6, 8, 10, 12, 14);
     v8s2 co = __builtin_shufflevector(c, c, 1, 3, 5, 7, 9, 11, 13, 15);
@@ -487,13 +499,17 @@ static inline v8i madd(v16s c, v16s a) {
 static inline v8f fma8(v8f a, v8f b, v8f c) {
 #if defined(__FMA__)
     return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif defined(__aarch64__) /* fmla on each half: every aarch64 build fuses, as x86's FMA ones */
+    v8f r;
+    for (int i = 0; i < 8; i++) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+    return r;
 #else
     return a * b + c;
 #endif
 }
 
 static inline float fma1(float a, float b, float c) {
-#if defined(__FMA__)
+#if defined(__FMA__) || defined(__aarch64__)
     return __builtin_fmaf(a, b, c);
 #else
     return a * b + c;

@@ -1,0 +1,289 @@
+/* Runs every kernel of radixserve/model/csrc/ on inputs made here (a fixed pseudo-random
+ * stream: random block bytes with valid scales, activations, a KV pool) and writes each
+ * output to stdout as a record: u32 name length, the name, u64 byte count, the bytes.
+ *
+ * Why C: tests/model/test_neon.py links this file with the kernels built for aarch64 (the neon
+ * variant and the generic one, by aarch64-linux-gnu-gcc) and runs both under qemu-user, where
+ * no Python with torch runs; the test compares the two runs' records.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* the kernels' entry points (radixserve/model/csrc) */
+int64_t qmm_block(int t, int64_t *bytes);
+int qmm_bf16(int t, const uint8_t *w, int64_t row_bytes, const uint16_t *x, int64_t rows,
+             int64_t n, int64_t k, uint16_t *y);
+int qmm_codes(int t, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, int8_t *c,
+              float *d, float *m);
+int qmm_rows_f32(int t, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                 const int64_t *ids, int64_t m, float *out);
+int qmm_head_dots(int t, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                  const int64_t *ids, int64_t m, const float *h, int64_t nh, float *out);
+int int8_head(const int8_t *q, const int32_t *rowsum, const float *scale, const uint8_t *a,
+              const float *s, int64_t rows, int64_t d, int nvec, float *y);
+int int8_head_bound(const int8_t *q, const int32_t *rowsum, const float *scale,
+                    const float *err, const float *amax, const uint8_t *a, const float *s,
+                    int64_t rows, int64_t d, int nvec, const float *cw, const float *ca,
+                    float rel, float margin, float *up, float *lo, float *lomax);
+int64_t head_candidates(const float *up, int64_t rows, float floor, int64_t *ids, float *fill);
+int f32_head_dots(const float *w, int64_t v, int64_t d, const int64_t *ids, int64_t m,
+                  const float *h, int64_t n, float *out);
+int64_t attn_work_floats(int64_t max_len, int64_t n_tok, int n_kv, int g, int d);
+int attn_causal_win_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                         int64_t head_stride, int n_seq, const int64_t *const *cells,
+                         const int64_t *c0, const int64_t *len, const int64_t *n_new,
+                         const int64_t *pos0, int64_t window, int n_kv, int g, int d,
+                         float scale, uint16_t *out, float *work, int64_t work_floats);
+int attn_step_win_bf16(const uint16_t *qkv, const float *cos, const float *sin, uint16_t *k,
+                       uint16_t *v, int64_t head_stride, const int64_t *dst, int n_seq,
+                       const int64_t *const *cells, const int64_t *c0, const int64_t *len,
+                       const int64_t *n_new, const int64_t *pos0, int64_t window,
+                       const float *qn, const float *kn, float eps, int n_kv, int g, int d,
+                       float scale, uint16_t *out, float *work, int64_t work_floats);
+int attn_head_norm_bf16(const uint16_t *x, int64_t xs, int64_t rows, int nh, int d,
+                        const float *w, float eps, uint16_t *y);
+void add_rms_norm_bf16(float *x, int64_t xs, const uint16_t *y, const float *w, int64_t rows,
+                       int d, float eps, uint16_t *out);
+void silu_mul_bf16(const uint16_t *gu, int64_t rows, int64_t ff, uint16_t *out);
+void post_norm_add_bf16(float *x, int64_t xs, const uint16_t *y, const float *wp,
+                        const float *wn, int64_t rows, int d, float eps, uint16_t *out);
+void gelu_mul_bf16(const uint16_t *gu, int64_t rows, int64_t ff, uint16_t *out);
+int q4_available(void);
+int bf16_gemm_available(void);
+int int8_head_available(void);
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static uint32_t next(void) { /* xorshift64* */
+    rng ^= rng >> 12, rng ^= rng << 25, rng ^= rng >> 27;
+    return (uint32_t)((rng * 0x2545F4914F6CDD1Dull) >> 32);
+}
+static float unif(void) { return (float)next() / 4294967296.f * 2.f - 1.f; } /* [-1, 1) */
+static uint16_t bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+static uint16_t half(void) { /* a random f16 of magnitude 2^-7 .. 2^-1 */
+    return (uint16_t)((next() & 0x8000) | ((8 + next() % 7) << 10) | (next() & 0x3ff));
+}
+static void put16(uint8_t *p, uint16_t h) { memcpy(p, &h, 2); }
+
+static void emit(const char *name, const void *p, uint64_t n) {
+    uint32_t len = (uint32_t)strlen(name);
+    fwrite(&len, 4, 1, stdout);
+    fwrite(name, 1, len, stdout);
+    fwrite(&n, 8, 1, stdout);
+    fwrite(p, 1, n, stdout);
+}
+/* a kernel's return code: record "<name> rc" */
+static void emit_rc(const char *name, int64_t v) {
+    char full[80];
+    snprintf(full, sizeof full, "%s rc", name);
+    emit(full, &v, 8);
+}
+
+static void *alloc(size_t n) {
+    void *p = calloc(1, n ? n : 1);
+    if (!p) {
+        fprintf(stderr, "out of memory\n");
+        exit(2);
+    }
+    return p;
+}
+
+/* A matrix [n, k] of type t: random bytes with each block's scales valid halves. */
+static uint8_t *matrix(int t, int64_t n, int64_t k, int64_t *row_bytes) {
+    int64_t bytes, per = qmm_block(t, &bytes);
+    *row_bytes = k / per * bytes;
+    uint8_t *w = alloc((size_t)(n * *row_bytes));
+    for (int64_t i = 0; i < n * *row_bytes; i++) w[i] = (uint8_t)next();
+    for (int64_t b = 0; b < n * k / per; b++) {
+        uint8_t *p = w + b * bytes;
+        switch (t) {
+        case 0: for (int x = 0; x < 32; x++) { float f = unif(); memcpy(p + 4 * x, &f, 4); } break;
+        case 1: for (int x = 0; x < 32; x++) put16(p + 2 * x, half()); break;
+        case 30: for (int x = 0; x < 32; x++) put16(p + 2 * x, bf16(unif())); break;
+        case 14: put16(p + 208, half()); break; /* Q6_K: d last */
+        case 3: case 7: case 12: case 13: put16(p + 2, half()); /* fall through: d, m or dmin */
+        default: put16(p, half()); break;
+        }
+    }
+    return w;
+}
+
+static uint16_t *bf16s(int64_t n, float amp) {
+    uint16_t *x = alloc(sizeof(uint16_t) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) x[i] = bf16(amp * unif());
+    return x;
+}
+static float *f32s(int64_t n, float lo, float hi) {
+    float *x = alloc(sizeof(float) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) x[i] = lo + (hi - lo) * (unif() + 1.f) / 2.f;
+    return x;
+}
+
+static void qmm(void) {
+    const int types[] = {2, 3, 6, 7, 8, 12, 13, 14, 1, 30, 0};
+    const int64_t n = 40, k = 512, rows[] = {1, 3, 5, 9, 130};
+    char name[64];
+    for (size_t ti = 0; ti < sizeof types / sizeof *types; ti++) {
+        int t = types[ti];
+        int64_t rb;
+        uint8_t *w = matrix(t, n, k, &rb);
+        for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++) {
+            uint16_t *x = bf16s(rows[ri] * k, 2.f);
+            uint16_t *y = alloc(sizeof(uint16_t) * (size_t)(rows[ri] * n));
+            snprintf(name, sizeof name, "qmm_bf16 t%d rows%d", t, (int)rows[ri]);
+            emit_rc(name, qmm_bf16(t, w, rb, x, rows[ri], n, k, y));
+            emit(name, y, sizeof(uint16_t) * (size_t)(rows[ri] * n));
+            free(x), free(y);
+        }
+        int64_t ids[] = {39, 0, 17, 17, 5};
+        float *out = alloc(sizeof(float) * 5 * (size_t)k), *h = f32s(3 * k, -1.f, 1.f);
+        snprintf(name, sizeof name, "qmm_rows_f32 t%d", t);
+        emit_rc(name, qmm_rows_f32(t, w, rb, n, k, ids, 5, out));
+        emit(name, out, sizeof(float) * 5 * (size_t)k);
+        float *dots = alloc(sizeof(float) * 3 * (size_t)n);
+        snprintf(name, sizeof name, "qmm_head_dots t%d", t);
+        emit_rc(name, qmm_head_dots(t, w, rb, n, k, NULL, n, h, 3, dots));
+        emit(name, dots, sizeof(float) * 3 * (size_t)n);
+        int8_t *c = alloc((size_t)(n * k));
+        float *d = alloc(sizeof(float) * (size_t)(n * k / 16)), *m = alloc(sizeof(float) * (size_t)(n * k / 32));
+        snprintf(name, sizeof name, "qmm_codes t%d", t);
+        int rc = qmm_codes(t, w, rb, n, k, c, d, m);
+        emit_rc(name, rc);
+        if (rc == 0) { /* the types with codes: c, d and m (zero for the symmetric types) */
+            snprintf(name, sizeof name, "qmm_codes t%d c", t);
+            emit(name, c, (size_t)(n * k));
+            snprintf(name, sizeof name, "qmm_codes t%d d", t);
+            emit(name, d, sizeof(float) * (size_t)(n * k / 16));
+            snprintf(name, sizeof name, "qmm_codes t%d m", t);
+            emit(name, m, sizeof(float) * (size_t)(n * k / 32));
+        }
+        free(w), free(out), free(h), free(dots), free(c), free(d), free(m);
+    }
+}
+
+static void head(void) {
+    const int64_t rows = 300, d = 128;
+    int8_t *q = alloc((size_t)(rows * d));
+    int32_t *rowsum = alloc(sizeof(int32_t) * (size_t)rows);
+    for (int64_t i = 0; i < rows; i++) {
+        for (int64_t x = 0; x < d; x++) {
+            q[i * d + x] = (int8_t)next();
+            rowsum[i] += q[i * d + x];
+        }
+    }
+    float *scale = f32s(rows, 0.001f, 0.01f), *err = f32s(rows, 0.f, 0.01f);
+    float *amax = f32s(rows, 0.f, 1.f);
+    char name[64];
+    for (int nvec = 1; nvec <= 5; nvec += 2) {
+        uint8_t *a = alloc((size_t)(2 * nvec * d));
+        for (int64_t x = 0; x < 2 * nvec * d; x++) a[x] = (uint8_t)next();
+        float *s = f32s(2 * nvec, 0.001f, 0.1f), *cw = f32s(nvec, 0.f, 1.f);
+        float *ca = f32s(nvec, 0.f, 1.f);
+        float *y = alloc(sizeof(float) * (size_t)(nvec * rows));
+        float *up = alloc(sizeof(float) * (size_t)(nvec * rows));
+        float *lo = alloc(sizeof(float) * (size_t)(nvec * rows)), *lomax = alloc(sizeof(float) * 8);
+        snprintf(name, sizeof name, "int8_head nvec%d", nvec);
+        emit_rc(name, int8_head(q, rowsum, scale, a, s, rows, d, nvec, y));
+        emit(name, y, sizeof(float) * (size_t)(nvec * rows));
+        snprintf(name, sizeof name, "int8_head_bound nvec%d", nvec);
+        emit_rc(name, int8_head_bound(q, rowsum, scale, err, amax, a, s, rows, d, nvec, cw, ca,
+                                       1e-6f, 1.01f, up, lo, lomax));
+        emit(name, up, sizeof(float) * (size_t)(nvec * rows));
+        emit(name, lo, sizeof(float) * (size_t)(nvec * rows));
+        emit(name, lomax, sizeof(float) * (size_t)nvec);
+        int64_t *ids = alloc(sizeof(int64_t) * (size_t)rows);
+        float *fill = alloc(sizeof(float) * (size_t)rows);
+        snprintf(name, sizeof name, "head_candidates nvec%d", nvec);
+        int64_t nc = head_candidates(up, rows, lomax[0], ids, fill);
+        emit(name, &nc, 8);
+        emit(name, ids, sizeof(int64_t) * (size_t)nc);
+        free(a), free(s), free(cw), free(ca), free(y), free(up), free(lo), free(lomax);
+        free(ids), free(fill);
+    }
+    const int64_t v = 50, dd = 96, ids[] = {3, 49, 0, 3};
+    float *w = f32s(v * dd, -1.f, 1.f), *h = f32s(3 * dd, -1.f, 1.f);
+    float *out = alloc(sizeof(float) * 3 * 4);
+    emit_rc("f32_head_dots", f32_head_dots(w, v, dd, ids, 4, h, 3, out));
+    emit("f32_head_dots", out, sizeof(float) * 12);
+    free(q), free(rowsum), free(scale), free(err), free(amax), free(w), free(h), free(out);
+}
+
+/* Two sequences over one pool: one decoding (a permuted cell list of 300, 1 new query), one
+ * prefilling a run of 40 cells (40 new queries); plain causal and windowed. */
+static void attention(void) {
+    const int n_kv = 2, d = 64;
+    const int64_t n_cells = 600, stride = n_cells * d;
+    char name[64];
+    for (int g = 1; g <= 3; g += 2) {
+        uint16_t *k = bf16s(n_kv * stride, 1.f), *v = bf16s(n_kv * stride, 1.f);
+        int64_t *list = alloc(sizeof(int64_t) * 300);
+        for (int64_t j = 0; j < 300; j++) list[j] = (j * 7 + 11) % 300 + 100;
+        const int64_t *cells[2] = {list, NULL};
+        const int64_t c0[2] = {0, 500}, len[2] = {300, 40}, n_new[2] = {1, 40};
+        const int64_t pos0[2] = {0, 260}, T = 41;
+        uint16_t *q = bf16s(T * n_kv * g * d, 2.f);
+        uint16_t *out = alloc(sizeof(uint16_t) * (size_t)(T * n_kv * g * d));
+        int64_t wf = attn_work_floats(300, T, n_kv, g, d);
+        float *work = alloc(sizeof(float) * (size_t)wf);
+        for (int64_t window = 0; window <= 100; window += 100) {
+            snprintf(name, sizeof name, "attn_causal g%d window%d", g, (int)window);
+            emit_rc(name, attn_causal_win_bf16(q, k, v, stride, 2, cells, c0, len, n_new,
+                                                window ? pos0 : NULL, window, n_kv, g, d,
+                                                0.125f, out, work, wf));
+            emit(name, out, sizeof(uint16_t) * (size_t)(T * n_kv * g * d));
+        }
+        /* a step: rotate, norm and store the new tokens' q and k, then attend */
+        const int64_t width = (n_kv * g + 2 * n_kv) * d;
+        uint16_t *qkv = bf16s(T * width, 2.f);
+        float *cs = f32s(T * d, -1.f, 1.f), *sn = f32s(T * d, -1.f, 1.f);
+        float *qn = f32s(d, 0.5f, 1.5f), *kn = f32s(d, 0.5f, 1.5f);
+        int64_t dst[41];
+        dst[0] = list[299];
+        for (int64_t j = 0; j < 40; j++) dst[1 + j] = 500 + j;
+        snprintf(name, sizeof name, "attn_step g%d", g);
+        emit_rc(name, attn_step_win_bf16(qkv, cs, sn, k, v, stride, dst, 2, cells, c0, len,
+                                          n_new, pos0, 100, qn, kn, 1e-6f, n_kv, g, d, 0.125f,
+                                          out, work, wf));
+        emit(name, out, sizeof(uint16_t) * (size_t)(T * n_kv * g * d));
+        emit(name, k, sizeof(uint16_t) * (size_t)(n_kv * stride));
+        snprintf(name, sizeof name, "attn_head_norm g%d", g);
+        emit_rc(name, attn_head_norm_bf16(qkv, width, T, n_kv * g, d, qn, 1e-6f, out));
+        emit(name, out, sizeof(uint16_t) * (size_t)(T * n_kv * g * d));
+        free(k), free(v), free(list), free(q), free(out), free(work), free(qkv), free(cs);
+        free(sn), free(qn), free(kn);
+    }
+}
+
+static void rowwise(void) {
+    const int64_t rows = 20, d = 96, ff = 200;
+    float *x = f32s(rows * d, -2.f, 2.f), *w = f32s(d, 0.5f, 1.5f), *wn = f32s(d, 0.5f, 1.5f);
+    uint16_t *y = bf16s(rows * d, 2.f), *out = alloc(sizeof(uint16_t) * (size_t)(rows * ff));
+    add_rms_norm_bf16(x, d, y, w, rows, (int)d, 1e-6f, out);
+    emit("add_rms_norm", x, sizeof(float) * (size_t)(rows * d));
+    emit("add_rms_norm", out, sizeof(uint16_t) * (size_t)(rows * d));
+    post_norm_add_bf16(x, d, y, w, wn, rows, (int)d, 1e-6f, out);
+    emit("post_norm_add", x, sizeof(float) * (size_t)(rows * d));
+    emit("post_norm_add", out, sizeof(uint16_t) * (size_t)(rows * d));
+    uint16_t *gu = bf16s(rows * 2 * ff, 6.f);
+    silu_mul_bf16(gu, rows, ff, out);
+    emit("silu_mul", out, sizeof(uint16_t) * (size_t)(rows * ff));
+    gelu_mul_bf16(gu, rows, ff, out);
+    emit("gelu_mul", out, sizeof(uint16_t) * (size_t)(rows * ff));
+    free(x), free(w), free(wn), free(y), free(out), free(gu);
+}
+
+int main(void) {
+    int64_t avail = q4_available() * 100 + bf16_gemm_available() * 10 + int8_head_available();
+    emit("available q4 bf16_gemm int8_head", &avail, 8);
+    qmm();
+    head();
+    attention();
+    rowwise();
+    return fflush(stdout) != 0;
+}
