@@ -21,7 +21,7 @@ needs another template or mode makes a copy with `dataclasses.replace`):
 Each of those tests still builds its own Engine/Scheduler (slots, caches and counters from zero).
 Loads that stay per test: model/test_forward.py's kernel-path model (the test sets and clears
 `tr.kern` on it), model/test_deterministic.py's (one per kernel variant, RADIXSERVE_KERNELS set
-while loading, and the torch-ops one), test_gemma3/test_gemma_step (other models and dtypes).
+while loading, and the torch-ops one), test_gemma3/test_step (other models and dtypes).
 
 Server processes (tests/http/harness.py running_server), ~45 a run:
   shared a session      http/conftest.py `shared_server(args)`: one process per argument list;

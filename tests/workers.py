@@ -36,7 +36,7 @@ HEAVY: dict[str, float] = {
     "tests/http/test_disk_http.py": 27,
     "tests/http/test_tools.py": 25,
     "tests/engine/test_speculative.py": 24,
-    "tests/model/test_gemma_step.py": 24,
+    "tests/model/test_step.py": 24,
     "tests/engine/test_disk_tier.py": 23,
     "tests/http/test_multi_task.py": 22,
     "tests/http/test_tools_cache.py": 22,

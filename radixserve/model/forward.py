@@ -6,12 +6,12 @@ tokens mix freely, which is what continuous batching needs. Logits are computed 
 rows the caller will sample (the output head is a third of a decode step on CPU).
 
 bf16 steps with our kernels run each layer's glue in C: RoPE, the K/V store and attention in
-one call a layer, the norms and gates in one call each (kernels.py's DecodeStep for llama's
-layers, gemma_step.py's GemmaStep for q/k norms, sliding windows, post norms and GeGLU), when
+one call a layer, the norms and gates in one call each (step.py's KernelStep, one skeleton for
+every architecture: q/k norms, sliding windows, post norms and GeGLU plugged in), when
 every sequence's new tokens end its cells; the general path (torch_step.py's TorchStep) does
 the same arithmetic with torch's attention where they do not.
 
-Why the layer loop is short: the three paths are step objects with one interface (attend a
+Why the layer loop is short: the two paths are step objects with one interface (attend a
 layer's fused q/k/v, then the norms and gates), and what differs between layers is chosen once
 at load: each layer's kind of attention (global or sliding, and its row in a split cache), its
 q/k norms, and its residual block by norm family (llama / qwen: the residual add fused into the
@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixserve.model import gemma_step
-from radixserve.model.gemma_step import GemmaStep, LayerKind
+from radixserve.model import step as kstep
+from radixserve.model.step import KernelStep, LayerKind
 from radixserve.model.hparams import HParams
-from radixserve.model.kernels import DecodeStep, kernels
+from radixserve.model.kernels import kernels
 from radixserve.model.quant import Int4Linear
 from radixserve.model.rope import Rope
 from radixserve.model.torch_step import Sliding, TorchStep, rms_norm, sliding
@@ -47,9 +47,8 @@ __all__ = ["SeqStep", "SwaStep", "Transformer", "resolve_deterministic", "rms_no
 
 log = logging.getLogger(__name__)
 
-# what a layer's residual block calls: the step's norms (DecodeStep has no post_norm, but runs
-# only models without post norms)
-Glue = DecodeStep | GemmaStep | TorchStep
+# what a layer's residual block calls: the step's norms and gates
+Glue = KernelStep | TorchStep
 
 
 @dataclass(slots=True)
@@ -133,11 +132,6 @@ class Transformer:
         # our attention kernel scales by 1/sqrt(head_dim): a model with another scale (Gemma 3
         # 27B) attends with torch's SDPA (torch_step.py's TorchStep._attend_plan)
         self.torch_attention = hp.attn_scale not in (0.0, hp.head_dim ** -0.5)
-        # kernels.py's DecodeStep knows llama's layer only (SwiGLU, no q/k or output norms);
-        # the others (qwen3, gemma3) take gemma_step.py's GemmaStep
-        self.fused_layers = (hp.act == "silu" and hp.embd_scale == 1.0
-                             and all(lw.q_norm is None and lw.post_attn_norm is None
-                                     for lw in w.layers))
         self.deterministic = resolve_deterministic(deterministic, dtype, self.kern is not None,
                                                    w, self.torch_attention)
         self._warned = False
@@ -152,7 +146,7 @@ class Transformer:
         # chosen once here, per layer: the kind of its attention, as (kind, cache index) with
         # all layers in one cache (False) or the sliding ones in their own (True); its q/k
         # norms (qwen3, gemma3) or None; its residual block by norm family
-        self._checked: dict[tuple[int, int], torch.Tensor] = {}  # GemmaStep's norms, checked
+        self._checked: dict[tuple[int, int], torch.Tensor] = {}  # the C step's norms, checked
         kind = ["sliding" if s else "global" for s in hp.swa_layers]
         self._layer_kinds = {False: list(zip(kind, range(hp.n_layer))),
                              True: [(k, hp.cache_index(li)) for li, k in enumerate(kind)]}
@@ -161,10 +155,6 @@ class Transformer:
                           for qn, kn in self._norm_pairs]
         self._blocks = [_plain_block if lw.post_attn_norm is None else _post_norm_block
                         for lw in w.layers]
-        # and per model, the C step a tail step takes: DecodeStep for llama's layers, else
-        # GemmaStep (a plain function, not a bound method: no cycle through self)
-        self._c_step = (Transformer._decode_step if self.fused_layers
-                        else Transformer._windowed_step)
 
     @property
     def own_attention(self) -> bool:
@@ -185,7 +175,7 @@ class Transformer:
         every step's `.swa` names their cells. Without them (--swa-full) the caches hold every
         layer and the sliding layers read the step's own cells through the window mask.
 
-        The step object (DecodeStep, GemmaStep or TorchStep) is chosen per step, as it depends
+        The step object (KernelStep or TorchStep) is chosen per step, as it depends
         on where the batch's new tokens sit; what each layer runs within it was chosen at load."""
         hp = self.hp
         split = self._split(k_cache, batch, k_swa, v_swa)
@@ -213,9 +203,9 @@ class Transformer:
         # then RoPE, the K/V store and attention of the whole step are one kernel call a layer
         # (model/csrc/decode_attn.c) where the C step runs it, else the general path's
         args = (batch, cells, cos, sin, x, swa, split, k_cache, v_cache, k_swa, v_swa)
-        step: DecodeStep | GemmaStep | TorchStep | None = None
+        step: KernelStep | TorchStep | None = None
         if tail:
-            step = self._c_step(self, *args)
+            step = self._kernel_step(*args)
         if step is None:
             step = TorchStep(self, batch, cells, tail, cos, sin, swa, split, k_cache, v_cache,
                              k_swa, v_swa)
@@ -274,7 +264,7 @@ class Transformer:
         """Gemma's residual step: x += rms_norm(y) * wp (y's norm in f32), then the next
         norm of x in the compute dtype (None when wn is None: after the last layer)."""
         if self.kern is not None:
-            return gemma_step.post_norm(self.kern, x, y, wp, wn, self.hp.rms_eps)
+            return kstep.post_norm(self.kern, x, y, wp, wn, self.hp.rms_eps)
         x.add_(F.rms_norm(y.float(), (self.hp.n_embd,), wp, self.hp.rms_eps))
         return None if wn is None else self.norm(x, None, wn)
 
@@ -288,7 +278,7 @@ class Transformer:
         """Gemma's GeGLU: gelu(gate) * up with the tanh-approximated GELU (HF's
         gelu_pytorch_tanh, llama.cpp's ggml_gelu), in the compute dtype."""
         if self.kern is not None:
-            return gemma_step.gelu_mul(self.kern, gu)
+            return kstep.gelu_mul(self.kern, gu)
         return F.gelu(gu[:, : self.hp.n_ff], approximate="tanh") * gu[:, self.hp.n_ff :]
 
     def act_mul(self, gu: torch.Tensor) -> torch.Tensor:
@@ -296,36 +286,24 @@ class Transformer:
         (silu) or GeGLU (gelu)."""
         return self.silu(gu) if self.hp.act == "silu" else self.gelu(gu)
 
-    def _decode_step(self, batch: list[SeqStep], cells: list[int], cos: torch.Tensor,
+    def _kernel_step(self, batch: list[SeqStep], cells: list[int], cos: torch.Tensor,
                      sin: torch.Tensor, x: torch.Tensor, swa: Sliding | None, split: bool,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, k_swa: torch.Tensor | None,
-                     v_swa: torch.Tensor | None) -> DecodeStep:
-        """The step's glue in C for llama's layers (kernels.py's DecodeStep): every layer reads
-        each sequence's cells of the one cache."""
-        assert self.kern is not None
-        hp = self.hp
-        return self.kern.decode_step(k_cache, v_cache, hp.n_head, [b.kv_cells for b in batch],
-                                     cells, cos, sin, x, hp.rms_eps, hp.n_ff,
-                                     n_new=[len(b.tokens) for b in batch])
-
-    def _windowed_step(self, batch: list[SeqStep], cells: list[int], cos: torch.Tensor,
-                       sin: torch.Tensor, x: torch.Tensor, swa: Sliding | None, split: bool,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, k_swa: torch.Tensor | None,
-                       v_swa: torch.Tensor | None) -> GemmaStep | None:
-        """GemmaStep when our kernel reads every sliding plan too (new tokens at the end of
-        contiguous positions), else None: the general path."""
+                     v_swa: torch.Tensor | None) -> KernelStep | None:
+        """The step's glue in C (step.py) when our kernel reads every sliding plan too (new
+        tokens at the end of contiguous positions), else None: the general path."""
         if swa is not None and not all(p.tail for p in swa.plans):
             return None
-        return self._gemma_step(batch, cells, cos, sin, x, swa, split, k_cache, v_cache, k_swa,
-                                v_swa)
+        return self._layers_step(batch, cells, cos, sin, x, swa, split, k_cache, v_cache, k_swa,
+                                 v_swa)
 
-    def _gemma_step(self, batch: list[SeqStep], cells: list[int], cos: torch.Tensor,
-                    sin: torch.Tensor, x: torch.Tensor, swa: Sliding | None, split: bool,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, k_swa: torch.Tensor | None,
-                    v_swa: torch.Tensor | None) -> GemmaStep:
-        """The step's glue in C for layers with q/k norms, windows, post norms or GeGLU: the
-        global layers read each sequence's cells (positions from 0, as attend_causal), the
-        sliding ones its sliding plan's (their own cache in the split layout)."""
+    def _layers_step(self, batch: list[SeqStep], cells: list[int], cos: torch.Tensor,
+                     sin: torch.Tensor, x: torch.Tensor, swa: Sliding | None, split: bool,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, k_swa: torch.Tensor | None,
+                     v_swa: torch.Tensor | None) -> KernelStep:
+        """The step's glue in C for every architecture: the global layers read each sequence's
+        cells (positions from 0, as attend_causal), the sliding ones its sliding plan's (their
+        own cache in the split layout); each layer's q/k norms as loaded (none for llama)."""
         hp, kern = self.hp, self.kern
         assert kern is not None
         n_new = [len(b.tokens) for b in batch]
@@ -338,7 +316,7 @@ class Transformer:
             kinds["sliding"] = LayerKind(ks, vs, [p.cells for p in swa.plans],
                                      [p.pos0 for p in swa.plans], hp.n_swa,
                                      swa.cells, n_new, swa.cos, swa.sin)
-        return GemmaStep(kern, hp.n_head, hp.n_head_kv, hp.head_dim, kinds, layer_kind,
+        return KernelStep(kern, hp.n_head, hp.n_head_kv, hp.head_dim, kinds, layer_kind,
                          self._norm_pairs, x, hp.rms_eps, hp.n_ff, self._checked)
 
 

@@ -309,9 +309,6 @@ class Kernels:
         self._attn = lib.attn_causal_win_bf16
         self._attn.restype = i32
         self._attn.argtypes = [p, p, p, i64, *seqs[:5], p, i64, *seqs[5:]]  # + pos0, window
-        self._step_attn = lib.attn_step_bf16
-        self._step_attn.restype = i32
-        self._step_attn.argtypes = [p, p, p, p, p, i64, p, *seqs]
         self._work_floats = lib.attn_work_floats
         self._work_floats.restype = i64
         self._work_floats.argtypes = [i64, i64, i32, i32, i32]
@@ -396,31 +393,6 @@ class Kernels:
         if rc != 0:
             raise ValueError(f"attention kernel refused g={g} d={d} n={n} of {length} (rc {rc})")
         return out
-
-    def decode_step(self, k: torch.Tensor, v: torch.Tensor, n_head: int,
-                    cells: list[slice | torch.Tensor], dst: list[int], cos: torch.Tensor,
-                    sin: torch.Tensor, x: torch.Tensor, eps: float, n_ff: int,
-                    n_new: list[int] | None = None) -> DecodeStep:
-        """A step of T new tokens, n_new[i] >= 1 of them (default 1) for sequence i: decode
-        tokens and prefill chunks mixed. k, v the whole pool [n_layer, n_head_kv, n_cells, d];
-        per sequence its cells in position order, its new tokens' cells the last n_new[i];
-        dst the T new cells, sequence by sequence; cos/sin the tokens' Rope.cos_sin tables
-        [T, 1, d]; x the f32 residual rows [T, n_embd]."""
-        n_kv, n_cells, d, g = self._pool_args(k, v, n_head)
-        n_new = [1] * len(cells) if n_new is None else list(n_new)
-        args = [_cells_arg(c, n_cells) for c in cells]
-        n_tok = len(dst)
-        if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous()
-                and sin.is_contiguous() and cos.numel() == sin.numel() == n_tok * d
-                and len(cells) == len(n_new) > 0 and sum(n_new) == n_tok
-                and all(1 <= m <= a[2] for m, a in zip(n_new, args))
-                and all(0 <= c < n_cells for c in dst)
-                and x.dtype == torch.float32 and x.is_contiguous() and x.shape[0] == n_tok):
-            raise ValueError("decode_step: bad rope tables, cells, new-token counts or rows")
-        longest = max(n_cells, *(a[2] for a in args))
-        work = self._scratch(longest, n_tok, n_kv, g, d)
-        return DecodeStep(self, k, v, (n_kv, g, d, n_head), args, n_new, dst, cos, sin, cells,
-                          x, eps, n_ff, work)
 
     def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor,
                      eps: float) -> torch.Tensor:
@@ -591,74 +563,6 @@ class Bf16Matrix(_KernelMatrix):
         p, half = self.panels.shape[:2]
         w = self.panels.permute(0, 2, 1, 3).reshape(p * BF16_PANEL, 2 * half)
         return w[: self.n, : self.k].contiguous()
-
-
-class DecodeStep:
-    """One step's glue, layer by layer: everything that is the same in every layer (cells, new
-    cells, rope rows, the residual rows, output buffers, pointers) is checked and marshalled
-    once, so a layer costs four C calls: attention (RoPE, the K/V store and attention for every
-    sequence, decode tokens and prefill chunks alike), two add + norms and the SiLU gate. The
-    norm and gate outputs are buffers reused every layer: each is consumed by the next matmul
-    before it is rewritten."""
-
-    def __init__(self, kern: Kernels, k: torch.Tensor, v: torch.Tensor,
-                 shape: tuple[int, int, int, int], cells: list[tuple[int | None, int, int]],
-                 n_new: list[int], dst: list[int], cos: torch.Tensor, sin: torch.Tensor,
-                 keep: object, x: torch.Tensor, eps: float, n_ff: int,
-                 work: torch.Tensor) -> None:
-        n_seq, n_tok = len(cells), len(dst)
-        arr = ctypes.c_int64 * n_seq
-        self.n_layer = k.shape[0]
-        self._call, self._norm, self._silu = kern._step_attn, kern._norm, kern._silu
-        n_kv, g, d, n_head = shape
-        self.n_tok, self.width, self.row = n_tok, n_head * d, (n_head + 2 * n_kv) * d
-        layer = k.stride(0) * k.element_size()
-        self._k0, self._v0, self._layer = k.data_ptr(), v.data_ptr(), layer
-        self._fixed = (k.stride(1), (ctypes.c_int64 * n_tok)(*dst), n_seq,
-                       (ctypes.c_void_p * n_seq)(*(c[0] for c in cells)),
-                       arr(*(c[1] for c in cells)), arr(*(c[2] for c in cells)), arr(*n_new),
-                       n_kv, g, d, d**-0.5)
-        self._cos, self._sin = cos.data_ptr(), sin.data_ptr()
-        self._work = (work.data_ptr(), work.numel())
-        self.x, self.n_embd, self.n_ff, self._eps = x, x.shape[1], n_ff, eps
-        self.h = torch.empty(n_tok, x.shape[1], dtype=torch.bfloat16)
-        self.act = torch.empty(n_tok, n_ff, dtype=torch.bfloat16)
-        # the pointers above stay valid while we live
-        self._keep = (k, v, cos, sin, keep, work)
-
-    def attend(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv [T, (n_head + 2 n_head_kv) * d] bf16, this layer's fused projections ->
-        attention outputs [T, n_head * d]; K/V stored in the pool on the way."""
-        if not (qkv.dtype == torch.bfloat16 and qkv.is_contiguous()
-                and qkv.shape == (self.n_tok, self.row) and 0 <= layer < self.n_layer):
-            raise ValueError("decode step: bad qkv rows or layer")
-        out = torch.empty(self.n_tok, self.width, dtype=torch.bfloat16)
-        off = layer * self._layer
-        rc = self._call(qkv.data_ptr(), self._cos, self._sin, self._k0 + off, self._v0 + off,
-                        *self._fixed, out.data_ptr(), *self._work)
-        if rc != 0:
-            raise ValueError(f"step attention kernel refused the shape (rc {rc})")
-        return out
-
-    def norm(self, x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
-        """Transformer.norm for this step's residual rows: x += y, then bf16(rms_norm(x) * w),
-        into the step's reused buffer."""
-        if x is not self.x or not (
-                w.dtype == torch.float32 and w.is_contiguous() and w.numel() == self.n_embd
-                and (y is None or (y.dtype == torch.bfloat16 and y.is_contiguous()
-                                   and y.shape == (self.n_tok, self.n_embd)))):
-            raise ValueError("decode step: not this step's residual, an f32 norm or bf16 rows")
-        self._norm(x.data_ptr(), self.n_embd, None if y is None else y.data_ptr(), w.data_ptr(),
-                   self.n_tok, self.n_embd, self._eps, self.h.data_ptr())
-        return self.h
-
-    def silu(self, gu: torch.Tensor) -> torch.Tensor:
-        """Transformer.silu into the step's reused buffer."""
-        if not (gu.dtype == torch.bfloat16 and gu.is_contiguous()
-                and gu.shape == (self.n_tok, 2 * self.n_ff)):
-            raise ValueError("decode step: bad [gate | up] rows")
-        self._silu(gu.data_ptr(), self.n_tok, self.n_ff, self.act.data_ptr())
-        return self.act
 
 
 def variant_name(kern: Kernels | None) -> str:

@@ -2,19 +2,18 @@
 attention kernel where it runs), for the steps the C steps do not take.
 
 Why a step object: Transformer.hidden's layer loop calls one interface, `attend(layer, qkv)`
-plus the glue (`norm`, `post_norm`, `silu`, `gelu`), whichever way a step runs: kernels.py's
-DecodeStep (llama's layers in C), gemma_step.py's GemmaStep (q/k norms, windows, post norms in
-C) or this one. This one runs when those cannot: f32 or no kernels, another attention scale
+plus the glue (`norm`, `post_norm`, `silu`, `gelu`), whichever way a step runs: step.py's
+KernelStep (every architecture's glue in C) or this one. This one runs when that cannot: f32 or no kernels, another attention scale
 than our kernel's, new tokens inside a sequence's cells (--cache-reuse's holes), or a sliding
 plan our kernel does not read. Everything a step shares across layers (plans, masks, the new
 cells as index tensors, each kind of layer's cache and RoPE tables) is built once here; each
 layer only picks its kind's (chosen at load: Transformer._layer_kinds).
 
 Its arithmetic is the one the C steps reproduce bit for bit (their tests compare against it):
-q/k norms as gemma_step.head_norm with the kernels, rms_norm in f32 without; RoPE as
+q/k norms as step.head_norm with the kernels, rms_norm in f32 without; RoPE as
 Rope.apply; K/V stored in the cache dtype before attention reads them.
 
-Plans (what a sequence's queries read in one kind of layer) live here too: the GemmaStep
+Plans (what a sequence's queries read in one kind of layer) live here too: the KernelStep
 builder needs the sliding ones to know whether our kernel can run them.
 """
 
@@ -28,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from radixserve.model import gemma_step
+from radixserve.model import step as kstep
 
 if TYPE_CHECKING:
     from radixserve.model.forward import SeqStep, Transformer
@@ -117,7 +116,7 @@ def sliding(tr: Transformer, batch: list[SeqStep], pos: torch.Tensor, split: boo
 
 class TorchStep:
     """One step through the general path, layer by layer (Transformer.hidden's loop calls
-    attend and the glue as it calls DecodeStep's and GemmaStep's). The glue is the
+    attend and the glue as it calls KernelStep's). The glue is the
     Transformer's own: our kernels call by call when they are built, torch's ops otherwise."""
 
     def __init__(self, tr: Transformer, batch: list[SeqStep], cells: list[int], tail: bool,
@@ -161,8 +160,8 @@ class TorchStep:
         v = qkv[:, tr.q_dim + tr.kv_dim :].view(-1, hp.n_head_kv, hp.head_dim)
         qk_norms = tr._qk_norms[li]
         if qk_norms is not None:
-            if self.kern is not None:  # GemmaStep's norms, bit for bit
-                norm = functools.partial(gemma_step.head_norm, self.kern, eps=hp.rms_eps)
+            if self.kern is not None:  # KernelStep's norms, bit for bit
+                norm = functools.partial(kstep.head_norm, self.kern, eps=hp.rms_eps)
             else:
                 norm = functools.partial(rms_norm, eps=hp.rms_eps)
             qk = torch.cat([norm(qk[:, : hp.n_head], w=qk_norms[0]),

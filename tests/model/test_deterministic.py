@@ -207,7 +207,7 @@ def test_every_architecture_and_weight_type_is_chunk_and_batch_invariant(tiny_pa
 def test_gemma3_is_chunk_and_batch_invariant(tiny_swa_path, swa_full, variant):
     """The tiny gemma3 in bf16 on each variant of our kernels (q/k norms, sliding windows of 16
     with their own RoPE base and, in the split layout, their own pruned cache; post norms,
-    GeGLU: model/gemma_step.py's C glue and our windowed attention): a prefix's K/V in both
+    GeGLU: model/step.py's C glue and our windowed attention): a prefix's K/V in both
     kinds of layers and its last logits are the same bits in one chunk, in 7-token chunks and
     token by token, beside another sequence; and the mode is on by default there."""
     from radixserve.kv.swa import SWAPool

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from radixserve.model import kernels as K
 from radixserve.model.hparams import HParams
 from radixserve.model.rope import Rope
+from radixserve.model.step import plain_step
 from tests.model.kernel_variants import HAS, VARIANTS, kern, threads, variant_kernels  # noqa: F401
 
 BF = torch.bfloat16
@@ -87,7 +88,7 @@ def test_decode_step_equals_torch_path(kern, threads):
     row = (hp.n_head + 2 * hp.n_head_kv) * hp.head_dim
     x = torch.randn(3, hp.n_embd, generator=gen)
     w = torch.rand(hp.n_embd, generator=gen) + 0.5
-    step = kern.decode_step(pk, pv, hp.n_head, cells, dst, cos, sin, x, 1e-5, 64)
+    step = plain_step(kern, pk, pv, hp.n_head, cells, dst, cos, sin, x, 1e-5, 64)
     # the step's add + norm and gate equal the general kernels (and write reused buffers)
     x2, y = x.clone(), torch.randn(3, hp.n_embd, generator=gen).to(BF)
     got = step.norm(x, y, w)
@@ -303,7 +304,7 @@ def run_step(kern: K.Kernels, pk: torch.Tensor, pv: torch.Tensor, layer: int,
         n_new.append(n)
     cos, sin = rope.cos_sin(torch.tensor(pos))
     x = torch.zeros(len(dst), HP.n_embd)
-    step = kern.decode_step(pk, pv, HP.n_head, cells, dst, cos, sin, x, 1e-5, HP.n_ff, n_new)
+    step = plain_step(kern, pk, pv, HP.n_head, cells, dst, cos, sin, x, 1e-5, HP.n_ff, n_new)
     out = step.attend(layer, torch.cat(rows))
     at = 0
     for s, n in parts:
@@ -423,19 +424,19 @@ def test_kernels_refuse_what_they_cannot_read(kern):
     cos = sin = torch.zeros(1, 1, 64)
     x, w = torch.zeros(1, 576), torch.ones(576)
     with pytest.raises(ValueError):  # cell outside
-        kern.decode_step(pool, pool, 9, [slice(0, 4)], [32], cos, sin, x, 1e-5, 64)
+        plain_step(kern, pool, pool, 9, [slice(0, 4)], [32], cos, sin, x, 1e-5, 64)
     with pytest.raises(ValueError):  # residual rows not f32
-        kern.decode_step(pool, pool, 9, [slice(0, 4)], [3], cos, sin, x.to(BF), 1e-5, 64)
+        plain_step(kern, pool, pool, 9, [slice(0, 4)], [3], cos, sin, x.to(BF), 1e-5, 64)
     with pytest.raises(ValueError):  # new-token counts that do not add up to the rows
-        kern.decode_step(pool, pool, 9, [slice(0, 4)], [3], cos, sin, x, 1e-5, 64, [2])
+        plain_step(kern, pool, pool, 9, [slice(0, 4)], [3], cos, sin, x, 1e-5, 64, [2])
     with pytest.raises(ValueError):  # more new tokens than cells
-        kern.decode_step(pool, pool, 9, [slice(0, 1)], [0, 1], cos.repeat(2, 1, 1),
+        plain_step(kern, pool, pool, 9, [slice(0, 1)], [0, 1], cos.repeat(2, 1, 1),
                          sin.repeat(2, 1, 1), x.repeat(2, 1), 1e-5, 64, [2])
     with pytest.raises(ValueError):
         kern.attend_causal(torch.zeros(5, 9, 64, dtype=BF), pk, pk, slice(0, 4))
     with pytest.raises(ValueError):  # head_dim not the pool's
         kern.attend_causal(torch.zeros(1, 9, 32, dtype=BF), pk, pk, slice(0, 4))
-    step = kern.decode_step(pool, pool, 9, [slice(0, 4)], [3], cos, sin, x, 1e-5, 64)
+    step = plain_step(kern, pool, pool, 9, [slice(0, 4)], [3], cos, sin, x, 1e-5, 64)
     with pytest.raises(ValueError):
         step.attend(2, torch.zeros(1, 15 * 64, dtype=BF))  # no layer 2
     with pytest.raises(ValueError):

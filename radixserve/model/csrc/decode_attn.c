@@ -16,15 +16,16 @@
  * spread over (query, KV head, block) when there are few queries (a decode step: the context is
  * what is long) and over (query, KV head) with the blocks in turn when there are many.
  *
- * A step (attn_step_bf16) also rotates every new token's q and k (NeoX halves) and stores its k
- * and v in the pool before any query reads them, one C call a layer; attn_step_win_bf16 first
- * RMS-norms each q and k head (qwen3's and Gemma 3's q/k norms) and takes positions and a
- * sliding window (Gemma 3's sliding layers), so those layers need no torch op either.
+ * A step (attn_step_win_bf16) also rotates every new token's q and k (NeoX halves) and stores
+ * its k and v in the pool before any query reads them, one C call a layer, after RMS-norming
+ * each q and k head where the model has q/k norms (qwen3, Gemma 3), with positions and a
+ * sliding window for Gemma 3's sliding layers, so no layer needs a torch op for its glue.
  *
  * With AVX512-BF16 the dot products are bf16 pairs (exact products, f32 sums) for head_dim 64,
  * 128, 192 or 256 (attend_bf16: q.k 16 keys at a time per query head, p.V in 64-dimension
  * slices); the neon variant's dot products run in 4-lane f32 vectors (attend_neon); other
- * head sizes, and other builds, take the plain-C path. Each path is the same for every query, so the guarantees above hold in each.
+ * head sizes, and other builds, take the plain-C path. Each path is the same for every query,
+ * so the guarantees above hold in each.
  *
  * Built by radixserve/model/kernels.py with the system C compiler; OpenMP calls resolve to the
  * libgomp torch has already loaded, so the kernel shares torch's thread pool.
@@ -627,23 +628,14 @@ int attn_causal_win_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
                work, work_floats);
 }
 
-/* A layer of a step, from the fused projection rows to the attention outputs: qkv [T, (n_kv g
- * + 2 n_kv) d] bf16, cos / sin [T, d] (Rope.cos_sin rows), dst [T] each new token's cell (the
- * last n_new cells of its sequence's list). Rotates q and k, stores k and v at dst, then
- * attn_causal_bf16. Saves the ~10 torch ops a layer that rotate, slice and index_copy. */
-int attn_step_bf16(const uint16_t *qkv, const float *cos, const float *sin, uint16_t *k,
-                   uint16_t *v, int64_t head_stride, const int64_t *dst, int n_seq,
-                   const int64_t *const *cells, const int64_t *c0, const int64_t *len,
-                   const int64_t *n_new, int n_kv, int g, int d, float scale, uint16_t *out,
-                   float *work, int64_t work_floats) {
-    return run(qkv, cos, sin, dst, NULL, NULL, 0.f, NULL, k, v, head_stride, n_seq, cells, c0,
-               len, n_new, NULL, 0, n_kv, g, d, scale, out, work, work_floats);
-}
-
-/* attn_step_bf16 for the layers of qwen3 and Gemma 3: each q head RMS-normed by qn [d] and
- * each k head by kn [d] (f32 weights, NULL: none) before RoPE, pos0 / window as in
- * attn_causal_win_bf16 (a sliding layer's window, its list starting at pos0[s]). The norms
- * are those of attn_head_norm_bf16, bit for bit. */
+/* A layer of a step (radixserve/model/step.py, every architecture), from the fused projection
+ * rows to the attention outputs: qkv [T, (n_kv g + 2 n_kv) d] bf16, cos / sin [T, d]
+ * (Rope.cos_sin rows), dst [T] each new token's cell (the last n_new cells of its sequence's
+ * list). Each q head RMS-normed by qn [d] and each k head by kn [d] (f32 weights, NULL: none,
+ * as llama's layers; the norms of attn_head_norm_bf16, bit for bit) before RoPE; q and k
+ * rotated, k and v stored at dst, then attn_causal_win_bf16 with pos0 / window (a sliding
+ * layer's window, its list starting at pos0[s]; NULL and 0: plain causal from position 0).
+ * Saves the ~10 torch ops a layer that norm, rotate, slice and index_copy. */
 int attn_step_win_bf16(const uint16_t *qkv, const float *cos, const float *sin, uint16_t *k,
                        uint16_t *v, int64_t head_stride, const int64_t *dst, int n_seq,
                        const int64_t *const *cells, const int64_t *c0, const int64_t *len,

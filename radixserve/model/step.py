@@ -1,13 +1,17 @@
-"""A bf16 step through layers that kernels.py's DecodeStep does not know: per-head q/k RMS
-norms (qwen3, Gemma 3), sliding-window layers with a RoPE base and a K/V cache of their own
-(Gemma 3), post-attention / post-FFN norms and the tanh-GELU gate (Gemma 3).
+"""The decode step's glue in C, one skeleton for every architecture the kernels run: a layer is
+four C calls besides its matmuls. What differs between architectures is data plugged in, not
+code: per-head q/k RMS norms (qwen3, Gemma 3; none for llama), a layer's kind (global, or
+sliding with its window, RoPE base and K/V cache of its own: Gemma 3), the residual block
+(plain, or Gemma's post-attention / post-FFN norms) and the gate (SwiGLU or GeGLU).
 
 Why: forward.py's general path spends ~25 torch ops a layer on this glue (q/k norms, RoPE,
 index_copy into the cache, the post norms, GeGLU): at Gemma 3 270M's size that is as long as the
-layer's matmuls. Here a layer is four C calls besides its matmuls, as for llama: the q/k norms,
-RoPE, the K/V store and windowed attention of every sequence in one (decode_attn.c's
-attn_step_win_bf16), the post norm + residual add + next norm twice (rowwise.c's
-post_norm_add_bf16), the gate (gelu_mul_bf16 or silu_mul_bf16).
+layer's matmuls. Here a layer is: the q/k norms, RoPE, the K/V store and windowed attention of
+every sequence in one (decode_attn.c's attn_step_win_bf16; no norms, no window and positions
+from 0 for llama's layers), the add + norm (rowwise.c's add_rms_norm_bf16, or
+post_norm_add_bf16 for Gemma's post norms), the gate (silu_mul_bf16 or gelu_mul_bf16).
+Llama's layers took a copy of this skeleton of their own (kernels.py's DecodeStep) until
+issue 52: one class now, the same C calls and bits.
 
 Every computation is per row (token) and per (query, KV head) in fixed, position-aligned
 blocks, so a token's K/V and output do not depend on the chunking or the batch: the same
@@ -139,11 +143,11 @@ class LayerKind:
         self._keep = (k, v, cos, sin, cells)
 
 
-class GemmaStep:
-    """One step's glue, layer by layer, for layers with q/k norms, sliding windows, post norms
-    or GeGLU (Transformer.hidden's layer loop calls attend, norm, post_norm and silu/gelu
-    as it calls DecodeStep's). The norm, gate and attention outputs are buffers reused by
-    every layer: each is consumed by the next matmul before it is rewritten."""
+class KernelStep:
+    """One step's glue, layer by layer (Transformer.hidden's layer loop calls attend, norm,
+    post_norm and silu/gelu): every layer's kind, cache index and q/k norms are checked and
+    marshalled once a step. The norm, gate and attention outputs are buffers reused by every
+    layer: each is consumed by the next matmul before it is rewritten."""
 
     def __init__(self, kern: Kernels, n_head: int, n_kv: int, head_dim: int,
                  kinds: dict[str, LayerKind], layer_kind: list[tuple[str, int]],
@@ -182,6 +186,8 @@ class GemmaStep:
         if not (qkv.dtype == torch.bfloat16 and qkv.is_contiguous()
                 and qkv.shape == (self.n_tok, self.row)):
             raise ValueError("step: bad qkv rows")
+        if not 0 <= layer < len(self.layers):
+            raise ValueError(f"step: no layer {layer}")
         kd, ci, qn, kn = self.layers[layer]
         off = ci * kd.layer
         rc = self._step(qkv.data_ptr(), *kd.rope, kd.k0 + off, kd.v0 + off, *kd.seqs, qn, kn,
@@ -240,3 +246,20 @@ class GemmaStep:
         self._gate(gu)
         self._gelu(gu.data_ptr(), self.n_tok, self.n_ff, self.act.data_ptr())
         return self.act
+
+
+def plain_step(kern: Kernels, k: torch.Tensor, v: torch.Tensor, n_head: int,
+               cells: list[slice | torch.Tensor], dst: list[int], cos: torch.Tensor,
+               sin: torch.Tensor, x: torch.Tensor, eps: float, n_ff: int,
+               n_new: list[int] | None = None) -> KernelStep:
+    """A step of llama's layers (every layer global, no q/k norms) over the pool k, v [n_layer,
+    n_head_kv, n_cells, d]: T new tokens, n_new[i] >= 1 of them (default 1) for sequence i,
+    its new tokens' cells the last n_new[i] of its cells; dst the T new cells, sequence by
+    sequence; cos/sin the tokens' Rope.cos_sin rows; x the f32 residual rows [T, n_embd]."""
+    n_new = [1] * len(cells) if n_new is None else list(n_new)
+    kind = LayerKind(k, v, cells, None, 0, dst, n_new, cos.reshape(len(dst), -1),
+                     sin.reshape(len(dst), -1))
+    n_layer = k.shape[0]
+    return KernelStep(kern, n_head, k.shape[1], k.shape[3], {"global": kind},
+                      [("global", i) for i in range(n_layer)], [(None, None)] * n_layer, x, eps,
+                      n_ff)

@@ -1,4 +1,4 @@
-"""GemmaStep (model/gemma_step.py): the C glue of layers with q/k norms, sliding windows, post
+"""KernelStep (model/step.py): the C glue of every architecture, here the layers with q/k norms, sliding windows, post
 norms and GeGLU, in every kernel variant. Its attention call equals the general path's pieces
 (head norms, Rope.apply, the K/V store, windowed attention) bit for bit; its norms and gate
 follow torch's within a bf16 rounding; and through a whole model (a tiny gemma3, both cache
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import radixserve.model.forward as fw
 from radixserve.engine.batch import BatchSeq, hidden, model_pool
 from radixserve.kv.swa import SWAPool
-from radixserve.model import gemma_step as G
+from radixserve.model import step as G
 from radixserve.model import kernels as K
 from radixserve.model.forward import rms_norm
 from radixserve.model.hparams import HParams
@@ -55,7 +55,7 @@ def test_step_attention_equals_norms_rope_store_and_attend(kern, threads, window
     qn, kn = torch.rand(d, generator=gen) + 0.5, torch.rand(d, generator=gen) + 0.5
     x = torch.zeros(6, HP.n_embd)
     kind = G.LayerKind(pk, pv, cells, pos0, window, dst, n_new, cos, sin)
-    step = G.GemmaStep(kern, nh, nkv, d, {"k": kind}, [("k", 0), ("k", 1)],
+    step = G.KernelStep(kern, nh, nkv, d, {"k": kind}, [("k", 0), ("k", 1)],
                        [(qn, kn), (None, None)], x, HP.rms_eps, HP.n_ff)
     for layer, norms in ((0, True), (1, False)):
         qkv = (torch.randn(6, (nh + 2 * nkv) * d, generator=gen) * 3).to(BF)
@@ -119,11 +119,11 @@ def test_step_refuses_what_it_cannot_read(kern):
         G.LayerKind(pk, pk, [slice(0, 1)], None, 0, [0, 1], [2], cos, cos)
     kind = G.LayerKind(pk, pk, [slice(0, 4)], None, 0, [3], [1], cos, cos)
     with pytest.raises(ValueError):  # a layer outside the cache
-        G.GemmaStep(kern, 4, 1, d, {"k": kind}, [("k", 1)], [(None, None)], x, 1e-6, 64)
+        G.KernelStep(kern, 4, 1, d, {"k": kind}, [("k", 1)], [(None, None)], x, 1e-6, 64)
     with pytest.raises(ValueError):  # a bf16 norm weight
-        G.GemmaStep(kern, 4, 1, d, {"k": kind}, [("k", 0)], [(torch.ones(d, dtype=BF), None)],
+        G.KernelStep(kern, 4, 1, d, {"k": kind}, [("k", 0)], [(torch.ones(d, dtype=BF), None)],
                     x, 1e-6, 64)
-    step = G.GemmaStep(kern, 4, 1, d, {"k": kind}, [("k", 0)], [(None, None)], x, 1e-6, 64)
+    step = G.KernelStep(kern, 4, 1, d, {"k": kind}, [("k", 0)], [(None, None)], x, 1e-6, 64)
     with pytest.raises(ValueError):
         step.attend(0, torch.zeros(1, 6 * d))  # f32 rows
     with pytest.raises(ValueError):
@@ -137,12 +137,12 @@ def test_step_refuses_what_it_cannot_read(kern):
 def _run(m, split: bool, ids: list[int], chunk: int, general: bool,
          monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Logits of every position of `ids` fed in `chunk`-token steps, the global layers' K/V,
-    and how many steps took GemmaStep."""
+    and how many steps took KernelStep."""
     tr = m.transformer
     pool = model_pool(m, 256, 1, True, 128, swa_full=not split)
     assert isinstance(pool, SWAPool) == split
     used = []
-    real = fw.Transformer._gemma_step
+    real = fw.Transformer._layers_step
 
     def spy(self, *a):
         if general:
@@ -151,7 +151,7 @@ def _run(m, split: bool, ids: list[int], chunk: int, general: bool,
         return real(self, *a)
     outs = []
     with monkeypatch.context() as mp:
-        mp.setattr(fw.Transformer, "_gemma_step", spy)
+        mp.setattr(fw.Transformer, "_layers_step", spy)
         for s in range(0, len(ids), chunk):
             part = ids[s : s + chunk]
             outs.append(tr.w.head.full(hidden(tr, pool, [BatchSeq(0, part, s, len(part))])))
@@ -159,7 +159,7 @@ def _run(m, split: bool, ids: list[int], chunk: int, general: bool,
 
 
 def test_tiny_gemma3_step_equals_general_path(tiny_swa_path: str, monkeypatch):
-    """bf16 with the kernels: GemmaStep runs every step (prefill chunks of 70 and 7, decode
+    """bf16 with the kernels: KernelStep runs every step (prefill chunks of 70 and 7, decode
     tokens; --swa-full and the split cache, the window of 16 crossed many times) and gives
     the general path's logits and K/V bit for bit, whatever the chunking."""
     m = load_model(tiny_swa_path, "bf16")
@@ -190,7 +190,7 @@ def test_tiny_gemma3_bf16_step_close_to_f32(tiny_swa_path: str):
 
 
 def test_every_variant_runs_the_step(variant, tiny_swa_path: str, monkeypatch):  # noqa: F811
-    """Each kernel variant's build runs GemmaStep on the tiny gemma3 with the general path's
+    """Each kernel variant's build runs KernelStep on the tiny gemma3 with the general path's
     bits (in the same chunks: without AVX512-BF16 the layer matrices run torch's GEMM, whose
     rows change with the row count)."""
     m = load_model(tiny_swa_path, "bf16")
@@ -206,7 +206,7 @@ def test_qwen3_takes_the_step_too(tiny_paths: dict[str, str], monkeypatch):
     bits."""
     m = load_model(tiny_paths["qwen3"], "bf16")
     tr = m.transformer
-    assert not tr.fused_layers and tr.w.layers[0].q_norm is not None
+    assert tr.w.layers[0].q_norm is not None
     ids = [(i * 31) % 250 + 3 for i in range(40)]
     ref = _run(m, False, ids, 40, True, monkeypatch)
     got = _run(m, False, ids, 8, False, monkeypatch)
