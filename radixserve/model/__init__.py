@@ -1,7 +1,7 @@
 """Model: the tensor compute of a GGUF model.
 
 Hyper-parameters (hparams.py), weights and their quantized layouts (weights.py, quant.py,
-qmm.py), the C kernels (csrc/, kernels.py, step.py), RoPE (rope.py), the batched forward
+qmm.py), the C kernels (csrc/, kernels.py, cabi.py, step.py), RoPE (rope.py), the batched forward
 (forward.py), the output head (head.py), and loading a file into a runnable model (loader.py,
 default_model.py).
 

@@ -30,31 +30,16 @@ one pass over its upper bounds and the re-scoring: no vocabulary-sized torch op 
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from radixserve.model.cabi import bind, buf
 from radixserve.model.hparams import UnsupportedModelError
 from radixserve.model.kernels import Kernels, kernels
 from radixserve.model.qmm import QuantMatrix
-
-_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-
-
-@functools.cache
-def _bind(lib: ctypes.CDLL) -> tuple[Any, Any]:
-    """csrc/int8_head.c's (int8_head_bound, head_candidates)."""
-    bound, cand = lib.int8_head_bound, lib.head_candidates
-    bound.restype, cand.restype = ctypes.c_int, _I64
-    bound.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, ctypes.c_int, _P, _P, _F32, _F32,
-                      _P, _P, _P]
-    cand.argtypes = [_P, _I64, _F32, _P, _P]
-    return bound, cand
 
 MAX_TOP = 256  # samplers looking at more tokens than this get the full head
 _MARGIN = 1.01  # slack on the bound for the kernel's own rounding order
@@ -242,10 +227,11 @@ class OutputHead:
         if self.kern is None:
             row.fill_(-torch.inf)
             return (up >= floor).nonzero().squeeze(1)
-        if not (up.is_contiguous() and row.is_contiguous()):
-            raise ValueError("candidates need contiguous rows")
-        n = _bind(self.kern.lib)[1](up.data_ptr(), up.numel(), floor, self._ids.data_ptr(),
-                                    row.data_ptr())
+        v = up.numel()
+        n = bind(self.kern.lib).head_candidates(
+            buf(up, torch.float32, v, "candidates' bounds"), v, floor,
+            buf(self._ids, torch.int64, v, "candidates' ids", at_least=True),
+            buf(row, torch.float32, v, "candidates' logits row"))
         return self._ids[:n].clone()
 
     def _bounds(self, h: torch.Tensor, want_lower: bool
@@ -262,11 +248,17 @@ class OutputHead:
         upper = torch.empty(n, rows)
         lower = torch.empty(n, rows) if want_lower else None
         lomax = torch.empty(n)
-        rc = _bind(self.kern.lib)[0](
-            self.q8.data_ptr(), self.rowsum.data_ptr(), self.s8f.data_ptr(),
-            self.err.data_ptr(), self.amax.data_ptr(), a.data_ptr(), sc.data_ptr(), rows, d, n,
-            c_w.data_ptr(), c_a.data_ptr(), 2.0**-20, _MARGIN, upper.data_ptr(),
-            None if lower is None else lower.data_ptr(), lomax.data_ptr())
+        f32 = torch.float32
+        rc = bind(self.kern.lib).int8_head_bound(
+            buf(self.q8, torch.int8, rows * d, "int8 head"),
+            buf(self.rowsum, torch.int32, rows, "int8 head row sums"),
+            buf(self.s8f, f32, rows, "int8 head scales"), buf(self.err, f32, rows, "head errors"),
+            buf(self.amax, f32, rows, "head row maxima"),
+            buf(a, torch.uint8, 2 * n * d, "int8 parts"), buf(sc, f32, 2 * n, "part scales"),
+            rows, d, n, buf(c_w, f32, n, "bound weights term"),
+            buf(c_a, f32, n, "bound input term"), 2.0**-20, _MARGIN,
+            buf(upper, f32, n * rows, "upper bounds"), buf(lower, f32, n * rows, "lower bounds"),
+            buf(lomax, f32, n, "largest lower bounds"))
         if rc != 0:
             raise ValueError("int8_head_bound kernel refused the shape")
         return upper, lower, lomax

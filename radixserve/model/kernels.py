@@ -28,9 +28,10 @@ one shared object per variant, cached under the user's cache directory, keyed by
 the sources, the compiler and every flag, and written atomically (a crash mid-build leaves no
 half file).
 
-Calls go through ctypes with raw pointers into torch tensors; the caller guarantees dtype,
-layout and bounds (checked here once per call, cheaply), and the kernel's OpenMP calls resolve to
-the libgomp torch has loaded, so both share one thread pool.
+Calls go through ctypes with raw pointers into torch tensors, every entry point bound by
+cabi.py's one table; the caller guarantees dtype, layout and bounds (checked here once per call,
+cheaply, or once where a holder binds a matrix or the pool), and the kernel's OpenMP calls
+resolve to the libgomp torch has loaded, so both share one thread pool.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from radixserve.model.cabi import bind
 
 log = logging.getLogger(__name__)
 
@@ -299,46 +302,20 @@ class Kernels:
     once per step). `variant` names the build's flags (VARIANTS), `build_key` the whole build
     (the variant, sources, compiler, flags): the bits these kernels compute depend on it, so
     KV kept across processes is keyed by it (Model.identity). `lib` is the shared object, for
-    callers that bind further entry points of their own."""
+    the callers that hold matrices or steps of their own (their entry points: cabi.bind)."""
 
     def __init__(self, lib: ctypes.CDLL, build_key: str = "", variant: str = "") -> None:
-        # lib: for bindings kept beside their matrices (model/qmm.py)
         self.lib, self.build_key, self.variant = lib, build_key, variant
-        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        seqs: list[Any] = [i32, p, p, p, p, i32, i32, i32, f32, p, p, i64]  # n_seq .. work
-        self._attn = lib.attn_causal_win_bf16
-        self._attn.restype = i32
-        self._attn.argtypes = [p, p, p, i64, *seqs[:5], p, i64, *seqs[5:]]  # + pos0, window
-        self._work_floats = lib.attn_work_floats
-        self._work_floats.restype = i64
-        self._work_floats.argtypes = [i64, i64, i32, i32, i32]
-        self._norm = lib.add_rms_norm_bf16
-        self._norm.restype = None
-        self._norm.argtypes = [p, i64, p, p, i64, i32, f32, p]
-        self._silu = lib.silu_mul_bf16
-        self._silu.restype = None
-        self._silu.argtypes = [p, i64, i64, p]
-        self._int8_head = lib.int8_head
-        self._int8_head.restype = i32
-        self._int8_head.argtypes = [p, p, p, p, p, i64, i64, i32, p]
-        self.has_int8_head = bool(lib.int8_head_available())  # every build (VNNI, AVX2, C)
-        self._q4 = lib.q4_matmul_bf16
-        self._q4.restype = i32
-        self._q4.argtypes = [p, p, i64, i64, i64, p]
-        self._q4_dequant = lib.q4_dequant_t_bf16
-        self._q4_dequant.restype = i32
-        self._q4_dequant.argtypes = [p, i64, i64, p]
-        self.has_q4 = bool(lib.q4_available())  # needs AVX512-BF16
-        self._i8 = lib.i8_matmul_bf16  # the 8-bit tiles: Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K
-        self._i8.restype = i32
-        self._i8.argtypes = [i32, p, p, i64, i64, i64, p]
-        self._bf16_mm = lib.bf16_matmul
-        self._bf16_mm.restype = i32
-        self._bf16_mm.argtypes = [p, p, i64, i64, i64, p]
-        self.has_bf16_gemm = bool(lib.bf16_gemm_available())  # needs AVX512-BF16
-        self._dots = lib.f32_head_dots
-        self._dots.restype = i32
-        self._dots.argtypes = [p, i64, i64, p, i64, p, i64, p]
+        c = bind(lib)
+        self._attn, self._work_floats = c.attn_causal_win_bf16, c.attn_work_floats
+        self._norm, self._silu = c.add_rms_norm_bf16, c.silu_mul_bf16
+        self._int8_head, self._dots = c.int8_head, c.f32_head_dots
+        self._q4, self._q4_dequant = c.q4_matmul_bf16, c.q4_dequant_t_bf16
+        self._i8 = c.i8_matmul_bf16  # the 8-bit tiles: Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K
+        self._bf16_mm = c.bf16_matmul
+        self.has_int8_head = bool(c.int8_head_available())  # every build (VNNI, AVX2, NEON, C)
+        self.has_q4 = bool(c.q4_available())  # needs AVX512-BF16
+        self.has_bf16_gemm = bool(c.bf16_gemm_available())  # needs AVX512-BF16
         self._work = torch.empty(0)
 
     def _pool_args(self, k: torch.Tensor, v: torch.Tensor, n_head: int) -> tuple[int, ...]:

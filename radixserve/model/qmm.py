@@ -8,24 +8,11 @@ side, so Python and C cannot disagree about a row's length.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import numpy as np
 import torch
 
-
-@functools.cache
-def _bind(lib: ctypes.CDLL) -> tuple:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    mm, rows, block = lib.qmm_bf16, lib.qmm_rows_f32, lib.qmm_block
-    mm.restype, rows.restype, block.restype = i32, i32, i64
-    mm.argtypes = [i32, p, i64, p, i64, i64, i64, p]
-    rows.argtypes = [i32, p, i64, i64, i64, p, i64, p]
-    block.argtypes = [i32, ctypes.POINTER(i64)]
-    dots = lib.qmm_head_dots
-    dots.restype = i32
-    dots.argtypes = [i32, p, i64, i64, i64, p, i64, p, i64, p]
-    return mm, rows, block, dots
+from radixserve.model.cabi import bind
 
 
 def codes(lib: ctypes.CDLL, qtype: int, raw: np.ndarray, k: int
@@ -40,12 +27,8 @@ def codes(lib: ctypes.CDLL, qtype: int, raw: np.ndarray, k: int
     c = np.empty((n, k), np.int8)
     d = np.empty((n, k // 16), np.float32)
     m = np.empty((n, k // 32), np.float32)
-    fn = lib.qmm_codes
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    if fn(qtype, raw.ctypes.data, raw.shape[1], n, k, c.ctypes.data, d.ctypes.data,
-          m.ctypes.data) != 0:
+    if bind(lib).qmm_codes(qtype, raw.ctypes.data, raw.shape[1], n, k, c.ctypes.data,
+                           d.ctypes.data, m.ctypes.data) != 0:
         raise ValueError(f"type {qtype} has no int8 codes form")
     return c, d, m
 
@@ -58,7 +41,7 @@ def row_bytes(lib: ctypes.CDLL, qtype: int, k: int) -> int:
     """Bytes of a row of k weights in type qtype; ValueError for a type or length it cannot
     run."""
     size = ctypes.c_int64(0)
-    per = _bind(lib)[2](qtype, ctypes.byref(size))
+    per = bind(lib).qmm_block(qtype, ctypes.byref(size))
     if per == 0 or k <= 0 or k % per:
         raise ValueError(f"qmm cannot run type {qtype} with rows of {k} weights")
     return k // per * size.value
@@ -74,7 +57,8 @@ class QuantMatrix:
             raise ValueError(f"qmm needs contiguous uint8 rows of {rb} bytes, got "
                              f"{raw.dtype} {list(raw.shape)}")
         self.raw, self.qtype, self.n, self.k, self.row_bytes = raw, qtype, raw.shape[0], k, rb
-        self._mm, self._rows, _, self._dots = _bind(lib)
+        c = bind(lib)
+        self._mm, self._rows, self._dots = c.qmm_bf16, c.qmm_rows_f32, c.qmm_head_dots
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, k] bf16 (contiguous) times W^T -> [rows, n] bf16."""

@@ -28,29 +28,11 @@ layers, a sliding plan's positions contiguous.
 from __future__ import annotations
 
 import ctypes
-import functools
-from typing import Any
 
 import torch
 
+from radixserve.model.cabi import bind, buf
 from radixserve.model.kernels import ATTN_BLOCK, Kernels, _cells_arg
-
-_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-
-
-@functools.cache
-def _bind(lib: ctypes.CDLL) -> tuple[Any, Any, Any, Any]:
-    """(attn_step_win_bf16, attn_head_norm_bf16, post_norm_add_bf16, gelu_mul_bf16)."""
-    step, head_norm = lib.attn_step_win_bf16, lib.attn_head_norm_bf16
-    post, gelu = lib.post_norm_add_bf16, lib.gelu_mul_bf16
-    step.restype, head_norm.restype, post.restype, gelu.restype = _I32, _I32, None, None
-    step.argtypes = [_P, _P, _P, _P, _P, _I64, _P, _I32, _P, _P, _P, _P, _P, _I64, _P, _P, _F32,
-                     _I32, _I32, _I32, _F32, _P, _P, _I64]
-    head_norm.argtypes = [_P, _I64, _I64, _I32, _I32, _P, _F32, _P]
-    post.argtypes = [_P, _I64, _P, _P, _P, _I64, _I32, _F32, _P]
-    gelu.argtypes = [_P, _I64, _I64, _P]
-    return step, head_norm, post, gelu
-
 
 def _f32_vec(w: torch.Tensor | None, d: int) -> int | None:
     """A norm weight's pointer (None for none), checked: contiguous f32 [d]."""
@@ -70,7 +52,7 @@ def head_norm(kern: Kernels, x: torch.Tensor, w: torch.Tensor, eps: float) -> to
         raise ValueError("head_norm needs bf16 rows of contiguous heads")
     wp = _f32_vec(w, d)
     y = torch.empty(rows, nh, d, dtype=torch.bfloat16)
-    if rows and _bind(kern.lib)[1](x.data_ptr(), x.stride(0), rows, nh, d, wp, eps,
+    if rows and bind(kern.lib).attn_head_norm_bf16(x.data_ptr(), x.stride(0), rows, nh, d, wp, eps,
                                    y.data_ptr()) != 0:
         raise ValueError(f"head_norm refused head_dim {d}")
     return y
@@ -88,8 +70,9 @@ def post_norm(kern: Kernels, x: torch.Tensor, y: torch.Tensor, wp: torch.Tensor,
     pp, pn = _f32_vec(wp, d), _f32_vec(wn, d)
     if wn is not None and out is None:
         out = torch.empty(rows, d, dtype=torch.bfloat16)
-    _bind(kern.lib)[2](x.data_ptr(), x.stride(0), y.data_ptr(), pp, pn, rows, d, eps,
-                       None if out is None or wn is None else out.data_ptr())
+    po = None if wn is None else buf(out, torch.bfloat16, rows * d, "post_norm's rows")
+    bind(kern.lib).post_norm_add_bf16(x.data_ptr(), x.stride(0), y.data_ptr(), pp, pn, rows, d,
+                                      eps, po)
     return out if wn is not None else None
 
 
@@ -100,7 +83,8 @@ def gelu_mul(kern: Kernels, gu: torch.Tensor, out: torch.Tensor | None = None) -
         raise ValueError("gelu_mul needs contiguous bf16 [gate | up] rows")
     if out is None:
         out = torch.empty(rows, ff2 // 2, dtype=torch.bfloat16)
-    _bind(kern.lib)[3](gu.data_ptr(), rows, ff2 // 2, out.data_ptr())
+    bind(kern.lib).gelu_mul_bf16(gu.data_ptr(), rows, ff2 // 2,
+                                 buf(out, torch.bfloat16, rows * (ff2 // 2), "gelu_mul's rows"))
     return out
 
 
@@ -156,7 +140,9 @@ class KernelStep:
                  checked: dict[tuple[int, int], torch.Tensor] | None = None) -> None:
         """`checked`: norm weights already checked (by id and length), shared by the steps of
         one model so that its weights are checked once, not every step."""
-        self._step, _, self._post, self._gelu = _bind(kern.lib)
+        c = bind(kern.lib)
+        self._step, self._post = c.attn_step_win_bf16, c.post_norm_add_bf16
+        self._gelu = c.gelu_mul_bf16
         self._checked = {} if checked is None else checked
         self._silu, self._norm = kern._silu, kern._norm
         d = head_dim

@@ -177,10 +177,10 @@ def test_bound_kernels_in_every_variant(vnni, variant):
     4 at a time): int8_head's y is the exact integer sums' formula (checked against float64
     sums), the bound pass gives y with the bound added and the largest lower bound exactly;
     and head_candidates picks up >= floor in order and fills -inf."""
-    from radixserve.model.head import _bind
+    from radixserve.model.cabi import bind
 
     kern = variant_kernels(variant)
-    bound, cand = _bind(kern.lib)
+    bound, cand = bind(kern.lib).int8_head_bound, bind(kern.lib).head_candidates
     g = torch.Generator().manual_seed(5)
     rows, d = 4099, 128
     q8 = torch.randint(-128, 128, (rows, d), dtype=torch.int8, generator=g)

@@ -500,7 +500,7 @@ static void block_of(const span_t *sp, int64_t b, int64_t *j0, int64_t *j1) {
     *j1 = (hi < sp->p + 1 ? hi : sp->p + 1) - sp->p0;
 }
 
-/* attn_causal_bf16, with, when qkv is given, the step's RoPE and K/V store first (q is then
+/* attn_causal_win_bf16, with, when qkv is given, the step's RoPE and K/V store first (q is then
  * the rotated rows, kept in the scratch), each q and k head RMS-normed by qn / kn first when
  * they are given. */
 static int run(const uint16_t *qkv, const float *cos, const float *sin, const int64_t *dst,
@@ -603,21 +603,11 @@ static int run(const uint16_t *qkv, const float *cos, const float *sin, const in
     return 0;
 }
 
-/* Attention of already rotated queries whose K/V are in the pool. Returns 0, -1 when g, d or a
- * sequence's counts are outside the kernel's bounds, -2 when work is too small. */
-int attn_causal_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                     int64_t head_stride, int n_seq, const int64_t *const *cells,
-                     const int64_t *c0, const int64_t *len, const int64_t *n_new, int n_kv, int g,
-                     int d, float scale, uint16_t *out, float *work, int64_t work_floats) {
-    return run(NULL, NULL, NULL, NULL, NULL, NULL, 0.f, q, (uint16_t *)k, (uint16_t *)v,
-               head_stride, n_seq, cells, c0, len, n_new, NULL, 0, n_kv, g, d, scale, out, work,
-               work_floats);
-}
-
-/* attn_causal_bf16 with positions and a sliding window: pos0[s] the position of sequence s's
- * first entry (NULL: 0), window > 0 the window (a query at p sees p - window < k <= p), 0
- * plain causal; -1 also for a negative window or position. pos0 NULL and window 0 give
- * attn_causal_bf16's bits. */
+/* Attention of already rotated queries whose K/V are in the pool, with positions and a sliding
+ * window: pos0[s] the position of sequence s's first entry (NULL: 0), window > 0 the window (a
+ * query at p sees p - window < k <= p), 0 plain causal. Returns 0, -1 when g, d or a
+ * sequence's counts are outside the kernel's bounds or a window or position is negative, -2
+ * when work is too small. */
 int attn_causal_win_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                          int64_t head_stride, int n_seq, const int64_t *const *cells,
                          const int64_t *c0, const int64_t *len, const int64_t *n_new,
@@ -633,7 +623,7 @@ int attn_causal_win_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
  * (Rope.cos_sin rows), dst [T] each new token's cell (the last n_new cells of its sequence's
  * list). Each q head RMS-normed by qn [d] and each k head by kn [d] (f32 weights, NULL: none,
  * as llama's layers; the norms of attn_head_norm_bf16, bit for bit) before RoPE; q and k
- * rotated, k and v stored at dst, then attn_causal_win_bf16 with pos0 / window (a sliding
+ * rotated, k and v stored at dst, then the attention of attn_causal_win_bf16 with pos0 / window (a sliding
  * layer's window, its list starting at pos0[s]; NULL and 0: plain causal from position 0).
  * Saves the ~10 torch ops a layer that norm, rotate, slice and index_copy. */
 int attn_step_win_bf16(const uint16_t *qkv, const float *cos, const float *sin, uint16_t *k,
