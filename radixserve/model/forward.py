@@ -290,20 +290,13 @@ class Transformer:
                      sin: torch.Tensor, x: torch.Tensor, swa: Sliding | None, split: bool,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, k_swa: torch.Tensor | None,
                      v_swa: torch.Tensor | None) -> KernelStep | None:
-        """The step's glue in C (step.py) when our kernel reads every sliding plan too (new
-        tokens at the end of contiguous positions), else None: the general path."""
+        """The step's glue in C (step.py), for every architecture, when our kernel reads every
+        sliding plan too (new tokens at the end of contiguous positions), else None: the general
+        path. The global layers read each sequence's cells (positions from 0, as
+        attend_causal), the sliding ones its sliding plan's (their own cache in the split
+        layout); each layer's q/k norms as loaded (none for llama)."""
         if swa is not None and not all(p.tail for p in swa.plans):
             return None
-        return self._layers_step(batch, cells, cos, sin, x, swa, split, k_cache, v_cache, k_swa,
-                                 v_swa)
-
-    def _layers_step(self, batch: list[SeqStep], cells: list[int], cos: torch.Tensor,
-                     sin: torch.Tensor, x: torch.Tensor, swa: Sliding | None, split: bool,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, k_swa: torch.Tensor | None,
-                     v_swa: torch.Tensor | None) -> KernelStep:
-        """The step's glue in C for every architecture: the global layers read each sequence's
-        cells (positions from 0, as attend_causal), the sliding ones its sliding plan's (their
-        own cache in the split layout); each layer's q/k norms as loaded (none for llama)."""
         hp, kern = self.hp, self.kern
         assert kern is not None
         n_new = [len(b.tokens) for b in batch]

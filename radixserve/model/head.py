@@ -248,17 +248,16 @@ class OutputHead:
         upper = torch.empty(n, rows)
         lower = torch.empty(n, rows) if want_lower else None
         lomax = torch.empty(n)
+        # the copy's own tensors were made to its shape at load, the outputs just above: the
+        # per-call inputs are what is checked
         f32 = torch.float32
         rc = bind(self.kern.lib).int8_head_bound(
-            buf(self.q8, torch.int8, rows * d, "int8 head"),
-            buf(self.rowsum, torch.int32, rows, "int8 head row sums"),
-            buf(self.s8f, f32, rows, "int8 head scales"), buf(self.err, f32, rows, "head errors"),
-            buf(self.amax, f32, rows, "head row maxima"),
+            self.q8.data_ptr(), self.rowsum.data_ptr(), self.s8f.data_ptr(),
+            self.err.data_ptr(), self.amax.data_ptr(),
             buf(a, torch.uint8, 2 * n * d, "int8 parts"), buf(sc, f32, 2 * n, "part scales"),
             rows, d, n, buf(c_w, f32, n, "bound weights term"),
-            buf(c_a, f32, n, "bound input term"), 2.0**-20, _MARGIN,
-            buf(upper, f32, n * rows, "upper bounds"), buf(lower, f32, n * rows, "lower bounds"),
-            buf(lomax, f32, n, "largest lower bounds"))
+            buf(c_a, f32, n, "bound input term"), 2.0**-20, _MARGIN, upper.data_ptr(),
+            None if lower is None else lower.data_ptr(), lomax.data_ptr())
         if rc != 0:
             raise ValueError("int8_head_bound kernel refused the shape")
         return upper, lower, lomax

@@ -151,7 +151,8 @@ static void qmm(void) {
         emit_rc(name, qmm_head_dots(t, w, rb, n, k, NULL, n, h, 3, dots));
         emit(name, dots, sizeof(float) * 3 * (size_t)n);
         int8_t *c = alloc((size_t)(n * k));
-        float *d = alloc(sizeof(float) * (size_t)(n * k / 16)), *m = alloc(sizeof(float) * (size_t)(n * k / 32));
+        float *d = alloc(sizeof(float) * (size_t)(n * k / 16));
+        float *m = alloc(sizeof(float) * (size_t)(n * k / 32));
         snprintf(name, sizeof name, "qmm_codes t%d", t);
         int rc = qmm_codes(t, w, rb, n, k, c, d, m);
         emit_rc(name, rc);

@@ -2,8 +2,9 @@
 the neon variant and for the generic one (each source with the flags kernels.py gives it on
 aarch64), cross-compiled by Debian's aarch64-linux-gnu-gcc and run by qemu-user. Every kernel's
 outputs on the same inputs must agree bit for bit: the same arithmetic in the same order (the
-integer sums exact, the float sums' orders fixed, every multiply-add fused on aarch64). scripts/setup.sh test installs both
-packages; without them this test fails naming them (it never skips). This checks correctness
+integer sums exact, the float sums' orders fixed, every multiply-add fused on aarch64).
+scripts/setup.sh test installs both packages; without them this test fails naming them (it
+never skips). This checks correctness
 only: qemu says nothing about speed on ARM hardware, which is not measured here."""
 
 from __future__ import annotations

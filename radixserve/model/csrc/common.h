@@ -14,6 +14,16 @@
 #include <arm_neon.h>
 #endif
 
+/* a b + c rounded once where the CPU fuses (x86's FMA builds, every aarch64 build), so the
+ * compiler has no contraction left to choose; twice on the generic x86 build (no FMA). */
+static inline float fma1(float a, float b, float c) {
+#if defined(__FMA__) || defined(__aarch64__)
+    return __builtin_fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
 static inline float bf16_to_f32(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
     float f;

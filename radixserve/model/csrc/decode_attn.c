@@ -625,8 +625,9 @@ int attn_causal_win_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
  * (Rope.cos_sin rows), dst [T] each new token's cell (the last n_new cells of its sequence's
  * list). Each q head RMS-normed by qn [d] and each k head by kn [d] (f32 weights, NULL: none,
  * as llama's layers; the norms of attn_head_norm_bf16, bit for bit) before RoPE; q and k
- * rotated, k and v stored at dst, then the attention of attn_causal_win_bf16 with pos0 / window (a sliding
- * layer's window, its list starting at pos0[s]; NULL and 0: plain causal from position 0).
+ * rotated, k and v stored at dst, then the attention of attn_causal_win_bf16 with pos0 /
+ * window (a sliding layer's window, its list starting at pos0[s]; NULL and 0: plain causal
+ * from position 0).
  * Saves the ~10 torch ops a layer that norm, rotate, slice and index_copy. */
 int attn_step_win_bf16(const uint16_t *qkv, const float *cos, const float *sin, uint16_t *k,
                        uint16_t *v, int64_t head_stride, const int64_t *dst, int n_seq,

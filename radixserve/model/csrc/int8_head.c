@@ -20,9 +20,10 @@
  * Without VNNI the same integer sums come from vpmaddwd on bytes widened to 16 bits (AVX2: the
  * parts widened once a call, a row's 16 bytes once per 16 weights) or from plain C loops; the
  * sums are exact in every build, and the f32 formula after them is one explicit fused
- * multiply-add (COMBINE), so y has the same bits in every build with FMA (x86's AVX2 and
- * AVX-512 ones, every aarch64 one). torch's int8 kernel, which CPUs without VNNI ran before, converts every
- * weight to float: Gemma 3's 168 MB copy was a third of an AVX2 decode step.
+ * multiply-add (common.h's fma1), so y has the same bits in every build with FMA (x86's AVX2
+ * and AVX-512 ones, every aarch64 one). torch's int8 kernel, which CPUs without VNNI ran
+ * before, converts every weight to float: Gemma 3's 168 MB copy was a third of an AVX2 decode
+ * step.
  *
  * int8_head_bound also applies head.py's bound in the pass (upper / lower bounds of each exact
  * logit and the largest lower bound), so no vocabulary-sized torch pass follows it, and
@@ -155,15 +156,6 @@ int int8_head_available(void) { return 1; }
 
 #define PF_ROWS 32 /* rows ahead whose codes each row prefetches */
 
-/* s1 d1 + (s2 d2) written out: one fused multiply-add where the CPU has one, so the compiler
- * has no choice to make (reassociation is allowed in this file; it contracted the sum one way
- * in one build and the other way in another); the generic x86 build has no FMA instruction. */
-#if defined(__FMA__) || defined(__aarch64__)
-#define COMBINE(a, b, c) __builtin_fmaf(a, b, c)
-#else
-#define COMBINE(a, b, c) ((a) * (b) + (c))
-#endif
-
 /* One row i of the copy against nv vectors: y (b NULL) or its bounds (b given), the largest
  * lower bound kept in mx. Inlined into each rows_<nv> below with nv a constant, inside its
  * parallel loop: the accumulators stay in registers (an OpenMP region outlined with nv a
@@ -185,7 +177,9 @@ static inline __attribute__((always_inline)) void one_row(
     for (int v = 0; v < nv; v++) {
         float d1 = (float)(tot[2 * v] - off);
         float d2 = (float)(tot[2 * v + 1] - off);
-        float yv = COMBINE(s[2 * v], d1, s[2 * v + 1] * d2) * scale[i];
+        /* s1 d1 + (s2 d2) as one fma1: GCC (reassociation allowed here) had contracted the
+         * sum one way in one build and the other way in another */
+        float yv = fma1(s[2 * v], d1, s[2 * v + 1] * d2) * scale[i];
         if (!b) {
             y[v * rows + i] = yv;
             continue;

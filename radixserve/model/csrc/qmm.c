@@ -480,10 +480,11 @@ static inline v8i madd(v16s c, v16s a) {
     v8s2 c1 = __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15);
     v8s2 a0 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7);
     v8s2 a1 = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-    int32x4_t r0 = vpaddq_s32(vmull_s16(vget_low_s16((int16x8_t)c0), vget_low_s16((int16x8_t)a0)),
-                              vmull_high_s16((int16x8_t)c0, (int16x8_t)a0));
-    int32x4_t r1 = vpaddq_s32(vmull_s16(vget_low_s16((int16x8_t)c1), vget_low_s16((int16x8_t)a1)),
-                              vmull_high_s16((int16x8_t)c1, (int16x8_t)a1));
+    int16x8_t n0 = (int16x8_t)c0, n1 = (int16x8_t)c1, b0 = (int16x8_t)a0, b1 = (int16x8_t)a1;
+    int32x4_t r0 = vpaddq_s32(vmull_s16(vget_low_s16(n0), vget_low_s16(b0)),
+                              vmull_high_s16(n0, b0));
+    int32x4_t r1 = vpaddq_s32(vmull_s16(vget_low_s16(n1), vget_low_s16(b1)),
+                              vmull_high_s16(n1, b1));
     typedef int32_t v4i __attribute__((vector_size(16)));
     return __builtin_shufflevector((v4i)r0, (v4i)r1, 0, 1, 2, 3, 4, 5, 6, 7);
 #else
@@ -508,13 +509,6 @@ static inline v8f fma8(v8f a, v8f b, v8f c) {
 #endif
 }
 
-static inline float fma1(float a, float b, float c) {
-#if defined(__FMA__) || defined(__aarch64__)
-    return __builtin_fmaf(a, b, c);
-#else
-    return a * b + c;
-#endif
-}
 
 static inline __attribute__((always_inline)) void igroup_at(const int t, const uint8_t *b,
                                                             const int j, igroup *o) {
