@@ -36,6 +36,8 @@ class SpecConfig:
     ngram_mod_n_min: int = 48  # --spec-ngram-mod-n-min: shorter drafts are dropped
     ngram_mod_n_max: int = 64  # --spec-ngram-mod-n-max
     ngram_mod_n_match: int = 24  # --spec-ngram-mod-n-match: hashed lookup length
+    cache_type_k: str = ""  # -ctkd: the draft model's K cache type ("": its compute dtype)
+    cache_type_v: str = ""  # -ctvd
 
     @property
     def enabled(self) -> bool:
@@ -153,6 +155,9 @@ class ServerConfig:
     context_shift: bool = False  # --context-shift: generation past n_ctx shifts the context
     # sliding-window models (llama.cpp's defaults)
     swa_full: bool = False  # --swa-full: full-size caches for sliding layers too
+    # KV cache types (issue 38): bf16 f16 f32 q8_0 q4_0; "": the compute dtype
+    cache_type_k: str = ""  # -ctk
+    cache_type_v: str = ""  # -ctv
     ctx_checkpoints: int = 32  # -ctxcp: context checkpoints per slot, 0 = none
     checkpoint_min_step: int = 8192  # -cms: tokens between two checkpoints of a prompt
     # speculative decoding (issue 17)

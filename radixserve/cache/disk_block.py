@@ -65,22 +65,25 @@ def load_key(path: str) -> bytes:
 
 @dataclass(slots=True, frozen=True)
 class RowSpec:
-    """One row tensor of a block: [n_layer, n_head_kv, block, head_dim] of `dtype`."""
+    """One row tensor of a block: [n_layer, n_head_kv, block, width] of `dtype`, the stored
+    rows of KV cache type `kind` (a quantized type: width bytes of blocks; "" for the dtype's
+    own values). The kind is in the header and the layout's repr, so in the files' names."""
 
     n_layer: int
     n_head_kv: int
-    head_dim: int
+    width: int
     dtype: torch.dtype
+    kind: str = ""
 
     def shape(self, n: int) -> list[int]:
-        return [self.n_layer, self.n_head_kv, n, self.head_dim]
+        return [self.n_layer, self.n_head_kv, n, self.width]
 
     @property
     def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
+        return self.kind or str(self.dtype).removeprefix("torch.")
 
     def nbytes(self, n: int) -> int:
-        return self.n_layer * self.n_head_kv * n * self.head_dim * self.dtype.itemsize
+        return self.n_layer * self.n_head_kv * n * self.width * self.dtype.itemsize
 
 
 class BlockFormat:
@@ -143,7 +146,7 @@ class BlockFormat:
         for r in self.layout:
             size = r.nbytes(n)
             arr = np.frombuffer(data, np.uint8, size, at).reshape(
-                r.n_layer, r.n_head_kv, n, r.head_dim * r.dtype.itemsize)
+                r.n_layer, r.n_head_kv, n, r.width * r.dtype.itemsize)
             out.append(arr)
             at += size
         return out

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ from radixserve.cache.disk import DiskTier, Loaded
 from radixserve.cache.prefix import common_prefix
 from radixserve.cache.radix_tree import RadixMatch, RadixNode, RadixTree, own_rows
 from radixserve.kv.checkpoint import Checkpoint
-from radixserve.kv.pool import KVPool
+from radixserve.kv.pool import KVPool, KVTypes
 from radixserve.kv.swa import SWAPool
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,12 @@ class Pin:
 
     end: RadixNode
     until: float
+
+
+def _row_kinds(n_layer: int, n_head_kv: int, head_dim: int,
+               types: KVTypes) -> tuple[tuple[Any, ...], ...]:
+    """(layers, heads, width, storage) of K's and V's rows in `types`."""
+    return tuple((n_layer, n_head_kv, t.width(head_dim), t.storage) for t in types)
 
 
 class RadixPromptCache:
@@ -455,17 +462,16 @@ class RadixPromptCache:
         swa = pool if isinstance(pool, SWAPool) else None
         n_layer = pool.n_layer + (swa.swa.n_layer if swa is not None else 0)
         lo = 0 if swa is None else max(0, match.length - swa.n_swa)  # the window's first
-        want = (n_layer, pool.n_head_kv, pool.head_dim, pool.dtype)
+        want = _row_kinds(n_layer, pool.n_head_kv, pool.head_dim, pool.types)
         d = pool.draft
-        want_d = () if d is None else ((d.n_layer, d.n_head_kv, d.head_dim, d.dtype),) * 2
-        for pos0, (k, v, *draft) in match.all_rows():
-            got = (k.shape[0], k.shape[1], k.shape[3], k.dtype)
-            got_d = tuple((t.shape[0], t.shape[1], t.shape[3], t.dtype) for t in draft)
-            if got != want or v.shape != k.shape or got_d != want_d:
-                raise ValueError(
-                    f"segment at position {pos0} has rows {tuple(k.shape)} {k.dtype} (draft "
-                    f"{got_d}); the pool wants {want} (draft {want_d})"
-                )
+        if d is not None:
+            want += _row_kinds(d.n_layer, d.n_head_kv, d.head_dim, d.types)
+        for pos0, rows in match.all_rows():
+            k, v, *draft = rows
+            got = tuple((t.shape[0], t.shape[1], t.shape[3], t.dtype) for t in rows)
+            if got != want or v.shape[2] != k.shape[2]:
+                raise ValueError(f"segment at position {pos0} has rows {got}; the pool wants "
+                                 f"{want}")
             n = k.shape[2] if fault is None else min(k.shape[2], fault - written)
             g = pool.n_layer
             sliding = None

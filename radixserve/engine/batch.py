@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.kv.pool import KVPool
+from radixserve.kv.pool import KVPool, KVTypes
 from radixserve.kv.swa import SWAPool, alloc_step, make_pool
 from radixserve.model.forward import SeqStep, SwaStep, Transformer
 from radixserve.model.loader import Model
@@ -45,8 +45,8 @@ def seq_step(pool: KVPool, seq: int, tokens: list[int], pos0: int, cells: list[i
 def run(tr: Transformer, pool: KVPool, steps: list[SeqStep]) -> torch.Tensor:
     """`Transformer.hidden` over the pool's caches (both parts of a sliding-window pool)."""
     if isinstance(pool, SWAPool):
-        return tr.hidden(pool.k, pool.v, steps, pool.swa.k, pool.swa.v)
-    return tr.hidden(pool.k, pool.v, steps)
+        return tr.hidden(pool.k, pool.v, steps, pool.swa.k, pool.swa.v, types=pool.types)
+    return tr.hidden(pool.k, pool.v, steps, types=pool.types)
 
 
 def place(pool: KVPool, batch: list[BatchSeq]) -> list[SeqStep]:
@@ -81,9 +81,10 @@ def forward(tr: Transformer, pool: KVPool, batch: list[BatchSeq]) -> torch.Tenso
 
 
 def model_pool(model: Model, n_cells: int, n_seq: int, unified: bool, n_step: int,
-               swa_full: bool = False) -> KVPool:
-    """`make_pool` for a loaded model; `n_step`: the most new tokens one forward holds."""
+               swa_full: bool = False, types: KVTypes | None = None) -> KVPool:
+    """`make_pool` for a loaded model; `n_step`: the most new tokens one forward holds;
+    `types`: the K and V cache types (`-ctk` / `-ctv`; None: the compute dtype)."""
     hp = model.hp
     return make_pool(hp.n_layer, hp.swa_layers, hp.n_swa, swa_full, hp.n_head_kv, hp.head_dim,
                      n_cells, n_seq, unified, model.dtype, model.rope.rotate,
-                     model.rope_swa.rotate, n_step, model.device)
+                     model.rope_swa.rotate, n_step, model.device, types)

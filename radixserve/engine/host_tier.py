@@ -32,7 +32,7 @@ from radixserve.cache.radix import RadixPromptCache
 from radixserve.config import ServerConfig
 from radixserve.engine.prefix_plan import salted_lcp
 from radixserve.engine.slot import Slot
-from radixserve.kv.pool import KVPool
+from radixserve.kv.pool import KVPool, KVTypes
 from radixserve.kv.state import fingerprint_of
 from radixserve.kv.swa import SWAPool
 from radixserve.model.loader import Model
@@ -60,10 +60,16 @@ def disk_layout(pool: KVPool) -> list[RowSpec]:
     """The rows a radix segment (so a disk block) holds a token: every layer's K and V (a
     sliding-window pool's sliding layers after its global ones), then a draft model's."""
     n_layer = pool.n_layer + (pool.swa.n_layer if isinstance(pool, SWAPool) else 0)
-    main = RowSpec(n_layer, pool.n_head_kv, pool.head_dim, pool.dtype)
     d = pool.draft
-    draft = [] if d is None else [RowSpec(d.n_layer, d.n_head_kv, d.head_dim, d.dtype)] * 2
-    return [main, main, *draft]
+    return [*row_specs(n_layer, pool.n_head_kv, pool.head_dim, pool.types),
+            *([] if d is None else row_specs(d.n_layer, d.n_head_kv, d.head_dim, d.types))]
+
+
+def row_specs(n_layer: int, n_head_kv: int, head_dim: int, types: KVTypes) -> list[RowSpec]:
+    """K's and V's row tensors as their cache types store them (a float type unnamed: its
+    files keep the names they had before quantized types)."""
+    return [RowSpec(n_layer, n_head_kv, t.width(head_dim), t.storage,
+                    t.name if t.quantized else "") for t in types]
 
 
 def make_disk(cfg: ServerConfig, pool: KVPool, models: tuple[Model, ...]) -> DiskTier:

@@ -49,6 +49,7 @@ from radixserve.engine.task import CompletionTask, TaskError
 from radixserve.kv.pool import OutOfCells
 from radixserve.kv.state import fingerprint_of
 from radixserve.kv.swa import SWAPool
+from radixserve.model import kv_types
 from radixserve.model.forward import SeqStep
 from radixserve.model.loader import Model
 from radixserve.sampling.chain import Sampler, sample_batch
@@ -87,7 +88,8 @@ class Scheduler:
         hp = model.hp
         n_slots, n_cells, unified, self.n_ctx_slot = slot_layout(cfg, hp.n_ctx_train)
         self.n_budget = max(1, min(cfg.batch_size, cfg.ubatch_size))
-        self.pool = model_pool(model, n_cells, n_slots, unified, self.n_budget, cfg.swa_full)
+        self.pool = model_pool(model, n_cells, n_slots, unified, self.n_budget, cfg.swa_full,
+                               kv_types.resolve(cfg.cache_type_k, cfg.cache_type_v, model.dtype))
         self.swa = self.pool if isinstance(self.pool, SWAPool) else None
         fp = fingerprint_of(self.pool, hp.arch)
         n_ckpt = cfg.ctx_checkpoints if self.swa is not None else 0

@@ -28,8 +28,7 @@ from radixserve.kv.state import (
     fingerprint_of,
     get_draft_state,
     get_state,
-    parse_state,
-    swa_fingerprint,
+    parse_pool_state,
 )
 from radixserve.kv.swa import SWAPool
 
@@ -142,8 +141,7 @@ def _restore(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str
     fp = fingerprint_of(pool, sched.model.hp.arch)
     swa = pool if isinstance(pool, SWAPool) else None
     try:
-        st = parse_state(sf.state, fp, pool.dtype, 
-                         None if swa is None else swa_fingerprint(swa, fp))
+        st = parse_pool_state(pool, sf.state, fp)
     except StateError as e:
         raise fail(str(e)) from None
     if st.positions != list(range(n)):

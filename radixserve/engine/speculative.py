@@ -34,6 +34,7 @@ from radixserve.kv.draft import attach_draft
 from radixserve.kv.pool import KVPool, OutOfCells
 from radixserve.kv.swa import SWAPool
 from radixserve.model.default_model import resolve_model_path
+from radixserve.model import kv_types
 from radixserve.model.forward import SeqStep
 from radixserve.model.loader import Model, load_model
 
@@ -84,7 +85,8 @@ class Speculator:
             assert not isinstance(pool, SWAPool)
             hp = draft.hp
             attach_draft(pool, hp.n_layer, hp.n_head_kv, hp.head_dim, draft.dtype,
-                         draft.rope.rotate, hp.arch)
+                         draft.rope.rotate, hp.arch,
+                         kv_types.resolve(cfg.cache_type_k, cfg.cache_type_v, draft.dtype))
         self.mod = NgramMod(cfg.ngram_mod_n_match, cfg.ngram_mod_n_min, cfg.ngram_mod_n_max,
                             n_seq) if "ngram-mod" in cfg.types else None
 
@@ -191,7 +193,8 @@ class Speculator:
 
     def _hidden(self, steps: list[SeqStep]) -> torch.Tensor:
         assert self.draft is not None and self.pool.draft is not None
-        return self.draft.transformer.hidden(self.pool.draft.k, self.pool.draft.v, steps)
+        return self.draft.transformer.hidden(self.pool.draft.k, self.pool.draft.v, steps,
+                                             types=self.pool.draft.types)
 
     # -- keeping the draft rows in step --------------------------------------------------------
     def follow(self, steps: list[tuple[SlotKV, SeqStep]]) -> None:

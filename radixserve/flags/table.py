@@ -12,6 +12,7 @@ from typing import Any
 
 from radixserve.cache.disk_block import load_key
 from radixserve.config import SPEC_TYPES
+from radixserve.model.kv_types import NOT_BUILT, TYPES
 from radixserve.flags.spec import (
     ACTION,
     HONORED,
@@ -35,6 +36,7 @@ DRAFT_DEVICE = "the draft model runs where the target model runs"
 SPEC_TYPES_LLAMA_ONLY = ("draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark",
                          "ngram-map-k", "ngram-map-k4v", "ngram-cache")
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+KV_BUILT = tuple(TYPES)
 
 
 def _spellings(spec: str) -> tuple[tuple[str, ...], str | None]:
@@ -123,14 +125,15 @@ def _gpu_layers(v: str) -> int:
     return 0 if v in ("auto", "all") else _int(v)
 
 
-def _kv_type(p: Parsed, v: str) -> None:
+def _kv_type(v: str) -> str:
+    """A cache type as llama.cpp's kv_cache_type_from_str takes it (its error for another);
+    the types radixserve has no kernels for are refused naming the ones it has."""
     if v not in KV_TYPES:
         raise FlagError(f"Unsupported cache type: {v} (allowed: {', '.join(KV_TYPES)})")
-    if v not in ("f32", "f16", "bf16"):
-        raise FlagError(f"quantized KV caches ({v}) are not supported; KV is kept in the "
-                        "compute dtype (--dtype)")
-    p.note(f"-ctk/-ctv {v}: not applicable here (KV is kept in the compute dtype, --dtype); "
-           "ignored")
+    if v in NOT_BUILT:
+        raise FlagError(f"cache type {v} is not implemented in radixserve (it stores "
+                        f"{', '.join(KV_BUILT)})")
+    return v
 
 
 def _api_key(p: Parsed, v: str) -> None:
@@ -418,10 +421,12 @@ SERVE_FLAGS: list[Flag] = [
     flag("--repack", NA, "weights are packed by radixserve's own loader (--weights)",
          neg="-nr, --no-repack", env="LLAMA_ARG_REPACK"),
     flag("--no-host", NA, GPU, env="LLAMA_ARG_NO_HOST"),
-    flag("-ctk, --cache-type-k TYPE", H, "f32/f16/bf16: KV is kept in the compute dtype "
-         "(logged); quantized types refused", _kv_type, env="LLAMA_ARG_CACHE_TYPE_K"),
-    flag("-ctv, --cache-type-v TYPE", H, "f32/f16/bf16: KV is kept in the compute dtype "
-         "(logged); quantized types refused", _kv_type, env="LLAMA_ARG_CACHE_TYPE_V"),
+    flag("-ctk, --cache-type-k TYPE", H, "K cache type: bf16 f16 f32 q8_0 q4_0 (default: the "
+         "compute dtype); every tier stores it", set_("cache_type_k", _kv_type),
+         env="LLAMA_ARG_CACHE_TYPE_K"),
+    flag("-ctv, --cache-type-v TYPE", H, "V cache type: bf16 f16 f32 q8_0 q4_0 (default: the "
+         "compute dtype); every tier stores it", set_("cache_type_v", _kv_type),
+         env="LLAMA_ARG_CACHE_TYPE_V"),
     flag("-dt, --defrag-thold N", NA, "deprecated in llama-server; the KV pool never fragments "
          "a sequence's reads", check(F), env="LLAMA_ARG_DEFRAG_THOLD"),
     flag("--rpc SERVERS", NO, "RPC backends (model split over machines) are not implemented",
@@ -486,10 +491,12 @@ SERVE_FLAGS: list[Flag] = [
          neg="--no-log-prefix", env="LLAMA_ARG_LOG_PREFIX"),
     flag("--log-timestamps", H, "timestamps in log lines", set_("log_timestamps", bool),
          neg="--no-log-timestamps", env="LLAMA_ARG_LOG_TIMESTAMPS"),
-    flag("--spec-draft-type-k, -ctkd, --cache-type-k-draft TYPE", NA, "the draft model's KV "
-         "is kept in the compute dtype (--dtype)", env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K"),
-    flag("--spec-draft-type-v, -ctvd, --cache-type-v-draft TYPE", NA, "the draft model's KV "
-         "is kept in the compute dtype (--dtype)", env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V"),
+    flag("--spec-draft-type-k, -ctkd, --cache-type-k-draft TYPE", H, "the draft model's K "
+         "cache type (as -ctk)", set_("spec.cache_type_k", _kv_type),
+         env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K"),
+    flag("--spec-draft-type-v, -ctvd, --cache-type-v-draft TYPE", H, "the draft model's V "
+         "cache type (as -ctv)", set_("spec.cache_type_v", _kv_type),
+         env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V"),
     # ----- sampling params (the defaults of every request) -----
     flag("--samplers SAMPLERS", H, "sampler order, names separated by ';'", _samplers),
     flag("-s, --seed SEED", H, "default sampling seed, -1 = random", set_("seed", I)),

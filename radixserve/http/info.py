@@ -13,6 +13,7 @@ from typing import Any
 
 from radixserve.config import RequestDefaults, ServerConfig
 from radixserve.http.responses import BUILD_INFO, params_json
+from radixserve.model import kv_types
 from radixserve.model.kernels import variant_name
 from radixserve.model.loader import Model
 from radixserve.text.chat_caps import template_caps
@@ -120,6 +121,9 @@ def props_json(
         "kernels": variant_name(model.transformer.kern),
         # ours: what runs each layer matrix, {matrix: {route: layers}} (model/routes.py)
         "kernel_routes": model.transformer.w.routes(),
+        # ours: the KV cache types every tier stores (-ctk / -ctv; issue 38)
+        "cache_type_k": kv_types.resolve(cfg.cache_type_k, "", model.dtype)[0].name,
+        "cache_type_v": kv_types.resolve("", cfg.cache_type_v, model.dtype)[1].name,
         "prompt_cache": {
             "backend": "none" if cfg.cache_ram_mib == 0
             else ("radix" if cfg.cache_radix_prompt else "legacy"),

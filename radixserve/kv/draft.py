@@ -13,25 +13,28 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.kv.pool import KVPool, Rotate
-from radixserve.kv.state import DTYPE_NAMES, Fingerprint
+from radixserve.kv.pool import KVPool, KVTypes, Rotate, rotate_rows
+from radixserve.kv.state import Fingerprint
+from radixserve.model.kv_types import of_dtype, types_name
 
 
 class DraftRows:
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, n_cells: int,
                  dtype: torch.dtype, rotate: Rotate, arch: str,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", types: KVTypes | None = None) -> None:
+        """`types`: the draft's cache types (`-ctkd` / `-ctvd`; None: as `dtype`)."""
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
         self.dtype, self.rotate, self.device = dtype, rotate, torch.device(device)
-        shape = (n_layer, n_head_kv, n_cells, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.types = types or (of_dtype(dtype), of_dtype(dtype))
+        self.k, self.v = (torch.zeros((n_layer, n_head_kv, n_cells, t.width(head_dim)),
+                                      dtype=t.storage, device=self.device) for t in self.types)
         # a draft state of another draft model never loads (":draft": never a target's either)
-        self.fp = Fingerprint(arch + ":draft", n_layer, n_head_kv, head_dim, DTYPE_NAMES[dtype])
+        self.fp = Fingerprint(arch + ":draft", n_layer, n_head_kv, head_dim,
+                              types_name(*self.types))
 
     @property
     def bytes_per_cell(self) -> int:
-        return 2 * self.n_layer * self.n_head_kv * self.head_dim * self.k.element_size()
+        return self.n_layer * self.n_head_kv * sum(t.row_bytes(self.head_dim) for t in self.types)
 
     def copy_cells(self, si: torch.Tensor, di: torch.Tensor) -> None:
         self.k[:, :, di] = self.k[:, :, si]
@@ -39,15 +42,14 @@ class DraftRows:
 
     def rotate_cells(self, idx: torch.Tensor, delta: torch.Tensor) -> None:
         """Re-rotate K of cells whose position moved by `delta` (the draft's own RoPE)."""
-        for layer in range(self.n_layer):
-            k = self.k[layer, :, idx].transpose(0, 1)
-            self.k[layer, :, idx] = self.rotate(k, delta).transpose(0, 1).to(self.dtype)
+        rotate_rows(self.k, self.types[0], idx, delta, self.rotate, self.dtype)
 
 
 def attach_draft(pool: KVPool, n_layer: int, n_head_kv: int, head_dim: int,
-                 dtype: torch.dtype, rotate: Rotate, arch: str) -> DraftRows:
+                 dtype: torch.dtype, rotate: Rotate, arch: str,
+                 types: KVTypes | None = None) -> DraftRows:
     """Give every cell of `pool` draft rows of this shape (a sliding-window pool's global part:
     draft models with a window of their own are refused before this)."""
     pool.draft = DraftRows(n_layer, n_head_kv, head_dim, pool.n_cells, dtype, rotate, arch,
-                           pool.device)
+                           pool.device, types)
     return pool.draft

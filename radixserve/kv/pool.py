@@ -19,8 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.model.kv_types import KVType, of_dtype
+
 if TYPE_CHECKING:
     from radixserve.kv.draft import DraftRows
+
+KVTypes = tuple[KVType, KVType]
 
 # rotate(k [n, n_head_kv, head_dim], delta_pos [n]) -> k rotated by delta_pos
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -50,6 +54,16 @@ class SeqView:
     positions: list[int]
 
 
+def rotate_rows(k: torch.Tensor, kt: KVType, idx: torch.Tensor, delta: torch.Tensor,
+                rotate: Rotate, dtype: torch.dtype) -> None:
+    """Re-rotate K rows `idx` of every layer of k [n_layer, n_head_kv, n_cells, width] by
+    `delta` positions: through `dtype` values and stored again in `kt` (a quantized K is
+    requantized, as llama.cpp's K-shift does through f32)."""
+    for layer in range(k.shape[0]):
+        rows = kt.dequantize(k[layer, :, idx], dtype).transpose(0, 1)  # [n, n_head_kv, d]
+        k[layer, :, idx] = kt.quantize(rotate(rows, delta).to(dtype).transpose(0, 1))
+
+
 class KVPool:
     def __init__(
         self,
@@ -62,7 +76,11 @@ class KVPool:
         dtype: torch.dtype,
         rotate: Rotate,
         device: str | torch.device = "cpu",
+        types: KVTypes | None = None,
     ) -> None:
+        """`dtype`: the compute dtype; `types`: how K and V rows are stored (`-ctk` / `-ctv`,
+        model/kv_types.py; None: as `dtype`), so k / v are [n_layer, n_head_kv, n_cells,
+        width] of each type's storage (a quantized row: its blocks' bytes)."""
         if not unified and n_cells % n_seq:
             n_cells -= n_cells % n_seq
         if n_cells < n_seq:
@@ -70,9 +88,11 @@ class KVPool:
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
         self.n_cells, self.n_seq, self.unified = n_cells, n_seq, unified
         self.dtype, self.device, self.rotate = dtype, torch.device(device), rotate
-        shape = (n_layer, n_head_kv, n_cells, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.types = types or (of_dtype(dtype), of_dtype(dtype))
+        for t in self.types:
+            t.check(head_dim)
+        self.k, self.v = (torch.zeros((n_layer, n_head_kv, n_cells, t.width(head_dim)),
+                                      dtype=t.storage, device=self.device) for t in self.types)
         self.cell_pos = [-1] * n_cells
         self.cell_seqs: list[set[int]] = [set() for _ in range(n_cells)]
         self.seqs = [_Seq() for _ in range(n_seq)]
@@ -91,7 +111,7 @@ class KVPool:
 
     @property
     def bytes_per_cell(self) -> int:
-        return 2 * self.n_layer * self.n_head_kv * self.head_dim * self.k.element_size()
+        return self.n_layer * self.n_head_kv * sum(t.row_bytes(self.head_dim) for t in self.types)
 
     def seq_capacity(self, seq: int) -> int:
         """Cells sequence `seq` could hold if it had every cell it may draw from."""
@@ -255,9 +275,7 @@ class KVPool:
         s.ordered, s.index = False, None
         idx = torch.tensor(cells, dtype=torch.long, device=self.device)
         d = torch.full((len(cells),), delta, dtype=torch.long, device=self.device)
-        for layer in range(self.n_layer):
-            k = self.k[layer, :, idx].transpose(0, 1)  # [n, n_head_kv, head_dim]
-            self.k[layer, :, idx] = self.rotate(k, d).transpose(0, 1).to(self.dtype)
+        rotate_rows(self.k, self.types[0], idx, d, self.rotate, self.dtype)
         if self.draft is not None:
             self.draft.rotate_cells(idx, d)
 

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from radixserve.kv.pool import KVPool, OutOfCells
+from radixserve.kv.pool import KVPool, KVTypes, OutOfCells
 from radixserve.kv.swa import SWAPool
+from radixserve.model.kv_types import types_name
 
 MAGIC = b"RXKV"
 VERSION = 1
@@ -66,11 +67,11 @@ class _Reader:
         return bytes(self.take(n)).decode("utf-8", "replace")
 
 
-DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-
-
 def fingerprint_of(pool: KVPool, arch: str) -> Fingerprint:
-    return Fingerprint(arch, pool.n_layer, pool.n_head_kv, pool.head_dim, DTYPE_NAMES[pool.dtype])
+    """The pool's fingerprint; its dtype field names the cache types (`bf16`, `q8_0`,
+    `q8_0/f16` for K and V apart): a state of one type never loads into a pool of another."""
+    return Fingerprint(arch, pool.n_layer, pool.n_head_kv, pool.head_dim,
+                       types_name(*pool.types))
 
 
 def swa_fingerprint(pool: SWAPool, fp: Fingerprint) -> Fingerprint:
@@ -145,13 +146,14 @@ class ParsedState:
     swa: ParsedState | None = None  # a sliding-window pool's sliding part
 
 
-def parse_state(data: bytes | memoryview, fp: Fingerprint, dtype: torch.dtype,
+def parse_state(data: bytes | memoryview, fp: Fingerprint, types: KVTypes,
                 swa_fp: Fingerprint | None = None) -> ParsedState:
-    """Decode and check a state without touching any pool; `swa_fp`: a sliding part follows."""
+    """Decode and check a state without touching any pool (`types`: the pool's K and V cache
+    types, which `fp` names); `swa_fp`: a sliding part follows."""
     r = _Reader(data)
-    st = _parse_block(r, fp, dtype)
+    st = _parse_block(r, fp, types)
     if swa_fp is not None:
-        st.swa = _parse_block(r, swa_fp, dtype)
+        st.swa = _parse_block(r, swa_fp, types)
         if st.swa.positions and (not st.positions or max(st.swa.positions) > max(st.positions)):
             raise StateError("sequence state's sliding part is past its global part")
     if r.off != len(r.data):
@@ -159,7 +161,7 @@ def parse_state(data: bytes | memoryview, fp: Fingerprint, dtype: torch.dtype,
     return st
 
 
-def _parse_block(r: _Reader, fp: Fingerprint, dtype: torch.dtype) -> ParsedState:
+def _parse_block(r: _Reader, fp: Fingerprint, types: KVTypes) -> ParsedState:
     if bytes(r.take(4)) != MAGIC:
         raise StateError("not a radixserve sequence state (bad magic)")
     (version,) = r.unpack("<I")
@@ -173,24 +175,24 @@ def _parse_block(r: _Reader, fp: Fingerprint, dtype: torch.dtype) -> ParsedState
         diffs = [f"{f}: file {getattr(got, f)!r} != model {getattr(fp, f)!r}"
                  for f in ("arch", "n_layer", "n_head_kv", "head_dim", "dtype")
                  if getattr(got, f) != getattr(fp, f)]
-        raise StateError("sequence state is from another model or dtype (" + "; ".join(diffs) + ")")
+        raise StateError("sequence state is from another model, dtype or cache type ("
+                         + "; ".join(diffs) + ")")
     (n,) = r.unpack("<I")
     positions = list(r.unpack(f"<{n}i")) if n else []
     if any(p < 0 for p in positions) or len(set(positions)) != n:
         raise StateError("sequence state has negative or duplicate positions")
-    elem = torch.empty(0, dtype=dtype).element_size()
-    row = n_head_kv * n * head_dim * elem
-    if len(r.data) - r.off < 2 * n_layer * row:
+    kt, vt = types
+    rows = [n_head_kv * n * t.row_bytes(head_dim) for t in types]
+    if len(r.data) - r.off < n_layer * sum(rows):
         raise StateError(f"sequence state size mismatch: {len(r.data) - r.off} bytes of K/V, "
-                         f"expected {2 * n_layer * row}")
-    shape = (n_head_kv, n, head_dim)
-    ks, vs = [], []
+                         f"expected {n_layer * sum(rows)}")
+    kv: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     for _ in range(n_layer):
-        ks.append(torch.frombuffer(bytearray(r.take(row)), dtype=dtype).view(shape) if n else
-                  torch.empty(shape, dtype=dtype))
-        vs.append(torch.frombuffer(bytearray(r.take(row)), dtype=dtype).view(shape) if n else
-                  torch.empty(shape, dtype=dtype))
-    return ParsedState(positions, torch.stack(ks), torch.stack(vs))
+        for t, size, out in zip(types, rows, kv):
+            shape = (n_head_kv, n, t.width(head_dim))
+            out.append(torch.frombuffer(bytearray(r.take(size)), dtype=t.storage).view(shape)
+                       if n else torch.empty(shape, dtype=t.storage))
+    return ParsedState(positions, torch.stack(kv[0]), torch.stack(kv[1]))
 
 
 def _check_room(pool: KVPool, seq: int, n: int) -> None:
@@ -206,7 +208,7 @@ def parse_pool_state(pool: KVPool, data: bytes | memoryview, fp: Fingerprint) ->
     """Decode and check a state of `pool`'s layout (a sliding-window pool's: both parts);
     touches nothing."""
     swa = pool if isinstance(pool, SWAPool) else None
-    return parse_state(data, fp, pool.dtype, None if swa is None else swa_fingerprint(swa, fp))
+    return parse_state(data, fp, pool.types, None if swa is None else swa_fingerprint(swa, fp))
 
 
 def check_room(pool: KVPool, seq: int, st: ParsedState) -> None:
@@ -233,7 +235,7 @@ def set_state(pool: KVPool, seq: int, data: bytes | memoryview, fp: Fingerprint)
 def parse_swa_state(pool: SWAPool, data: bytes | memoryview, fp: Fingerprint) -> ParsedState:
     """A checkpoint's sliding part, checked (StateError) without touching the pool."""
     r = _Reader(data)
-    st = _parse_block(r, swa_fingerprint(pool, fp), pool.dtype)
+    st = _parse_block(r, swa_fingerprint(pool, fp), pool.types)
     if r.off != len(r.data):
         raise StateError(f"checkpoint state has {len(r.data) - r.off} trailing bytes")
     return st
@@ -258,7 +260,7 @@ def parse_draft_rows(pool: KVPool, data: bytes | memoryview, positions: list[int
     `positions` it must have rows for exactly (StateError); touches nothing."""
     assert pool.draft is not None
     r = _Reader(data)
-    st = _parse_block(r, pool.draft.fp, pool.draft.dtype)
+    st = _parse_block(r, pool.draft.fp, pool.draft.types)
     if r.off != len(r.data):
         raise StateError(f"draft state has {len(r.data) - r.off} trailing bytes")
     if st.positions != positions:
@@ -280,8 +282,8 @@ def write_draft_rows(pool: KVPool, seq: int, positions: list[int], k: torch.Tens
         return
     assert pool.draft is not None
     idx = torch.tensor(pool.cells_at(seq, positions), dtype=torch.long, device=pool.device)
-    pool.draft.k[:, :, idx] = k.to(pool.device, pool.draft.dtype)
-    pool.draft.v[:, :, idx] = v.to(pool.device, pool.draft.dtype)
+    pool.draft.k[:, :, idx] = _stored(k, pool.draft.k, pool.device)
+    pool.draft.v[:, :, idx] = _stored(v, pool.draft.v, pool.device)
 
 
 def write_rows(pool: KVPool, seq: int, positions: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
@@ -290,5 +292,15 @@ def write_rows(pool: KVPool, seq: int, positions: list[int], k: torch.Tensor, v:
         return
     cells = pool.alloc(seq, positions)
     idx = torch.tensor(cells, dtype=torch.long, device=pool.device)
-    pool.k[:, :, idx] = k.to(pool.device, pool.dtype)
-    pool.v[:, :, idx] = v.to(pool.device, pool.dtype)
+    pool.k[:, :, idx] = _stored(k, pool.k, pool.device)
+    pool.v[:, :, idx] = _stored(v, pool.v, pool.device)
+
+
+def _stored(rows: torch.Tensor, into: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Rows as `into` stores them: a float dtype converted, a quantized row's bytes never (a
+    uint8 row of another width, or floats into bytes, is another cache type: ValueError)."""
+    if (rows.shape[-1] != into.shape[-1]
+            or (torch.uint8 in (rows.dtype, into.dtype) and rows.dtype != into.dtype)):
+        raise ValueError(f"rows {rows.dtype} of width {rows.shape[-1]} are not this pool's "
+                         f"({into.dtype}, width {into.shape[-1]})")
+    return rows.to(device, into.dtype)

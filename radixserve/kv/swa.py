@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.kv.pool import KVPool, OutOfCells, Rotate
+from radixserve.kv.pool import KVPool, KVTypes, OutOfCells, Rotate
 
 PAD = 256  # llama.cpp pads cache sizes to 256 cells
 
@@ -33,17 +33,17 @@ class SWAPool(KVPool):
     def __init__(self, n_layer: int, n_layer_swa: int, n_head_kv: int, head_dim: int,
                  n_cells: int, n_seq: int, unified: bool, dtype: torch.dtype, rotate: Rotate,
                  rotate_swa: Rotate, n_swa: int, n_step: int,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", types: KVTypes | None = None) -> None:
         """`n_layer` global layers in `n_cells` cells; `n_layer_swa` sliding layers in
         n_swa cells per sequence plus `n_step` (the most new tokens one forward holds), never
         more than the global part (llama.cpp's size_swa)."""
         super().__init__(n_layer, n_head_kv, head_dim, n_cells, n_seq, unified, dtype, rotate,
-                         device)
+                         device, types)
         per_part = n_swa * (n_seq if unified else 1) + n_step
         n_part = 1 if unified else n_seq
         n_swa_cells = min(self.n_cells, _pad(per_part) * n_part)
         self.swa = KVPool(n_layer_swa, n_head_kv, head_dim, n_swa_cells, n_seq, unified, dtype,
-                          rotate_swa, device)
+                          rotate_swa, device, self.types)  # the same -ctk / -ctv
         self.n_swa = n_swa
 
     # -- sizes -------------------------------------------------------------------------------
@@ -108,13 +108,13 @@ def alloc_step(pool: KVPool, seq: int, positions: list[int]) -> list[int]:
 def make_pool(n_layer: int, swa_layers: tuple[bool, ...], n_swa: int, swa_full: bool,
               n_head_kv: int, head_dim: int, n_cells: int, n_seq: int, unified: bool,
               dtype: torch.dtype, rotate: Rotate, rotate_swa: Rotate, n_step: int,
-              device: str | torch.device = "cpu") -> KVPool:
+              device: str | torch.device = "cpu", types: KVTypes | None = None) -> KVPool:
     """The pool a model needs: a plain one for full attention (or `--swa-full`), else the
     two-part sliding-window pool."""
     n_layer_swa = sum(swa_layers)
     if n_swa <= 0 or n_layer_swa == 0 or swa_full:
         return KVPool(n_layer, n_head_kv, head_dim, n_cells, n_seq, unified, dtype, rotate,
-                      device)
+                      device, types)
     return SWAPool(n_layer - n_layer_swa, n_layer_swa, n_head_kv, head_dim, n_cells, n_seq,
-                   unified, dtype, rotate, rotate_swa, n_swa, n_step, device)
+                   unified, dtype, rotate, rotate_swa, n_swa, n_step, device, types)
 

@@ -23,13 +23,17 @@ import torch
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SEQS = [I32, P, P, P, P]  # n_seq, cells, c0, len, n_new
 _ATTN = [I32, I32, I32, F32, P, P, I64]  # n_kv, g, d, scale, out, work, work_floats
+_KV = [I32, I32, I64, I64]  # K and V cache types (kv_types.py), K and V head strides in bytes
 # name -> (return type, argument types), in csrc's prototypes' order
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     # decode_attn.c
     "attn_work_floats": (I64, [I64, I64, I32, I32, I32]),
-    "attn_causal_win_bf16": (I32, [P, P, P, I64, *_SEQS, P, I64, *_ATTN]),
-    "attn_step_win_bf16": (I32, [P, P, P, P, P, I64, P, *_SEQS, P, I64, P, P, F32, *_ATTN]),
+    "attn_causal_win_bf16": (I32, [P, P, P, *_KV, *_SEQS, P, I64, *_ATTN]),
+    "attn_step_win_bf16": (I32, [P, P, P, P, P, *_KV, P, *_SEQS, P, I64, P, P, F32, *_ATTN]),
     "attn_head_norm_bf16": (I32, [P, I64, I64, I32, I32, P, F32, P]),
+    # kv_rows.c
+    "kv_store_row": (None, [I32, P, I32, P]),
+    "kv_store_rows_bf16": (I32, [I32, P, I64, I32, P]),
     # rowwise.c
     "add_rms_norm_bf16": (None, [P, I64, P, P, I64, I32, F32, P]),
     "silu_mul_bf16": (None, [P, I64, I64, P]),

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from radixserve.model import step as kstep
 from radixserve.model.step import KernelStep, LayerKind
 from radixserve.model.hparams import HParams
-from radixserve.model.kernels import kernels
+from radixserve.model.kernels import KVTypes, kernels
+from radixserve.model.kv_types import of_dtype
 from radixserve.model.quant import Int4Linear
 from radixserve.model.rope import Rope
 from radixserve.model.torch_step import Sliding, TorchStep, rms_norm, sliding
@@ -163,8 +164,8 @@ class Transformer:
 
     @torch.inference_mode()
     def hidden(self, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: list[SeqStep],
-               k_swa: torch.Tensor | None = None,
-               v_swa: torch.Tensor | None = None) -> torch.Tensor:
+               k_swa: torch.Tensor | None = None, v_swa: torch.Tensor | None = None,
+               types: KVTypes | None = None) -> torch.Tensor:
         """Run `batch`, storing its K/V into `cells` of the caches [n_layer, n_head_kv, n_cells,
         head_dim]; returns the output-normed f32 hidden states [sum n_logits, n_embd] of the
         rows to sample (the head turns them into logits).
@@ -174,10 +175,14 @@ class Transformer:
         k_swa/v_swa the sliding ones ([n_layer_swa, n_head_kv, n_swa_cells, head_dim]), and
         every step's `.swa` names their cells. Without them (--swa-full) the caches hold every
         layer and the sliding layers read the step's own cells through the window mask.
+        `types`: the caches' K and V types (model/kv_types.py; None: the tensors' float
+        dtypes), the sliding caches' too; their last axis is then a stored row's width.
 
         The step object (KernelStep or TorchStep) is chosen per step, as it depends
         on where the batch's new tokens sit; what each layer runs within it was chosen at load."""
         hp = self.hp
+        if types is None:
+            types = (of_dtype(k_cache.dtype), of_dtype(v_cache.dtype))
         split = self._split(k_cache, batch, k_swa, v_swa)
         cells = [c for b in batch for c in b.cells]
         device = k_cache.device
@@ -202,13 +207,13 @@ class Transformer:
             x.mul_(hp.embd_scale)
         # then RoPE, the K/V store and attention of the whole step are one kernel call a layer
         # (model/csrc/decode_attn.c) where the C step runs it, else the general path's
-        args = (batch, cells, cos, sin, x, swa, split, k_cache, v_cache, k_swa, v_swa)
+        args = (batch, cells, cos, sin, x, swa, split, k_cache, v_cache, k_swa, v_swa, types)
         step: KernelStep | TorchStep | None = None
         if tail:
             step = self._kernel_step(*args)
         if step is None:
             step = TorchStep(self, batch, cells, tail, cos, sin, swa, split, k_cache, v_cache,
-                             k_swa, v_swa)
+                             k_swa, v_swa, types)
         act = step.silu if hp.act == "silu" else step.gelu
         inv = self.deterministic
         layers = self.w.layers
@@ -289,7 +294,7 @@ class Transformer:
     def _kernel_step(self, batch: list[SeqStep], cells: list[int], cos: torch.Tensor,
                      sin: torch.Tensor, x: torch.Tensor, swa: Sliding | None, split: bool,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, k_swa: torch.Tensor | None,
-                     v_swa: torch.Tensor | None) -> KernelStep | None:
+                     v_swa: torch.Tensor | None, types: KVTypes) -> KernelStep | None:
         """The step's glue in C (step.py), for every architecture, when our kernel reads every
         sliding plan too (new tokens at the end of contiguous positions), else None: the general
         path. The global layers read each sequence's cells (positions from 0, as
@@ -301,14 +306,14 @@ class Transformer:
         assert kern is not None
         n_new = [len(b.tokens) for b in batch]
         kinds = {"global": LayerKind(k_cache, v_cache, [b.kv_cells for b in batch], None, 0, cells,
-                                 n_new, cos, sin)}
+                                 n_new, cos, sin, types)}
         layer_kind = self._layer_kinds[split]
         if swa is not None:
             ks, vs = (k_swa, v_swa) if split else (k_cache, v_cache)
             assert ks is not None and vs is not None
             kinds["sliding"] = LayerKind(ks, vs, [p.cells for p in swa.plans],
                                      [p.pos0 for p in swa.plans], hp.n_swa,
-                                     swa.cells, n_new, swa.cos, swa.sin)
+                                     swa.cells, n_new, swa.cos, swa.sin, types)
         return KernelStep(kern, hp.n_head, hp.n_head_kv, hp.head_dim, kinds, layer_kind,
                          self._norm_pairs, x, hp.rms_eps, hp.n_ff, self._checked)
 

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from radixserve.model.cabi import bind
+from radixserve.model.kv_types import TYPES, KVType
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,9 @@ _COMMON = ("-O3", "-fopenmp", "-fPIC", "-fno-math-errno")
 # and, except for the sources in _STRICT_FP, sums the compiler may reorder (vectorize)
 _REASSOC = ("-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
 # sources whose floating-point sums must run exactly as written (no reassociation)
-_STRICT_FP = frozenset({"qmm.c"})
+_STRICT_FP = frozenset({"qmm.c", "kv_rows.c"})
+# and, of those, the sources whose roundings are exactly as written: no fused multiply-adds
+_NO_CONTRACT = frozenset({"kv_rows.c"})
 _LINK = ("-shared", "-fopenmp")
 
 
@@ -196,6 +199,7 @@ def select_variant(value: str | None = None, cpuinfo: str | None = None,
 def compile_flags(source: str, variant: str, machine: str | None = None) -> list[str]:
     """The flags that compile csrc/`source` (a file name) to an object file for `variant`."""
     fp = () if source in _STRICT_FP else _REASSOC
+    fp += ("-ffp-contract=off",) if source in _NO_CONTRACT else ()
     return [*_COMMON, *fp, *VARIANTS[variant].flags(machine)]
 
 
@@ -292,6 +296,26 @@ def _cells_arg(cells: slice | torch.Tensor, n_cells: int) -> tuple[int | None, i
     return cells.data_ptr(), 0, cells.numel()
 
 
+KVTypes = tuple[KVType, KVType]
+
+
+def pool_args(k: torch.Tensor, v: torch.Tensor, n_head: int, d: int,
+              types: KVTypes | None) -> tuple[int, ...]:
+    """(n_kv, n_cells, g, kt code, vt code, K head stride in bytes, V head stride in bytes) of pool K/V [..., n_kv, n_cells, width] (one layer or all) holding
+    rows of head size d in the cache types `types` (None: bf16, the compute dtype); ValueError
+    unless the tensors are what those types store, contiguous."""
+    kt, vt = types or (TYPES["bf16"], TYPES["bf16"])
+    n_kv, n_cells = k.shape[-3:-1]
+    if not (k.dtype == kt.storage and v.dtype == vt.storage and k.shape[-1] == kt.width(d)
+            and v.shape[-1] == vt.width(d) and k.shape[:-1] == v.shape[:-1]
+            and k.is_contiguous() and v.is_contiguous() and n_head % n_kv == 0
+            and d % 2 == 0 and d % kt.block == 0 and d % vt.block == 0):
+        raise ValueError(f"attention needs {kt.name}/{vt.name} K/V rows of head size {d} "
+                         f"in the pool's layout")
+    return (n_kv, n_cells, n_head // n_kv, kt.code, vt.code,
+            k.stride(-3) * k.element_size(), v.stride(-3) * v.element_size())
+
+
 class Kernels:
     """The bf16 kernels (csrc/): the 4-bit matmul and its unpack, the row-invariant bf16
     matmul, causal attention reading K/V in place from the pool in fixed blocks (alone, or fused
@@ -318,14 +342,6 @@ class Kernels:
         self.has_bf16_gemm = bool(c.bf16_gemm_available())  # needs AVX512-BF16
         self._work = torch.empty(0)
 
-    def _pool_args(self, k: torch.Tensor, v: torch.Tensor, n_head: int) -> tuple[int, ...]:
-        """(n_kv, n_cells, d, g) of pool K/V [..., n_kv, n_cells, d]."""
-        n_kv, n_cells, d = k.shape[-3:]
-        if not (k.dtype == v.dtype == torch.bfloat16 and k.stride() == v.stride()
-                and k.is_contiguous() and n_head % n_kv == 0):
-            raise ValueError("attention needs bf16 K/V in the pool's layout")
-        return n_kv, n_cells, d, n_head // n_kv
-
     def _scratch(self, longest: int, n_tok: int, n_kv: int, g: int, d: int) -> torch.Tensor:
         """The attention scratch, grown (never shrunk) to fit a call: it is sized by the
         longest cell list, the query count and the thread count."""
@@ -343,15 +359,16 @@ class Kernels:
 
     def attend_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cells: slice | torch.Tensor, *, window: int = 0,
-                      pos0: int = 0) -> torch.Tensor:
+                      pos0: int = 0, types: KVTypes | None = None) -> torch.Tensor:
         """q [n, n_head, d] rotated queries of a sequence's last n cells, whose K/V are already
         in k, v (one layer of the pool [n_head_kv, n_cells, d]); cells the sequence's cells in
         position order (a run or an int64 index), entry j at position pos0 + j; query i (at
         position p = pos0 + len - n + i) sees the entries at positions k <= p, and with
         window > 0 only those with p - window < k -> [n, n_head * d]. Bitwise the same whatever
         n is and however many older entries precede a query's window (decode_attn.c's blocks,
-        aligned to absolute positions)."""
-        n_kv, n_cells, d, g = self._pool_args(k, v, q.shape[1])
+        aligned to absolute positions). `types`: the pool's cache types (None: bf16 rows)."""
+        d = q.shape[-1]
+        n_kv, n_cells, g, kt, vt, k_hs, v_hs = pool_args(k, v, q.shape[1], d, types)
         idx, c0, length = _cells_arg(cells, n_cells)
         n = q.shape[0]
         if not (q.dtype == torch.bfloat16 and q.is_contiguous() and q.dim() == 3
@@ -363,7 +380,7 @@ class Kernels:
         work = self._scratch(max(length + pos0 % ATTN_BLOCK, n_cells), n, n_kv, g, d)
         out = torch.empty(n, q.shape[1] * d, dtype=torch.bfloat16)
         arr = ctypes.c_int64 * 1
-        rc = self._attn(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), 1,
+        rc = self._attn(q.data_ptr(), k.data_ptr(), v.data_ptr(), kt, vt, k_hs, v_hs, 1,
                         (ctypes.c_void_p * 1)(idx), arr(c0), arr(length), arr(n), arr(pos0),
                         window, n_kv, g, d, d**-0.5, out.data_ptr(), work.data_ptr(),
                         work.numel())

@@ -32,7 +32,7 @@ import ctypes
 import torch
 
 from radixserve.model.cabi import bind, buf
-from radixserve.model.kernels import ATTN_BLOCK, Kernels, _cells_arg
+from radixserve.model.kernels import ATTN_BLOCK, Kernels, KVTypes, _cells_arg, pool_args
 
 def _f32_vec(w: torch.Tensor | None, d: int) -> int | None:
     """A norm weight's pointer (None for none), checked: contiguous f32 [d]."""
@@ -95,16 +95,17 @@ class LayerKind:
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, cells: list[slice | torch.Tensor],
                  pos0: list[int] | None, window: int, dst: list[int], n_new: list[int],
-                 cos: torch.Tensor, sin: torch.Tensor) -> None:
-        # the C call writes K/V at k + layer + head * head_stride + cell * d: the pool's layout
-        if not (k.dim() == v.dim() == 4 and k.dtype == v.dtype == torch.bfloat16
-                and k.shape == v.shape and k.stride() == v.stride() and k.is_contiguous()):
-            raise ValueError("step: K/V must be bf16 [layers, n_kv, cells, d] in one layout")
+                 cos: torch.Tensor, sin: torch.Tensor, types: KVTypes | None = None) -> None:
+        """`types`: the cache's K and V types (None: bf16); k, v [layers, n_kv, cells, width]."""
+        # the C call writes K/V at k + layer + head * head stride + cell * row bytes
+        if k.dim() != 4 or v.dim() != 4:
+            raise ValueError("step: K/V must be [layers, n_kv, cells, width]")
+        d = cos.shape[-1]  # the head size: RoPE rows are [tokens, (1,) d]
+        n_kv, n_cells, _, kt, vt, k_hs, v_hs = pool_args(k, v, k.shape[1], d, types)
         if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous()
                 and sin.is_contiguous() and cos.shape == sin.shape
-                and cos.numel() == len(dst) * k.shape[3]):
+                and cos.numel() == len(dst) * d):
             raise ValueError("step: RoPE rows must be contiguous f32 [tokens, d]")
-        n_cells = k.shape[2]
         args = [_cells_arg(c, n_cells) for c in cells]
         n_seq, n_tok = len(args), len(dst)
         if not (len(n_new) == n_seq and sum(n_new) == n_tok
@@ -113,14 +114,15 @@ class LayerKind:
                 and (pos0 is None or (len(pos0) == n_seq and all(p >= 0 for p in pos0)))):
             raise ValueError("step: bad cells, new-token counts or positions")
         arr = ctypes.c_int64 * n_seq
-        self.k0, self.v0, self.layer = k.data_ptr(), v.data_ptr(), k.stride(0) * 2
-        self.n_layer, self.n_kv, self.d, self.n_tok = k.shape[0], k.shape[1], k.shape[3], n_tok
+        self.k0, self.v0 = k.data_ptr(), v.data_ptr()
+        self.k_layer, self.v_layer = k.stride(0) * k.element_size(), v.stride(0) * v.element_size()
+        self.n_layer, self.n_kv, self.d, self.n_tok = k.shape[0], n_kv, d, n_tok
         # the scratch holds the blocks a list spans, counted from its first block's start
         self.longest = max(n_cells, *(a[2] + (p % ATTN_BLOCK if pos0 else 0)
                                       for a, p in zip(args, pos0 or [0] * n_seq)))
         self.rope = (cos.data_ptr(), sin.data_ptr())
-        # attn_step_win_bf16's arguments from head_stride to window
-        self.seqs = (k.stride(1), (ctypes.c_int64 * n_tok)(*dst), n_seq,
+        # attn_step_win_bf16's arguments from the cache types to window
+        self.seqs = (kt, vt, k_hs, v_hs, (ctypes.c_int64 * n_tok)(*dst), n_seq,
                      (ctypes.c_void_p * n_seq)(*(a[0] for a in args)),
                      arr(*(a[1] for a in args)), arr(*(a[2] for a in args)), arr(*n_new),
                      None if pos0 is None else arr(*pos0), window)
@@ -175,8 +177,8 @@ class KernelStep:
         if not 0 <= layer < len(self.layers):
             raise ValueError(f"step: no layer {layer}")
         kd, ci, qn, kn = self.layers[layer]
-        off = ci * kd.layer
-        rc = self._step(qkv.data_ptr(), *kd.rope, kd.k0 + off, kd.v0 + off, *kd.seqs, qn, kn,
+        rc = self._step(qkv.data_ptr(), *kd.rope, kd.k0 + ci * kd.k_layer,
+                        kd.v0 + ci * kd.v_layer, *kd.seqs, qn, kn,
                         self.eps, self.n_kv, self.g, self.d, self.d**-0.5, self.out.data_ptr(),
                         self.work.data_ptr(), self.work.numel())
         if rc != 0:
@@ -237,15 +239,15 @@ class KernelStep:
 def plain_step(kern: Kernels, k: torch.Tensor, v: torch.Tensor, n_head: int,
                cells: list[slice | torch.Tensor], dst: list[int], cos: torch.Tensor,
                sin: torch.Tensor, x: torch.Tensor, eps: float, n_ff: int,
-               n_new: list[int] | None = None) -> KernelStep:
+               n_new: list[int] | None = None, types: KVTypes | None = None) -> KernelStep:
     """A step of llama's layers (every layer global, no q/k norms) over the pool k, v [n_layer,
-    n_head_kv, n_cells, d]: T new tokens, n_new[i] >= 1 of them (default 1) for sequence i,
+    n_head_kv, n_cells, width] of cache types `types` (None: bf16): T new tokens, n_new[i] >= 1 of them (default 1) for sequence i,
     its new tokens' cells the last n_new[i] of its cells; dst the T new cells, sequence by
     sequence; cos/sin the tokens' Rope.cos_sin rows; x the f32 residual rows [T, n_embd]."""
     n_new = [1] * len(cells) if n_new is None else list(n_new)
     kind = LayerKind(k, v, cells, None, 0, dst, n_new, cos.reshape(len(dst), -1),
-                     sin.reshape(len(dst), -1))
+                     sin.reshape(len(dst), -1), types)
     n_layer = k.shape[0]
-    return KernelStep(kern, n_head, k.shape[1], k.shape[3], {"global": kind},
+    return KernelStep(kern, n_head, k.shape[1], kind.d, {"global": kind},
                       [("global", i) for i in range(n_layer)], [(None, None)] * n_layer, x, eps,
                       n_ff)

@@ -31,6 +31,7 @@ from radixserve.model import step as kstep
 
 if TYPE_CHECKING:
     from radixserve.model.forward import SeqStep, Transformer
+    from radixserve.model.kernels import KVTypes
     from radixserve.model.rope import Rope
 
 
@@ -122,11 +123,12 @@ class TorchStep:
     def __init__(self, tr: Transformer, batch: list[SeqStep], cells: list[int], tail: bool,
                  cos: torch.Tensor, sin: torch.Tensor, swa: Sliding | None, split: bool,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, k_swa: torch.Tensor | None,
-                 v_swa: torch.Tensor | None) -> None:
+                 v_swa: torch.Tensor | None, types: KVTypes) -> None:
         """`tail`: every sequence's new tokens end its cells and our kernel runs, so the global
-        layers attend with attend_causal and need no plans."""
+        layers attend with attend_causal and need no plans. `types`: the caches' K and V types
+        (stored through their quantize, read by our kernel in place or dequantized for SDPA)."""
         hp, device = tr.hp, k_cache.device
-        self.tr, self.batch, self.kern = tr, batch, tr.kern
+        self.tr, self.batch, self.kern, self.types = tr, batch, tr.kern, types
         self.norm, self.post_norm, self.silu, self.gelu = tr.norm, tr.post_norm, tr.silu, tr.gelu
         plans = None if tail else [
             make_plan(b.kv_cells, b.kv_positions, b.pos0, len(b.tokens), device, 0,
@@ -168,8 +170,9 @@ class TorchStep:
                             norm(qk[:, hp.n_head :], w=qk_norms[1])], dim=1)
         qk = rope.apply(qk, cos, sin)
         q, k = qk[:, : hp.n_head], qk[:, hp.n_head :]
-        kl.index_copy_(1, cell_idx, k.transpose(0, 1).to(kl.dtype))
-        vl.index_copy_(1, cell_idx, v.transpose(0, 1).to(vl.dtype))
+        kt, vt = self.types
+        kl.index_copy_(1, cell_idx, kt.quantize(k.transpose(0, 1)))
+        vl.index_copy_(1, cell_idx, vt.quantize(v.transpose(0, 1)))
         outs = []
         start = 0
         if plans is None:
@@ -177,7 +180,8 @@ class TorchStep:
             q = q.contiguous()
             for b in self.batch:
                 n = len(b.tokens)
-                outs.append(self.kern.attend_causal(q[start : start + n], kl, vl, b.kv_cells))
+                outs.append(self.kern.attend_causal(q[start : start + n], kl, vl, b.kv_cells,
+                                                    types=self.types))
                 start += n
             return outs
         for b, plan in zip(self.batch, plans):
@@ -196,8 +200,10 @@ class TorchStep:
         if plan.tail and self.tr.own_attention:
             assert self.kern is not None
             return self.kern.attend_causal(q.contiguous(), kl, vl, plan.cells,
-                                           window=plan.window, pos0=plan.pos0)
-        return self._sdpa(q, kl[:, plan.cells], vl[:, plan.cells], plan.mask)
+                                           window=plan.window, pos0=plan.pos0, types=self.types)
+        kt, vt = self.types
+        return self._sdpa(q, kt.dequantize(kl[:, plan.cells], q.dtype),
+                          vt.dequantize(vl[:, plan.cells], q.dtype), plan.mask)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None) -> torch.Tensor:

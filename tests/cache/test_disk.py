@@ -41,9 +41,9 @@ def block_rows(tokens: list[int], pos0: int, n: int) -> list[torch.Tensor]:
     out = []
     for i, spec in enumerate(LAYOUT):
         base = (hs % 1000).view(1, 1, n, 1) + i
-        t = base + torch.arange(spec.n_layer * spec.head_dim).view(spec.n_layer, 1, 1, -1)[
-            :, :, :, :spec.head_dim] * 0.5
-        out.append(t.expand(spec.n_layer, spec.n_head_kv, n, spec.head_dim).to(spec.dtype)
+        t = base + torch.arange(spec.n_layer * spec.width).view(spec.n_layer, 1, 1, -1)[
+            :, :, :, :spec.width] * 0.5
+        out.append(t.expand(spec.n_layer, spec.n_head_kv, n, spec.width).to(spec.dtype)
                    .contiguous())
     return out
 

@@ -84,7 +84,8 @@ def test_round_trip_with_real_state(real_states, tiny_tr: Transformer, tmp_path:
     assert n == (tmp_path / "a.bin").stat().st_size
     got, warnings = read_slot_file(tmp_path / "a.bin")
     assert got == sf and warnings == [] and got.salt == SALT
-    st_ = parse_state(got.state, fingerprint_of(make_pool(tiny_tr), tiny_tr.hp.arch), tiny_tr.dtype)
+    pool_ = make_pool(tiny_tr)
+    st_ = parse_state(got.state, fingerprint_of(pool_, tiny_tr.hp.arch), pool_.types)
     assert st_.positions == list(range(len(TOKENS)))
 
 

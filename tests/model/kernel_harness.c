@@ -32,13 +32,15 @@ int64_t head_candidates(const float *up, int64_t rows, float floor, int64_t *ids
 int f32_head_dots(const float *w, int64_t v, int64_t d, const int64_t *ids, int64_t m,
                   const float *h, int64_t n, float *out);
 int64_t attn_work_floats(int64_t max_len, int64_t n_tok, int n_kv, int g, int d);
-int attn_causal_win_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                         int64_t head_stride, int n_seq, const int64_t *const *cells,
+int attn_causal_win_bf16(const uint16_t *q, const uint8_t *k, const uint8_t *v, int kt, int vt,
+                         int64_t k_hs, int64_t v_hs, int n_seq, const int64_t *const *cells,
                          const int64_t *c0, const int64_t *len, const int64_t *n_new,
                          const int64_t *pos0, int64_t window, int n_kv, int g, int d,
                          float scale, uint16_t *out, float *work, int64_t work_floats);
-int attn_step_win_bf16(const uint16_t *qkv, const float *cos, const float *sin, uint16_t *k,
-                       uint16_t *v, int64_t head_stride, const int64_t *dst, int n_seq,
+int kv_store_rows_bf16(int type, const uint16_t *x, int64_t rows, int d, uint8_t *out);
+int attn_step_win_bf16(const uint16_t *qkv, const float *cos, const float *sin, uint8_t *k,
+                       uint8_t *v, int kt, int vt, int64_t k_hs, int64_t v_hs,
+                       const int64_t *dst, int n_seq,
                        const int64_t *const *cells, const int64_t *c0, const int64_t *len,
                        const int64_t *n_new, const int64_t *pos0, int64_t window,
                        const float *qn, const float *kn, float eps, int n_kv, int g, int d,
@@ -216,13 +218,23 @@ static void head(void) {
 }
 
 /* Two sequences over one pool: one decoding (a permuted cell list of 300, 1 new query), one
- * prefilling a run of 40 cells (40 new queries); plain causal and windowed. */
+ * prefilling a run of 40 cells (40 new queries); plain causal and windowed; the pool's K/V
+ * in bf16 and in the quantized cache types (kv_rows.h: 3 q8_0, 4 q4_0; rows of 34 and 18
+ * bytes a block). */
 static void attention(void) {
-    const int n_kv = 2, d = 64;
-    const int64_t n_cells = 600, stride = n_cells * d;
+    const int n_kv = 2, d = 64, types[3] = {0, 3, 4};
+    const int64_t n_cells = 600;
     char name[64];
+    for (int ti = 0; ti < 3; ti++)
     for (int g = 1; g <= 3; g += 2) {
-        uint16_t *k = bf16s(n_kv * stride, 1.f), *v = bf16s(n_kv * stride, 1.f);
+        const int t = types[ti];
+        const int64_t rb = t == 0 ? 2 * d : t == 3 ? d / 32 * 34 : d / 32 * 18;
+        const int64_t stride = n_cells * rb; /* a KV head's bytes */
+        uint16_t *k16 = bf16s(n_kv * n_cells * d, 1.f), *v16 = bf16s(n_kv * n_cells * d, 1.f);
+        uint8_t *k = alloc((size_t)(n_kv * stride)), *v = alloc((size_t)(n_kv * stride));
+        emit_rc("kv_store_rows", kv_store_rows_bf16(t, k16, n_kv * n_cells, d, k));
+        emit_rc("kv_store_rows", kv_store_rows_bf16(t, v16, n_kv * n_cells, d, v));
+        emit("kv_store_rows", k, (size_t)(n_kv * stride));
         int64_t *list = alloc(sizeof(int64_t) * 300);
         for (int64_t j = 0; j < 300; j++) list[j] = (j * 7 + 11) % 300 + 100;
         const int64_t *cells[2] = {list, NULL};
@@ -233,8 +245,9 @@ static void attention(void) {
         int64_t wf = attn_work_floats(300, T, n_kv, g, d);
         float *work = alloc(sizeof(float) * (size_t)wf);
         for (int64_t window = 0; window <= 100; window += 100) {
-            snprintf(name, sizeof name, "attn_causal g%d window%d", g, (int)window);
-            emit_rc(name, attn_causal_win_bf16(q, k, v, stride, 2, cells, c0, len, n_new,
+            snprintf(name, sizeof name, "attn_causal t%d g%d window%d", t, g, (int)window);
+            emit_rc(name, attn_causal_win_bf16(q, k, v, t, t, stride, stride,
+                                                2, cells, c0, len, n_new,
                                                 window ? pos0 : NULL, window, n_kv, g, d,
                                                 0.125f, out, work, wf));
             emit(name, out, sizeof(uint16_t) * (size_t)(T * n_kv * g * d));
@@ -247,16 +260,18 @@ static void attention(void) {
         int64_t dst[41];
         dst[0] = list[299];
         for (int64_t j = 0; j < 40; j++) dst[1 + j] = 500 + j;
-        snprintf(name, sizeof name, "attn_step g%d", g);
-        emit_rc(name, attn_step_win_bf16(qkv, cs, sn, k, v, stride, dst, 2, cells, c0, len,
-                                          n_new, pos0, 100, qn, kn, 1e-6f, n_kv, g, d, 0.125f,
-                                          out, work, wf));
+        snprintf(name, sizeof name, "attn_step t%d g%d", t, g);
+        emit_rc(name, attn_step_win_bf16(qkv, cs, sn, k, v, t, t, stride, stride, dst, 2, cells,
+                                          c0, len, n_new, pos0, 100, qn, kn, 1e-6f, n_kv, g, d,
+                                          0.125f, out, work, wf));
         emit(name, out, sizeof(uint16_t) * (size_t)(T * n_kv * g * d));
-        emit(name, k, sizeof(uint16_t) * (size_t)(n_kv * stride));
+        emit(name, k, (size_t)(n_kv * stride));
+        emit(name, v, (size_t)(n_kv * stride));
         snprintf(name, sizeof name, "attn_head_norm g%d", g);
         emit_rc(name, attn_head_norm_bf16(qkv, width, T, n_kv * g, d, qn, 1e-6f, out));
         emit(name, out, sizeof(uint16_t) * (size_t)(T * n_kv * g * d));
-        free(k), free(v), free(list), free(q), free(out), free(work), free(qkv), free(cs);
+        free(k), free(v), free(k16), free(v16), free(list), free(q), free(out), free(work);
+        free(qkv), free(cs);
         free(sn), free(qn), free(kn);
     }
 }

@@ -31,7 +31,9 @@
  * libgomp torch has already loaded, so the kernel shares torch's thread pool.
  *
  * Layout: q [T, n_kv * g, d] bf16 (query heads of KV head h are rows h*g .. h*g+g-1);
- * k, v: KV head h starts at h * head_stride elements, cell c at row c (d elements);
+ * k, v: rows of cache types kt, vt (kv_rows.h: bf16, f16, f32, q8_0, q4_0), KV head h at byte
+ * h * k_hs (v_hs), cell c its row c; bf16 K and V take the vector paths, other types the
+ * plain C reading each row through kv_load_row, and a step stores its new rows in those types;
  * a sequence's cells: len cell indices, or NULL for the run c0 .. c0+len-1, its n_new queries
  * being the last n_new of them (rows of q in sequence order), pos0 the position of its first
  * entry (positions contiguous; NULL: every list starts at 0); out [T, n_kv * g, d] bf16;
@@ -43,30 +45,31 @@
 #include <string.h>
 
 #include "common.h"
+#include "kv_rows.h"
 
 #define MAXG 16
 #define MAXD 256
 #define GPF 16 /* keys ahead whose rows the portable loop prefetches */
 
 /* Keys [j0, j1) of the list for the g query heads of one KV head: (max, sum, acc[d]) per head. */
-static void attend_share_generic(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
-                         const int64_t *cells, int64_t c0, int64_t j0, int64_t j1, int g, int d,
-                         float scale, float *s, int64_t s_stride, float *part) {
+static void attend_share_generic(const uint16_t *q, const uint8_t *kh, const uint8_t *vh,
+                                 int kt, int vt, const int64_t *cells, int64_t c0, int64_t j0,
+                                 int64_t j1, int g, int d, float scale, float *s,
+                                 int64_t s_stride, float *part) {
+    const int64_t kb = kv_row_bytes(kt, d), vb = kv_row_bytes(vt, d);
     float qf[MAXG][MAXD], acc[MAXG][MAXD], row[MAXD], m[MAXG];
     for (int a = 0; a < g; a++) {
         for (int x = 0; x < d; x++) qf[a][x] = bf16_to_f32(q[a * d + x]) * scale;
         m[a] = -INFINITY;
     }
     for (int64_t j = j0; j < j1; j++) {
-        const uint16_t *kr = kh + (cells ? cells[j] : c0 + j) * d;
+        const uint8_t *kr = kh + (cells ? cells[j] : c0 + j) * kb;
         if (j + GPF < j1) { /* the key GPF ahead, and its value row for the second pass */
             int64_t e = cells ? cells[j + GPF] : c0 + j + GPF;
-            for (int c = 0; c < 2 * d; c += 64) {
-                __builtin_prefetch((const char *)(kh + e * d) + c, 0, 3);
-                __builtin_prefetch((const char *)(vh + e * d) + c, 0, 2);
-            }
+            for (int c = 0; c < kb; c += 64) __builtin_prefetch(kh + e * kb + c, 0, 3);
+            for (int c = 0; c < vb; c += 64) __builtin_prefetch(vh + e * vb + c, 0, 2);
         }
-        for (int x = 0; x < d; x++) row[x] = bf16_to_f32(kr[x]);
+        kv_load_row(kt, kr, d, row);
         for (int a = 0; a < g; a++) {
             float dot = 0.f;
             for (int x = 0; x < d; x++) dot += qf[a][x] * row[x];
@@ -87,8 +90,7 @@ static void attend_share_generic(const uint16_t *q, const uint16_t *kh, const ui
         for (int x = 0; x < d; x++) acc[a][x] = 0.f;
     }
     for (int64_t j = j0; j < j1; j++) {
-        const uint16_t *vr = vh + (cells ? cells[j] : c0 + j) * d;
-        for (int x = 0; x < d; x++) row[x] = bf16_to_f32(vr[x]);
+        kv_load_row(vt, vh + (cells ? cells[j] : c0 + j) * vb, d, row);
         for (int a = 0; a < g; a++) {
             float p = s[a * s_stride + (j - j0)];
             for (int x = 0; x < d; x++) acc[a][x] += p * row[x];
@@ -346,14 +348,18 @@ static inline __attribute__((always_inline)) void attend_bf16(
 
 #define BF_CASE(G, D)                                                                          \
     case (G) * 1024 + (D):                                                                      \
-        attend_bf16(q, kh, vh, cells, c0, j0, j1, G, D, scale, s, s_stride, pairs, part);      \
+        attend_bf16(q, k16, v16, cells, c0, j0, j1, G, D, scale, s, s_stride, pairs, part);    \
         return;
 
-static void attend_share(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
+/* bf16 K and V take their vector paths; every other pair of cache types the plain C, a row
+ * at a time through kv_load_row (in the same blocks, so the guarantees above hold for them) */
+static void attend_share(const uint16_t *q, const uint8_t *kh, const uint8_t *vh, int kt, int vt,
                          const int64_t *cells, int64_t c0, int64_t j0, int64_t j1, int g, int d,
                          float scale, float *s, int64_t s_stride, uint16_t *pairs, float *part) {
+    const uint16_t *k16 = (const uint16_t *)kh, *v16 = (const uint16_t *)vh;
+    int bf = kt == KV_BF16 && vt == KV_BF16;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-    switch (g * 1024 + d) { /* the group sizes and head sizes of the models we run */
+    if (bf) switch (g * 1024 + d) { /* the group sizes and head sizes of the models we run */
         BF_CASE(1, 64) BF_CASE(2, 64) BF_CASE(3, 64) BF_CASE(4, 64) BF_CASE(5, 64)
         BF_CASE(6, 64) BF_CASE(7, 64) BF_CASE(8, 64)
         BF_CASE(1, 128) BF_CASE(2, 128) BF_CASE(4, 128) BF_CASE(8, 128)
@@ -361,20 +367,21 @@ static void attend_share(const uint16_t *q, const uint16_t *kh, const uint16_t *
     default:
         break;
     }
-    if (d % 64 == 0 && d <= MAXD) {
-        attend_bf16(q, kh, vh, cells, c0, j0, j1, g, d, scale, s, s_stride, pairs, part);
+    if (bf && d % 64 == 0 && d <= MAXD) {
+        attend_bf16(q, k16, v16, cells, c0, j0, j1, g, d, scale, s, s_stride, pairs, part);
         return;
     }
 #else
     (void)pairs;
 #endif
 #if defined(RS_NEON)
-    if (d % 4 == 0 && d <= MAXD) {
-        attend_neon(q, kh, vh, cells, c0, j0, j1, g, d, scale, s, s_stride, part);
+    if (bf && d % 4 == 0 && d <= MAXD) {
+        attend_neon(q, k16, v16, cells, c0, j0, j1, g, d, scale, s, s_stride, part);
         return;
     }
 #endif
-    attend_share_generic(q, kh, vh, cells, c0, j0, j1, g, d, scale, s, s_stride, part);
+    (void)k16, (void)v16, (void)bf;
+    attend_share_generic(q, kh, vh, kt, vt, cells, c0, j0, j1, g, d, scale, s, s_stride, part);
 }
 
 
@@ -418,10 +425,10 @@ int64_t attn_work_floats(int64_t max_len, int64_t n_tok, int n_kv, int g, int d)
 
 /* Keys [j0, j1) of a list for the g query heads of one KV head -> part (g rows of max, sum,
  * acc[d]); s: 2 g SSTRIDE floats of scratch, 64-byte aligned. */
-ONE_COPY static void attend_block(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
-                                  const int64_t *cells, int64_t c0, int64_t j0, int64_t j1,
-                                  int g, int d, float scale, float *s, float *part) {
-    attend_share(q, kh, vh, cells, c0, j0, j1, g, d, scale, s, SSTRIDE,
+ONE_COPY static void attend_block(const uint16_t *q, const uint8_t *kh, const uint8_t *vh,
+                                  int kt, int vt, const int64_t *cells, int64_t c0, int64_t j0,
+                                  int64_t j1, int g, int d, float scale, float *s, float *part) {
+    attend_share(q, kh, vh, kt, vt, cells, c0, j0, j1, g, d, scale, s, SSTRIDE,
                  (uint16_t *)(s + g * SSTRIDE), part); /* the bf16 weights of the V pass */
 }
 
@@ -507,12 +514,15 @@ static void block_of(const span_t *sp, int64_t b, int64_t *j0, int64_t *j1) {
  * they are given. */
 static int run(const uint16_t *qkv, const float *cos, const float *sin, const int64_t *dst,
                const float *qn, const float *kn, float eps,
-               const uint16_t *q, uint16_t *k, uint16_t *v, int64_t head_stride, int n_seq,
+               const uint16_t *q, uint8_t *k, uint8_t *v, int kt, int vt, int64_t k_hs,
+               int64_t v_hs, int n_seq,
                const int64_t *const *cells, const int64_t *c0, const int64_t *len,
                const int64_t *n_new, const int64_t *pos0, int64_t window, int n_kv, int g,
                int d, float scale, uint16_t *out, float *work, int64_t work_floats) {
-    if (g < 1 || g > MAXG || d < 2 || d > MAXD || d % 2 || n_kv < 1 || n_seq < 1 || window < 0)
+    if (g < 1 || g > MAXG || d < 2 || d > MAXD || d % 2 || n_kv < 1 || n_seq < 1 || window < 0
+        || kv_row_bytes(kt, d) == 0 || kv_row_bytes(vt, d) == 0)
         return -1;
+    const int64_t kb = kv_row_bytes(kt, d), vb = kv_row_bytes(vt, d);
     int64_t n_tok = 0, max_len = 0; /* max_len: counted from its first block's start */
     for (int s = 0; s < n_seq; s++) {
         int64_t p0 = pos0 ? pos0[s] : 0;
@@ -540,7 +550,7 @@ static int run(const uint16_t *qkv, const float *cos, const float *sin, const in
             for (int64_t t = 0; t < n_tok; t++) {
                 const uint16_t *x = qkv + t * row;
                 const float *ct = cos + t * d, *st = sin + t * d;
-                uint16_t nrm[MAXD];
+                uint16_t nrm[MAXD], rot[MAXD];
                 for (int h = 0; h < nh; h++) {
                     const uint16_t *src = x + h * d;
                     if (qn) {
@@ -550,14 +560,14 @@ static int run(const uint16_t *qkv, const float *cos, const float *sin, const in
                     rope_row(src, ct, st, d, qr + (t * nh + h) * d);
                 }
                 for (int h = 0; h < n_kv; h++) {
-                    int64_t at = h * head_stride + dst[t] * d;
                     const uint16_t *src = x + (nh + h) * d;
                     if (kn) {
                         norm_row(src, kn, d, eps, nrm);
                         src = nrm;
                     }
-                    rope_row(src, ct, st, d, k + at);
-                    memcpy(v + at, x + (nh + n_kv + h) * d, d * sizeof(uint16_t));
+                    rope_row(src, ct, st, d, rot); /* bf16, then stored in the cache type */
+                    kv_store_row(kt, rot, d, k + h * k_hs + dst[t] * kb);
+                    kv_store_row(vt, x + (nh + n_kv + h) * d, d, v + h * v_hs + dst[t] * vb);
                 }
             } /* its barrier: every new key is stored before a query reads it */
         }
@@ -572,8 +582,8 @@ static int run(const uint16_t *qkv, const float *cos, const float *sin, const in
                     if (b >= span_of(pos0 ? pos0[sq] : 0, len[sq], n_new[sq], i, window, &sp))
                         continue;
                     block_of(&sp, b, &j0, &j1);
-                    attend_block(q + (t * nh + h * g) * d, k + h * head_stride,
-                                 v + h * head_stride, cells[sq], c0[sq], j0, j1, g, d, scale,
+                    attend_block(q + (t * nh + h * g) * d, k + h * k_hs, v + h * v_hs, kt, vt,
+                                 cells[sq], c0[sq], j0, j1, g, d, scale,
                                  s, shared + p * pf + b * gd);
                 }
 #pragma omp for schedule(static)
@@ -594,8 +604,8 @@ static int run(const uint16_t *qkv, const float *cos, const float *sin, const in
                 int64_t nbq = span_of(pos0 ? pos0[sq] : 0, len[sq], n_new[sq], i, window, &sp);
                 for (int64_t b = 0; b < nbq; b++) {
                     block_of(&sp, b, &j0, &j1);
-                    attend_block(q + (t * nh + h * g) * d, k + h * head_stride,
-                                 v + h * head_stride, cells[sq], c0[sq], j0, j1, g, d, scale,
+                    attend_block(q + (t * nh + h * g) * d, k + h * k_hs, v + h * v_hs, kt, vt,
+                                 cells[sq], c0[sq], j0, j1, g, d, scale,
                                  s, mine + b * gd);
                 }
                 merge_blocks(mine, nbq, g, d, out + (t * nh + h * g) * d);
@@ -610,13 +620,13 @@ static int run(const uint16_t *qkv, const float *cos, const float *sin, const in
  * query at p sees p - window < k <= p), 0 plain causal. Returns 0, -1 when g, d or a
  * sequence's counts are outside the kernel's bounds or a window or position is negative, -2
  * when work is too small. */
-int attn_causal_win_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                         int64_t head_stride, int n_seq, const int64_t *const *cells,
+int attn_causal_win_bf16(const uint16_t *q, const uint8_t *k, const uint8_t *v, int kt, int vt,
+                         int64_t k_hs, int64_t v_hs, int n_seq, const int64_t *const *cells,
                          const int64_t *c0, const int64_t *len, const int64_t *n_new,
                          const int64_t *pos0, int64_t window, int n_kv, int g, int d,
                          float scale, uint16_t *out, float *work, int64_t work_floats) {
-    return run(NULL, NULL, NULL, NULL, NULL, NULL, 0.f, q, (uint16_t *)k, (uint16_t *)v,
-               head_stride, n_seq, cells, c0, len, n_new, pos0, window, n_kv, g, d, scale, out,
+    return run(NULL, NULL, NULL, NULL, NULL, NULL, 0.f, q, (uint8_t *)k, (uint8_t *)v, kt, vt,
+               k_hs, v_hs, n_seq, cells, c0, len, n_new, pos0, window, n_kv, g, d, scale, out,
                work, work_floats);
 }
 
@@ -629,14 +639,15 @@ int attn_causal_win_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
  * window (a sliding layer's window, its list starting at pos0[s]; NULL and 0: plain causal
  * from position 0).
  * Saves the ~10 torch ops a layer that norm, rotate, slice and index_copy. */
-int attn_step_win_bf16(const uint16_t *qkv, const float *cos, const float *sin, uint16_t *k,
-                       uint16_t *v, int64_t head_stride, const int64_t *dst, int n_seq,
+int attn_step_win_bf16(const uint16_t *qkv, const float *cos, const float *sin, uint8_t *k,
+                       uint8_t *v, int kt, int vt, int64_t k_hs, int64_t v_hs,
+                       const int64_t *dst, int n_seq,
                        const int64_t *const *cells, const int64_t *c0, const int64_t *len,
                        const int64_t *n_new, const int64_t *pos0, int64_t window,
                        const float *qn, const float *kn, float eps, int n_kv, int g, int d,
                        float scale, uint16_t *out, float *work, int64_t work_floats) {
-    return run(qkv, cos, sin, dst, qn, kn, eps, NULL, k, v, head_stride, n_seq, cells, c0, len,
-               n_new, pos0, window, n_kv, g, d, scale, out, work, work_floats);
+    return run(qkv, cos, sin, dst, qn, kn, eps, NULL, k, v, kt, vt, k_hs, v_hs, n_seq, cells,
+               c0, len, n_new, pos0, window, n_kv, g, d, scale, out, work, work_floats);
 }
 
 /* y [rows, nh, d] = norm_row of the nh heads of d bf16 that start each row of x (row stride

@@ -1,0 +1,68 @@
+/* KV cache types (radixserve/model/kv_types.py): one head's K or V row of one token as the pool
+ * stores it, in llama.cpp's layouts (bf16 / f16 / f32 values, or ggml's block_q8_0 /
+ * block_q4_0: an f16 scale, then 32 int8 values or 16 bytes of nibble pairs). Reading a row
+ * (kv_load_row) is inline here, for attention's inner loops; storing one (kv_store_row) is
+ * kv_rows.c's, compiled without contraction so its roundings are ggml's reference ones. */
+#ifndef RADIXSERVE_KV_ROWS_H
+#define RADIXSERVE_KV_ROWS_H
+#include <stdint.h>
+#include <string.h>
+
+#include "common.h"
+
+enum { KV_BF16 = 0, KV_F16 = 1, KV_F32 = 2, KV_Q8_0 = 3, KV_Q4_0 = 4, KV_N_TYPES = 5 };
+
+static inline float f16_to_f32(const uint8_t *p) {
+    _Float16 h;
+    memcpy(&h, p, 2);
+    return (float)h;
+}
+
+/* bytes of one row of d values (0: unknown type, or d not whole blocks) */
+static inline int64_t kv_row_bytes(int type, int d) {
+    switch (type) {
+    case KV_BF16: case KV_F16: return 2 * (int64_t)d;
+    case KV_F32: return 4 * (int64_t)d;
+    case KV_Q8_0: return d % 32 ? 0 : (int64_t)d / 32 * 34;
+    case KV_Q4_0: return d % 32 ? 0 : (int64_t)d / 32 * 18;
+    default: return 0;
+    }
+}
+
+/* A stored row -> its d values in f32: value times block scale, one f32 product (exact:
+ * 11-bit scale times a small integer), as gguf-py's dequantize. */
+static inline void kv_load_row(int type, const uint8_t *src, int d, float *dst) {
+    switch (type) {
+    case KV_BF16:
+        for (int x = 0; x < d; x++) dst[x] = bf16_to_f32(((const uint16_t *)src)[x]);
+        return;
+    case KV_F16:
+        for (int x = 0; x < d; x++) dst[x] = f16_to_f32(src + 2 * x);
+        return;
+    case KV_F32:
+        memcpy(dst, src, (size_t)d * sizeof(float));
+        return;
+    case KV_Q8_0:
+        for (int b = 0; b < d / 32; b++, src += 34, dst += 32) {
+            float s = f16_to_f32(src);
+            const int8_t *q = (const int8_t *)(src + 2);
+            for (int j = 0; j < 32; j++) dst[j] = (float)q[j] * s;
+        }
+        return;
+    default: /* KV_Q4_0 */
+        for (int b = 0; b < d / 32; b++, src += 18, dst += 32) {
+            float s = f16_to_f32(src);
+            const uint8_t *q = src + 2;
+            for (int j = 0; j < 16; j++) {
+                dst[j] = (float)((int)(q[j] & 15) - 8) * s;
+                dst[j + 16] = (float)((int)(q[j] >> 4) - 8) * s;
+            }
+        }
+        return;
+    }
+}
+
+/* d bf16 values -> one stored row of `type` (kv_rows.c) */
+void kv_store_row(int type, const uint16_t *x, int d, uint8_t *dst);
+
+#endif
