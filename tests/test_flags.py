@@ -86,7 +86,8 @@ def sample(f: Flag, tmp: Path) -> list[str]:
     (tmp / "g.gbnf").write_text('root ::= "yes" | "no"\n')
     (tmp / "s.json").write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
     special = {
-        "-ctk": "f16", "-ctv": "bf16", "-fa": "on", "-lm": "mmap", "-lzm": "on",
+        "-ctk": "q8_0", "-ctv": "q4_0", "--spec-draft-type-k": "q8_0",
+        "--spec-draft-type-v": "f16", "-fa": "on", "-lm": "mmap", "-lzm": "on",
         "--numa": "distribute", "-sm": "row", "-fit": "off", "--log-colors": "off",
         "-ngl": "99", "--spec-draft-ngl": "all", "-rea": "off", "--reasoning-format": "none",
         "--reasoning-budget": "-1", "--reasoning-effort": "high", "--spec-type": "ngram-simple",
@@ -207,6 +208,20 @@ def test_list_flags_append_and_values_are_converted(tmp_path: Path) -> None:
         .dry_sequence_breakers == []
 
 
+def test_cache_types_parse_as_llama_cpp_parses_them() -> None:
+    """Every spelling and environment variable of -ctk / -ctv / -ctkd / -ctvd sets its type,
+    the names exactly as ggml's (llama.cpp's kv_cache_type_from_str); unset: "" (the compute
+    dtype); the last of a repeated flag wins."""
+    cfg = parse_serve(["-ctk", "q8_0", "--cache-type-v", "q4_0", "-ctkd", "f16",
+                       "--cache-type-v-draft", "f32"], {}).cfg
+    assert (cfg.cache_type_k, cfg.cache_type_v) == ("q8_0", "q4_0")
+    assert (cfg.spec.cache_type_k, cfg.spec.cache_type_v) == ("f16", "f32")
+    cfg = parse_serve([], {"LLAMA_ARG_CACHE_TYPE_K": "bf16", "LLAMA_ARG_CACHE_TYPE_V": "q8_0"}).cfg
+    assert (cfg.cache_type_k, cfg.cache_type_v) == ("bf16", "q8_0")
+    cfg = parse_serve(["-ctk", "q4_0", "-ctk", "q8_0"], {}).cfg
+    assert (cfg.cache_type_k, cfg.cache_type_v) == ("q8_0", "")
+
+
 def test_api_key_sources(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# operators\nalpha\n\nbeta\n")
@@ -217,8 +232,12 @@ def test_api_key_sources(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("argv, feature", [
-    (["-ctk", "q8_0"], "quantized KV caches"),
+    (["-ctk", "q5_1"], "q5_1 is not implemented in radixserve (it stores bf16, f16, f32, "
+                       "q8_0, q4_0"),
+    (["-ctv", "iq4_nl"], "iq4_nl is not implemented"),
+    (["-ctkd", "q4_1"], "q4_1 is not implemented"),
     (["-ctv", "q9"], "Unsupported cache type"),
+    (["-ctk", "Q8_0"], "Unsupported cache type"),
     (["--spec-type", "ngram-cache"], "not supported"),
     (["-rea", "on"], "reasoning"),
     (["--reasoning-format", "deepseek-new"], "expected one of"),
