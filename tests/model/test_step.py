@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import radixserve.model.forward as fw
 from radixserve.engine.batch import BatchSeq, hidden, model_pool
 from radixserve.kv.swa import SWAPool
+from radixserve.model import kv_types
 from radixserve.model import step as G
 from radixserve.model import kernels as K
 from radixserve.model.forward import rms_norm
@@ -20,6 +21,7 @@ from radixserve.model.hparams import HParams
 from radixserve.model.loader import load_model
 from radixserve.model.rope import Rope
 from tests.model.kernel_variants import kern, threads, variant  # noqa: F401
+from tests.tiny_gguf import write_tiny_gguf
 
 BF = torch.bfloat16
 
@@ -135,11 +137,14 @@ def test_step_refuses_what_it_cannot_read(kern):
 # -- through the model ------------------------------------------------------------------------
 
 def _run(m, split: bool, ids: list[int], chunk: int, general: bool,
-         monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Logits of every position of `ids` fed in `chunk`-token steps, the global layers' K/V,
-    and how many steps took KernelStep."""
+         monkeypatch: pytest.MonkeyPatch,
+         types: str | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Logits of every position of `ids` fed in `chunk`-token steps, the global layers' K/V
+    (as stored: `types` names K's and V's cache type, None the compute dtype), and how many
+    steps took KernelStep."""
     tr = m.transformer
-    pool = model_pool(m, 256, 1, True, 128, swa_full=not split)
+    pool = model_pool(m, 256, 1, True, 128, swa_full=not split,
+                      types=None if types is None else kv_types.resolve(types, types, m.dtype))
     assert isinstance(pool, SWAPool) == split
     used = []
     real = fw.Transformer._kernel_step
@@ -213,3 +218,30 @@ def test_qwen3_takes_the_step_too(tiny_paths: dict[str, str], monkeypatch):
     got = _run(m, False, ids, 8, False, monkeypatch)
     assert got[2] == 5 and torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
+
+
+@pytest.mark.parametrize("types", ["q8_0", "q4_0", "f16"])
+def test_quantized_kv_step_equals_general_path(tmp_path, types: str, monkeypatch):
+    """With K/V stored in a cache type (a tiny gemma3 with 32-dim heads, both cache layouts):
+    the C step's store (csrc/kv_rows.c) and its attention over the stored blocks give the
+    general path's bytes and logits (kv_types.py's quantizer, the kernel reading in place),
+    whatever the chunking; and the type is really used (its rows are stored in the type)."""
+    path = write_tiny_gguf(str(tmp_path / "g32.gguf"), arch="gemma3", n_layer=6, n_embd=128,
+                           n_head=4, n_head_kv=1, seed=3, sliding_window=16)
+    m = load_model(path, "bf16")
+    assert m.hp.head_dim == 32 and m.transformer.own_attention
+    ids = [(i * 7919) % 250 + 3 for i in range(60)]
+    for split in (False, True):
+        ref, ref_k, used = _run(m, split, ids, 60, True, monkeypatch, types)
+        assert used == 0
+        for chunk in (60, 7, 1):
+            got, k, used = _run(m, split, ids, chunk, False, monkeypatch, types)
+            assert used == -(-60 // chunk), (split, chunk)
+            assert torch.equal(got, ref) and torch.equal(k, ref_k), (split, chunk)
+        bf, bf_k, _ = _run(m, split, ids, 60, False, monkeypatch)
+        t = kv_types.TYPES[types]
+        assert k.dtype == t.storage and k.shape[-1] == t.width(32)
+        # (f16 holds these bf16 values exactly: its rows read back as bf16's)
+        assert torch.equal(t.dequantize(k, BF), bf_k) != t.quantized
+        # the types' logits stay close to bf16 KV's
+        assert (got - bf).abs().max() < 0.25 * bf.abs().max()
