@@ -30,6 +30,7 @@ SLOW_FILES: dict[str, str] = {
     "tests/engine/test_context_shift.py": "default-model generation",
     "tests/engine/test_deterministic.py": "default-model generation",
     "tests/engine/test_disk_tier.py": "default-model generation",
+    "tests/engine/test_kv_types.py": "default-model generation",
     "tests/engine/test_slot_actions.py": "default-model generation",
     "tests/engine/test_speculative.py": "default-model generation",
     "tests/engine/test_reuse.py": "default-model generation",

@@ -21,6 +21,7 @@ from tests.tiers import file_of
 HEAVY: dict[str, float] = {
     "tests/model/test_deterministic.py": 226,
     "tests/engine/test_deterministic.py": 220,
+    "tests/engine/test_kv_types.py": 40,
     "tests/http/test_api.py": 125,
     "tests/model/test_gemma3.py": 117,
     "tests/http/test_swa_http.py": 98,

@@ -435,6 +435,11 @@ def test_props_shape(tiny_model: Any) -> None:
         "cache_disk": False, "cache_disk_mib": 10240, "cache_disk_block": 64,
     }
     assert ours["default_generation_settings"]["n_ctx"] == 4096
+    # the KV cache types (ours): the compute dtype unless -ctk / -ctv name one
+    assert (ours["cache_type_k"], ours["cache_type_v"]) == ("f32", "f32")
+    typed = info.props_json(tiny_model, facts, ServerConfig(cache_type_k="q8_0",
+                                                            cache_type_v="q4_0"), 4096, 4, {})
+    assert (typed["cache_type_k"], typed["cache_type_v"]) == ("q8_0", "q4_0")
 
 
 def test_models_shape(tiny_model: Any) -> None:
