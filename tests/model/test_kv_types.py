@@ -89,9 +89,10 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int,
 @pytest.mark.parametrize("kv", ["q8_0", "q4_0", "q8_0/f16", "f32/q4_0", "bf16/q8_0", "f16"])
 def test_attention_over_stored_rows_equals_dequantize_then_attend(variant: str, kv: str):
     """A decode query and a 20-query prefill over 600 keys in gathered cells (three of the
-    kernel's 256-position blocks), plain and windowed: the kernel reading the stored blocks in
-    place is within |err| <= 2^-8 |ref| + 2^-10 max|V| of f64 attention over the dequantized
-    rows (the output's bf16 rounding is 2^-9; f32 sums and the exp polynomial add far less),
+    kernel's 256-position blocks), plain and windowed: the kernel reading the stored rows
+    (converted to bf16 once a call) is within |err| <= 2^-8 |ref| + 2^-10 max|V| of f64
+    attention over the dequantized rows in bf16 (the output's bf16 rounding is 2^-9; f32 sums
+    and the exp polynomial add far less),
     and each query's bits are those it gets alone (no dependence on the call's other queries)."""
     kern = variant_kernels(variant)
     kt, vt = (TYPES[n] for n in (kv.split("/") * 2)[:2])
@@ -101,7 +102,8 @@ def test_attention_over_stored_rows_equals_dequantize_then_attend(variant: str, 
     vx = torch.randn(n_kv, n_cells, d, generator=gen).to(BF)
     kq, vq = kt.quantize(kx).contiguous(), vt.quantize(vx).contiguous()
     cells = torch.randperm(n_cells, generator=gen)[:length]
-    kd, vd = (t.dequantize(s[:, cells], torch.float32) for t, s in ((kt, kq), (vt, vq)))
+    # what the kernel reads: the stored rows dequantized, rounded to bf16 (the compute dtype)
+    kd, vd = (t.dequantize(s[:, cells], BF).float() for t, s in ((kt, kq), (vt, vq)))
     vmax = vd.abs().max().item()
     q = torch.randn(20, n_kv * g, d, generator=gen).to(BF)
     for window, pos0 in ((0, 0), (100, 37)):

@@ -32,8 +32,9 @@
  *
  * Layout: q [T, n_kv * g, d] bf16 (query heads of KV head h are rows h*g .. h*g+g-1);
  * k, v: rows of cache types kt, vt (kv_rows.h: bf16, f16, f32, q8_0, q4_0), KV head h at byte
- * h * k_hs (v_hs), cell c its row c; bf16 K and V take the vector paths, other types the
- * plain C reading each row through kv_load_row, and a step stores its new rows in those types;
+ * h * k_hs (v_hs), cell c its row c. Every path reads bf16 rows: for other types a call first
+ * converts the rows its lists name, once each, to bf16 (the values rounded to bf16, as the
+ * compute dtype holds them) in a scratch of its own, and attends over that;
  * a sequence's cells: len cell indices, or NULL for the run c0 .. c0+len-1, its n_new queries
  * being the last n_new of them (rows of q in sequence order), pos0 the position of its first
  * entry (positions contiguous; NULL: every list starts at 0); out [T, n_kv * g, d] bf16;
@@ -44,6 +45,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <stdlib.h>
+
 #include "common.h"
 #include "kv_rows.h"
 
@@ -52,24 +55,24 @@
 #define GPF 16 /* keys ahead whose rows the portable loop prefetches */
 
 /* Keys [j0, j1) of the list for the g query heads of one KV head: (max, sum, acc[d]) per head. */
-static void attend_share_generic(const uint16_t *q, const uint8_t *kh, const uint8_t *vh,
-                                 int kt, int vt, const int64_t *cells, int64_t c0, int64_t j0,
-                                 int64_t j1, int g, int d, float scale, float *s,
-                                 int64_t s_stride, float *part) {
-    const int64_t kb = kv_row_bytes(kt, d), vb = kv_row_bytes(vt, d);
+static void attend_share_generic(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
+                         const int64_t *cells, int64_t c0, int64_t j0, int64_t j1, int g, int d,
+                         float scale, float *s, int64_t s_stride, float *part) {
     float qf[MAXG][MAXD], acc[MAXG][MAXD], row[MAXD], m[MAXG];
     for (int a = 0; a < g; a++) {
         for (int x = 0; x < d; x++) qf[a][x] = bf16_to_f32(q[a * d + x]) * scale;
         m[a] = -INFINITY;
     }
     for (int64_t j = j0; j < j1; j++) {
-        const uint8_t *kr = kh + (cells ? cells[j] : c0 + j) * kb;
+        const uint16_t *kr = kh + (cells ? cells[j] : c0 + j) * d;
         if (j + GPF < j1) { /* the key GPF ahead, and its value row for the second pass */
             int64_t e = cells ? cells[j + GPF] : c0 + j + GPF;
-            for (int c = 0; c < kb; c += 64) __builtin_prefetch(kh + e * kb + c, 0, 3);
-            for (int c = 0; c < vb; c += 64) __builtin_prefetch(vh + e * vb + c, 0, 2);
+            for (int c = 0; c < 2 * d; c += 64) {
+                __builtin_prefetch((const char *)(kh + e * d) + c, 0, 3);
+                __builtin_prefetch((const char *)(vh + e * d) + c, 0, 2);
+            }
         }
-        kv_load_row(kt, kr, d, row);
+        for (int x = 0; x < d; x++) row[x] = bf16_to_f32(kr[x]);
         for (int a = 0; a < g; a++) {
             float dot = 0.f;
             for (int x = 0; x < d; x++) dot += qf[a][x] * row[x];
@@ -90,7 +93,8 @@ static void attend_share_generic(const uint16_t *q, const uint8_t *kh, const uin
         for (int x = 0; x < d; x++) acc[a][x] = 0.f;
     }
     for (int64_t j = j0; j < j1; j++) {
-        kv_load_row(vt, vh + (cells ? cells[j] : c0 + j) * vb, d, row);
+        const uint16_t *vr = vh + (cells ? cells[j] : c0 + j) * d;
+        for (int x = 0; x < d; x++) row[x] = bf16_to_f32(vr[x]);
         for (int a = 0; a < g; a++) {
             float p = s[a * s_stride + (j - j0)];
             for (int x = 0; x < d; x++) acc[a][x] += p * row[x];
@@ -260,11 +264,57 @@ static inline void v_pairs(const uint16_t *v0, const uint16_t *v1, __m512bh x[4]
  * so one instruction adds two keys' contributions, in 64-dimension slices of the output (4 g
  * accumulators). g and d are constants in each compiled copy (attend_share's switch): with a
  * variable g the compiler kept every head's 16 sums at once and spilled them to the stack. */
+/* Block b (32 values) of a stored row of `type` (f16, q8_0 or q4_0) -> 32 bf16 at dst, the
+ * bits of kv_load_bf16: each value's f32 (an exact product, never subnormal) rounded to
+ * nearest even by vcvtne2ps2bf16. */
+static inline void block_bf16(int type, const uint8_t *row, int b, uint16_t *dst) {
+    __m512 f0, f1;
+    if (type == KV_F16) {
+        const __m256i *p = (const __m256i *)(row + 64 * b);
+        f0 = _mm512_cvtph_ps(_mm256_loadu_si256(p));
+        f1 = _mm512_cvtph_ps(_mm256_loadu_si256(p + 1));
+    } else {
+        const uint8_t *p = row + (type == KV_Q8_0 ? 34 : 18) * b;
+        uint16_t h;
+        memcpy(&h, p, 2);
+        __m512 sc = _mm512_set1_ps(_cvtsh_ss(h));
+        __m512i i0, i1;
+        if (type == KV_Q8_0) {
+            i0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 2)));
+            i1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 18)));
+        } else { /* q4_0: value j in the low nibble of byte j, value j + 16 in its high one */
+            __m128i x = _mm_loadu_si128((const __m128i *)(p + 2)), m4 = _mm_set1_epi8(15);
+            __m512i e8 = _mm512_set1_epi32(8);
+            i0 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(x, m4)), e8);
+            i1 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(x, 4), m4)),
+                                  e8);
+        }
+        f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(i0), sc);
+        f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(i1), sc);
+    }
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
+}
+
+/* Row `cell` of a K or V head as bf16: in place for bf16, else its blocks b0 .. b0 + nb - 1
+ * converted into tmp (block_bf16); the pointer is at the row's value 32 b0. */
+static inline const uint16_t *row_bf16(const uint8_t *h, int type, int64_t rb, int64_t cell,
+                                       int b0, int nb, uint16_t *tmp) {
+    const uint8_t *row = h + cell * rb;
+    if (type == KV_BF16) return (const uint16_t *)row + 32 * b0;
+    for (int b = 0; b < nb; b++) block_bf16(type, row, b0 + b, tmp + 32 * b);
+    return tmp;
+}
+
+/* `kt`, `vt`: the rows' cache types (kb, vb bytes a row): bf16 rows are read in place, f16 /
+ * q8_0 / q4_0 rows converted block by block to bf16 as they are read (a decode step reads
+ * each row once; many queries read a pre-converted copy instead: run). */
 static inline __attribute__((always_inline)) void attend_bf16(
-    const uint16_t *q, const uint16_t *kh, const uint16_t *vh, const int64_t *cells, int64_t c0,
-    int64_t j0, int64_t j1, const int g, const int d, float scale, float *s, int64_t s_stride,
-    uint16_t *pb, float *part) {
+    const uint16_t *q, const uint8_t *kh, const uint8_t *vh, int kt, int vt, int64_t kb,
+    int64_t vb, const int64_t *cells, int64_t c0, int64_t j0, int64_t j1, const int g,
+    const int d, float scale, float *s, int64_t s_stride, uint16_t *pb, float *part) {
     const int nc = d / 32; /* 32-value chunks of a row */
+    const int64_t vslice = 2 * vb / nc; /* bytes of 64 values of a V row */
+    uint16_t kbuf[16 * MAXD], vbuf[2][64];
     float m[MAXG];
     int64_t n = j1 - j0, j = 0;
     __m512 vmax[MAXG];
@@ -272,16 +322,17 @@ static inline __attribute__((always_inline)) void attend_bf16(
     for (; j + 16 <= n; j += 16) {
         const uint16_t *kr[16];
         for (int jj = 0; jj < 16; jj++) {
-            kr[jj] = kh + (cells ? cells[j0 + j + jj] : c0 + j0 + j + jj) * d;
+            kr[jj] = row_bf16(kh, kt, kb, cells ? cells[j0 + j + jj] : c0 + j0 + j + jj, 0, nc,
+                              kbuf + jj * d);
             /* a key row is d / 32 cache lines; fetch PF keys ahead, and the same keys' value
              * rows into L2 for the p.V pass (the block's V was a second cold stream: in a
              * decode step the K/V come from memory; ~5% a layer with caches flushed) */
             if (j + jj + PF < n) {
                 int64_t e = j0 + j + jj + PF;
                 int64_t ce = cells ? cells[e] : c0 + e;
-                const char *kp = (const char *)(kh + ce * d), *vp = (const char *)(vh + ce * d);
-                for (int c = 0; c < nc; c++) _mm_prefetch(kp + 64 * c, _MM_HINT_T0);
-                for (int c = 0; c < nc; c++) _mm_prefetch(vp + 64 * c, _MM_HINT_T1);
+                const char *kp = (const char *)(kh + ce * kb), *vp = (const char *)(vh + ce * vb);
+                for (int64_t o = 0; o < kb; o += 64) _mm_prefetch(kp + o, _MM_HINT_T0);
+                for (int64_t o = 0; o < vb; o += 64) _mm_prefetch(vp + o, _MM_HINT_T1);
             }
         }
         for (int a = 0; a < g; a++) {
@@ -300,7 +351,8 @@ static inline __attribute__((always_inline)) void attend_bf16(
     }
     for (int a = 0; a < g; a++) m[a] = _mm512_reduce_max_ps(vmax[a]);
     for (; j < n; j++) {
-        const uint16_t *kr = kh + (cells ? cells[j0 + j] : c0 + j0 + j) * d;
+        const uint16_t *kr = row_bf16(kh, kt, kb, cells ? cells[j0 + j] : c0 + j0 + j, 0, nc,
+                                      kbuf);
         for (int a = 0; a < g; a++) {
             __m512 acc = _mm512_setzero_ps();
             for (int c = 0; c < nc; c++)
@@ -318,16 +370,16 @@ static inline __attribute__((always_inline)) void attend_bf16(
         for (int a = 0; a < g; a++)
             for (int r = 0; r < 4; r++) acc[a][r] = _mm512_setzero_ps();
         for (j = 0; j < n; j += 2) {
-            const uint16_t *v0 = vh + (cells ? cells[j0 + j] : c0 + j0 + j) * d + 64 * c;
+            const uint16_t *v0 = row_bf16(vh, vt, vb, cells ? cells[j0 + j] : c0 + j0 + j,
+                                          2 * c, 2, vbuf[0]);
             for (int64_t e = j + PF; e < j + PF + 2 && e < n; e++) {
-                const char *vp = (const char *)(vh + (cells ? cells[j0 + e] : c0 + j0 + e) * d
-                                                + 64 * c);
-                _mm_prefetch(vp, _MM_HINT_T0);
-                _mm_prefetch(vp + 64, _MM_HINT_T0);
+                const char *vp = (const char *)vh + (cells ? cells[j0 + e] : c0 + j0 + e) * vb
+                                 + vslice * c;
+                for (int64_t o = 0; o < vslice; o += 64) _mm_prefetch(vp + o, _MM_HINT_T0);
             }
             __m512bh x[4];
-            v_pairs(v0, j + 1 < n ? vh + (cells ? cells[j0 + j + 1] : c0 + j0 + j + 1) * d + 64 * c
-                                  : NULL, x);
+            v_pairs(v0, j + 1 < n ? row_bf16(vh, vt, vb, cells ? cells[j0 + j + 1]
+                                             : c0 + j0 + j + 1, 2 * c, 2, vbuf[1]) : NULL, x);
             for (int a = 0; a < g; a++) {
                 __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[a * s_stride + j / 2]);
                 for (int r = 0; r < 4; r++) acc[a][r] = _mm512_dpbf16_ps(acc[a][r], x[r], w);
@@ -348,18 +400,25 @@ static inline __attribute__((always_inline)) void attend_bf16(
 
 #define BF_CASE(G, D)                                                                          \
     case (G) * 1024 + (D):                                                                      \
-        attend_bf16(q, k16, v16, cells, c0, j0, j1, G, D, scale, s, s_stride, pairs, part);    \
+        attend_bf16(q, kh, vh, kt, vt, kb, vb, cells, c0, j0, j1, G, D, scale, s, s_stride,    \
+                    pairs, part);                                                               \
         return;
 
-/* bf16 K and V take their vector paths; every other pair of cache types the plain C, a row
- * at a time through kv_load_row (in the same blocks, so the guarantees above hold for them) */
-static void attend_share(const uint16_t *q, const uint8_t *kh, const uint8_t *vh, int kt, int vt,
-                         const int64_t *cells, int64_t c0, int64_t j0, int64_t j1, int g, int d,
-                         float scale, float *s, int64_t s_stride, uint16_t *pairs, float *part) {
-    const uint16_t *k16 = (const uint16_t *)kh, *v16 = (const uint16_t *)vh;
-    int bf = kt == KV_BF16 && vt == KV_BF16;
+/* Whether attend_share reads f16 / q8_0 / q4_0 rows itself (attend_bf16), for head size d;
+ * elsewhere run converts them first. */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (bf) switch (g * 1024 + d) { /* the group sizes and head sizes of the models we run */
+#define READS_TYPED(d) ((d) % 64 == 0 && (d) <= MAXD)
+#else
+#define READS_TYPED(d) 0
+#endif
+
+/* kh, vh: a KV head's rows of types kt, vt (kb, vb bytes a row): bf16 unless READS_TYPED */
+static void attend_share(const uint16_t *q, const uint8_t *kh, const uint8_t *vh, int kt, int vt,
+                         int64_t kb, int64_t vb, const int64_t *cells, int64_t c0, int64_t j0,
+                         int64_t j1, int g, int d, float scale, float *s, int64_t s_stride,
+                         uint16_t *pairs, float *part) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    switch (g * 1024 + d) { /* the group sizes and head sizes of the models we run */
         BF_CASE(1, 64) BF_CASE(2, 64) BF_CASE(3, 64) BF_CASE(4, 64) BF_CASE(5, 64)
         BF_CASE(6, 64) BF_CASE(7, 64) BF_CASE(8, 64)
         BF_CASE(1, 128) BF_CASE(2, 128) BF_CASE(4, 128) BF_CASE(8, 128)
@@ -367,21 +426,22 @@ static void attend_share(const uint16_t *q, const uint8_t *kh, const uint8_t *vh
     default:
         break;
     }
-    if (bf && d % 64 == 0 && d <= MAXD) {
-        attend_bf16(q, k16, v16, cells, c0, j0, j1, g, d, scale, s, s_stride, pairs, part);
+    if (d % 64 == 0 && d <= MAXD) {
+        attend_bf16(q, kh, vh, kt, vt, kb, vb, cells, c0, j0, j1, g, d, scale, s, s_stride,
+                    pairs, part);
         return;
     }
 #else
-    (void)pairs;
+    (void)pairs, (void)kt, (void)vt, (void)kb, (void)vb;
 #endif
+    const uint16_t *k16 = (const uint16_t *)kh, *v16 = (const uint16_t *)vh;
 #if defined(RS_NEON)
-    if (bf && d % 4 == 0 && d <= MAXD) {
+    if (d % 4 == 0 && d <= MAXD) {
         attend_neon(q, k16, v16, cells, c0, j0, j1, g, d, scale, s, s_stride, part);
         return;
     }
 #endif
-    (void)k16, (void)v16, (void)bf;
-    attend_share_generic(q, kh, vh, kt, vt, cells, c0, j0, j1, g, d, scale, s, s_stride, part);
+    attend_share_generic(q, k16, v16, cells, c0, j0, j1, g, d, scale, s, s_stride, part);
 }
 
 
@@ -426,9 +486,10 @@ int64_t attn_work_floats(int64_t max_len, int64_t n_tok, int n_kv, int g, int d)
 /* Keys [j0, j1) of a list for the g query heads of one KV head -> part (g rows of max, sum,
  * acc[d]); s: 2 g SSTRIDE floats of scratch, 64-byte aligned. */
 ONE_COPY static void attend_block(const uint16_t *q, const uint8_t *kh, const uint8_t *vh,
-                                  int kt, int vt, const int64_t *cells, int64_t c0, int64_t j0,
-                                  int64_t j1, int g, int d, float scale, float *s, float *part) {
-    attend_share(q, kh, vh, kt, vt, cells, c0, j0, j1, g, d, scale, s, SSTRIDE,
+                                  int kt, int vt, int64_t kb, int64_t vb, const int64_t *cells,
+                                  int64_t c0, int64_t j0, int64_t j1, int g, int d, float scale,
+                                  float *s, float *part) {
+    attend_share(q, kh, vh, kt, vt, kb, vb, cells, c0, j0, j1, g, d, scale, s, SSTRIDE,
                  (uint16_t *)(s + g * SSTRIDE), part); /* the bf16 weights of the V pass */
 }
 
@@ -509,6 +570,55 @@ static void block_of(const span_t *sp, int64_t b, int64_t *j0, int64_t *j1) {
     *j1 = (hi < sp->p + 1 ? hi : sp->p + 1) - sp->p0;
 }
 
+/* The rows attention reads: rows of types kt, vt (kb, vb bytes), K/V heads ks / vs bytes apart,
+ * each sequence's cells or run. */
+typedef struct {
+    const uint8_t *k, *v;
+    int kt, vt;
+    int64_t kb, vb, ks, vs;
+    const int64_t *const *cells, *c0;
+    int64_t total; /* > 0: converted rows, sequence s's at rows c0[s] .. c0[s] + len[s] - 1 */
+} bf16_rows_t;
+
+/* The calling thread's scratch for converted rows, grown (never shrunk) to `bytes`: one per
+ * thread, as concurrent calls from two threads must not share it; the engine calls from one. */
+static void *thread_scratch(size_t bytes) {
+    static _Thread_local void *buf;
+    static _Thread_local size_t have;
+    if (bytes > have) {
+        free(buf);
+        buf = malloc(bytes);
+        have = buf ? bytes : 0;
+    }
+    return buf;
+}
+
+/* Point rd at a scratch for every list's rows in bf16 (filled inside run's parallel region,
+ * after the step's store): per KV head, the sequences' rows one after another. -2: no memory. */
+static int to_bf16_scratch(int n_seq, const int64_t *len, int n_kv, int d, bf16_rows_t *rd) {
+    int64_t total = 0;
+    for (int s = 0; s < n_seq; s++) total += len[s];
+    size_t rows = (size_t)(2 * n_kv * total) * (size_t)d * sizeof(uint16_t);
+    size_t seqs = (size_t)n_seq * (sizeof(int64_t) + sizeof(int64_t *));
+    uint8_t *b = thread_scratch(rows + seqs);
+    if (!b) return -2;
+    int64_t *c0 = (int64_t *)(b + rows);
+    const int64_t **cells = (const int64_t **)(c0 + n_seq);
+    for (int s = 0, at = 0; s < n_seq; at += len[s], s++) {
+        c0[s] = at;
+        cells[s] = NULL;
+    }
+    rd->k = b;
+    rd->v = b + rows / 2;
+    rd->kt = rd->vt = KV_BF16;
+    rd->kb = rd->vb = 2 * (int64_t)d;
+    rd->ks = rd->vs = total * d * 2;
+    rd->cells = cells;
+    rd->c0 = c0;
+    rd->total = total;
+    return 0;
+}
+
 /* attn_causal_win_bf16, with, when qkv is given, the step's RoPE and K/V store first (q is then
  * the rotated rows, kept in the scratch), each q and k head RMS-normed by qn / kn first when
  * they are given. */
@@ -538,6 +648,16 @@ static int run(const uint16_t *qkv, const float *cos, const float *sin, const in
         q = qr;
         w += round16((n_tok * nh * d + 1) / 2);
     }
+    /* what attention reads: the pool's bf16 rows in place, or the rows of the lists converted
+     * (one run of rows a sequence, its lists' order: cells NULL, c0 its first row) */
+    bf16_rows_t rd = {k, v, kt, vt, kb, vb, k_hs, v_hs, cells, c0, 0};
+    /* other types than bf16: read in place, converted as read, when each row is read about
+     * once (a decode step) and this build's path can (f32 never: its subnormals would convert
+     * otherwise than kv_load_bf16's); else converted once into the scratch (a prefill chunk,
+     * whose rows every query reads). The same bf16 values either way: the same bits. */
+    int typed = kt != KV_BF16 || vt != KV_BF16;
+    int in_place = READS_TYPED(d) && n_tok <= 2 * (int64_t)n_seq && kt != KV_F32 && vt != KV_F32;
+    if (typed && !in_place && to_bf16_scratch(n_seq, len, n_kv, d, &rd) != 0) return -2;
     int64_t nb = n_blocks(max_len), pf = parts_floats(nb, g, d), tf = thread_floats(nb, g, d);
     int64_t n_items = n_tok * n_kv, gd = (int64_t)g * (2 + d);
     float *shared = w + nt * tf;
@@ -550,7 +670,7 @@ static int run(const uint16_t *qkv, const float *cos, const float *sin, const in
             for (int64_t t = 0; t < n_tok; t++) {
                 const uint16_t *x = qkv + t * row;
                 const float *ct = cos + t * d, *st = sin + t * d;
-                uint16_t nrm[MAXD], rot[MAXD];
+                uint16_t nrm[MAXD];
                 for (int h = 0; h < nh; h++) {
                     const uint16_t *src = x + h * d;
                     if (qn) {
@@ -561,6 +681,7 @@ static int run(const uint16_t *qkv, const float *cos, const float *sin, const in
                 }
                 for (int h = 0; h < n_kv; h++) {
                     const uint16_t *src = x + (nh + h) * d;
+                    uint16_t rot[MAXD];
                     if (kn) {
                         norm_row(src, kn, d, eps, nrm);
                         src = nrm;
@@ -570,6 +691,17 @@ static int run(const uint16_t *qkv, const float *cos, const float *sin, const in
                     kv_store_row(vt, x + (nh + n_kv + h) * d, d, v + h * v_hs + dst[t] * vb);
                 }
             } /* its barrier: every new key is stored before a query reads it */
+        }
+        if (rd.total) { /* the rows of every list, in bf16 (the new ones stored just above) */
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < n_kv * rd.total; r++) {
+                int64_t h = r / rd.total, j = r % rd.total;
+                int sq = 0;
+                while (j >= rd.c0[sq] + len[sq]) sq++;
+                int64_t e = j - rd.c0[sq], cell = cells[sq] ? cells[sq][e] : c0[sq] + e;
+                kv_load_bf16(kt, k + h * k_hs + cell * kb, d, (uint16_t *)rd.k + r * d);
+                kv_load_bf16(vt, v + h * v_hs + cell * vb, d, (uint16_t *)rd.v + r * d);
+            }
         }
         /* item p: KV head p / n_tok of query row p % n_tok */
         if (use_flat) {
@@ -582,8 +714,9 @@ static int run(const uint16_t *qkv, const float *cos, const float *sin, const in
                     if (b >= span_of(pos0 ? pos0[sq] : 0, len[sq], n_new[sq], i, window, &sp))
                         continue;
                     block_of(&sp, b, &j0, &j1);
-                    attend_block(q + (t * nh + h * g) * d, k + h * k_hs, v + h * v_hs, kt, vt,
-                                 cells[sq], c0[sq], j0, j1, g, d, scale,
+                    attend_block(q + (t * nh + h * g) * d, rd.k + h * rd.ks, rd.v + h * rd.vs,
+                                 rd.kt, rd.vt, rd.kb, rd.vb, rd.cells[sq], rd.c0[sq], j0, j1, g,
+                                 d, scale,
                                  s, shared + p * pf + b * gd);
                 }
 #pragma omp for schedule(static)
@@ -604,8 +737,9 @@ static int run(const uint16_t *qkv, const float *cos, const float *sin, const in
                 int64_t nbq = span_of(pos0 ? pos0[sq] : 0, len[sq], n_new[sq], i, window, &sp);
                 for (int64_t b = 0; b < nbq; b++) {
                     block_of(&sp, b, &j0, &j1);
-                    attend_block(q + (t * nh + h * g) * d, k + h * k_hs, v + h * v_hs, kt, vt,
-                                 cells[sq], c0[sq], j0, j1, g, d, scale,
+                    attend_block(q + (t * nh + h * g) * d, rd.k + h * rd.ks, rd.v + h * rd.vs,
+                                 rd.kt, rd.vt, rd.kb, rd.vb, rd.cells[sq], rd.c0[sq], j0, j1, g,
+                                 d, scale,
                                  s, mine + b * gd);
                 }
                 merge_blocks(mine, nbq, g, d, out + (t * nh + h * g) * d);
