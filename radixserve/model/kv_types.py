@@ -9,9 +9,10 @@ tree, the legacy cache, disk blocks, slot files) copies these bytes as they are:
 copy and restored KV equals recomputed KV bit for bit.
 
 A row is quantized from that row alone (its own blocks' maxima), so a token's stored K/V does
-not depend on what else shares the step: the deterministic mode holds. The attention kernel
-(csrc/decode_attn.c) reads the blocks in place; torch's attention (SDPA) reads `dequantize`d
-rows. csrc/kv_rows.c quantizes with these roundings, bit for bit (tested).
+not depend on what else shares the step: the deterministic mode holds. Attention reads every
+type at the compute dtype's precision: the kernel (csrc/decode_attn.c) converts each row to bf16
+as a decode step reads it, or once a call for a prefill chunk; torch's attention (SDPA) reads
+`dequantize`d rows. csrc/kv_rows.c quantizes with these roundings, bit for bit (tested).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from radixserve.kv.pool import KVPool
 from radixserve.kv.state import (StateError, draft_state_size, fingerprint_of,
                                   get_draft_state, parse_draft_state, set_draft_state)
 from radixserve.model.forward import Transformer
+from radixserve.model.kv_types import resolve
 from tests.conftest import make_pool, make_transformer, restore
 
 A = list(range(1000, 1040))
@@ -27,19 +28,20 @@ def draft_tr(tiny_paths: dict[str, str]) -> Transformer:
     return make_transformer(tiny_paths["qwen3"])
 
 
-def pool_with_draft(tr: Transformer, dtr: Transformer, **kw) -> KVPool:
+def pool_with_draft(tr: Transformer, dtr: Transformer, draft_types: str = "", **kw) -> KVPool:
+    """`draft_types`: the draft rows' cache type (-ctkd / -ctvd; "": the draft's dtype)."""
     pool = make_pool(tr, **kw)
     hp = dtr.hp
     attach_draft(pool, hp.n_layer, hp.n_head_kv, hp.head_dim, dtr.dtype, dtr.rope.rotate,
-                 hp.arch)
+                 hp.arch, resolve(draft_types, draft_types, dtr.dtype))
     return pool
 
 
 def run(tr: Transformer, dtr: Transformer, pool: KVPool, batch: list[BatchSeq]) -> None:
     """Both models over the same new cells (what the scheduler does)."""
     steps = place(pool, batch)
-    tr.hidden(pool.k, pool.v, steps)
-    dtr.hidden(pool.draft.k, pool.draft.v, steps)
+    tr.hidden(pool.k, pool.v, steps, types=pool.types)
+    dtr.hidden(pool.draft.k, pool.draft.v, steps, types=pool.draft.types)
 
 
 def drows(pool: KVPool, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +98,29 @@ def test_draft_state_round_trip_and_refusals(tiny_tr, draft_tr, tiny_path):
     other = pool_with_draft(tiny_tr, tiny_tr, n_cells=256, n_seq=2)  # a draft of another shape
     run(tiny_tr, tiny_tr, other, [BatchSeq(0, A, 0)])
     with pytest.raises(StateError, match="another model"):
+        set_draft_state(other, 0, data)
+
+
+def test_quantized_draft_rows_round_trip_and_another_type_is_refused(tiny_tr, draft_tr):
+    """-ctkd q8_0: the draft rows are stored as q8_0 blocks (written by the draft's forward,
+    on torch's path in f32), a draft state carries those bytes back exactly, and a pool whose
+    draft rows are of another type refuses it naming the cache type."""
+    pool = pool_with_draft(tiny_tr, draft_tr, "q8_0", n_cells=128, n_seq=2)
+    run(tiny_tr, draft_tr, pool, [BatchSeq(0, A, 0)])
+    k, v = drows(pool, 0)
+    assert k.dtype == torch.uint8 and k.shape[-1] == 128 // 32 * 34
+    assert pool.draft.fp.dtype == "q8_0"
+    # the rows are the float draft's rows, quantized
+    fk, _ = fresh(tiny_tr, draft_tr, A)
+    assert torch.equal(k, pool.draft.types[0].quantize(fk))
+    data = get_draft_state(pool, 0)
+    pool.seq_cp(0, 1)
+    pool.draft.k[:, :, torch.tensor(pool.seq_cells(1))] = 0
+    set_draft_state(pool, 1, data)
+    assert all(torch.equal(a, b) for a, b in zip(drows(pool, 1), (k, v)))
+    other = pool_with_draft(tiny_tr, draft_tr, "q4_0", n_cells=128, n_seq=1)
+    run(tiny_tr, draft_tr, other, [BatchSeq(0, A, 0)])
+    with pytest.raises(StateError, match="cache type .dtype: file 'q8_0' != model 'q4_0'"):
         set_draft_state(other, 0, data)
 
 

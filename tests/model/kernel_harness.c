@@ -265,6 +265,7 @@ static void attention(void) {
                                           c0, len, n_new, pos0, 100, qn, kn, 1e-6f, n_kv, g, d,
                                           0.125f, out, work, wf));
         emit(name, out, sizeof(uint16_t) * (size_t)(T * n_kv * g * d));
+        snprintf(name, sizeof name, "stored by attn_step t%d g%d", t, g);
         emit(name, k, (size_t)(n_kv * stride));
         emit(name, v, (size_t)(n_kv * stride));
         snprintf(name, sizeof name, "attn_head_norm g%d", g);

@@ -581,13 +581,16 @@ typedef struct {
 } bf16_rows_t;
 
 /* The calling thread's scratch for converted rows, grown (never shrunk) to `bytes`: one per
- * thread, as concurrent calls from two threads must not share it; the engine calls from one. */
+ * thread, as concurrent calls from two threads must not share it; the engine calls from one.
+ * 64-byte aligned, as torch's tensors (the pool's rows) are: the plain C's vectorized loops
+ * may peel to an alignment, and their sums must not depend on where a row lies. */
 static void *thread_scratch(size_t bytes) {
     static _Thread_local void *buf;
     static _Thread_local size_t have;
     if (bytes > have) {
         free(buf);
-        buf = malloc(bytes);
+        bytes = (bytes + 63) & ~(size_t)63;
+        buf = aligned_alloc(64, bytes);
         have = buf ? bytes : 0;
     }
     return buf;
