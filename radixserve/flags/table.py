@@ -136,6 +136,11 @@ def _kv_type(v: str) -> str:
     return v
 
 
+def _cache_type(spec: str, whose: str, attr: str, env: str) -> Flag:
+    return flag(spec, HONORED, f"{whose} cache type: {' '.join(KV_BUILT)} (default: the compute "
+                "dtype); every tier stores it", set_(attr, _kv_type), env="LLAMA_ARG_" + env)
+
+
 def _api_key(p: Parsed, v: str) -> None:
     p.cfg.api_key += _csv(v)
 
@@ -421,12 +426,8 @@ SERVE_FLAGS: list[Flag] = [
     flag("--repack", NA, "weights are packed by radixserve's own loader (--weights)",
          neg="-nr, --no-repack", env="LLAMA_ARG_REPACK"),
     flag("--no-host", NA, GPU, env="LLAMA_ARG_NO_HOST"),
-    flag("-ctk, --cache-type-k TYPE", H, "K cache type: bf16 f16 f32 q8_0 q4_0 (default: the "
-         "compute dtype); every tier stores it", set_("cache_type_k", _kv_type),
-         env="LLAMA_ARG_CACHE_TYPE_K"),
-    flag("-ctv, --cache-type-v TYPE", H, "V cache type: bf16 f16 f32 q8_0 q4_0 (default: the "
-         "compute dtype); every tier stores it", set_("cache_type_v", _kv_type),
-         env="LLAMA_ARG_CACHE_TYPE_V"),
+    _cache_type("-ctk, --cache-type-k TYPE", "K", "cache_type_k", "CACHE_TYPE_K"),
+    _cache_type("-ctv, --cache-type-v TYPE", "V", "cache_type_v", "CACHE_TYPE_V"),
     flag("-dt, --defrag-thold N", NA, "deprecated in llama-server; the KV pool never fragments "
          "a sequence's reads", check(F), env="LLAMA_ARG_DEFRAG_THOLD"),
     flag("--rpc SERVERS", NO, "RPC backends (model split over machines) are not implemented",
@@ -491,12 +492,10 @@ SERVE_FLAGS: list[Flag] = [
          neg="--no-log-prefix", env="LLAMA_ARG_LOG_PREFIX"),
     flag("--log-timestamps", H, "timestamps in log lines", set_("log_timestamps", bool),
          neg="--no-log-timestamps", env="LLAMA_ARG_LOG_TIMESTAMPS"),
-    flag("--spec-draft-type-k, -ctkd, --cache-type-k-draft TYPE", H, "the draft model's K "
-         "cache type (as -ctk)", set_("spec.cache_type_k", _kv_type),
-         env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K"),
-    flag("--spec-draft-type-v, -ctvd, --cache-type-v-draft TYPE", H, "the draft model's V "
-         "cache type (as -ctv)", set_("spec.cache_type_v", _kv_type),
-         env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V"),
+    _cache_type("--spec-draft-type-k, -ctkd, --cache-type-k-draft TYPE", "the draft model's K",
+                "spec.cache_type_k", "SPEC_DRAFT_CACHE_TYPE_K"),
+    _cache_type("--spec-draft-type-v, -ctvd, --cache-type-v-draft TYPE", "the draft model's V",
+                "spec.cache_type_v", "SPEC_DRAFT_CACHE_TYPE_V"),
     # ----- sampling params (the defaults of every request) -----
     flag("--samplers SAMPLERS", H, "sampler order, names separated by ';'", _samplers),
     flag("-s, --seed SEED", H, "default sampling seed, -1 = random", set_("seed", I)),

@@ -32,7 +32,6 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "attn_step_win_bf16": (I32, [P, P, P, P, P, *_KV, P, *_SEQS, P, I64, P, P, F32, *_ATTN]),
     "attn_head_norm_bf16": (I32, [P, I64, I64, I32, I32, P, F32, P]),
     # kv_rows.c
-    "kv_load_bf16": (None, [I32, P, I32, P]),
     "kv_store_row": (None, [I32, P, I32, P]),
     "kv_store_rows_bf16": (I32, [I32, P, I64, I32, P]),
     # rowwise.c

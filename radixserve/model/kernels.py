@@ -301,7 +301,8 @@ KVTypes = tuple[KVType, KVType]
 
 def pool_args(k: torch.Tensor, v: torch.Tensor, n_head: int, d: int,
               types: KVTypes | None) -> tuple[int, ...]:
-    """(n_kv, n_cells, g, kt code, vt code, K head stride in bytes, V head stride in bytes) of pool K/V [..., n_kv, n_cells, width] (one layer or all) holding
+    """(n_kv, n_cells, g, kt code, vt code, K head stride in bytes, V head stride in bytes) of
+    pool K/V [..., n_kv, n_cells, width] (one layer or all) holding
     rows of head size d in the cache types `types` (None: bf16, the compute dtype); ValueError
     unless the tensors are what those types store, contiguous."""
     kt, vt = types or (TYPES["bf16"], TYPES["bf16"])

@@ -241,9 +241,10 @@ def plain_step(kern: Kernels, k: torch.Tensor, v: torch.Tensor, n_head: int,
                sin: torch.Tensor, x: torch.Tensor, eps: float, n_ff: int,
                n_new: list[int] | None = None, types: KVTypes | None = None) -> KernelStep:
     """A step of llama's layers (every layer global, no q/k norms) over the pool k, v [n_layer,
-    n_head_kv, n_cells, width] of cache types `types` (None: bf16): T new tokens, n_new[i] >= 1 of them (default 1) for sequence i,
-    its new tokens' cells the last n_new[i] of its cells; dst the T new cells, sequence by
-    sequence; cos/sin the tokens' Rope.cos_sin rows; x the f32 residual rows [T, n_embd]."""
+    n_head_kv, n_cells, width] of cache types `types` (None: bf16): T new tokens, n_new[i] >= 1
+    of them (default 1) for sequence i, its new tokens' cells the last n_new[i] of its cells;
+    dst the T new cells, sequence by sequence; cos/sin the tokens' Rope.cos_sin rows; x the f32
+    residual rows [T, n_embd]."""
     n_new = [1] * len(cells) if n_new is None else list(n_new)
     kind = LayerKind(k, v, cells, None, 0, dst, n_new, cos.reshape(len(dst), -1),
                      sin.reshape(len(dst), -1), types)

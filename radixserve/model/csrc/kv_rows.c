@@ -63,41 +63,6 @@ void kv_store_row(int type, const uint16_t *x, int d, uint8_t *dst) {
     }
 }
 
-void kv_load_bf16(int type, const uint8_t *src, int d, uint16_t *dst) {
-    switch (type) {
-    case KV_BF16:
-        memcpy(dst, src, (size_t)d * 2);
-        return;
-    case KV_F16:
-        for (int x = 0; x < d; x++) dst[x] = bf16_rne(f16_to_f32(src + 2 * x));
-        return;
-    case KV_F32:
-        for (int x = 0; x < d; x++) {
-            float f;
-            memcpy(&f, src + 4 * x, 4);
-            dst[x] = bf16_rne(f);
-        }
-        return;
-    case KV_Q8_0:
-        for (int b = 0; b < d / 32; b++, src += 34, dst += 32) {
-            float s = f16_to_f32(src);
-            const int8_t *q = (const int8_t *)(src + 2);
-            for (int j = 0; j < 32; j++) dst[j] = bf16_rne((float)q[j] * s);
-        }
-        return;
-    default: /* KV_Q4_0 */
-        for (int b = 0; b < d / 32; b++, src += 18, dst += 32) {
-            float s = f16_to_f32(src);
-            const uint8_t *q = src + 2;
-            for (int j = 0; j < 16; j++) {
-                dst[j] = bf16_rne((float)((int)(q[j] & 15) - 8) * s);
-                dst[j + 16] = bf16_rne((float)((int)(q[j] >> 4) - 8) * s);
-            }
-        }
-        return;
-    }
-}
-
 /* rows bf16 rows of d values -> out, rows stored rows of `type` back to back: the store of a
  * step, for the tests to compare with the torch quantizers. Returns -1 for an unknown type, d
  * outside [1, 256] or not whole blocks. */
