@@ -32,7 +32,7 @@ from radixserve.text.tokenizer import Tokenizer
 REQUIRED = {"shared-prefix-main", "exact-reuse", "no-sharing", "prefix-512", "prefix-1024",
             "prefix-2048", "prefix-4096", "concurrency-1", "concurrency-4", "capacity-lru-512",
             "multi-turn-chat", "shared-prefix-shuffled", "shared-prefix-long", "single-stream",
-            "decode-4", "rag-quote", "restart-shared-prefix", "agent-loop"}
+            "decode-4", "rag-quote", "restart-shared-prefix", "agent-loop", "capacity-hot8-200"}
 
 
 def test_engine_yardsticks_compute_every_prompt() -> None:

@@ -158,7 +158,7 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     (["--mmproj", "proj.gguf"], "multimodal projectors"),
     (["--lora", "a.gguf"], "LoRA adapters"),
     (["-hf", "ggml-org/x"], "downloading models"),
-    (["-ctk", "q4_0"], "quantized KV caches"),
+    (["-ctk", "q5_1"], "cache type q5_1 is not implemented"),
 ])
 def test_refused_flag_stops_startup_naming_the_feature(argv: list[str], feature: str) -> None:
     r = cli("serve", *argv)
