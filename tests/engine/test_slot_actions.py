@@ -194,7 +194,7 @@ def test_restore_rejects_other_model_and_dtype(model: Model, tiny_paths: dict[st
         run(foreign, PROMPT, 0, n_predict=2)
         slot_action(foreign, 0, "save", f"{label}.bin")
         e = expect_error(400, slot_action, sched, 1, "restore", f"{label}.bin")
-        assert label in e.message and "another model or dtype" in e.message
+        assert label in e.message and "another model, dtype or cache type" in e.message
         assert snapshot(sched, 1) == before
         sched.pool.check()
 
