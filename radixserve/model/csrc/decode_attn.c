@@ -32,9 +32,10 @@
  *
  * Layout: q [T, n_kv * g, d] bf16 (query heads of KV head h are rows h*g .. h*g+g-1);
  * k, v: rows of cache types kt, vt (kv_rows.h: bf16, f16, f32, q8_0, q4_0), KV head h at byte
- * h * k_hs (v_hs), cell c its row c. Every path reads bf16 rows: for other types a call first
- * converts the rows its lists name, once each, to bf16 (the values rounded to bf16, as the
- * compute dtype holds them) in a scratch of its own, and attends over that;
+ * h * k_hs (v_hs), cell c its row c. Every path reads bf16: other types' values rounded to
+ * bf16 (as the compute dtype holds them), converted in registers as read where the AVX512-BF16
+ * path reads each row about once (a decode step), else the rows the lists name once a call
+ * into a scratch of the call's own (the same values: the same bits either way);
  * a sequence's cells: len cell indices, or NULL for the run c0 .. c0+len-1, its n_new queries
  * being the last n_new of them (rows of q in sequence order), pos0 the position of its first
  * entry (positions contiguous; NULL: every list starts at 0); out [T, n_kv * g, d] bf16;
@@ -43,9 +44,8 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-#include <string.h>
-
 #include <stdlib.h>
+#include <string.h>
 
 #include "common.h"
 #include "kv_rows.h"
@@ -257,13 +257,6 @@ static inline void v_pairs(const uint16_t *v0, const uint16_t *v1, __m512bh x[4]
     x[3] = (__m512bh)_mm512_unpackhi_epi16(a1, b1);
 }
 
-/* attend_share with AVX512-BF16 for head_dim d a multiple of 64 (64: SmolLM2 / llama; 256:
- * Gemma 3): bf16 pair dot products (exact products, f32 sums) for q.k, 16 keys of one query
- * head at a time (the 16 key rows stay in L1 across the g heads, the 16 sums in registers);
- * for p.V the weights p are rounded to bf16 (as SDPA's bf16 path does), key pairs interleaved
- * so one instruction adds two keys' contributions, in 64-dimension slices of the output (4 g
- * accumulators). g and d are constants in each compiled copy (attend_share's switch): with a
- * variable g the compiler kept every head's 16 sums at once and spilled them to the stack. */
 /* Block b (32 values) of a stored row of `type` (f16, q8_0 or q4_0) -> 32 bf16 at dst, the
  * bits of kv_load_bf16: each value's f32 (an exact product, never subnormal) rounded to
  * nearest even by vcvtne2ps2bf16. */
@@ -305,7 +298,14 @@ static inline const uint16_t *row_bf16(const uint8_t *h, int type, int64_t rb, i
     return tmp;
 }
 
-/* `kt`, `vt`: the rows' cache types (kb, vb bytes a row): bf16 rows are read in place, f16 /
+/* attend_share with AVX512-BF16 for head_dim d a multiple of 64 (64: SmolLM2 / llama; 256:
+ * Gemma 3): bf16 pair dot products (exact products, f32 sums) for q.k, 16 keys of one query
+ * head at a time (the 16 key rows stay in L1 across the g heads, the 16 sums in registers);
+ * for p.V the weights p are rounded to bf16 (as SDPA's bf16 path does), key pairs interleaved
+ * so one instruction adds two keys' contributions, in 64-dimension slices of the output (4 g
+ * accumulators). g and d are constants in each compiled copy (attend_share's switch): with a
+ * variable g the compiler kept every head's 16 sums at once and spilled them to the stack.
+ * `kt`, `vt`: the rows' cache types (kb, vb bytes a row): bf16 rows are read in place, f16 /
  * q8_0 / q4_0 rows converted block by block to bf16 as they are read (a decode step reads
  * each row once; many queries read a pre-converted copy instead: run). */
 static inline __attribute__((always_inline)) void attend_bf16(
