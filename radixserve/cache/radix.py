@@ -33,16 +33,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from radixserve.cache.base import Restore, Segment, stats_dict
 from radixserve.cache.disk import DiskTier, Loaded
+from radixserve.cache.disk_block import RowSpec
 from radixserve.cache.prefix import common_prefix
 from radixserve.cache.radix_tree import RadixMatch, RadixNode, RadixTree, own_rows
 from radixserve.kv.checkpoint import Checkpoint
-from radixserve.kv.pool import KVPool, KVTypes
+from radixserve.kv.pool import KVPool
 from radixserve.kv.swa import SWAPool
 
 log = logging.getLogger(__name__)
@@ -87,10 +87,17 @@ class Pin:
     until: float
 
 
-def _row_kinds(n_layer: int, n_head_kv: int, head_dim: int,
-               types: KVTypes) -> tuple[tuple[Any, ...], ...]:
-    """(layers, heads, width, storage) of K's and V's rows in `types`."""
-    return tuple((n_layer, n_head_kv, t.width(head_dim), t.storage) for t in types)
+def row_layout(pool: KVPool) -> list[RowSpec]:
+    """The row tensors a segment (so a disk block) holds a token: every layer's K and V (a
+    sliding-window pool's sliding layers after its global ones), then a draft model's, each as
+    its cache type stores it (a float type unnamed: its disk files keep their old names)."""
+    n_layer = pool.n_layer + (pool.swa.n_layer if isinstance(pool, SWAPool) else 0)
+    parts = [(n_layer, pool.n_head_kv, pool.head_dim, pool.types)]
+    if pool.draft is not None:
+        d = pool.draft
+        parts.append((d.n_layer, d.n_head_kv, d.head_dim, d.types))
+    return [RowSpec(layers, heads, t.width(dim), t.storage, t.name if t.quantized else "")
+            for layers, heads, dim, types in parts for t in types]
 
 
 class RadixPromptCache:
@@ -462,10 +469,7 @@ class RadixPromptCache:
         swa = pool if isinstance(pool, SWAPool) else None
         n_layer = pool.n_layer + (swa.swa.n_layer if swa is not None else 0)
         lo = 0 if swa is None else max(0, match.length - swa.n_swa)  # the window's first
-        want = _row_kinds(n_layer, pool.n_head_kv, pool.head_dim, pool.types)
-        d = pool.draft
-        if d is not None:
-            want += _row_kinds(d.n_layer, d.n_head_kv, d.head_dim, d.types)
+        want = tuple((r.n_layer, r.n_head_kv, r.width, r.dtype) for r in row_layout(pool))
         for pos0, rows in match.all_rows():
             k, v, *draft = rows
             got = tuple((t.shape[0], t.shape[1], t.shape[3], t.dtype) for t in rows)

@@ -26,13 +26,13 @@ import time
 
 from radixserve.cache.base import NullPromptCache, PromptCache
 from radixserve.cache.disk import DiskTier
-from radixserve.cache.disk_block import RowSpec, load_key, private_dir
+from radixserve.cache.disk_block import load_key, private_dir
 from radixserve.cache.legacy import LegacyPromptCache
-from radixserve.cache.radix import RadixPromptCache
+from radixserve.cache.radix import RadixPromptCache, row_layout
 from radixserve.config import ServerConfig
 from radixserve.engine.prefix_plan import salted_lcp
 from radixserve.engine.slot import Slot
-from radixserve.kv.pool import KVPool, KVTypes
+from radixserve.kv.pool import KVPool
 from radixserve.kv.state import fingerprint_of
 from radixserve.kv.swa import SWAPool
 from radixserve.model.loader import Model
@@ -56,29 +56,13 @@ def make_cache(cfg: ServerConfig, pool: KVPool, arch: str,
     return LegacyPromptCache(limit, pool.n_cells, fingerprint_of(pool, arch))
 
 
-def disk_layout(pool: KVPool) -> list[RowSpec]:
-    """The rows a radix segment (so a disk block) holds a token: every layer's K and V (a
-    sliding-window pool's sliding layers after its global ones), then a draft model's."""
-    n_layer = pool.n_layer + (pool.swa.n_layer if isinstance(pool, SWAPool) else 0)
-    d = pool.draft
-    return [*row_specs(n_layer, pool.n_head_kv, pool.head_dim, pool.types),
-            *([] if d is None else row_specs(d.n_layer, d.n_head_kv, d.head_dim, d.types))]
-
-
-def row_specs(n_layer: int, n_head_kv: int, head_dim: int, types: KVTypes) -> list[RowSpec]:
-    """K's and V's row tensors as their cache types store them (a float type unnamed: its
-    files keep the names they had before quantized types)."""
-    return [RowSpec(n_layer, n_head_kv, t.width(head_dim), t.storage,
-                    t.name if t.quantized else "") for t in types]
-
-
 def make_disk(cfg: ServerConfig, pool: KVPool, models: tuple[Model, ...]) -> DiskTier:
     """The disk tier, its files keyed by the models' identities and the KV layout: another
     model, quantization, dtype, draft, kernel build or torch never sees them; with
     `--cache-disk-key`, names and checksums are keyed too (docs/SECURITY.md)."""
     assert models, "the disk tier needs the model's identity"
     key = load_key(cfg.cache_disk_key) if cfg.cache_disk_key else b""
-    layout = disk_layout(pool)
+    layout = row_layout(pool)
     h = hashlib.blake2b(digest_size=16)
     private_dir(cfg.cache_disk)
     # the weights' digest is kept in DIR, unless keyed: a writer without the key could plant a

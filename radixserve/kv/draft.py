@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.kv.pool import KVPool, KVTypes, Rotate, rotate_rows
+from radixserve.kv.pool import KVPool, KVTypes, Rotate, cell_bytes, rotate_rows, typed_rows
 from radixserve.kv.state import Fingerprint
-from radixserve.model.kv_types import of_dtype, types_name
+from radixserve.model.kv_types import types_name
 
 
 class DraftRows:
@@ -25,16 +25,15 @@ class DraftRows:
         """`types`: the draft's cache types (`-ctkd` / `-ctvd`; None: as `dtype`)."""
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
         self.dtype, self.rotate, self.device = dtype, rotate, torch.device(device)
-        self.types = types or (of_dtype(dtype), of_dtype(dtype))
-        self.k, self.v = (torch.zeros((n_layer, n_head_kv, n_cells, t.width(head_dim)),
-                                      dtype=t.storage, device=self.device) for t in self.types)
+        self.types, self.k, self.v = typed_rows(n_layer, n_head_kv, head_dim, n_cells, dtype,
+                                                types, self.device)
         # a draft state of another draft model never loads (":draft": never a target's either)
         self.fp = Fingerprint(arch + ":draft", n_layer, n_head_kv, head_dim,
                               types_name(*self.types))
 
     @property
     def bytes_per_cell(self) -> int:
-        return self.n_layer * self.n_head_kv * sum(t.row_bytes(self.head_dim) for t in self.types)
+        return cell_bytes(self.n_layer, self.n_head_kv, self.head_dim, self.types)
 
     def copy_cells(self, si: torch.Tensor, di: torch.Tensor) -> None:
         self.k[:, :, di] = self.k[:, :, si]

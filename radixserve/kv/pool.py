@@ -54,6 +54,24 @@ class SeqView:
     positions: list[int]
 
 
+def typed_rows(n_layer: int, n_head_kv: int, head_dim: int, n_cells: int, dtype: torch.dtype,
+               types: KVTypes | None,
+               device: torch.device) -> tuple[KVTypes, torch.Tensor, torch.Tensor]:
+    """K and V of n_cells cells [n_layer, n_head_kv, n_cells, width], zeroed, stored in `types`
+    (None: as the compute dtype `dtype`), with the types resolved (the pool's and a draft's)."""
+    types = types or (of_dtype(dtype), of_dtype(dtype))
+    for t in types:
+        t.check(head_dim)
+    k, v = (torch.zeros((n_layer, n_head_kv, n_cells, t.width(head_dim)), dtype=t.storage,
+                        device=device) for t in types)
+    return types, k, v
+
+
+def cell_bytes(n_layer: int, n_head_kv: int, head_dim: int, types: KVTypes) -> int:
+    """Bytes of one cell's K and V rows in every layer, stored in `types`."""
+    return n_layer * n_head_kv * sum(t.row_bytes(head_dim) for t in types)
+
+
 def rotate_rows(k: torch.Tensor, kt: KVType, idx: torch.Tensor, delta: torch.Tensor,
                 rotate: Rotate, dtype: torch.dtype) -> None:
     """Re-rotate K rows `idx` of every layer of k [n_layer, n_head_kv, n_cells, width] by
@@ -88,11 +106,8 @@ class KVPool:
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
         self.n_cells, self.n_seq, self.unified = n_cells, n_seq, unified
         self.dtype, self.device, self.rotate = dtype, torch.device(device), rotate
-        self.types = types or (of_dtype(dtype), of_dtype(dtype))
-        for t in self.types:
-            t.check(head_dim)
-        self.k, self.v = (torch.zeros((n_layer, n_head_kv, n_cells, t.width(head_dim)),
-                                      dtype=t.storage, device=self.device) for t in self.types)
+        self.types, self.k, self.v = typed_rows(n_layer, n_head_kv, head_dim, n_cells, dtype,
+                                                types, self.device)
         self.cell_pos = [-1] * n_cells
         self.cell_seqs: list[set[int]] = [set() for _ in range(n_cells)]
         self.seqs = [_Seq() for _ in range(n_seq)]
@@ -111,7 +126,7 @@ class KVPool:
 
     @property
     def bytes_per_cell(self) -> int:
-        return self.n_layer * self.n_head_kv * sum(t.row_bytes(self.head_dim) for t in self.types)
+        return cell_bytes(self.n_layer, self.n_head_kv, self.head_dim, self.types)
 
     def seq_capacity(self, seq: int) -> int:
         """Cells sequence `seq` could hold if it had every cell it may draw from."""

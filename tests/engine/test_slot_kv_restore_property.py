@@ -30,8 +30,7 @@ from radixserve.cache.base import NullPromptCache, PromptCache, Restore, Segment
 from radixserve.cache.prefix import common_prefix
 from radixserve.cache.disk import DiskTier
 from radixserve.cache.legacy import LegacyPromptCache
-from radixserve.cache.radix import RadixPromptCache
-from radixserve.engine.host_tier import disk_layout
+from radixserve.cache.radix import RadixPromptCache, row_layout
 from radixserve.engine.slot_kv import SlotKV
 from radixserve.kv.draft import attach_draft
 from radixserve.kv.pool import KVPool, OutOfCells
@@ -294,7 +293,7 @@ def new_cache(backend: str, pool: KVPool, arch: str, disk_dir: str | None) -> Pr
     disk = None
     if backend == "radix-disk":
         assert disk_dir is not None
-        disk = DiskTier(disk_dir, 0, BLOCK, b"slot-kv-property", disk_layout(pool))
+        disk = DiskTier(disk_dir, 0, BLOCK, b"slot-kv-property", row_layout(pool))
     return RadixPromptCache(-1, disk=disk)
 
 

@@ -398,10 +398,16 @@ static inline __attribute__((always_inline)) void attend_bf16(
 }
 #endif
 
+/* bf16 K and V get a copy of their own with the types constant, so that their hot loop has no
+ * per-key type test and no conversion buffers (the code the bf16 path had before the types) */
 #define BF_CASE(G, D)                                                                          \
     case (G) * 1024 + (D):                                                                      \
-        attend_bf16(q, kh, vh, kt, vt, kb, vb, cells, c0, j0, j1, G, D, scale, s, s_stride,    \
-                    pairs, part);                                                               \
+        if (kt == KV_BF16 && vt == KV_BF16)                                                     \
+            attend_bf16(q, kh, vh, KV_BF16, KV_BF16, 2 * (D), 2 * (D), cells, c0, j0, j1, G, D, \
+                        scale, s, s_stride, pairs, part);                                       \
+        else                                                                                    \
+            attend_bf16(q, kh, vh, kt, vt, kb, vb, cells, c0, j0, j1, G, D, scale, s, s_stride, \
+                        pairs, part);                                                           \
         return;
 
 /* Whether attend_share reads f16 / q8_0 / q4_0 rows itself (attend_bf16), for head size d;
