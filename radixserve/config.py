@@ -14,6 +14,8 @@ from radixserve.sampling.chain import SamplingParams
 DTYPES = ("auto", "f32", "bf16", "f16")
 WEIGHTS = ("auto", "native", "dequant")
 DETERMINISTIC = ("auto", "on", "off")
+# --pooling: llama.cpp's pooling types this server computes (rank needs a classification head)
+POOLINGS = ("none", "mean", "cls", "last")
 SPEC_TYPES = ("draft-simple", "ngram-simple", "ngram-mod")  # the --spec-type values served
 
 
@@ -153,6 +155,7 @@ class ServerConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)  # --temp, --top-k, ...
     n_keep: int = 0  # --keep: prompt tokens a context shift keeps (-1: all)
     context_shift: bool = False  # --context-shift: generation past n_ctx shifts the context
+    spm_infill: bool = False  # --spm-infill: /infill lays out Suffix/Prefix/Middle
     # sliding-window models (llama.cpp's defaults)
     swa_full: bool = False  # --swa-full: full-size caches for sliding layers too
     # KV cache types (issue 38): bf16 f16 f32 q8_0 q4_0; "": the compute dtype
@@ -162,6 +165,14 @@ class ServerConfig:
     checkpoint_min_step: int = 8192  # -cms: tokens between two checkpoints of a prompt
     # speculative decoding (issue 17)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    # embeddings (issue 40): /embedding and /v1/embeddings served only with --embeddings
+    embeddings: bool = False
+    pooling: str = ""  # --pooling none|mean|cls|last ("": the model's, else none)
+    embd_normalize: int = 2  # --embd-normalize: -1 none, 0 max abs (int16 range), 2 L2, p>2
+
+    def embedding_pooling(self, model_pooling: str) -> str:
+        """--pooling, else the model's (its GGUF's pooling_type), else none (llama.cpp's)."""
+        return self.pooling or model_pooling or "none"
 
     def validate(self) -> None:
         """Reject settings that cannot work, with a message naming the flag."""
@@ -195,6 +206,12 @@ class ServerConfig:
         if self.cache_disk_mib == 0 or self.cache_disk_mib < -1:
             raise ValueError(f"--cache-disk-mib must be > 0 (or -1: no limit), got "
                              f"{self.cache_disk_mib}")
+        if self.pooling not in ("", *POOLINGS):
+            raise ValueError(f"--pooling must be one of {', '.join(POOLINGS)}, got "
+                             f"{self.pooling!r}")
+        if self.embd_normalize < -1:
+            raise ValueError(f"--embd-normalize must be -1, 0 or a p-norm >= 1, got "
+                             f"{self.embd_normalize}")
         if not 1 <= self.cache_disk_block <= 8192:
             raise ValueError(f"--cache-disk-block must be within [1, 8192], got "
                              f"{self.cache_disk_block}")

@@ -38,6 +38,7 @@ SLOW_FILES: dict[str, str] = {
     "tests/http/test_api.py": "server processes",
     "tests/http/test_cache_salt_http.py": "default-model generation",
     "tests/http/test_constrained.py": "server processes",
+    "tests/http/test_embeddings.py": "default-model embeddings (its forward) and HF's",
     "tests/http/test_disconnects.py": "server processes",
     "tests/http/test_disk_http.py": "server processes",
     "tests/http/test_host_cache.py": "server processes",

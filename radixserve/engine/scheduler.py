@@ -121,6 +121,10 @@ class Scheduler:
             log.info("sliding window %d: %d sliding-layer cells, context checkpoints enabled, "
                      "max = %d, min spacing = %d", self.swa.n_swa, self.swa.swa.n_cells, n_ckpt,
                      cfg.checkpoint_min_step)
+        if cfg.embeddings and cfg.embedding_pooling(hp.pooling) == "rank":
+            raise ValueError("this model pools its embeddings by rank (a reranker's "
+                             "classification head), which radixserve does not implement: "
+                             "give --pooling none|mean|cls|last")
         self.no_shift = self.swa is not None or model.deterministic
         if self.no_shift and cfg.cache_reuse > 0:
             why = ("the sliding window keeps no KV to shift" if self.swa is not None else
@@ -143,7 +147,14 @@ class Scheduler:
         n = len(task.prompt_tokens)
         if n == 0:
             raise TaskError(400, "invalid_request_error", '"prompt" must not be empty')
-        if n >= self.n_ctx_slot:
+        if task.pooling and n > self.n_ctx_slot:  # nothing is generated: n_ctx tokens fit
+            raise TaskError(
+                400, "exceed_context_size_error",
+                f"input ({n} tokens) is larger than the max context size "
+                f"({self.n_ctx_slot} tokens). skipping",
+                n_prompt_tokens=n, n_ctx=self.n_ctx_slot,
+            )
+        if n >= self.n_ctx_slot and not task.pooling:
             raise TaskError(
                 400, "exceed_context_size_error",
                 f"request ({n} tokens) exceeds the available context size "
@@ -478,7 +489,7 @@ class Scheduler:
             if step is None:
                 starved.append(s)
                 continue
-            step.n_logits = 1 if p0 + take == len(s.prompt) else 0
+            step.n_logits = s.rows_wanted(p0, take)
             batch.append((s, step))
             used += take
         if not batch and starved:  # nothing can run: fail one prompt, its cells go to the rest
@@ -548,6 +559,7 @@ class Scheduler:
             s.kv.commit(b.pos0, b.tokens)
             self._slide(s)
             if s.state is SlotState.PROCESSING_PROMPT:
+                s.keep_rows(hidden[row - b.n_logits + 1 : row + 1])
                 s.n_prompt_processed += len(b.tokens)
                 p0, p1 = s.todo[0]
                 s.todo[0] = (p0 + len(b.tokens), p1)
@@ -557,6 +569,10 @@ class Scheduler:
                     continue
                 s.state, s.t_first = SlotState.GENERATING, now
                 self.metrics.on_prompt_done(s.n_prompt_processed, s.n_cached, now - s.t_start)
+                if s.task.pooling:  # an embedding: its rows pooled are the result
+                    s.pool_rows()
+                    self._finish(s)
+                    continue
                 if s.task.n_predict == 0:  # prompt only: nothing to sample
                     s.stop_type = "limit"
                     self._finish(s)

@@ -70,6 +70,9 @@ class Slot:
         self.draft: list[int] = []
         self.n_drafted = 0
         self.n_draft_accepted = 0
+        # an embedding task: the hidden-state rows it keeps (`keep_rows`), then its result
+        self.rows: list[torch.Tensor] = []
+        self.embedding: list[list[float]] | None = None
 
     @property
     def tokens(self) -> Sequence[int]:
@@ -248,7 +251,33 @@ class Slot:
             timings=self.timings(now),
             probs=list(self.probs),
             has_new_line=self.has_new_line,
+            embedding=self.embedding,
         )
+
+    # -- embeddings ----------------------------------------------------------------------
+    def rows_wanted(self, p0: int, n: int) -> int:
+        """Hidden-state rows the forward returns for prompt tokens p0..p0+n (the last ones of
+        the chunk): a completion's and a `last` pooling's final token, every token for
+        none / mean, the first for cls."""
+        end = p0 + n == len(self.prompt)
+        pooling = self.task.pooling
+        if pooling in ("none", "mean"):
+            return n
+        if pooling == "cls" and p0 == 0:
+            return n
+        return 1 if end else 0
+
+    def keep_rows(self, h: torch.Tensor) -> None:
+        """An embedding task keeps the output-normed hidden states of its chunk (f32)."""
+        if self.task.pooling and len(h):
+            self.rows.append(h.float().clone())
+
+    def pool_rows(self) -> None:
+        """The prompt is computed: llama.cpp's pooling of the kept rows (mean in f32)."""
+        h = torch.cat(self.rows)
+        pooling = self.task.pooling
+        out = {"none": h, "mean": h.mean(0, keepdim=True), "cls": h[:1], "last": h[-1:]}
+        self.embedding, self.rows = out[pooling].tolist(), []
 
     def release(self) -> None:
         self.state = SlotState.IDLE

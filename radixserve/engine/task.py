@@ -72,6 +72,10 @@ class CompletionTask:
     # speculative decoding for this task: the server's settings with the request's
     # `speculative.*` fields applied (None: the server's; types empty: off for this task)
     spec: SpecConfig | None = None
+    # an embedding task (/embedding, /v1/embeddings): its pooling (none, mean, cls, last); it
+    # ends when its prompt is computed, its result the output-normed hidden states so pooled
+    # ("": a completion). Only `last` reads one row, so only it may reuse a cached prefix
+    pooling: str = ""
     id: int = -1  # assigned by the engine
 
 
@@ -158,3 +162,5 @@ class FinalResult:
     timings: Timings
     probs: list[TokenProbs] = field(default_factory=list)
     has_new_line: bool = False  # a newline was generated (llama-server's has_new_line)
+    # an embedding task's result, f32: one pooled vector, or one per prompt token (pooling none)
+    embedding: list[list[float]] | None = None

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from radixserve.cache.disk_block import load_key
-from radixserve.config import SPEC_TYPES
+from radixserve.config import POOLINGS, SPEC_TYPES
 from radixserve.model.kv_types import NOT_BUILT, TYPES
 from radixserve.flags.spec import (
     ACTION,
@@ -119,6 +119,15 @@ def _choice(*allowed: str) -> Callable[[str], str]:
         return v
 
     return conv
+
+
+def _pooling(v: str) -> str:
+    """llama.cpp's pooling names; rank pools through a classification head (a reranker's),
+    which no model this server loads has."""
+    if v == "rank":
+        raise FlagError("rank pooling needs a reranking model's classification head (the "
+                        "cls / cls.output tensors), which radixserve does not implement")
+    return _choice(*POOLINGS)(v)
 
 
 def _gpu_layers(v: str) -> int:
@@ -661,9 +670,10 @@ SERVE_FLAGS: list[Flag] = [
          _reverse_prompt),
     flag("-sp, --special", H, "special tokens appear in the output text", set_("special", bool)),
     flag("--warmup", NA, "no warm-up run is needed", neg="--no-warmup"),
-    flag("--spm-infill", NO, "the /infill route (fill-in-the-middle) is not implemented"),
-    flag("--pooling {none,mean,cls,last,rank}", NO, "embeddings are not implemented",
-         env="LLAMA_ARG_POOLING"),
+    flag("--spm-infill", H, "/infill lays out Suffix/Prefix/Middle (instead of "
+         "Prefix/Suffix/Middle) as some models prefer", set_("spm_infill", bool)),
+    flag("--pooling {none,mean,cls,last,rank}", H, "pooling of the embeddings (default: the "
+         "model's, else none)", set_("pooling", _pooling), env="LLAMA_ARG_POOLING"),
     flag("-np, --parallel N", H, "number of slots, -1 = auto (4 slots, unified KV)",
          set_("n_parallel", I), env="LLAMA_ARG_N_PARALLEL"),
     flag("-cb, --cont-batching", H, "continuous batching (always on; -nocb is not applicable)",
@@ -691,7 +701,8 @@ SERVE_FLAGS: list[Flag] = [
          env="LLAMA_ARG_ALIAS"),
     flag("--tags STRING", H, "model tags, comma separated (informational)",
          set_("tags", _csv), env="LLAMA_ARG_TAGS"),
-    flag("--embd-normalize N", NO, "embeddings are not implemented"),
+    flag("--embd-normalize N", H, "normalization of pooled embeddings: -1 none, 0 max "
+         "absolute (int16 range), 2 euclidean, >2 p-norm", set_("embd_normalize", I)),
     flag("--host HOST", H, "addresses to listen on, comma separated; a path ending in .sock "
          "is a UNIX socket", set_("host"), env="LLAMA_ARG_HOST"),
     flag("--port PORT", H, "port to listen on", set_("port", I), env="LLAMA_ARG_PORT"),
@@ -732,9 +743,12 @@ SERVE_FLAGS: list[Flag] = [
     flag("--ui, --webui", H, "the page at / (chat and a live view of the cache); --no-ui: "
          "neither it nor --path is served", set_("webui", bool), neg="--no-ui, --no-webui",
          env="LLAMA_ARG_UI"),
-    flag("--embedding, --embeddings", NO, "embeddings are not implemented",
-         env="LLAMA_ARG_EMBEDDINGS"),
-    flag("--rerank, --reranking", NO, "reranking is not implemented", env="LLAMA_ARG_RERANKING"),
+    flag("--embedding, --embeddings", H, "serve /embedding and /v1/embeddings (completions "
+         "stay served)", set_("embeddings", bool), env="LLAMA_ARG_EMBEDDINGS"),
+    flag("--rerank, --reranking", NO, "reranking needs a reranking model's classification "
+         "head (its GGUF's cls / cls.output tensors), which radixserve does not load for any "
+         "model (llama-server, given a model without one, returns meaningless scores); "
+         "/rerank answers 501", env="LLAMA_ARG_RERANKING"),
     flag("--api-key KEY", H, "API keys, comma separated", _api_key, env="LLAMA_API_KEY"),
     flag("--api-key-file FNAME", H, "file of API keys, one per line, # starts a comment",
          _api_key_file, env="LLAMA_ARG_API_KEY_FILE"),

@@ -24,6 +24,8 @@ from radixserve.http.schemas import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
+    InfillRequest,
     TokenizeRequest,
 )
 from radixserve.text.chat_format import REASONING_FORMATS, TOOL_CHOICES
@@ -191,6 +193,21 @@ TOKENIZE_FIELDS: dict[str, Schema] = {
 
 DETOKENIZE_FIELDS: dict[str, Schema] = {"tokens": _TOKEN_IDS}
 
+_EMBED_ONE: Schema = {"anyOf": [{"type": "string", "minLength": 1}, _PROMPT_IDS,
+                                _PROMPT_MIXED]}
+_EMBED_INPUT: Schema = {"anyOf": [_EMBED_ONE, {"type": "array", "minItems": 1,
+                                               "items": {"type": "string", "minLength": 1}}],
+                        "description": "a text, token ids, a mixed list, or a list of texts"}
+EMBEDDING_FIELDS: dict[str, Schema] = {
+    "input": _EMBED_INPUT,
+    "content": {**_EMBED_INPUT, "description": "llama-server's name for `input` (its own "
+                "response shape)"},
+    "encoding_format": {"enum": ["float", "base64"]},
+    "embd_normalize": {"type": "integer", "minimum": -1, "maximum": 8,
+                       "description": "-1 none, 0 max absolute, 2 euclidean, p > 2 p-norm"},
+    "dimensions": {"description": "only the model's own width (no reduced dimensions)"},
+}
+
 
 def _inline(node: Any, defs: dict[str, Any]) -> Any:
     """`node` with every `#/$defs/...` reference replaced by its definition, titles dropped."""
@@ -257,6 +274,24 @@ COMPLETION: Schema = {**_request_body(body_schema(
     CompletionRequest, {**GENERATION_FIELDS, **COMPLETION_FIELDS}, ("prompt",))), "responses": _SSE}
 CHAT: Schema = {**_request_body(body_schema(
     ChatRequest, {**GENERATION_FIELDS, **CHAT_FIELDS})), "responses": _SSE}
+# /infill: a /completion body whose prompt is a string, plus the code around the hole
+INFILL_FIELDS: dict[str, Schema] = {
+    "prompt": {"type": "string", "description": "text after the prefix (default empty)"},
+    "input_prefix": {"anyOf": [{"type": "string"}, _MIXED],
+                     "description": "code before the hole: a string or strings and token ids"},
+    "input_suffix": {"anyOf": [{"type": "string"}, _MIXED],
+                     "description": "code after the hole: a string or strings and token ids"},
+    "input_extra": {"type": "array", "description": "other files, before the FIM part",
+                    "items": {"type": "object", "required": ["text"],
+                              "properties": {"text": {"type": "string"},
+                                             "filename": {"type": "string"}}}},
+}
+INFILL: Schema = {**_request_body(body_schema(
+    InfillRequest, {**GENERATION_FIELDS, **COMPLETION_FIELDS, **INFILL_FIELDS},
+    ("input_prefix", "input_suffix"))), "responses": _SSE}
+# /rerank and its aliases read no body here: radixserve loads no rank head (always 501)
+RERANK: Schema = {"description": "llama-server's reranking; a 501 here: radixserve loads no "
+                  "classification head (the cls / cls.output tensors of a reranker GGUF)"}
 # /apply-template checks a chat request's types but renders only: of the generation fields it
 # reads those that shape the prompt; the others (their ranges, the unimplemented ones) are not
 # looked at
@@ -270,6 +305,7 @@ APPLY_TEMPLATE: Schema = _request_body(body_schema(ChatRequest, {
 }))
 TOKENIZE: Schema = _request_body(body_schema(TokenizeRequest, TOKENIZE_FIELDS))
 DETOKENIZE: Schema = _request_body(body_schema(DetokenizeRequest, DETOKENIZE_FIELDS))
+EMBEDDING: Schema = _request_body(body_schema(EmbeddingRequest, EMBEDDING_FIELDS))
 
 SLOTS: Schema = {"parameters": [{
     "name": "fail_on_no_slot", "in": "query", "required": False,

@@ -209,6 +209,15 @@ class CompletionRequest(GenerationRequest):
     logprobs: Int | None = None
 
 
+class InfillRequest(CompletionRequest):
+    """/infill: a /completion body (its `prompt` a string: text after the prefix) plus the
+    code around the hole; checked in routes_infill.py with llama-server's messages."""
+
+    input_prefix: Any = None
+    input_suffix: Any = None
+    input_extra: Any = None
+
+
 class ChatMessage(_Body):
     model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id reach the template
 
@@ -269,6 +278,17 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     tokens: list[Int] | None = None
+
+
+class EmbeddingRequest(_Body):
+    """/embedding, /embeddings, /v1/embeddings (llama-server's handle_embeddings_impl)."""
+
+    input: Any = None  # a text, token ids, a mixed list, or a list of those
+    content: Any = None  # llama-server's own name for `input` (answered in its own shape)
+    encoding_format: Str | None = None  # float | base64
+    embd_normalize: Int | None = None
+    dimensions: Int | None = None
+    model: Str | None = None
 
 
 M = TypeVar("M", bound=BaseModel)

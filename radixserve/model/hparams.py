@@ -57,6 +57,9 @@ class HParams:
     # general.file_type (llama_ftype), None when the GGUF does not say: read with the rest at
     # load, since parsing a GGUF again for /props costs seconds (Gemma 3's 262k-token vocabulary)
     file_type: int | None = None
+    # `{arch}.pooling_type` (llama_pooling_type): the model's embedding pooling, "" when the
+    # GGUF does not say (llama.cpp then pools nothing: per-token embeddings)
+    pooling: str = ""
 
     def __post_init__(self) -> None:
         """Fill the defaults that depend on other fields, so hand-built HParams (tests) of
@@ -141,8 +144,22 @@ class HParams:
             rope_scale_linear=scale,
             name=str(field_value(reader, "general.name", arch)),
             file_type=_int_or_none(field_value(reader, "general.file_type")),
+            pooling=_pooling(get("pooling_type", None, required=False)),
             **extra,
         )
+
+
+# llama_pooling_type's values (llama.h), -1 being "unspecified"
+POOLING_TYPES = {-1: "", 0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+
+def _pooling(v: Any) -> str:
+    if v is None:
+        return ""
+    if _int_or_none(v) not in POOLING_TYPES:
+        raise UnsupportedModelError(f"pooling_type {v!r} is not one of llama.cpp's "
+                                    f"({', '.join(map(str, POOLING_TYPES))})")
+    return POOLING_TYPES[v]
 
 
 def _int_or_none(v: Any) -> int | None:
