@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="radixserve bench", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="shipped scenarios: " + ", ".join(scenario_names()) + " (or 'all', or a .json "
-               "path). `radixserve bench soak --help`: the reliability soak of one server")
+               "path). `radixserve bench soak --help`: the reliability soak of one server; "
+               "`radixserve bench embed --help`: embeddings throughput of running servers")
     ap.add_argument("scenarios", nargs="+", metavar="SCENARIO")
     ap.add_argument("--modes", default=None,
                     help=f"comma separated: {', '.join(MODES)} "
@@ -81,6 +82,10 @@ def main(argv: list[str]) -> int:
         from radixserve.bench.soak import main as soak_main
 
         return soak_main(argv[1:])
+    if argv[:1] == ["embed"]:
+        from radixserve.bench.embed import main as embed_main
+
+        return embed_main(argv[1:])
     if "--" in argv:
         i = argv.index("--")
         argv, forwarded = argv[:i], argv[i + 1:]
