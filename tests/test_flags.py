@@ -106,6 +106,7 @@ def sample(f: Flag, tmp: Path) -> list[str]:
         "--grammar": 'root ::= "a" | "b"', "--grammar-file": str(tmp / "g.gbnf"),
         "-j": '{"type": "array"}', "-jf": str(tmp / "s.json"),
         "--ui-config": '{"temperature": 0.1}', "--ui-config-file": str(tmp / "ui.json"),
+        "--pooling": "mean",
     }
     (tmp / "ui.json").write_text('{"systemMessage": "Be brief."}')
     name = f.spellings[0]

@@ -267,3 +267,28 @@ def test_pooling_flags():
         parse_serve(["--pooling", "rank"], {})
     with pytest.raises(FlagError, match="expected one of none, mean, cls, last, got 'max'"):
         parse_serve(["--pooling", "max"], {})
+
+
+def test_gemma3_sliding_window_embeddings_are_chunk_and_batch_invariant():
+    """Gemma 3 (sliding-window layers, their cells dropped after each chunk): a 700-token
+    text (beyond its 512-position window) pooled in 64-token chunks beside three other texts
+    equals the text alone in one chunk, bit for bit; mean pooling is the mean of the
+    per-token rows (none) of the same run."""
+    from radixserve.model.default_model import gemma3_model_path
+    model = load_model(gemma3_model_path())
+    tok = model.tokenizer
+    long = tok.encode("The river runs through the old town. " * 90, add_special=True,
+                      parse_special=True)[:700]
+    assert len(long) == 700 and model.hp.n_swa == 512
+    batch = [long, TEXTS[0], TEXTS[2], TEXTS[1]]
+    with client(model, pooling="mean", ubatch_size=64, ctx_size=4096) as c:
+        together = embed(c, batch, embd_normalize=-1)
+    alone = []
+    for item in batch:
+        with client(model, pooling="mean", ctx_size=4096, cache_prompt=False) as c:
+            alone += embed(c, item, embd_normalize=-1)
+    assert together == alone
+    with client(model, pooling="none", ubatch_size=64, ctx_size=4096) as c:
+        rows = torch.tensor(embed(c, long)[0])
+    assert rows.shape == (700, model.hp.n_embd)
+    assert torch.equal(rows.mean(0), torch.tensor(together[0][0]))

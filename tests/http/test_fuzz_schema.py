@@ -48,11 +48,12 @@ N_PREDICT_CAP = 16  # --n-predict: no request generates more, whatever it asks f
 
 def server_config(**kw: Any) -> ServerConfig:
     """The fuzzed server: small context, 2 slots, capped generation, and every optional route
-    on (--metrics, --props; --slot-save-path in the fixture): their 501s, llama-server's "start
+    on (--metrics, --props, --embeddings; --slot-save-path in the fixture): their 501s, llama-server's "start
     it with --flag", are tested elsewhere. Packed weights with f32 activations: cached KV gives
     the same tokens as computed KV, to the bit (the probe below relies on it)."""
     return ServerConfig(dtype="f32", weights="native", ctx_size=512, n_parallel=2, metrics=True,
-                        props_endpoint=True, n_predict=N_PREDICT_CAP, cache_ram_mib=64, **kw)
+                        props_endpoint=True, n_predict=N_PREDICT_CAP, cache_ram_mib=64,
+                        embeddings=True, pooling="mean", **kw)
 
 
 DOC = create_app(lambda: None, server_config()).openapi()  # the engine plays no part in it
@@ -174,7 +175,7 @@ def test_every_route_is_documented(api_prefix: str) -> None:
               for p, ops in DOC["paths"].items() if "requestBody" in ops.get("post", {})}
     assert set(bodies) == {"/completion", "/completions", "/v1/completions", "/chat/completions",
                            "/v1/chat/completions", "/tokenize", "/detokenize", "/apply-template",
-                           "/slots/{id_slot}"}
+                           "/slots/{id_slot}", "/embedding", "/embeddings", "/v1/embeddings"}
     fields = {p: set(s["properties"]) for p, s in bodies.items()}
     assert {"prompt", "n_predict", "max_tokens", "temperature", "stream", "cache_salt", "id_slot",
             "speculative.n_max", "logit_bias"} <= fields["/completion"]
