@@ -27,6 +27,7 @@ HEAVY: dict[str, float] = {
     "tests/http/test_swa_http.py": 98,
     "tests/model/test_forward.py": 85,
     "tests/http/test_constrained.py": 83,
+    "tests/http/test_embeddings.py": 70,
     "tests/http/test_server_flags.py": 54,
     "tests/cluster/test_cluster_pow2.py": 44,
     "tests/http/test_radix_http.py": 44,
