@@ -26,9 +26,15 @@ def write_tiny_gguf(
     quantize: bool = True,
     tied: bool = True,
     sliding_window: int = 16,
+    rename_tokens: dict[int, str] | None = None,
+    token_ids: dict[str, int] | None = None,
+    add_bos: bool | None = None,
 ) -> str:
     """`arch` gemma3: Gemma 3's layer pattern (every 6th layer global, the others sliding over
-    `sliding_window` positions), q/k norms and post-norms."""
+    `sliding_window` positions), q/k norms and post-norms. The vocabulary is the default
+    model's, its tokens `rename_tokens` (id -> text) renamed; `token_ids`: extra
+    `tokenizer.ggml.*_token_id` keys (GGUF key -> id); `add_bos`: tokenizer.ggml.add_bos_token
+    other than the default model's."""
     rng = np.random.default_rng(seed)
     n_vocab = len(default_tokenizer_fields()["tokenizer.ggml.tokens"])
     head_dim = n_embd // n_head
@@ -48,7 +54,12 @@ def write_tiny_gguf(
         w.add_value_length(head_dim)
     if arch == "gemma3":
         w.add_sliding_window(sliding_window)
-    add_default_tokenizer(w)
+    add_default_tokenizer(w, rename_tokens)
+    for key, tid in (token_ids or {}).items():
+        w.add_uint32(key, tid)
+    if add_bos is not None:
+        w.kv_data[0].pop(gguf.Keys.Tokenizer.ADD_BOS, None)  # the default model's value
+        w.add_add_bos_token(add_bos)
 
     def rand(*shape: int, scale: float = 0.08) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)

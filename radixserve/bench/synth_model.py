@@ -61,13 +61,17 @@ def default_tokenizer_fields() -> dict[str, object]:
     return {k: r.fields[k].contents() for k in _TOKENIZER if k in r.fields}
 
 
-def add_default_tokenizer(w: gguf.GGUFWriter) -> None:
+def add_default_tokenizer(w: gguf.GGUFWriter, rename: dict[int, str] | None = None) -> None:
     """Write the default model's tokenizer and chat template into `w`: real tokenization for a
-    model whose weights are made up (here and in the tests' tiny models)."""
+    model whose weights are made up (here and in the tests' tiny models). `rename`: token id ->
+    the text it gets instead (a vocabulary with other special tokens, e.g. FIM ones)."""
     tok = default_tokenizer_fields()
     w.add_tokenizer_model(tok["tokenizer.ggml.model"])
     w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
-    w.add_token_list(tok["tokenizer.ggml.tokens"])
+    texts = list(tok["tokenizer.ggml.tokens"])  # type: ignore[call-overload]
+    for tid, text in (rename or {}).items():
+        texts[tid] = text
+    w.add_token_list(texts)
     w.add_token_types(tok["tokenizer.ggml.token_type"])
     w.add_token_merges(tok["tokenizer.ggml.merges"])
     w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])

@@ -20,8 +20,8 @@ from starlette.middleware.cors import CORSMiddleware
 
 from radixserve.config import ServerConfig
 from radixserve.engine.api import EngineAPI
-from radixserve.http import (openapi, routes_completions, routes_embeddings, routes_info,
-                             routes_slots, routes_tokenize, webui)
+from radixserve.http import (openapi, routes_completions, routes_embeddings, routes_infill,
+                             routes_info, routes_rerank, routes_slots, routes_tokenize, webui)
 from radixserve.http.errors import GuardedRoute, install_error_handlers
 from radixserve.http.middleware import BodyGuard, GateMiddleware
 from radixserve.http.state import AppState
@@ -68,8 +68,8 @@ def create_app(
     # every API route is in the OpenAPI document (`app.openapi()`, bodies from openapi.py); it
     # is not served (`openapi_url=None`: llama-server has no such route)
     router = APIRouter(route_class=GuardedRoute, responses=openapi.ERROR_RESPONSES)
-    for family in (routes_info, routes_slots, routes_completions, routes_embeddings,
-                   routes_tokenize, webui):
+    for family in (routes_info, routes_slots, routes_completions, routes_infill,
+                   routes_embeddings, routes_rerank, routes_tokenize, webui):
         family.add_routes(router, state)
     app.include_router(router, prefix=cfg.api_prefix)
     webui.mount_page(app, cfg)  # after the API: --path's files answer what the API does not

@@ -7,7 +7,7 @@ Parsing and tokenizing run in a worker thread (long prompts must not stall the e
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from radixserve.http import info, openapi
 from radixserve.http.errors import read_json
-from radixserve.http.parse import ParsedRequest, parse_chat, parse_completion
+from radixserve.http.parse import ParseContext, ParsedRequest, parse_chat, parse_completion
 from radixserve.http.responses import (
     ResponseContext,
     chat_completion_json,
@@ -36,14 +36,21 @@ _KINDS: dict[str, tuple[Callable, Callable, type, str]] = {
 }
 
 
-def add_routes(r: APIRouter, state: AppState) -> None:
+Parser = Callable[[Any, ParseContext], ParsedRequest]
+Completer = Callable[[Request, str, Parser | None], Awaitable[Response]]
+
+
+def completion_handler(state: AppState) -> Completer:
+    """`complete(request, kind, parse=None)`: a completion of `kind` (native, text, chat),
+    its body parsed by `parse` (None: the kind's parser; /infill brings its own)."""
     def ping_s(req: ParsedRequest) -> int:
         """Seconds of silence before an SSE ping: the request's, else --sse-ping-interval."""
         return state.cfg.sse_ping_interval if req.sse_ping_interval is None \
             else req.sse_ping_interval
 
-    async def complete(request: Request, kind: str) -> Response:
-        parse, build, formatter, prefix = _KINDS[kind]
+    async def complete(request: Request, kind: str, parse: Parser | None = None) -> Response:
+        default_parse, build, formatter, prefix = _KINDS[kind]
+        parse = parse or default_parse
         body = await read_json(request)
         req = await run_in_threadpool(parse, body, state.parse_ctx)  # tokenizing off the loop
         e = state.eng
@@ -73,6 +80,12 @@ def add_routes(r: APIRouter, state: AppState) -> None:
             return bodies[0]
 
         return JSONResponse(await run_in_threadpool(shape))
+
+    return complete
+
+
+def add_routes(r: APIRouter, state: AppState) -> None:
+    complete = completion_handler(state)
 
     @r.post("/completion", openapi_extra=openapi.COMPLETION)
     @r.post("/completions", openapi_extra=openapi.COMPLETION)

@@ -58,8 +58,23 @@ _EOG_TEXTS = (
     "<|end_of_text|>",
     "<end_of_utterance>",
 )
+# FIM tokens in llama.cpp's order (pre, suf, mid, pad, rep, sep): the GGUF key, the deprecated
+# key that overrides it when present (tokenizer.ggml.prefix_token_id...), and the texts searched
+# for when neither names a token in the vocabulary
 _FIM_TEXTS = {
-    gguf.Keys.Tokenizer.FIM_PAD_ID: ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"),
+    gguf.Keys.Tokenizer.FIM_PRE_ID: (
+        "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
+        "\u2581<PRE>", "<|code_prefix|>", "<|prefix|>",
+    ),
+    gguf.Keys.Tokenizer.FIM_SUF_ID: (
+        "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
+        "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>",
+    ),
+    gguf.Keys.Tokenizer.FIM_MID_ID: (
+        "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
+        "\u2581<MID>", "<|code_middle|>", "<|middle|>",
+    ),
+    gguf.Keys.Tokenizer.FIM_PAD_ID: ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     gguf.Keys.Tokenizer.FIM_REP_ID: (
         "<|fim_repo|>",
         "<|repo_name|>",
@@ -69,6 +84,26 @@ _FIM_TEXTS = {
     ),
     gguf.Keys.Tokenizer.FIM_SEP_ID: ("<|file_sep|>",),
 }
+_FIM_DEPRECATED = {
+    gguf.Keys.Tokenizer.FIM_PRE_ID: gguf.Keys.Tokenizer.PREFIX_ID,
+    gguf.Keys.Tokenizer.FIM_SUF_ID: gguf.Keys.Tokenizer.SUFFIX_ID,
+    gguf.Keys.Tokenizer.FIM_MID_ID: gguf.Keys.Tokenizer.MIDDLE_ID,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FimTokens:
+    """The fill-in-the-middle token ids of a vocabulary (None: it has none), as llama.cpp's
+    `llama_vocab_fim_*` give them: /infill needs pre, suf and mid; rep and sep give the
+    repo-level layout; pad, rep and sep end generation."""
+
+    pre: int | None = None
+    suf: int | None = None
+    mid: int | None = None
+    pad: int | None = None
+    rep: int | None = None
+    sep: int | None = None
+
 
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (byte-level BPE token spelling)."""
@@ -104,7 +139,8 @@ class GGUFVocab:
         k = gguf.Keys.Tokenizer
         if get(k.MODEL) is None or get(k.LIST) is None:
             raise ValueError("GGUF file has no tokenizer (tokenizer.ggml.model / .tokens missing)")
-        id_keys = (k.BOS_ID, k.EOS_ID, k.EOT_ID, k.EOM_ID, k.UNK_ID, *_FIM_TEXTS)
+        id_keys = (k.BOS_ID, k.EOS_ID, k.EOT_ID, k.EOM_ID, k.UNK_ID, *_FIM_TEXTS,
+                   *_FIM_DEPRECATED.values())
         return cls(
             model=get(k.MODEL),
             tokens=get(k.LIST),
@@ -155,6 +191,7 @@ class Tokenizer:
         self.unk_id = self._special(k.UNK_ID, default_unk)
         self.eot_id = self._special_or_text(k.EOT_ID, _EOT_TEXTS)
         self.eom_id = self._special_or_text(k.EOM_ID, ("<|eom_id|>",))
+        self.fim = FimTokens(*(self._fim_id(key, texts) for key, texts in _FIM_TEXTS.items()))
         self._eog_ids = self._build_eog_set()
         # Special tokens cut out of the text before tokenizing, longest text first.
         self._specials = sorted(
@@ -192,8 +229,18 @@ class Tokenizer:
                 return tid
         return None
 
+    def _fim_id(self, key: str, texts: Sequence[str]) -> int | None:
+        """A FIM token as llama-vocab.cpp finds it: the GGUF's key, overridden by its deprecated
+        key when that names a token in range, else the text search (`_special_or_text`). Where
+        several of `texts` are in the vocabulary llama.cpp takes whichever its hash map yields
+        first; the first in `texts` here."""
+        old = _FIM_DEPRECATED.get(key)
+        if old is not None and self._special(old, None) is not None:
+            return self._special(old, None)
+        return self._special_or_text(key, texts)
+
     def _build_eog_set(self) -> frozenset[int]:
-        eog = {self._special_or_text(key, texts) for key, texts in _FIM_TEXTS.items()}
+        eog = {self.fim.pad, self.fim.rep, self.fim.sep}
         for text in _EOG_TEXTS:
             tid = self._ids.get(text)
             if tid is not None:
