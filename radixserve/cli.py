@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 import torch
 
@@ -86,6 +87,21 @@ def kernels_env_error() -> str | None:
     return None
 
 
+def is_router(parsed: Any) -> bool:
+    """Router mode, as llama-server: --models-dir or --models-preset, and no model (-m or
+    LLAMA_ARG_MODEL) of its own; with -m those two are ignored."""
+    import os
+
+    cfg = parsed.cfg
+    if not (cfg.models_dir or cfg.models_preset):
+        return False
+    if parsed.seen & {"-m", "--model"} or "LLAMA_ARG_MODEL" in os.environ:
+        logging.getLogger("radixserve.router").warning(
+            "-m is given: --models-dir/--models-preset ignored (router mode needs no -m)")
+        return False
+    return True
+
+
 def run_serve(argv: list[str]) -> int:
     """`radixserve serve`: llama-server's command line, parsed llama.cpp's way (flags/)."""
     from radixserve.flags import FlagError, FlagExit, parse_serve
@@ -108,6 +124,10 @@ def run_serve(argv: list[str]) -> int:
     setup_logging(cfg)
     for note in parsed.notes:
         logging.getLogger("radixserve.flags").warning("%s", note)
+    if is_router(parsed):  # llama-server's router mode: no model here, one child server each
+        from radixserve.router.app import serve_router
+
+        return serve_router(cfg, argv)
     from radixserve.http.run import serve
 
     return serve(cfg)

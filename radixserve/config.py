@@ -145,6 +145,11 @@ class ServerConfig:
     cache_pin_mib: int = 1024
     # disk tier (issue 6)
     slot_save_path: str | None = None
+    # router mode (issue 40): no -m and one of these -> a router of child servers (router/)
+    models_dir: str = ""  # --models-dir: a directory of GGUF files (or one subdirectory each)
+    models_preset: str = ""  # --models-preset: an INI file of per-model settings
+    models_max: int = 4  # --models-max: children loaded at once (LRU unloading), 0 = no limit
+    models_autoload: bool = True  # --no-models-autoload: a request never loads its model
     # disk tier under the radix cache (issue 18)
     cache_disk: str = ""  # --cache-disk DIR ("": off)
     cache_disk_mib: int = 10240  # bound on DIR's block files, -1: none
@@ -232,6 +237,8 @@ class ServerConfig:
         self.spec.validate()
         if self.cache_ram_mib < -1:
             raise ValueError("--cache-ram must be -1 (no limit), 0 (off) or a size in MiB")
+        if self.models_max < 0:
+            raise ValueError(f"--models-max must be >= 0 (0: no limit), got {self.models_max}")
         if self.cache_pin_mib < 0:
             raise ValueError(f"--cache-pin-mib must be 0 (no pins) or a size in MiB, got "
                              f"{self.cache_pin_mib}")

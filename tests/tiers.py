@@ -50,6 +50,7 @@ SLOW_FILES: dict[str, str] = {
     "tests/http/test_spec_http.py": "server processes",
     "tests/http/test_swa_http.py": "server processes",
     "tests/http/test_tools_cache.py": "server processes",
+    "tests/router/test_router_e2e.py": "a router and its child server processes",
     "tests/model/test_neon.py": "aarch64 cross-builds of every kernel, run under qemu (a minute)",
     "tests/model/test_deterministic.py": "default-model forwards on every kernel variant (minutes)",
     "tests/model/test_gemma3.py": "Gemma 3 against transformers (minutes)",

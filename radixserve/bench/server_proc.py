@@ -33,10 +33,11 @@ def free_port() -> int:
 
 class ServerProcess:
     """`python -m radixserve.cli serve --port P ARGS...` (or `command` in place of `serve`,
-    e.g. `cluster --replicas 2`), logged to `log_path`."""
+    e.g. `cluster --replicas 2`), logged to `log_path`; `env` is added to this process's
+    environment (a value of None removes that variable)."""
 
     def __init__(self, args: list[str], log_path: Path, ready_timeout_s: float = 300.0,
-                 env: dict[str, str] | None = None,
+                 env: dict[str, str | None] | None = None,
                  command: tuple[str, ...] = ("serve",), ready_path: str = "/health") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -54,7 +55,8 @@ class ServerProcess:
         with open(self.log_path, "wb") as log:
             log.write((" ".join(cmd) + "\n").encode())
             log.flush()
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+            env = {k: v for k, v in {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}.items()
+                   if v is not None}
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             self._wait_ready()

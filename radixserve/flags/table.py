@@ -777,12 +777,16 @@ SERVE_FLAGS: list[Flag] = [
     flag("--slot-save-path PATH", H, "directory for slot save/restore files",
          set_("slot_save_path")),
     flag("--media-path PATH", NA, NO_MULTIMODAL),
-    flag("--models-dir PATH", NO, "router mode (several models) is not implemented",
+    flag("--models-dir PATH", H, "router mode (no -m): serve the GGUF files of this directory, "
+         "one child server each (README, \"Router mode\")", set_("models_dir"),
          env="LLAMA_ARG_MODELS_DIR"),
-    flag("--models-preset PATH", NO, "router mode (several models) is not implemented",
-         env="LLAMA_ARG_MODELS_PRESET"),
-    flag("--models-max N", NA, "router mode only", check(I), env="LLAMA_ARG_MODELS_MAX"),
-    flag("--models-autoload", NA, "router mode only", neg="--no-models-autoload",
+    flag("--models-preset PATH", H, "router mode (no -m): an INI file of models and their "
+         "flags", set_("models_preset"), env="LLAMA_ARG_MODELS_PRESET"),
+    flag("--models-max N", H, "router mode: models loaded at once, the least recently used "
+         "idle one unloaded beyond it (0 = no limit)", set_("models_max", _int_in(0)),
+         env="LLAMA_ARG_MODELS_MAX"),
+    flag("--models-autoload", H, "router mode: a request for a model not loaded loads it",
+         set_("models_autoload", bool), neg="--no-models-autoload",
          env="LLAMA_ARG_MODELS_AUTOLOAD"),
     flag("--jinja", H, "chat templates are rendered with Jinja (always; --no-jinja is not "
          "applicable)", lambda p, on: None if on else p.note(
