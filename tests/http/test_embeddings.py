@@ -292,3 +292,24 @@ def test_gemma3_sliding_window_embeddings_are_chunk_and_batch_invariant():
         rows = torch.tensor(embed(c, long)[0])
     assert rows.shape == (700, model.hp.n_embd)
     assert torch.equal(rows.mean(0), torch.tensor(together[0][0]))
+
+
+def test_embeddings_batched_with_speculative_decoding(default_bf16: Model, solo):
+    """Embeddings sent while a completion verifies n-gram drafts (several rows a decode
+    step) on another of 3 slots, so their chunks can share its forwards: the completion's text
+    equals its run alone, the vectors the texts alone, and drafts were accepted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from radixserve.config import SpecConfig
+    spec = SpecConfig(types=["ngram-simple"], ngram_simple_size_n=4, ngram_simple_size_m=8)
+    body = {"prompt": "one two three four five six seven eight one two three four five six "
+                      "seven eight one two three four", "n_predict": 48, "temperature": 0}
+    with client(default_bf16, pooling="mean", spec=spec, n_parallel=3, ubatch_size=32) as c:
+        alone = c.post("/completion", json=body).json()
+        with ThreadPoolExecutor(2) as pool:
+            done = pool.submit(c.post, "/completion", json=body)
+            vecs = [embed(c, TEXTS, embd_normalize=-1) for _ in range(2)]
+            together = done.result().json()
+    assert together["tokens_predicted"] == 48 and together["content"] == alone["content"]
+    assert together["timings"]["draft_n_accepted"] > 0
+    assert vecs == [solo["mean"], solo["mean"]]
