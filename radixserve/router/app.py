@@ -229,11 +229,15 @@ def create_router_app(cfg: ServerConfig, models: Models,
             data.append(info)
         return JSONResponse({"data": data, "object": "list"})
 
-    @router.post("/models/load")
-    async def load(request: Request) -> Response:
+    async def named(request: Request) -> ModelEntry | None:
+        """The model a /models/load or /models/unload body names (None: none such)."""
         body = await read_json(request)
         name = body.get("model") if isinstance(body, dict) else None
-        e = models.get(name) if isinstance(name, str) else None
+        return models.get(name) if isinstance(name, str) else None
+
+    @router.post("/models/load")
+    async def load(request: Request) -> Response:
+        e = await named(request)
         if e is None:
             return error_response(404, "model is not found")
         if e.running:
@@ -243,9 +247,7 @@ def create_router_app(cfg: ServerConfig, models: Models,
 
     @router.post("/models/unload")
     async def unload(request: Request) -> Response:
-        body = await read_json(request)
-        name = body.get("model") if isinstance(body, dict) else None
-        e = models.get(name) if isinstance(name, str) else None
+        e = await named(request)
         if e is None:
             return error_response(400, "model is not found")
         if not e.running:
