@@ -100,9 +100,11 @@ class ProxyResponse(Response):
         finally:
             for t in (pumping, watching):
                 t.cancel()
-            results = await asyncio.gather(pumping, watching, return_exceptions=True)
-            await self.upstream.aclose()
-            self.on_close()
+            try:
+                results = await asyncio.gather(pumping, watching, return_exceptions=True)
+                await self.upstream.aclose()
+            finally:
+                self.on_close()  # the model is released whatever happened above
         err = results[0]
         if isinstance(err, httpx.HTTPError | OSError):  # the child died mid-answer
             log.warning("the model's server broke off its answer: %s", err)
@@ -116,7 +118,10 @@ def _autoload(cfg: ServerConfig, request: Request) -> bool:
 def create_router_app(cfg: ServerConfig, models: Models,
                       rescan: Callable[[], dict[str, ModelEntry]] | None = None) -> FastAPI:
     """The router over `models`; `rescan` reads the models dir and preset again (?reload=1)."""
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0))
+    # no connection limit: httpx's default (100) would queue the 101st request, unbounded,
+    # while it holds its model
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0),
+                               limits=httpx.Limits(max_connections=None))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -367,6 +367,10 @@ class Models:
             log.info("loading model %s: %s", e.name, " ".join(e.child_args))
             t0 = time.perf_counter()
             await child.start()
+            if e.stopping:  # unloaded while it started (its stop may have come before Popen)
+                await child.stop(e.stop_timeout_s)
+                e.status, e.child = "unloaded", None
+                return
             try:
                 e.loaded_info = await child.info()
             except Exception as ex:  # the listing only misses the child's details
@@ -386,8 +390,8 @@ class Models:
                             or (str(ex).splitlines() or [type(ex).__name__])[0])
                 log.error("model %s failed to load (exit code %s): %s", e.name, e.exit_code,
                           e.reason)
-                if child is not None:
-                    await child.stop(e.stop_timeout_s)
+            if child is not None:  # never left running, whatever ended the load
+                await child.stop(e.stop_timeout_s)
             e.child = None
         finally:
             self._notify()
@@ -396,6 +400,8 @@ class Models:
         """Unload least recently used idle models until `want` fits under --models-max; wait
         while every loaded model is serving a request."""
         while self.models_max > 0:
+            if want.stopping or want.status != "loading":  # unloaded while it waited
+                return
             # a model waiting for admission (loading, no child yet) takes no room yet
             running = [e for e in self.entries.values() if e is not want and (
                 e.status == "loaded" or (e.status == "loading" and e.child is not None))]

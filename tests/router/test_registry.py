@@ -267,3 +267,68 @@ def test_autoload_off() -> None:
         await m.close()
 
     asyncio.run(main())
+
+
+def test_unloading_a_model_that_waits_for_room_evicts_nothing() -> None:
+    """--models-max 1: a model unloaded while it waits for room (the loaded one idle, or
+    serving a request) stops waiting at once and unloads no other model for it."""
+    async def main() -> None:
+        log: list[str] = []
+        m = _models(["a", "b"], 1, log)
+        m.start()
+        a, b = m.entries["a"], m.entries["b"]
+        await m.load("a")
+        m.load("b")
+        await m.unload("b")  # right after its load: a stays
+        assert (a.status, b.status) == ("loaded", "unloaded") and log == ["start a"]
+        m.hold(a)  # a serves a request: b's load waits for room
+        m.load("b")
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(m.unload("b"), 1.0)  # does not wait for a's request
+        m.release(a)
+        await asyncio.sleep(0.05)
+        assert (a.status, b.status) == ("loaded", "unloaded") and log == ["start a"]
+        await m.close()
+
+    asyncio.run(main())
+
+
+class LateSpawnChild(FakeChild):
+    """A child whose process exists only once `start` is well under way (ServerProcess: its
+    Popen runs in a thread): a stop before then finds nothing to stop."""
+
+    def __init__(self, entry: ModelEntry, log: list[str]) -> None:
+        super().__init__(entry, log)
+        self.running = False
+
+    async def start(self) -> None:
+        await asyncio.sleep(0.05)
+        self.running = True
+        self.log.append(f"start {self.name}")
+
+    async def stop(self, timeout_s: float) -> None:
+        if self.running:
+            self.running, self.code = False, -2
+            self.log.append(f"stop {self.name}")
+
+
+def test_a_child_unloaded_while_it_starts_is_stopped() -> None:
+    async def main() -> None:
+        log: list[str] = []
+        children: list[LateSpawnChild] = []
+
+        def spawn(e: ModelEntry) -> LateSpawnChild:
+            children.append(LateSpawnChild(e, log))
+            return children[-1]
+
+        m = Models({"a": ModelEntry(name="a", path="/a.gguf", source="models_dir", args=[])},
+                   0, spawn, poll_s=0.01)
+        m.start()
+        m.load("a")
+        await asyncio.sleep(0.01)  # spawned, its process not there yet
+        await m.unload("a")
+        assert m.entries["a"].status == "unloaded" and m.entries["a"].child is None
+        assert log == ["start a", "stop a"] and not children[0].running
+        await m.close()
+
+    asyncio.run(main())
