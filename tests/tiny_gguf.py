@@ -29,12 +29,13 @@ def write_tiny_gguf(
     rename_tokens: dict[int, str] | None = None,
     token_ids: dict[str, int] | None = None,
     add_bos: bool | None = None,
+    pooling_type: int | None = None,
 ) -> str:
     """`arch` gemma3: Gemma 3's layer pattern (every 6th layer global, the others sliding over
     `sliding_window` positions), q/k norms and post-norms. The vocabulary is the default
     model's, its tokens `rename_tokens` (id -> text) renamed; `token_ids`: extra
     `tokenizer.ggml.*_token_id` keys (GGUF key -> id); `add_bos`: tokenizer.ggml.add_bos_token
-    other than the default model's."""
+    other than the default model's; `pooling_type`: `{arch}.pooling_type` (llama_pooling_type)."""
     rng = np.random.default_rng(seed)
     n_vocab = len(default_tokenizer_fields()["tokenizer.ggml.tokens"])
     head_dim = n_embd // n_head
@@ -44,6 +45,8 @@ def write_tiny_gguf(
     w.add_context_length(n_ctx_train)
     w.add_embedding_length(n_embd)
     w.add_feed_forward_length(n_ff)
+    if pooling_type is not None:
+        w.add_uint32(f"{arch}.pooling_type", pooling_type)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
     w.add_rope_freq_base(10000.0)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from radixserve.cache.base import DiskTierCache, PromptCache
-from radixserve.config import ServerConfig
+from radixserve.config import POOLINGS, ServerConfig
 from radixserve.engine import reuse
 from radixserve.engine.batch import model_pool, run, seq_step
 from radixserve.engine.counters import ServerMetrics
@@ -121,10 +121,11 @@ class Scheduler:
             log.info("sliding window %d: %d sliding-layer cells, context checkpoints enabled, "
                      "max = %d, min spacing = %d", self.swa.n_swa, self.swa.swa.n_cells, n_ckpt,
                      cfg.checkpoint_min_step)
-        if cfg.embeddings and cfg.embedding_pooling(hp.pooling) == "rank":
-            raise ValueError("this model pools its embeddings by rank (a reranker's "
-                             "classification head), which radixserve does not implement: "
-                             "give --pooling none|mean|cls|last")
+        pooling = cfg.embedding_pooling(hp.pooling)
+        if cfg.embeddings and pooling not in POOLINGS:
+            raise ValueError(f"this model's embedding pooling ({pooling}) is not computed "
+                             "here (rank needs a reranker's classification head): give "
+                             "--pooling none|mean|cls|last")
         self.no_shift = self.swa is not None or model.deterministic
         if self.no_shift and cfg.cache_reuse > 0:
             why = ("the sliding window keeps no KV to shift" if self.swa is not None else
@@ -147,14 +148,17 @@ class Scheduler:
         n = len(task.prompt_tokens)
         if n == 0:
             raise TaskError(400, "invalid_request_error", '"prompt" must not be empty')
-        if task.pooling and n > self.n_ctx_slot:  # nothing is generated: n_ctx tokens fit
+        # llama-server: an input pooled over all its rows may fill the context (nothing is
+        # generated); `last` pooling follows the completion rule
+        whole = task.pooling in ("none", "mean", "cls")
+        if whole and n > self.n_ctx_slot:
             raise TaskError(
                 400, "exceed_context_size_error",
                 f"input ({n} tokens) is larger than the max context size "
                 f"({self.n_ctx_slot} tokens). skipping",
                 n_prompt_tokens=n, n_ctx=self.n_ctx_slot,
             )
-        if n >= self.n_ctx_slot and not task.pooling:
+        if n >= self.n_ctx_slot and not whole:
             raise TaskError(
                 400, "exceed_context_size_error",
                 f"request ({n} tokens) exceeds the available context size "

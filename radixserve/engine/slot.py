@@ -72,7 +72,7 @@ class Slot:
         self.n_draft_accepted = 0
         # an embedding task: the hidden-state rows it keeps (`keep_rows`), then its result
         self.rows: list[torch.Tensor] = []
-        self.embedding: list[list[float]] | None = None
+        self.embedding: torch.Tensor | None = None
 
     @property
     def tokens(self) -> Sequence[int]:
@@ -273,13 +273,17 @@ class Slot:
             self.rows.append(h.float().clone())
 
     def pool_rows(self) -> None:
-        """The prompt is computed: llama.cpp's pooling of the kept rows (mean in f32)."""
+        """The prompt is computed: llama.cpp's pooling of the kept rows (mean in f32). Every
+        row is kept until now, not a running sum: a sum taken chunk by chunk would round by
+        how the prompt was chunked, and the result must not depend on it. The result goes to
+        JSON on the HTTP side (a long list conversion would stall every slot here)."""
         h = torch.cat(self.rows)
         pooling = self.task.pooling
         out = {"none": h, "mean": h.mean(0, keepdim=True), "cls": h[:1], "last": h[-1:]}
-        self.embedding, self.rows = out[pooling].tolist(), []
+        self.embedding, self.rows = out[pooling], []
 
     def release(self) -> None:
+        self.rows, self.embedding = [], None  # a cancelled embedding's rows, a sent result
         self.state = SlotState.IDLE
         self.t_last_used = time.monotonic()
         self.last_task = self._task

@@ -2,17 +2,21 @@
 
 Handlers build a `CompletionTask` (tokens already computed, sampling parameters validated) and
 read `PartialResult`s and one `FinalResult` back; a failure arrives as `TaskError` carrying the
-HTTP status and OpenAI error type. Nothing here holds tensors.
+HTTP status and OpenAI error type. Nothing here holds tensors but an embedding task's result (a
+CPU f32 tensor the slot lets go of, turned into JSON off the engine thread).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve.config import SpecConfig
 from radixserve.sampling.chain import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class TaskError(Exception):
@@ -162,5 +166,6 @@ class FinalResult:
     timings: Timings
     probs: list[TokenProbs] = field(default_factory=list)
     has_new_line: bool = False  # a newline was generated (llama-server's has_new_line)
-    # an embedding task's result, f32: one pooled vector, or one per prompt token (pooling none)
-    embedding: list[list[float]] | None = None
+    # an embedding task's result, f32 [rows, n_embd]: one pooled row, or one per prompt token
+    # (pooling none)
+    embedding: torch.Tensor | None = None

@@ -3,16 +3,18 @@
 Each input is one task through the same engine as completions: it takes a slot, is batched with
 whatever else runs, and ends when its prompt is computed; its result is the output-normed
 hidden states (the rows the head would read), pooled as --pooling says (`CompletionTask.pooling`).
-`last` pooling reads only the final token's row, so it may start from a cached prefix: the
-deterministic mode makes a token's hidden state the same bits whatever was computed before it
-and how it was chunked. The other poolings need every token's row and compute the whole input.
-The KV an embedding leaves in its slot serves later prompts like any other.
+`last` pooling reads only the final token's row, so it may start from a cached prefix: exact in
+the deterministic mode (the default), which makes a token's hidden state the same bits whatever
+was computed before it and how it was chunked. The other poolings need every token's row and
+compute the whole input. The KV an embedding leaves in its slot serves later prompts like any
+other.
 """
 
 from __future__ import annotations
 
 import base64
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,20 +31,21 @@ from radixserve.http.state import AppState
 from radixserve.http.streaming import collect_all
 
 
-def normalize(vec: list[float], norm: int) -> list[float]:
+def normalize(vec: Sequence[float] | torch.Tensor, norm: int) -> list[float]:
     """llama.cpp's common_embd_normalize: -1 none, 0 max absolute scaled to the int16 range,
-    2 euclidean, p > 2 (and 1) the p-norm; sums in f64, the scale applied in f32."""
-    x = torch.tensor(vec, dtype=torch.float64)
+    2 euclidean (f32 squares summed in f64), p > 2 (and 1) the p-norm in f64; the scale
+    applied in f32."""
+    x = torch.as_tensor(vec, dtype=torch.float32)
     if norm == -1:
         total = 1.0
     elif norm == 0:
         total = x.abs().max().item() / 32760.0
     elif norm == 2:
-        total = x.square().sum().sqrt().item()
+        total = (x * x).double().sum().sqrt().item()
     else:
-        total = x.abs().pow(norm).sum().pow(1.0 / norm).item()
+        total = x.double().abs().pow(norm).sum().pow(1.0 / norm).item()
     scale = torch.tensor(1.0 / total if total > 0 else 0.0, dtype=torch.float32)
-    return (torch.tensor(vec, dtype=torch.float32) * scale).tolist()
+    return (x * scale).tolist()
 
 
 def _b64(vec: list[float]) -> str:
@@ -94,13 +97,13 @@ class EmbeddingPlan:
                       for i, p in enumerate(prompts)]
         self.model = req.model or info.model_alias(model, cfg)
 
-    def vector(self, rows: list[list[float]]) -> list[list[float]]:
+    def vector(self, rows: torch.Tensor) -> list[list[float]]:
         """A result's rows as returned: pooled ones normalized, per-token ones as computed."""
         if self.pooling == "none":
-            return rows
+            return rows.tolist()
         return [normalize(rows[0], self.normalize)]
 
-    def body(self, results: list[list[list[float]]]) -> Any:
+    def body(self, results: list[torch.Tensor]) -> Any:
         if not self.oai:
             return [{"index": i, "embedding": self.vector(r)} for i, r in enumerate(results)]
         data = []
@@ -122,7 +125,7 @@ def add_routes(r: APIRouter, state: AppState) -> None:
         finals = await collect_all(request, streams)
         results = [f.embedding for f in finals]
         assert all(r is not None for r in results), "an embedding task ended without one"
-        return JSONResponse(await run_in_threadpool(plan.body, results))
+        return JSONResponse(await run_in_threadpool(plan.body, results))  # JSON off the loop
 
     @r.post("/embedding", openapi_extra=openapi.EMBEDDING)
     @r.post("/embeddings", openapi_extra=openapi.EMBEDDING)

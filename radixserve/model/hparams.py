@@ -154,12 +154,11 @@ POOLING_TYPES = {-1: "", 0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
 
 def _pooling(v: Any) -> str:
+    """The pooling's name; a value llama.cpp does not know is kept as such (it matters only to
+    a server started with --embeddings, which refuses it)."""
     if v is None:
         return ""
-    if _int_or_none(v) not in POOLING_TYPES:
-        raise UnsupportedModelError(f"pooling_type {v!r} is not one of llama.cpp's "
-                                    f"({', '.join(map(str, POOLING_TYPES))})")
-    return POOLING_TYPES[v]
+    return POOLING_TYPES.get(_int_or_none(v), f"pooling_type {v!r}")
 
 
 def _int_or_none(v: Any) -> int | None:

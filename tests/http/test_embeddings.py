@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 
 from radixserve.config import ServerConfig
 from radixserve.engine.engine import Engine
+from radixserve.engine.task import TaskError
 from radixserve.flags import FlagError, parse_serve
 from radixserve.http.routes_embeddings import normalize
 from radixserve.model.loader import Model, load_model
@@ -313,3 +314,73 @@ def test_embeddings_batched_with_speculative_decoding(default_bf16: Model, solo)
     assert together["tokens_predicted"] == 48 and together["content"] == alone["content"]
     assert together["timings"]["draft_n_accepted"] > 0
     assert vecs == [solo["mean"], solo["mean"]]
+
+
+def test_slots_let_go_of_rows_and_results(default_bf16: Model):
+    """An embedding's kept rows and its result leave the slot when the task ends: sent,
+    cancelled half-way through its prompt (64-token chunks), or failed."""
+    from radixserve.engine.counters import ServerMetrics
+    from radixserve.engine.scheduler import Scheduler
+    from radixserve.engine.task import CompletionTask
+    tok = default_bf16.tokenizer
+    ids = tok.encode(TEXTS[1], add_special=True, parse_special=True)
+    cfg = ServerConfig(embeddings=True, pooling="none", ubatch_size=64, n_parallel=1)
+    sched = Scheduler(default_bf16, cfg, ServerMetrics())
+    got: list = []
+    sent = CompletionTask(prompt_tokens=ids, n_predict=0, cache_prompt=False, stream=False,
+                          pooling="none")
+    sched.submit(sent, got.append)
+    while sched.has_active():
+        sched.step()
+    slot = sched.slots[0]
+    assert got[-1].embedding.shape == (len(ids), 576)
+    assert slot.rows == [] and slot.embedding is None
+    for end in ("cancel", "fail"):
+        task = CompletionTask(prompt_tokens=ids, n_predict=0, cache_prompt=False,
+                              stream=False, pooling="none")
+        sched.submit(task, got.append)
+        sched.step()
+        assert len(slot.rows) == 1  # one chunk kept, the prompt not done
+        if end == "cancel":
+            sched.cancel(task)
+        else:
+            sched._fail(slot, TaskError(500, "server_error", "test"))
+        assert slot.rows == [] and slot.embedding is None and not slot.is_processing
+    sched.check()
+
+
+def test_context_limits_by_pooling(default_bf16: Model):
+    """llama-server's limits: an input pooled over every row may fill the context (n_ctx
+    tokens); `last` follows the completion rule (n_ctx - 1)."""
+    n_ctx = 64
+    ids = default_bf16.tokenizer.encode("word " * 100, add_special=True, parse_special=True)
+    with client(default_bf16, pooling="last", ctx_size=n_ctx, n_parallel=1) as c:
+        _error(c, "/embedding", {"content": ids[:n_ctx]}, 400,
+               f"request ({n_ctx} tokens) exceeds the available context size ({n_ctx} "
+               "tokens), try increasing it", "exceed_context_size_error")
+        assert len(embed(c, ids[:n_ctx - 1])[0]) == 1
+    with client(default_bf16, pooling="cls", ctx_size=n_ctx, n_parallel=1) as c:
+        assert len(embed(c, ids[:n_ctx])[0]) == 1
+
+
+def test_unknown_pooling_type_matters_only_with_embeddings(tmp_path):
+    """A GGUF whose pooling_type llama.cpp does not know loads and completes; a server with
+    --embeddings refuses to start on it unless --pooling says how to pool."""
+    from radixserve.engine.counters import ServerMetrics
+    from radixserve.engine.scheduler import Scheduler
+    from tests.tiny_gguf import write_tiny_gguf
+    path = write_tiny_gguf(str(tmp_path / "odd.gguf"), pooling_type=9)
+    odd = load_model(path, "f32")
+    assert odd.hp.pooling == "pooling_type 9"
+    Scheduler(odd, ServerConfig(), ServerMetrics())
+    with pytest.raises(ValueError, match=r"embedding pooling \(pooling_type 9\) is not "
+                                         "computed here"):
+        Scheduler(odd, ServerConfig(embeddings=True), ServerMetrics())
+    Scheduler(odd, ServerConfig(embeddings=True, pooling="mean"), ServerMetrics())
+    ranked = load_model(write_tiny_gguf(str(tmp_path / "rank.gguf"), pooling_type=4), "f32")
+    with pytest.raises(ValueError, match=r"\(rank\) is not computed here \(rank needs a "
+                                         r"reranker's classification head\)"):
+        Scheduler(ranked, ServerConfig(embeddings=True), ServerMetrics())
+    with client(load_model(write_tiny_gguf(str(tmp_path / "cls.gguf"), pooling_type=2),
+                           "f32")) as c:  # the GGUF's pooling when --pooling is unset
+        assert len(embed(c, "hello world")[0]) == 1
