@@ -321,6 +321,7 @@ class Scheduler:
         plan = take_prefix(slot, prompt, self.slots, host,
                            task.cache_prompt, n_reuse, prefer=self._holder(task.parent),
                            salt=task.cache_salt)
+        slot.kv.slot_only = bool(task.pooling)  # embeddings never reach the host tiers
         why = reuse.report(held, plan, prompt, from_disk, self.tok)
         if loads is not None and host is not None and host.stats()["loads"] == loads:
             self.host.misses += 1

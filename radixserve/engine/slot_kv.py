@@ -70,6 +70,10 @@ class SlotKV:
         self._ahead: list[tuple[int, list[int]]] = []  # (pos0, tokens), ascending, past tokens
         self.shifted = False  # a context shift ran: the KV must not be reused (docstring)
         self.flushed = False  # an admin flush came while a task ran: never reused either
+        # the KV stays out of the host tiers (RAM, disk): an embedding task's, as llama-server
+        # keeps embeddings out of its prompt cache (a bulk embedding job would wash out the
+        # chat prefixes); the slot itself still serves it. Reset by the next task's claim
+        self.slot_only = False
         self.swa = pool if isinstance(pool, SWAPool) else None
         self.fp = fp
         self.n_checkpoints = n_checkpoints if self.swa is not None and fp is not None else 0
@@ -109,7 +113,7 @@ class SlotKV:
     def save_to(self, cache: PromptCache) -> bool:
         """Copy the contiguous prefix into the host cache (the pool is only read; a draft
         model's missing rows are computed first, so the entry carries both parts whole)."""
-        if not self.reusable or not self._tokens:
+        if not self.reusable or not self._tokens or self.slot_only:
             return False
         self.complete_draft()
         if not cache.save(self.pool, self.seq, list(self._tokens), self.checkpoints,
@@ -131,6 +135,7 @@ class SlotKV:
         assert not self.n_held or self.salt == salt, \
             f"slot {self.seq}: KV of another cache_salt kept for a task"
         self.salt = salt
+        self.slot_only = False
 
     def drop(self) -> None:
         self.pool.seq_rm(self.seq)

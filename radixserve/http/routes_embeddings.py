@@ -6,8 +6,9 @@ hidden states (the rows the head would read), pooled as --pooling says (`Complet
 `last` pooling reads only the final token's row, so it may start from a cached prefix: exact in
 the deterministic mode (the default), which makes a token's hidden state the same bits whatever
 was computed before it and how it was chunked. The other poolings need every token's row and
-compute the whole input. The KV an embedding leaves in its slot serves later prompts like any
-other.
+compute the whole input. The KV an embedding leaves in its slot serves later prompts from the
+slots (its own, or shared), but never goes to host RAM or disk (`SlotKV.slot_only`), as
+llama-server keeps embeddings out of its prompt cache.
 """
 
 from __future__ import annotations

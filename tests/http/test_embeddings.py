@@ -384,3 +384,19 @@ def test_unknown_pooling_type_matters_only_with_embeddings(tmp_path):
     with client(load_model(write_tiny_gguf(str(tmp_path / "cls.gguf"), pooling_type=2),
                            "f32")) as c:  # the GGUF's pooling when --pooling is unset
         assert len(embed(c, "hello world")[0]) == 1
+
+
+def test_embeddings_stay_out_of_the_host_tiers(default_bf16: Model):
+    """As llama-server keeps embeddings out of its prompt cache: what an embedding computed is
+    never saved to host RAM (so a bulk embedding job cannot wash out chat prefixes), whichever
+    way its slot is overwritten; a completion's prompt after it is saved as usual."""
+    cfg = ServerConfig(embeddings=True, pooling="last", n_parallel=1)
+    engine = Engine(default_bf16, cfg)
+    with app_client(engine, cfg) as c:
+        for t in TEXTS:
+            embed(c, t)
+        cache = engine.scheduler.host.cache
+        assert cache.stats()["saves"] == 0
+        for t in TEXTS[:2]:
+            c.post("/completion", json={"prompt": t, "n_predict": 2, "temperature": 0})
+        assert cache.stats()["saves"] >= 1
