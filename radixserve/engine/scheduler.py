@@ -564,7 +564,8 @@ class Scheduler:
             s.kv.commit(b.pos0, b.tokens)
             self._slide(s)
             if s.state is SlotState.PROCESSING_PROMPT:
-                s.keep_rows(hidden[row - b.n_logits + 1 : row + 1])
+                if s.task.pooling:  # an embedding keeps its chunk's rows
+                    s.keep_rows(hidden[row - b.n_logits + 1 : row + 1])
                 s.n_prompt_processed += len(b.tokens)
                 p0, p1 = s.todo[0]
                 s.todo[0] = (p0 + len(b.tokens), p1)

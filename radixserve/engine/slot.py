@@ -269,7 +269,7 @@ class Slot:
 
     def keep_rows(self, h: torch.Tensor) -> None:
         """An embedding task keeps the output-normed hidden states of its chunk (f32)."""
-        if self.task.pooling and len(h):
+        if len(h):
             self.rows.append(h.float().clone())
 
     def pool_rows(self) -> None:
