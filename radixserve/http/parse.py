@@ -524,10 +524,15 @@ def build_task(
 def parse_completion(body: Any, ctx: ParseContext) -> ParsedRequest:
     """/completion, /completions and /v1/completions bodies."""
     req = validate_body(CompletionRequest, body)
-    field, n_probs = _first(req, "n_probs", "logprobs")
     prompts = prompt_list(req.prompt, ctx.tokenizer)
-    return build_task(req, prompts[0], (field, n_probs or 0), ctx, prompts,
+    return build_task(req, prompts[0], completion_n_probs(req), ctx, prompts,
                       grammar=request_grammar(req, ctx))
+
+
+def completion_n_probs(req: CompletionRequest) -> tuple[str, int]:
+    """(field, value) of a /completion body's `n_probs`, or OpenAI's `logprobs` (0: none)."""
+    field, n_probs = _first(req, "n_probs", "logprobs")
+    return field, n_probs or 0
 
 
 RESERVED_TEMPLATE_VARS = ("messages", "add_generation_prompt", "tools")

@@ -18,7 +18,8 @@ from fastapi.responses import Response
 
 from radixserve.engine.task import TaskError, invalid_request
 from radixserve.http import openapi
-from radixserve.http.parse import ParseContext, ParsedRequest, build_task, request_grammar
+from radixserve.http.parse import (ParseContext, ParsedRequest, build_task, completion_n_probs,
+                                   request_grammar, tokenize_mixed)
 from radixserve.http.routes_completions import completion_handler
 from radixserve.http.schemas import InfillRequest, validate_body
 from radixserve.http.state import AppState
@@ -39,23 +40,11 @@ def check_fim(tok: Tokenizer) -> None:
 def _mixed(value: Any, name: str, tok: Tokenizer) -> list[int]:
     """`input_prefix` / `input_suffix`: a string, or a list of strings and token ids, tokenized
     without special tokens (llama-server's tokenize_mixed(..., false, false))."""
-    def ids(text: str) -> list[int]:
-        return tok.encode(text, add_special=False, parse_special=False)
-
-    if isinstance(value, str):
-        return ids(value)
-    if isinstance(value, list):
-        out: list[int] = []
-        for part in value:
-            if isinstance(part, str):
-                out += ids(part)
-            elif isinstance(part, int) and not isinstance(part, bool):
-                out.append(part)
-            else:
-                raise invalid_request(f'"{name}" must be a string or an array of strings and '
-                                      "token ids")
-        return out
-    raise invalid_request(f'"{name}" must be a string or an array of strings and token ids')
+    try:
+        return tokenize_mixed(value, tok, add_special=False, parse_special=False)
+    except TaskError:
+        raise invalid_request(f'"{name}" must be a string or an array of strings and token '
+                              "ids") from None
 
 
 def _extra(body: dict[str, Any]) -> list[ExtraChunk]:
@@ -93,9 +82,8 @@ def parse_infill(body: Any, ctx: ParseContext, n_batch: int, spm_infill: bool) -
     prompt = tok.encode(req.prompt or "", add_special=False, parse_special=True)
     tokens = format_prompt_infill(tok, prefix, suffix, extra, n_batch, ctx.defaults.n_predict,
                                   ctx.n_ctx_slot, spm_infill, prompt)
-    n_probs = ("n_probs", req.n_probs) if req.n_probs is not None else (
-        "logprobs", req.logprobs or 0)
-    return build_task(req, tokens, n_probs, ctx, grammar=request_grammar(req, ctx))
+    return build_task(req, tokens, completion_n_probs(req), ctx,
+                      grammar=request_grammar(req, ctx))
 
 
 def add_routes(r: APIRouter, state: AppState) -> None:
