@@ -26,6 +26,7 @@ import pytest
 
 from radixserve.model.default_model import default_model_path, gemma3_model_path
 from tests.http.harness import ServerProcess
+from tests.tiny_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.model
 
@@ -334,7 +335,11 @@ def test_a_child_that_dies_and_a_model_that_cannot_load(router: ServerProcess) -
 
 
 def test_preset_models_max_1_and_no_autoload(tmp_path: Path) -> None:
-    paths = _paths()
+    """The second model is a tiny test GGUF (its identity plays no part here: what is tested
+    is the preset reaching each child and --models-max evicting; a second Gemma 3 load would
+    add ~15 s)."""
+    paths = {"smollm2": _paths()["smollm2"],
+             "tiny": write_tiny_gguf(str(tmp_path / "tiny.gguf"), n_ctx_train=4096)}
     preset = tmp_path / "models.ini"
     preset.write_text(f"""version = 1
 [*]
@@ -345,8 +350,8 @@ np = 1
 model = {paths["smollm2"]}
 n-predict = 3
 
-[gemma]
-model = {paths["gemma3"]}
+[tiny]
+model = {paths["tiny"]}
 LLAMA_ARG_CTX_SIZE = 512
 """)
     with ServerProcess(["--models-preset", str(preset), "--models-max", "1",
@@ -363,9 +368,9 @@ LLAMA_ARG_CTX_SIZE = 512
         assert r.json()["generation_settings"]["n_ctx"] == 1024  # [*] c, one slot
         st = status(u, "small")
         assert "preset" in st and "c = 1024" in st["preset"]
-        assert httpx.post(u + "/models/load", json={"model": "gemma"}).status_code == 200
-        wait_status(u, "gemma", "loaded")
+        assert httpx.post(u + "/models/load", json={"model": "tiny"}).status_code == 200
+        wait_status(u, "tiny", "loaded")
         assert status(u, "small")["value"] == "unloaded"  # --models-max 1: evicted
         assert len(children(srv.pid)) == 1
-        r = httpx.post(u + "/completion", json={**body, "model": "gemma"}, timeout=300)
+        r = httpx.post(u + "/completion", json={**body, "model": "tiny"}, timeout=300)
         assert r.status_code == 200 and r.json()["generation_settings"]["n_ctx"] == 512
