@@ -24,7 +24,7 @@ HEAVY: dict[str, float] = {
     "tests/engine/test_kv_types.py": 40,
     "tests/http/test_api.py": 125,
     "tests/model/test_gemma3.py": 117,
-    "tests/router/test_router_e2e.py": 110,
+    "tests/router/test_router_e2e.py": 75,
     "tests/http/test_swa_http.py": 98,
     "tests/model/test_forward.py": 85,
     "tests/http/test_constrained.py": 83,

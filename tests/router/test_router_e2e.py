@@ -17,6 +17,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -106,14 +107,18 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
-    """Each model's answers from a plain single-model server, one at a time."""
+    """Each model's answers from a plain single-model server; both servers load at once (the
+    small model's load hides under Gemma 3's), then answer one at a time."""
+    from concurrent.futures import ThreadPoolExecutor
     logs = tmp_path_factory.mktemp("plain")
-    out = {}
-    for name, path in _paths().items():
-        with ServerProcess([*COMMON, "-m", path], logs / f"{name}.log",
-                           ready_timeout_s=300) as srv:
-            out[name] = answers(srv.url, None)
-    return out
+    with ExitStack() as stack:
+        def start(name: str, path: str) -> ServerProcess:
+            return stack.enter_context(ServerProcess([*COMMON, "-m", path],
+                                                     logs / f"{name}.log", ready_timeout_s=300))
+
+        with ThreadPoolExecutor(2) as pool:
+            servers = {name: pool.submit(start, name, path) for name, path in _paths().items()}
+        return {name: answers(srv.result().url, None) for name, srv in servers.items()}
 
 
 @pytest.fixture(scope="module")
