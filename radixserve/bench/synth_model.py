@@ -27,6 +27,7 @@ import gguf
 import numpy as np
 
 from radixserve.model.default_model import default_model_path
+from radixserve.model.gguf_check import read_gguf
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,8 @@ _TOKENIZER = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.toke
 
 @functools.cache
 def default_tokenizer_fields() -> dict[str, object]:
-    """The default model's tokenizer and template fields (read once: ~2 s of parsing)."""
-    r = gguf.GGUFReader(default_model_path())
+    """The default model's tokenizer and template fields (read once)."""
+    r = read_gguf(default_model_path())
     return {k: r.fields[k].contents() for k in _TOKENIZER if k in r.fields}
 
 

@@ -8,12 +8,11 @@ import os
 import time
 from dataclasses import dataclass
 
-import gguf
 import torch
 
 from radixserve.model.default_model import resolve_model_path
 from radixserve.model.forward import Transformer
-from radixserve.model.gguf_check import check_gguf
+from radixserve.model.gguf_check import read_gguf
 from radixserve.model.hparams import HParams, UnsupportedModelError
 from radixserve.model.rope import Rope
 from radixserve.model.weights import load_weights
@@ -146,11 +145,11 @@ def load_model(path: str | None = "default", dtype: str = "auto", device: str = 
     dev = torch.device(device)
     dt = resolve_dtype(dtype, dev)
     mode = resolve_weights(weights, dt)
-    check_gguf(path)  # its structure, naming a malformed tensor, before anything maps them
+    # its structure checked (naming a malformed tensor) before anything maps a tensor
     try:
-        reader = gguf.GGUFReader(path)
+        reader = read_gguf(path)
     except (ValueError, KeyError, IndexError, OSError) as e:
-        raise UnsupportedModelError(f"{path}: gguf-py cannot read it: {e}") from e
+        raise UnsupportedModelError(f"{path}: cannot read it as GGUF: {e}") from e
     hp = HParams.from_gguf(reader)
     w = load_weights(reader, hp, dt, packed=mode == "native")
     if dev.type != "cpu":
