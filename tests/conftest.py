@@ -90,6 +90,37 @@ from tests.tiny_gguf import write_tiny_gguf
 pytest_plugins = ("tests.tiers", "tests.workers")
 
 
+class SharedGGUFReader(gguf.GGUFReader):
+    """gguf-py's reader, built once for the last unchanged file read (its path, size, mtime and
+    inode) and handed out again: transformers' GGUF loader builds one for the config, another
+    for the weights and a third for the tokenizer, ~9 s each for Gemma 3's 262k-token
+    vocabulary (gguf-py makes two numpy views an element). The same object, read only, so the
+    references are what they were. Only real models' (files over 64 MiB: never written by a
+    test) and only the last file's are kept: Gemma 3's holds ~680 MiB."""
+
+    _last: tuple[tuple[str, int, int, int], SharedGGUFReader] | None = None
+
+    def __new__(cls, path: Any, mode: str = "r") -> SharedGGUFReader:
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino)
+        if mode != "r" or st.st_size < 64 << 20:
+            return super().__new__(cls)
+        if cls._last is not None and cls._last[0] == key:
+            return cls._last[1]
+        self = super().__new__(cls)
+        cls._last = (key, self)
+        return self
+
+    def __init__(self, path: Any, mode: str = "r") -> None:
+        if getattr(self, "_ready", False):
+            return
+        super().__init__(path, mode)
+        self._ready = True
+
+
+gguf.GGUFReader = SharedGGUFReader  # type: ignore[misc]  # what `from gguf import` finds
+
+
 def make_transformer(path: str, dtype: torch.dtype = torch.float32) -> Transformer:
     reader = gguf.GGUFReader(path)
     hp = HParams.from_gguf(reader)
