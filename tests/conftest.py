@@ -25,8 +25,8 @@ while loading, and the torch-ops one), test_gemma3/test_step (other models and d
 
 Server processes (tests/http/harness.py running_server), ~45 a run:
   shared a session      http/conftest.py `shared_server(args)`: one process per argument list;
-                        `default_f32_np2_server` (--dtype f32 -np 2 -c 4096) serves
-                        test_tools.py's `server` and test_constrained.py's `f32_server`, which
+                        `default_np2_server` (-np 2 -c 4096, deterministic) serves
+                        test_tools.py's `server` and test_constrained.py's `exact_server`, which
                         were two processes with the same arguments: their tests read answers to
                         prompts of their own and reuse as lower bounds (`cache_n >= n`)
   shared in a module    test_api.py (one per weight path), test_errors.py, test_slot_http.py,

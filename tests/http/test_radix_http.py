@@ -123,11 +123,11 @@ def test_restore_fault_falls_back_and_the_tree_stays_usable(tiny_path, tmp_path)
     assert health.status_code == 200
 
 
-def test_every_completion_says_where_its_prefix_came_from(default_f32_np2_server):
+def test_every_completion_says_where_its_prefix_came_from(default_np2_server):
     """`timings.reuse` on /completion (plain and streamed), on the chat endpoint, and the
     slot's last report in /slots (the fields' meaning: tests/engine/test_reuse.py). On the
     session's shared server: prompts of their own, read per slot."""
-    url = default_f32_np2_server.url
+    url = default_np2_server.url
     rng = random.Random(36)
     doc = [rng.randrange(1000, 40000) for _ in range(120)]
     first = complete(url, doc + [7])["timings"]["reuse"]

@@ -218,10 +218,10 @@ def test_apply_template_renders_the_tools(model: Model) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(default_f32_np2_server: Any) -> Any:
-    """The session's default-model f32 server (tests/http/conftest.py), shared with
+def server(default_np2_server: Any) -> Any:
+    """The session's default-model 2-slot server (tests/http/conftest.py), shared with
     test_constrained.py: these tests read only answers of their own requests."""
-    return default_f32_np2_server
+    return default_np2_server
 
 
 def openai_client(srv: Any) -> Any:
