@@ -17,16 +17,16 @@ def test_every_cluster_test_is_in_one_group_and_every_other_file_is_its_own():
 
 def test_heaviest_unit_runs_first_and_each_keeps_its_order():
     paths = ["tests/text/test_light.py", "tests/text/test_light.py",
-             "tests/http/test_swa_http.py", "tests/http/test_swa_http.py",
+             "tests/model/test_deterministic.py", "tests/model/test_deterministic.py",
              "tests/cluster/test_routing.py", "tests/cluster/test_cluster_pow2.py",
              "tests/engine/test_deterministic.py", "tests/text/test_other_light.py"]
     order = workers.run_order(paths)
     assert sorted(order) == list(range(len(paths)))  # nothing dropped or repeated
     ran = [paths[i] for i in order]
     assert ran[0] == "tests/engine/test_deterministic.py"
-    # the Ray group's weight is its files' summed (still below test_swa_http's)
-    assert workers._weight("tests/http/test_swa_http.py") > workers._weight(workers.RAY_GROUP)
-    assert ran[1:3] == ["tests/http/test_swa_http.py"] * 2
+    # the Ray group's weight is its files' summed (still below model/test_deterministic's)
+    assert workers._weight("tests/model/test_deterministic.py") > workers._weight(workers.RAY_GROUP)
+    assert ran[1:3] == ["tests/model/test_deterministic.py"] * 2
     # the Ray group weighs its files together, and keeps them side by side, in their order
     assert ran[3:5] == ["tests/cluster/test_routing.py", "tests/cluster/test_cluster_pow2.py"]
     # light files last, in collection order

@@ -1,13 +1,14 @@
 """How the suite spreads over pytest-xdist workers (`./scripts/test.sh` runs `-n auto --dist
-loadgroup`; the whole suite took ~27 minutes on one process on the 2-core machine).
+loadgroup`; on the 2-core machine the whole suite took ~27 minutes on one process, and 15 on two
+workers after issue 37's trims).
 
 - A file is one unit of work and runs on one worker, so a module's servers and reference runs
   are still computed once (a session fixture once a worker).
 - Every test under tests/cluster/ runs on one worker, one after another: a local Ray instance
   takes fixed ports, and `ray stop --force` (after a replica had to be killed) stops every Ray
   instance on the machine, another worker's too.
-- The heaviest files start first (HEAVY, measured with `--durations=0`: the seconds each file
-  took on one process), so that no long file starts when the other workers are almost done.
+- The heaviest files start first (HEAVY, measured: the seconds each file took in a whole run),
+  so that no long file starts when the other workers are almost done.
   A file not listed is light; the list only orders the work, it cannot drop or skip a test.
 """
 
@@ -17,47 +18,52 @@ import pytest
 
 from tests.tiers import file_of
 
-# seconds a file took in one process (2-core AMD EPYC, `./scripts/test.sh --durations=0`)
+# seconds a file's tests took (setup included) in the whole suite on 2 workers (2-core AMD EPYC,
+# a clean clone's `.ci/run` with --junitxml, summed by file)
 HEAVY: dict[str, float] = {
-    "tests/model/test_deterministic.py": 226,
-    "tests/engine/test_deterministic.py": 220,
-    "tests/engine/test_kv_types.py": 40,
-    "tests/http/test_api.py": 125,
-    "tests/model/test_gemma3.py": 117,
-    "tests/router/test_router_e2e.py": 75,
-    "tests/http/test_swa_http.py": 98,
-    "tests/model/test_forward.py": 85,
-    "tests/http/test_constrained.py": 83,
-    "tests/http/test_embeddings.py": 70,
-    "tests/http/test_server_flags.py": 54,
-    "tests/cluster/test_cluster_pow2.py": 44,
-    "tests/http/test_radix_http.py": 44,
-    "tests/cluster/test_cluster_prefix.py": 36,
-    "tests/bench/test_bench_e2e.py": 36,
-    "tests/http/test_host_cache.py": 30,
-    "tests/http/test_infill.py": 30,
-    "tests/model/test_kernels.py": 28,
-    "tests/http/test_disk_http.py": 27,
-    "tests/http/test_tools.py": 25,
-    "tests/engine/test_speculative.py": 24,
-    "tests/model/test_step.py": 24,
-    "tests/engine/test_disk_tier.py": 23,
-    "tests/http/test_multi_task.py": 22,
-    "tests/http/test_tools_cache.py": 22,
-    "tests/http/test_spec_http.py": 21,
-    "tests/webui/test_page.py": 19,
+    "tests/engine/test_deterministic.py": 270,
+    "tests/model/test_deterministic.py": 134,
+    "tests/http/test_constrained.py": 96,
+    "tests/model/test_gemma3.py": 94,
+    "tests/model/test_forward.py": 75,
+    "tests/model/test_neon.py": 59,
+    "tests/http/test_swa_http.py": 57,
+    "tests/cluster/test_cluster_prefix.py": 56,
+    "tests/cluster/test_cluster_pow2.py": 55,
+    "tests/model/test_kernels.py": 52,
+    "tests/engine/test_kv_types.py": 50,
+    "tests/http/test_embeddings.py": 49,
+    "tests/http/test_server_flags.py": 46,
+    "tests/http/test_api.py": 43,
+    "tests/router/test_router_e2e.py": 43,
+    "tests/engine/test_speculative.py": 39,
+    "tests/http/test_radix_http.py": 34,
+    "tests/http/test_tools_cache.py": 27,
+    "tests/engine/test_disk_tier.py": 26,
+    "tests/http/test_multi_task.py": 25,
+    "tests/http/test_tools.py": 23,
+    "tests/bench/test_bench_e2e.py": 22,
+    "tests/http/test_disk_http.py": 21,
+    "tests/http/test_host_cache.py": 20,
     "tests/bench/test_soak.py": 19,
+    "tests/webui/test_page.py": 18,
     "tests/model/test_head_blocks.py": 18,
-    "tests/http/test_slot_http.py": 15,
-    "tests/http/test_cache_salt_http.py": 14,
-    "tests/test_cli.py": 14,
-    "tests/engine/test_slot_actions.py": 13,
-    "tests/engine/test_swa.py": 11,
-    "tests/http/test_errors.py": 11,
-    "tests/http/test_fuzz_schema.py": 10,
-    "tests/http/test_disconnects.py": 10,
+    "tests/model/test_malformed_gguf.py": 18,
+    "tests/http/test_spec_http.py": 17,
+    "tests/engine/test_swa.py": 15,
+    "tests/http/test_cache_salt_http.py": 13,
+    "tests/http/test_slot_http.py": 12,
+    "tests/http/test_infill.py": 11,
+    "tests/test_cli.py": 10,
+    "tests/http/test_sampling_llama.py": 9,
+    "tests/http/test_errors.py": 9,
+    "tests/bench/test_synth_model.py": 9,
     "tests/engine/test_cache_salt.py": 9,
-    "tests/http/test_server_defaults.py": 9,
+    "tests/http/test_fuzz_schema.py": 9,
+    "tests/engine/test_agent_sessions.py": 9,
+    "tests/http/test_server_defaults.py": 8,
+    "tests/http/test_disconnects.py": 8,
+    "tests/model/test_step.py": 8,
 }
 
 RAY_GROUP = "tests/cluster"
