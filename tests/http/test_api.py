@@ -182,6 +182,7 @@ def test_metrics_counters_move_by_known_amounts(server):
     res = complete(server, "Metrics check: one two three", n_predict=5, ignore_eos=True,
                    cache_prompt=False, id_slot=1)
     after = {n: metric(server, f"llamacpp:{n}") for n in before}
-    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == res["timings"]["prompt_n"]
+    assert (after["prompt_tokens_total"] - before["prompt_tokens_total"]
+            == res["timings"]["prompt_n"])
     assert after["tokens_predicted_total"] - before["tokens_predicted_total"] == 5
     assert after["n_decode_total"] - before["n_decode_total"] >= 5
