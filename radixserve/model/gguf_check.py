@@ -5,7 +5,7 @@ Gemma 3's 262k-token vocabulary, 2.2 s for SmolLM2's 49k: most of a load), where
 each array at once (`read_gguf` gives what the loader used of `gguf.GGUFReader`: `fields`
 whose `contents()` are gguf-py's values, and gguf-py's own `ReaderTensor`s, views of the file
 shaped as gguf-py shapes them; tests/model/test_malformed_gguf.py holds the two equal). And
-gguf-py's reader gguf-py's reader maps each tensor over the file and fails on a malformed one
+gguf-py's reader maps each tensor over the file and fails on a malformed one
 with numpy's message ("cannot reshape array of size 7942 into shape (64,128)"), naming no
 tensor, or, for a row length that does not divide into its type's blocks, reads on; and the
 kernels trust every size they are given. This pass reads the header and the tensor table (not
