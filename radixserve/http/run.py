@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from typing import Any
 
 import uvicorn
 
@@ -77,16 +78,31 @@ def serve(cfg: ServerConfig) -> int:
                 server.should_exit = True
             raise
 
+    socks = bind_or_log(cfg)
+    if socks is None:
+        return 1
+    server = http_server(cfg, create_app(factory, cfg=cfg))
+    run_server(cfg, server, socks)
+    return 1 if failed else 0
+
+
+def bind_or_log(cfg: ServerConfig) -> list[socket.socket] | None:
+    """The listening sockets, or None after logging why not (the server and the router)."""
     try:
-        socks = bind(cfg)
+        return bind(cfg)
     except OSError as e:
         log.error("cannot listen on %s port %d: %s", cfg.host, cfg.port, e)
-        return 1
-    app = create_app(factory, cfg=cfg)
-    server = uvicorn.Server(uvicorn.Config(
+        return None
+
+
+def http_server(cfg: ServerConfig, app: Any) -> uvicorn.Server:
+    """uvicorn as the server and the router run it: its own logs off, TLS from --ssl-*."""
+    return uvicorn.Server(uvicorn.Config(
         app, log_level="warning", access_log=False, ssl_keyfile=cfg.ssl_key_file,
         ssl_certfile=cfg.ssl_cert_file))
+
+
+def run_server(cfg: ServerConfig, server: uvicorn.Server, socks: list[socket.socket]) -> None:
     scheme = "https" if cfg.ssl_cert_file else "http"
     log.info("HTTP server listening on %s://%s:%d", scheme, cfg.host, cfg.port)
     server.run(sockets=socks)
-    return 1 if failed else 0

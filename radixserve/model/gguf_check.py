@@ -29,6 +29,7 @@ from radixserve.model.hparams import UnsupportedModelError
 
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 MAX_DIM = 2**31 - 1  # one dimension: llama.cpp's own limit (int32 row counts)
+MAX_NESTING = 8  # arrays of arrays (gguf-py reads none; a deeper file is forged)
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
            12: "d"}  # GGUF value type -> struct code (8 string, 9 array)
 
@@ -75,16 +76,24 @@ class _Cursor:
         n = int(self.take("Q"))
         if self.pos + n > len(self.buf):
             raise UnsupportedModelError(f"{self.path}: the GGUF header ends early (truncated file)")
-        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
+        try:  # strictly, as gguf-py: a vocabulary is never read with replaced characters
+            s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UnsupportedModelError(f"{self.path}: the string at byte {self.pos} of the "
+                                        f"header is not UTF-8 ({e.reason})") from None
         self.pos += n
         return s
 
-    def value(self, vtype: int) -> object:
+    def value(self, vtype: int, depth: int = 0) -> object:
         """A value of the given type (an array: a list, each scalar array read at once)."""
         if vtype == 8:
             return self.string()
         if vtype == 9:
             itype, count = int(self.take("I")), int(self.take("Q"))
+            if depth >= MAX_NESTING:
+                raise UnsupportedModelError(f"{self.path}: arrays nested over {MAX_NESTING} deep")
+            if itype in (8, 9) and self.pos + 8 * count > len(self.buf):  # >= 8 bytes each
+                raise UnsupportedModelError(f"{self.path}: the GGUF header ends early")
             if itype in _SCALAR:
                 dt = np.dtype("<" + _SCALAR[itype])
                 if self.pos + dt.itemsize * count > len(self.buf):
@@ -94,7 +103,7 @@ class _Cursor:
                 return out
             if itype == 8:
                 return [self.string() for _ in range(count)]
-            return [self.value(itype) for _ in range(count)]
+            return [self.value(itype, depth + 1) for _ in range(count)]
         if vtype not in _SCALAR:
             raise UnsupportedModelError(f"{self.path}: unknown GGUF value type {vtype}")
         return self.take(_SCALAR[vtype])
@@ -103,25 +112,17 @@ class _Cursor:
 def check_gguf(path: str) -> None:
     """Raise UnsupportedModelError naming what is wrong with the file's structure, if anything
     (a file that is not GGUF at all included)."""
-    read_gguf(path)
+    _header(path)
 
 
 def read_gguf(path: str) -> GGUFFile:
-    """The file's metadata and tensors, once its structure passed the checks."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        if size < 24 or f.read(4) != b"GGUF":
-            raise UnsupportedModelError(f"{path}: not a GGUF file (no GGUF magic)")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            kv, infos, data_start = _check(_Cursor(buf, path), size)
+    """The file's metadata and tensors, once its structure passed the checks. Each tensor is
+    gguf-py's `ReaderTensor` but for `field`, a stand-in (its offset the data's): nothing here
+    reads a tensor's table entry back."""
+    kv, table = _header(path)
     data = np.memmap(path, mode="r")
     tensors = []
-    for name, dims, raw_type, offset in infos:
-        qtype = gguf.GGMLQuantizationType(raw_type)
-        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-        n = int(np.prod(dims))
-        n_bytes = n // block * block_bytes
-        start = data_start + offset
+    for name, dims, qtype, n, n_bytes, start in table:
         item = _ITEM_TYPES.get(qtype, np.uint8)
         shape = tuple(reversed(dims))
         if item is np.uint8:
@@ -132,8 +133,20 @@ def read_gguf(path: str) -> GGUFFile:
     return GGUFFile(path, {k: Field(k, v) for k, v in kv.items()}, tensors)
 
 
-def _check(c: _Cursor, file_size: int
-           ) -> tuple[dict[str, object], list[tuple[str, list[int], int, int]], int]:
+# a tensor's table entry, checked: name, dims, type, elements, bytes, where its data starts
+_Entry = tuple[str, list[int], gguf.GGMLQuantizationType, int, int, int]
+
+
+def _header(path: str) -> tuple[dict[str, object], list[_Entry]]:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        if size < 24 or f.read(4) != b"GGUF":
+            raise UnsupportedModelError(f"{path}: not a GGUF file (no GGUF magic)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return _check(_Cursor(buf, path), size)
+
+
+def _check(c: _Cursor, file_size: int) -> tuple[dict[str, object], list[_Entry]]:
     path = c.path
     c.pos = 4
     version = c.take("I")
@@ -166,7 +179,7 @@ def _check(c: _Cursor, file_size: int
         seen.add(name)
         infos.append((name, dims, raw_type, offset))
     data_start = -(-c.pos // align) * align
-    spans = []
+    spans, table = [], []
     for name, dims, raw_type, offset in infos:
         try:
             qtype = gguf.GGMLQuantizationType(raw_type)
@@ -192,6 +205,7 @@ def _check(c: _Cursor, file_size: int
                 f"end of the file ({file_size} bytes: truncated?)" if start + nbytes > file_size
                 else f"{path}: tensor {name!r}'s offset {offset} is not aligned to {align}")
         spans.append((start, start + nbytes, name))
+        table.append((name, dims, qtype, n, nbytes, start))
     spans.sort()
     for (s0, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
         if s1 < e0:
@@ -203,4 +217,4 @@ def _check(c: _Cursor, file_size: int
         raise UnsupportedModelError(
             f"{path}: tensor 'token_embd.weight' has {embd[1]} rows but the vocabulary "
             f"(tokenizer.ggml.tokens) has {n_tokens} tokens")
-    return kv, infos, data_start
+    return kv, table

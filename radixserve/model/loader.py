@@ -13,7 +13,7 @@ import torch
 from radixserve.model.default_model import resolve_model_path
 from radixserve.model.forward import Transformer
 from radixserve.model.gguf_check import read_gguf
-from radixserve.model.hparams import HParams, UnsupportedModelError
+from radixserve.model.hparams import HParams
 from radixserve.model.rope import Rope
 from radixserve.model.weights import load_weights
 from radixserve.text.chat_template import ChatTemplate
@@ -145,11 +145,7 @@ def load_model(path: str | None = "default", dtype: str = "auto", device: str = 
     dev = torch.device(device)
     dt = resolve_dtype(dtype, dev)
     mode = resolve_weights(weights, dt)
-    # its structure checked (naming a malformed tensor) before anything maps a tensor
-    try:
-        reader = read_gguf(path)
-    except (ValueError, KeyError, IndexError, OSError) as e:
-        raise UnsupportedModelError(f"{path}: cannot read it as GGUF: {e}") from e
+    reader = read_gguf(path)  # its structure checked (naming a malformed tensor) first
     hp = HParams.from_gguf(reader)
     w = load_weights(reader, hp, dt, packed=mode == "native")
     if dev.type != "cpu":

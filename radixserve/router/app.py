@@ -108,6 +108,8 @@ class ProxyResponse(Response):
         err = results[0]
         if isinstance(err, httpx.HTTPError | OSError):  # the child died mid-answer
             log.warning("the model's server broke off its answer: %s", err)
+        elif isinstance(err, Exception):  # not a cancel: a fault of ours, never dropped unseen
+            log.error("proxying the model's answer failed", exc_info=err)
 
 
 def _autoload(cfg: ServerConfig, request: Request) -> bool:
@@ -266,10 +268,8 @@ def create_router_app(cfg: ServerConfig, models: Models,
 
 def serve_router(cfg: ServerConfig, argv: Sequence[str]) -> int:
     """`radixserve serve --models-dir DIR | --models-preset FILE` without -m: the router."""
-    import uvicorn
-
     from radixserve.flags import ALL_FLAGS
-    from radixserve.http.run import bind
+    from radixserve.http.run import bind_or_log, http_server, run_server
     from radixserve.router.children import Child
     from radixserve.router.registry import build_entries
 
@@ -285,20 +285,13 @@ def serve_router(cfg: ServerConfig, argv: Sequence[str]) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="radixserve-router-"))
     spawn: Spawn = lambda entry: Child(entry, log_dir, cfg.api_prefix)  # noqa: E731
     models = Models(entries, cfg.models_max, spawn)
-    try:
-        socks = bind(cfg)
-    except OSError as e:
-        log.error("cannot listen on %s port %d: %s", cfg.host, cfg.port, e)
+    socks = bind_or_log(cfg)
+    if socks is None:
         return 1
-    app = create_router_app(cfg, models, rescan)
-    server = uvicorn.Server(uvicorn.Config(
-        app, log_level="warning", access_log=False, ssl_keyfile=cfg.ssl_key_file,
-        ssl_certfile=cfg.ssl_cert_file))
+    server = http_server(cfg, create_router_app(cfg, models, rescan))
     log.info("router mode: %d models (%s), --models-max %d, autoload %s; children's logs in %s",
              len(entries), ", ".join(entries) or "none", cfg.models_max,
              "on" if cfg.models_autoload else "off", log_dir)
-    scheme = "https" if cfg.ssl_cert_file else "http"
-    log.info("HTTP server listening on %s://%s:%d", scheme, cfg.host, cfg.port)
-    server.run(sockets=socks)
+    run_server(cfg, server, socks)
     return 0
 

@@ -1,6 +1,6 @@
 """One child `radixserve serve` process per loaded model, as llama-server's router spawns one
 `llama-server` per model: on a free loopback port, with the router's environment and flags
-(less the ones the router owns: registry.ROUTER_FLAGS / ROUTER_ENV) plus the model's preset
+(less the ones the router owns: registry.ROUTER_FLAGS / router_env) plus the model's preset
 flags, `-m PATH` and `--alias NAME`. Ready once its /health answers 200; stopped with SIGINT
 (its clean shutdown: the disk tier's last writes), then SIGKILL after the preset's
 `stop-timeout` (10 s). The process itself is the benchmark's `ServerProcess`
@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 from radixserve.bench.server_proc import ServerProcess
-from radixserve.router.registry import ROUTER_ENV, ModelEntry
+from radixserve.flags import ALL_FLAGS
+from radixserve.router.registry import ModelEntry, router_env
 
 READY_TIMEOUT_S = 600.0
 _ERROR_LINE = re.compile(r"error|Error|ERROR|Traceback|exception")
@@ -32,10 +32,10 @@ class Child:
         args = [*entry.args, "-m", entry.path, "--alias", entry.name]
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", entry.name)
         self.proc = ServerProcess(args, log_dir / f"{safe}.log", ready_timeout_s,
-                                  env={k: None for k in ROUTER_ENV},
+                                  env={k: None for k in router_env(ALL_FLAGS)},
                                   ready_path=api_prefix + "/health")
         self.url, self.port, self.name = self.proc.url, self.proc.port, entry.name
-        self.log_path, self.api_prefix = self.proc.log_path, api_prefix
+        self.api_prefix = api_prefix
 
     @property
     def pid(self) -> int:
@@ -69,8 +69,3 @@ class Child:
             data = r.json().get("data") or [{}]
             return dict(data[0])
 
-    def rss_bytes(self) -> int:
-        try:
-            return int(psutil.Process(self.pid).memory_info().rss)
-        except (psutil.Error, ValueError):
-            return 0

@@ -34,15 +34,21 @@ log = logging.getLogger(__name__)
 ROUTER_FLAGS = ("--host", "--port", "--reuse-port", "--api-key", "--api-key-file", "-m",
                 "--alias", "--models-dir", "--models-preset", "--models-max", "--models-autoload",
                 "--ssl-key-file", "--ssl-cert-file")
-# the environment variables of those flags: removed from a child's environment
-ROUTER_ENV = ("LLAMA_ARG_HOST", "LLAMA_ARG_PORT", "LLAMA_API_KEY", "LLAMA_ARG_MODEL",
-              "LLAMA_ARG_ALIAS", "LLAMA_ARG_MODELS_DIR", "LLAMA_ARG_MODELS_PRESET",
-              "LLAMA_ARG_MODELS_MAX", "LLAMA_ARG_MODELS_AUTOLOAD",
-              "LLAMA_ARG_NO_MODELS_AUTOLOAD", "LLAMA_ARG_SSL_KEY_FILE",
-              "LLAMA_ARG_SSL_CERT_FILE")
 PRESET_ONLY = ("load-on-startup", "stop-timeout", "dedup-cache-models")
 MODEL_KEYS = ("model", "m", "LLAMA_ARG_MODEL")
 DEFAULT_STOP_TIMEOUT_S = 10.0
+
+
+def router_env(flags: Sequence[Flag]) -> tuple[str, ...]:
+    """The environment variables of ROUTER_FLAGS, read from the flag table (a negatable flag's
+    LLAMA_ARG_NO_ form too): removed from a child's environment."""
+    out: list[str] = []
+    for f in flags:
+        if f.env and any(n in ROUTER_FLAGS for n in f.names):
+            out.append(f.env)
+            if f.neg:
+                out.append(f.env.replace("LLAMA_ARG_", "LLAMA_ARG_NO_", 1))
+    return tuple(out)
 
 
 class RouterError(Exception):

@@ -170,8 +170,8 @@ def test_read_gguf_gives_what_gguf_py_reads(good: Path, tmp_path: Path, which: s
     data view (dtype, shape, bytes)."""
     from radixserve.model.default_model import default_model_path
 
-    path = {"tiny": good, "default": Path(default_model_path()),
-            "every-kind": every_kind(tmp_path / "k.gguf") if which == "every-kind" else None}[which]
+    path = (good if which == "tiny" else Path(default_model_path()) if which == "default"
+            else every_kind(tmp_path / "k.gguf"))
     ours, ref = read_gguf(str(path)), gguf.GGUFReader(str(path))
     assert set(ours.fields) == {k for k in ref.fields if not k.startswith("GGUF.")}
     for key, field in ours.fields.items():
@@ -195,3 +195,21 @@ def test_a_key_or_tensor_named_twice(tmp_path: Path, what: str) -> None:
     (tmp_path / "bad.gguf").write_bytes(raw)
     with pytest.raises(UnsupportedModelError, match=f"the {what} '.*dup.*' appears twice"):
         check_gguf(str(tmp_path / "bad.gguf"))
+
+
+def test_a_string_that_is_not_utf8(tmp_path: Path) -> None:
+    """Read strictly, as gguf-py reads it: never a vocabulary with replaced characters."""
+    raw = every_kind(tmp_path / "k.gguf").read_bytes()
+    assert raw.count("über".encode()) == 4  # the string, then the array's three
+    (tmp_path / "bad.gguf").write_bytes(raw.replace("über".encode(), b"\xff\xbcber", 1))
+    with pytest.raises(UnsupportedModelError, match="is not UTF-8"):
+        check_gguf(str(tmp_path / "bad.gguf"))
+
+
+def test_arrays_nested_past_any_model(tmp_path: Path) -> None:
+    """A forged header of arrays of arrays is refused, not recursed through."""
+    head = struct.pack("<4sIQQ", b"GGUF", 3, 0, 1) + struct.pack("<Q", 1) + b"k"
+    nested = struct.pack("<I", 9) + b"".join(struct.pack("<IQ", 9, 1) for _ in range(5000))
+    (tmp_path / "deep.gguf").write_bytes(head + nested + bytes(64))
+    with pytest.raises(UnsupportedModelError, match="nested over 8 deep"):
+        check_gguf(str(tmp_path / "deep.gguf"))

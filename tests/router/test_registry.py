@@ -13,11 +13,13 @@ import pytest
 from radixserve.cli import is_router
 from radixserve.flags import ALL_FLAGS, parse_serve
 from radixserve.router.registry import (
+    ROUTER_FLAGS,
     ModelEntry,
     Models,
     RouterError,
     build_entries,
     parse_ini,
+    router_env,
     scan_models_dir,
 )
 
@@ -332,3 +334,15 @@ def test_a_child_unloaded_while_it_starts_is_stopped() -> None:
         await m.close()
 
     asyncio.run(main())
+
+
+def test_children_lose_the_environment_of_every_flag_the_router_owns():
+    """Read from the flag table: a child inheriting the router's LLAMA_ARG_API_KEY_FILE would
+    refuse the router's own unauthenticated calls."""
+    spellings = {n for f in ALL_FLAGS for n in f.names}
+    assert set(ROUTER_FLAGS) <= spellings  # no misspelt router flag
+    env = set(router_env(ALL_FLAGS))
+    assert {"LLAMA_ARG_API_KEY_FILE", "LLAMA_ARG_REUSE_PORT", "LLAMA_API_KEY", "LLAMA_ARG_PORT",
+            "LLAMA_ARG_MODEL", "LLAMA_ARG_MODELS_AUTOLOAD", "LLAMA_ARG_NO_MODELS_AUTOLOAD",
+            "LLAMA_ARG_SSL_KEY_FILE"} <= env
+    assert "LLAMA_ARG_CTX_SIZE" not in env  # a child's own flags stay
