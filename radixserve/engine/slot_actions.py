@@ -21,7 +21,7 @@ from radixserve.cache.slot_file import (
     resolve_in_dir,
     write_slot_file,
 )
-from radixserve.engine.task import TaskError
+from radixserve.engine.task import TaskError, not_supported
 from radixserve.kv.pool import KVPool
 from radixserve.kv.state import (
     StateError,
@@ -53,7 +53,7 @@ def slot_action(
     409 slot busy, 500 I/O failure while saving)."""
     save_dir = sched.cfg.slot_save_path
     if not save_dir:
-        raise TaskError(501, "not_supported_error", NOT_SUPPORTED)
+        raise not_supported(NOT_SUPPORTED)
     if action not in ACTIONS:
         raise _bad("Invalid action")
     if not 0 <= id_slot < len(sched.slots):

@@ -34,6 +34,11 @@ def invalid_request(message: str) -> TaskError:
     return TaskError(400, "invalid_request_error", message)
 
 
+def not_supported(message: str) -> TaskError:
+    """llama-server's 501: what this server (as started) does not do."""
+    return TaskError(501, "not_supported_error", message)
+
+
 @dataclass(slots=True)
 class CompletionTask:
     prompt_tokens: list[int]

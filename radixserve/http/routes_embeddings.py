@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from radixserve.engine.task import CompletionTask, TaskError, invalid_request
+from radixserve.engine.task import CompletionTask, TaskError, invalid_request, not_supported
 from radixserve.http import info, openapi
 from radixserve.http.errors import read_json
 from radixserve.http.parse import prompt_list
@@ -60,8 +60,8 @@ class EmbeddingPlan:
     def __init__(self, body: Any, state: AppState, oai: bool) -> None:
         cfg, model = state.cfg, state.model
         if not cfg.embeddings:
-            raise TaskError(501, "not_supported_error", "This server does not support "
-                            "embeddings. Start it with `--embeddings`")
+            raise not_supported("This server does not support embeddings. Start it with "
+                                "`--embeddings`")
         self.pooling = cfg.embedding_pooling(model.hp.pooling)
         if oai and self.pooling == "none":
             raise invalid_request("Pooling type 'none' is not OAI compatible. Please use a "
@@ -125,7 +125,8 @@ def add_routes(r: APIRouter, state: AppState) -> None:
         streams = [state.eng.submit(t) for t in plan.tasks]  # from here on, each one ends
         finals = await collect_all(request, streams)
         results = [f.embedding for f in finals]
-        assert all(r is not None for r in results), "an embedding task ended without one"
+        if any(r is None for r in results):  # an engine fault, never a client's
+            raise TaskError(500, "server_error", "an embedding task ended without its result")
         return JSONResponse(await run_in_threadpool(plan.body, results))  # JSON off the loop
 
     @r.post("/embedding", openapi_extra=openapi.EMBEDDING)

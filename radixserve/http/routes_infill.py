@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from radixserve.engine.task import TaskError, invalid_request
+from radixserve.engine.task import TaskError, invalid_request, not_supported
 from radixserve.http import openapi
 from radixserve.http.parse import (ParseContext, ParsedRequest, build_task, completion_n_probs,
                                    request_grammar, tokenize_mixed)
@@ -33,8 +33,7 @@ def check_fim(tok: Tokenizer) -> None:
     """llama-server's answer to /infill on a model without FIM tokens (501)."""
     missing = missing_fim(tok)
     if missing:
-        raise TaskError(501, "not_supported_error",
-                        f"Infill is not supported by this model: {missing}")
+        raise not_supported(f"Infill is not supported by this model: {missing}")
 
 
 def _mixed(value: Any, name: str, tok: Tokenizer) -> list[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from radixserve.engine.task import TaskError
+from radixserve.engine.task import not_supported
 from radixserve.http import openapi
 from radixserve.http.state import AppState
 
@@ -24,4 +24,4 @@ def add_routes(r: APIRouter, state: AppState) -> None:
     @r.post("/v1/rerank", openapi_extra=openapi.RERANK)
     @r.post("/v1/reranking", openapi_extra=openapi.RERANK)
     async def rerank() -> Response:
-        raise TaskError(501, "not_supported_error", NOT_SUPPORTED)
+        raise not_supported(NOT_SUPPORTED)

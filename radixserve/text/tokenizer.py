@@ -191,7 +191,9 @@ class Tokenizer:
         self.unk_id = self._special(k.UNK_ID, default_unk)
         self.eot_id = self._special_or_text(k.EOT_ID, _EOT_TEXTS)
         self.eom_id = self._special_or_text(k.EOM_ID, ("<|eom_id|>",))
-        self.fim = FimTokens(*(self._fim_id(key, texts) for key, texts in _FIM_TEXTS.items()))
+        # each id to its field by the key's name (tokenizer.ggml.fim_pre_token_id -> pre)
+        self.fim = FimTokens(**{key.split(".fim_")[1].split("_")[0]: self._fim_id(key, texts)
+                                for key, texts in _FIM_TEXTS.items()})
         self._eog_ids = self._build_eog_set()
         # Special tokens cut out of the text before tokenizing, longest text first.
         self._specials = sorted(
@@ -235,8 +237,8 @@ class Tokenizer:
         several of `texts` are in the vocabulary llama.cpp takes whichever its hash map yields
         first; the first in `texts` here."""
         old = _FIM_DEPRECATED.get(key)
-        if old is not None and self._special(old, None) is not None:
-            return self._special(old, None)
+        if old is not None and (tid := self._special(old, None)) is not None:
+            return tid
         return self._special_or_text(key, texts)
 
     def _build_eog_set(self) -> frozenset[int]:
