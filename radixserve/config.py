@@ -84,6 +84,8 @@ class ServerConfig:
     dtype: str = "auto"
     weights: str = "auto"  # auto: native unless f32 compute; native: 4-bit blocks run packed
     deterministic: str = "auto"  # auto: on wherever the compute path supports it (bf16 kernels)
+    device: str = "auto"  # -dev: auto (CUDA when torch sees one), cpu, cuda:N
+    gpu_layers: str = "auto"  # -ngl: 0 keeps the model on the CPU; auto/all: on --device
     threads: int = -1  # -1: torch's default (all cores)
     seed: int = -1
     host: str = "127.0.0.1"

@@ -76,7 +76,10 @@ def _copy_out(pool: KVPool, seq: int, p0: int, p1: int) -> list[torch.Tensor]:
         rows += [pool.draft.k[:, :, idx], pool.draft.v[:, :, idx]]
     if pool.device.type == "cpu":
         return rows  # advanced indexing already made fresh tensors
-    return [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in rows]
+    # host rows off a CUDA pool sit in pinned memory: their copies back run at full bus speed
+    pin = pool.device.type == "cuda"
+    return [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin).copy_(t)
+            for t in rows]
 
 
 @dataclass(slots=True)

@@ -78,7 +78,7 @@ class RadixMatch:
 
 def own_rows(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy with its own storage (pinned if `t` is), so byte counts stay exact."""
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_pinned())
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_pinned())
     return out.copy_(t)
 
 

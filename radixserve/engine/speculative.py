@@ -51,7 +51,8 @@ def load_draft(cfg: ServerConfig, target: Model) -> Model | None:
         return None
     path = resolve_model_path(spec.draft_model)
     draft = target if path == target.path else load_model(
-        path, cfg.dtype, weights=cfg.weights, deterministic=cfg.deterministic)
+        path, cfg.dtype, device=str(target.device), weights=cfg.weights,
+        deterministic=cfg.deterministic)  # -devd / -ngld: the draft runs where the target does
     if any(draft.hp.swa_layers) or any(target.hp.swa_layers):
         raise ValueError("draft-simple: sliding-window models (as target or draft) are not "
                          "supported; use ngram-simple or ngram-mod")

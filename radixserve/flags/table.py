@@ -12,6 +12,7 @@ from typing import Any
 
 from radixserve.cache.disk_block import load_key
 from radixserve.config import POOLINGS, SPEC_TYPES
+from radixserve.model.device import list_devices, parse_device, parse_gpu_layers
 from radixserve.model.kv_types import NOT_BUILT, TYPES
 from radixserve.flags.spec import (
     ACTION,
@@ -27,7 +28,7 @@ from radixserve.flags.spec import (
 )
 from radixserve.sampling import chain as sampling
 
-GPU = "radixserve runs on the CPU: there is no GPU offload"
+GPU = "the whole model and its KV pool sit on one device (--device, -ngl 0 or all)"
 PLACEMENT = "threads are placed by the OS and PyTorch"
 NO_MULTIMODAL = "no multimodal input without a projector"
 DRAFT_THREADS = "the draft model runs on the target's threads (-t), placed by the OS and PyTorch"
@@ -128,10 +129,6 @@ def _pooling(v: str) -> str:
         raise FlagError("rank pooling needs a reranking model's classification head (the "
                         "cls / cls.output tensors), which radixserve does not implement")
     return _choice(*POOLINGS)(v)
-
-
-def _gpu_layers(v: str) -> int:
-    return 0 if v in ("auto", "all") else _int(v)
 
 
 def _kv_type(v: str) -> str:
@@ -448,16 +445,19 @@ SERVE_FLAGS: list[Flag] = [
          check(_choice("on", "off", "auto")), env="LLAMA_ARG_LAZY_MODE"),
     flag("--numa TYPE", NA, PLACEMENT, check(_choice("distribute", "isolate", "numactl")),
          env="LLAMA_ARG_NUMA"),
-    flag("-dev, --device <dev1,dev2,..>", NA, GPU, env="LLAMA_ARG_DEVICE"),
-    flag("--list-devices", ACT, "print the devices (the CPU) and exit",
-         _exit(lambda: "Available devices:\n  CPU (PyTorch)\n")),
+    flag("-dev, --device <dev1,dev2,..>", H, "the one device the model and its KV pool use: "
+         "auto (the first CUDA device torch sees, else the CPU), cpu / none, cuda[:N] or "
+         "CUDA<N>", set_("device", parse_device), env="LLAMA_ARG_DEVICE"),
+    flag("--list-devices", ACT, "print the devices (the CPU, each CUDA device) and exit",
+         _exit(list_devices)),
     flag("-ot, --override-tensor <tensor name pattern>=<buffer type>,...", NA, GPU,
          env="LLAMA_ARG_OVERRIDE_TENSOR"),
     flag("-cmoe, --cpu-moe", NA, GPU, env="LLAMA_ARG_CPU_MOE"),
     flag("-ncmoe, --n-cpu-moe N", NA, GPU, check(I), env="LLAMA_ARG_N_CPU_MOE"),
     flag("-ncffn, --n-cpu-ffn N", NA, GPU, check(I), env="LLAMA_ARG_N_CPU_FFN"),
-    flag("-ngl, --gpu-layers, --n-gpu-layers N", NA, GPU, check(_gpu_layers),
-         env="LLAMA_ARG_N_GPU_LAYERS"),
+    flag("-ngl, --gpu-layers, --n-gpu-layers N", H, "0: the model runs on the CPU; auto, all "
+         "or every layer's count: all of it on --device (a part is refused: no CPU/GPU split)",
+         set_("gpu_layers", parse_gpu_layers), env="LLAMA_ARG_N_GPU_LAYERS"),
     flag("-sm, --split-mode {none,layer,row,tensor}", NA, GPU,
          check(_choice("none", "layer", "row", "tensor")), env="LLAMA_ARG_SPLIT_MODE"),
     flag("-ts, --tensor-split N0,N1,N2,...", NA, GPU, env="LLAMA_ARG_TENSOR_SPLIT"),
@@ -604,7 +604,7 @@ SERVE_FLAGS: list[Flag] = [
          neg="--no-spec-draft-backend-sampling", env="LLAMA_ARG_SPEC_DRAFT_BACKEND_SAMPLING"),
     flag("--spec-draft-device, -devd, --device-draft <dev1,dev2,..>", NA, DRAFT_DEVICE),
     flag("--spec-draft-ngl, -ngld, --gpu-layers-draft, --n-gpu-layers-draft N", NA,
-         DRAFT_DEVICE, check(_gpu_layers), env="LLAMA_ARG_N_GPU_LAYERS_DRAFT"),
+         DRAFT_DEVICE, check(parse_gpu_layers), env="LLAMA_ARG_N_GPU_LAYERS_DRAFT"),
     flag("--spec-draft-model, -md, --model-draft FNAME", H, "draft model for draft-simple: a "
          "GGUF sharing the target's vocabulary, or a name -m accepts; alone it turns "
          "draft-simple on", set_("spec.draft_model", lambda v: v or None),

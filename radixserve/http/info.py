@@ -14,6 +14,7 @@ from typing import Any
 from radixserve.config import RequestDefaults, ServerConfig
 from radixserve.http.responses import BUILD_INFO, params_json
 from radixserve.model import kv_types
+from radixserve.model.device import device_name
 from radixserve.model.kernels import variant_name
 from radixserve.model.loader import Model
 from radixserve.text.chat_caps import template_caps
@@ -116,6 +117,9 @@ def props_json(
         "cors_proxy_enabled": False,
         # ours: whether a token's logits depend only on the token sequence (docs/PERFORMANCE.md)
         "deterministic": model.deterministic,
+        # ours: where the model and its KV pool run (--device / -ngl): "cpu" or
+        # "cuda:N (<GPU name>)"
+        "device": device_name(model.device),
         # ours: the variant of radixserve's C kernels the model runs (RADIXSERVE_KERNELS,
         # model/kernels.py), "none" on torch's ops
         "kernels": variant_name(model.transformer.kern),

@@ -136,10 +136,12 @@ class Transformer:
         self.deterministic = resolve_deterministic(deterministic, dtype, self.kern is not None,
                                                    w, self.torch_attention)
         self._warned = False
-        self.rope = Rope(hp, w.rope_freqs)
+        self.device = w.output_norm.device  # the model's one device (weights.place)
+        self.rope = Rope(hp, w.rope_freqs, device=self.device)
         # sliding layers: their own base, never position scaling (llama.cpp's
         # rope_freq_scale_train_swa = 1); a pool re-rotates their cache with this one
-        self.rope_swa = (Rope(hp, w.rope_freqs, base=hp.rope_base_swa, scale=1.0)
+        self.rope_swa = (Rope(hp, w.rope_freqs, base=hp.rope_base_swa, scale=1.0,
+                              device=self.device)
                          if hp.n_layer_swa else self.rope)
         self.attn_scale = hp.attn_scale or None  # None: SDPA's own 1/sqrt(head_dim)
         self.q_dim = hp.n_head * hp.head_dim
@@ -251,7 +253,7 @@ class Transformer:
             rows.extend(range(start + n - min(b.n_logits, n), start + n))
             start += n
         if not rows:
-            return torch.empty(0, hp.n_embd)
+            return torch.empty(0, hp.n_embd, device=device)
         xr = x[torch.tensor(rows, device=device)] if len(rows) < len(x) else x
         return F.rms_norm(xr, (hp.n_embd,), self.w.output_norm, hp.rms_eps)
 

@@ -131,6 +131,14 @@ class OutputHead:
         extra = 0 if self.q8 is None else self.q8.nbytes + self.s8.nbytes
         return held + extra
 
+    def to(self, device: torch.device) -> None:
+        """Hold the f32 matrix on `device` (a CUDA model's head: its full pass there, the
+        logits back to the host). The int8 shortlist and the file's blocks are CPU kernels'."""
+        if self.w is None or self.q8 is not None or self.dots is not None:
+            raise ValueError(f"an output head on {device} needs the dense f32 head without our "
+                             "kernels (the int8 shortlist and the file's blocks are CPU-only)")
+        self.w = self.w.to(device)
+
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """Exact f32 rows start..stop [m, D] (a view of the f32 matrix, or decoded)."""
         if self.blocks is None:
@@ -157,7 +165,7 @@ class OutputHead:
         short = [i for i, nd in enumerate(needs) if 0 < nd.top <= MAX_TOP]
         if not short or self.q8 is None:
             self.stats.rows_full += len(needs)
-            return self.full(h)
+            return self.full(h).cpu()  # the samplers run on the host (a device model's too)
         out = torch.empty(h.shape[0], self.shape[0])  # every row filled below
         self._shortlist(h[short], [needs[i] for i in short], out, short)
         rest = sorted(set(range(len(needs))) - set(short))

@@ -36,6 +36,8 @@ resolve to the libgomp torch has loaded, so both share one thread pool.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import hashlib
@@ -48,6 +50,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -581,11 +584,33 @@ def load_kernels(variant: str) -> Kernels | None:
     return Kernels(ctypes.CDLL(str(path)), path.stem.removeprefix(_PREFIX), variant)
 
 
-@functools.cache
+# set while a model for another device than the CPU is built: our kernels read CPU memory
+# only, so every choice made there (dense panels, int8 head, glue) takes torch's ops instead
+_torch_ops_only: contextvars.ContextVar[bool] = contextvars.ContextVar("torch_ops_only",
+                                                                       default=False)
+
+
+@contextlib.contextmanager
+def torch_ops_only(on: bool = True) -> Iterator[None]:
+    """Within (when `on`, or already within): `kernels()` is None (a model built for a CUDA
+    device), whatever the CPU has."""
+    token = _torch_ops_only.set(on or _torch_ops_only.get())
+    try:
+        yield
+    finally:
+        _torch_ops_only.reset(token)
+
+
 def kernels() -> Kernels | None:
     """The kernels RADIXSERVE_KERNELS selects (select_variant), or None (RADIXSERVE_KERNELS=0,
-    or under auto no compiler or a failed build). Raises KernelsError for a value that names no
-    variant, a variant this CPU cannot run, or a forced variant that did not build."""
+    or under auto no compiler or a failed build, or within torch_ops_only). Raises KernelsError
+    for a value that names no variant, a variant this CPU cannot run, or a forced variant that
+    did not build."""
+    return None if _torch_ops_only.get() else _selected()
+
+
+@functools.cache
+def _selected() -> Kernels | None:
     variant = select_variant()
     if variant is None:
         log.info("kernels: none (%s=0: torch ops)", ENV)
@@ -599,3 +624,6 @@ def kernels() -> Kernels | None:
         return None
     log.info("kernels: %s (%s)", variant, VARIANTS[variant].what)
     return kern
+
+
+kernels.cache_clear = _selected.cache_clear  # type: ignore[attr-defined]  # tests re-select

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.model.default_model import resolve_model_path
+from radixserve.model.device import DeviceError, device_name, resolve_device
 from radixserve.model.forward import Transformer
 from radixserve.model.gguf_check import read_gguf
 from radixserve.model.hparams import HParams
+from radixserve.model.kernels import torch_ops_only
 from radixserve.model.rope import Rope
-from radixserve.model.weights import load_weights
+from radixserve.model.weights import load_weights, place
 from radixserve.text.chat_template import ChatTemplate
 from radixserve.text.tokenizer import Tokenizer
 
@@ -115,46 +117,57 @@ class Model:
         """What the KV this model computes depends on: the GGUF's bytes, the hyper-parameters as
         loaded (overrides included), the compute dtype, the weight path and the code computing
         it, which sets the KV's last bits: our kernels' build (Kernels.build_key: its variant,
-        sources, compiler and flags), torch's version and the vector width its CPU ops run at.
+        sources, compiler and flags), torch's version, the vector width its CPU ops run at and
+        the device (a GPU's name: its kernels round otherwise).
         The disk cache keys its files by it, so machines or installs that differ there never
         share them."""
         tr = self.transformer
         kern = tr.kern.build_key if tr.kern is not None else None
         desc = repr((self.hp, str(self.dtype), self.weights, self.deterministic, kern,
                      tr.own_attention, str(torch.__version__),
-                     torch.backends.cpu.get_cpu_capability()))
+                     torch.backends.cpu.get_cpu_capability(), device_name(self.device)))
         digest = weights_digest(self.path, cache_dir)
         return hashlib.blake2b(digest + desc.encode(), digest_size=16).digest()
 
 
-def resolve_weights(name: str, dtype: torch.dtype) -> str:
+def resolve_weights(name: str, dtype: torch.dtype,
+                    device: torch.device = torch.device("cpu")) -> str:
     """`auto`: packed 4-bit blocks with bf16/f16 compute; f32 compute dequantizes, because our
     Q4 kernel takes bf16 activations only and torch's int4 f32 path is ~10x slower than a dense
-    f32 matmul (exact, though: tests use it)."""
+    f32 matmul (exact, though: tests use it). Off the CPU every weight is dense: the packed
+    layouts are our CPU kernels' (and torch's CPU int4 op's)."""
     if name not in WEIGHT_MODES:
         raise ValueError(f"unknown weights mode {name!r} ({', '.join(WEIGHT_MODES)})")
+    if device.type != "cpu":
+        if name == "native":
+            raise DeviceError(f"--weights native packs 4-bit blocks for the CPU kernels; on "
+                              f"{device} the weights are dense (--weights dequant or auto)")
+        return "dequant"
     if name == "auto":
         return "dequant" if dtype == torch.float32 else "native"
     return name
 
 
 def load_model(path: str | None = "default", dtype: str = "auto", device: str = "cpu",
-               weights: str = "auto", deterministic: str = "auto") -> Model:
+               weights: str = "auto", deterministic: str = "auto",
+               gpu_layers: str = "auto") -> Model:
+    """`device` and `gpu_layers` as --device and -ngl take them (model/device.py): a model
+    off the CPU is built without our kernels (torch's ops, as RADIXSERVE_KERNELS=0 runs it on
+    the CPU), dense, then moved there whole."""
     t0 = time.perf_counter()
     path = resolve_model_path(path)
-    dev = torch.device(device)
-    dt = resolve_dtype(dtype, dev)
-    mode = resolve_weights(weights, dt)
     reader = read_gguf(path)  # its structure checked (naming a malformed tensor) first
     hp = HParams.from_gguf(reader)
-    w = load_weights(reader, hp, dt, packed=mode == "native")
-    if dev.type != "cpu":
-        raise NotImplementedError("only the CPU device is wired up so far")
+    dev = resolve_device(device, gpu_layers, hp.n_layer)
+    dt = resolve_dtype(dtype, dev)
+    mode = resolve_weights(weights, dt, dev)
+    with torch_ops_only(dev.type != "cpu"):
+        w = place(load_weights(reader, hp, dt, packed=mode == "native"), dev)
+        tr = Transformer(hp, w, dt, use_kernels=dev.type == "cpu", deterministic=deterministic)
     tok = Tokenizer.from_gguf(reader)
     template = ChatTemplate.from_gguf(reader, tok)
     load_s = time.perf_counter() - t0
-    tr = Transformer(hp, w, dt, deterministic=deterministic)
-    log.info("loaded %s (%s, %d layers, %s, %s weights, %.1f MiB, deterministic %s) in %.2f s",
-             path, hp.arch, hp.n_layer, dt, mode, w.nbytes / 2**20,
-             "on" if tr.deterministic else "off", load_s)
+    log.info("loaded %s (%s, %d layers, %s, %s weights, %.1f MiB, deterministic %s) on %s "
+             "in %.2f s", path, hp.arch, hp.n_layer, dt, mode, w.nbytes / 2**20,
+             "on" if tr.deterministic else "off", dev, load_s)
     return Model(path, hp, tok, template, tr, dt, dev, load_s, mode)

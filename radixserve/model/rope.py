@@ -17,15 +17,16 @@ from radixserve.model.hparams import HParams
 
 class Rope:
     def __init__(self, hp: HParams, freq_factors: torch.Tensor | None = None,
-                 base: float | None = None, scale: float | None = None) -> None:
+                 base: float | None = None, scale: float | None = None,
+                 device: torch.device | None = None) -> None:
         """`base` / `scale` default to the model's (global layers'): hp.rope_base and
-        hp.rope_scale_linear."""
+        hp.rope_scale_linear; the tables are computed on `device` (the model's)."""
         half = hp.head_dim // 2
         base = hp.rope_base if base is None else base
         inv = 1.0 / (base ** (torch.arange(0, half, dtype=torch.float64) * 2 / hp.head_dim))
         if freq_factors is not None:
-            inv = inv / freq_factors.to(torch.float64)
-        self.inv_freq = inv.to(torch.float32)
+            inv = inv / freq_factors.to("cpu", torch.float64)
+        self.inv_freq = inv.to(device or "cpu", torch.float32)
         self.scale = hp.rope_scale_linear if scale is None else scale
         self.half = half
 

@@ -107,6 +107,40 @@ class ModelWeights:
         return lin + self.head.nbytes + embd
 
 
+def place(w: ModelWeights, device: torch.device) -> ModelWeights:
+    """Move dense weights (the dequant path, built without our kernels) to `device`; on the
+    CPU nothing moves. Packed matrices and the file's blocks are refused: they are our CPU
+    kernels' layouts, which no other device reads."""
+    if device.type == "cpu":
+        return w
+
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    def linear(m: Linear) -> None:
+        if isinstance(m, ConcatLinear):
+            for part in m.parts:
+                linear(part)
+        elif isinstance(m, DenseLinear) and m.w is not None:
+            m.w, m.bias = move(m.w), move(m.bias)
+        else:
+            raise ValueError(f"a {m.route} matrix cannot move to {device}: only dense weights "
+                             "(--weights dequant, built without our kernels) run there")
+
+    for lw in w.layers:
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            linear(getattr(lw, name))
+        for name in ("attn_norm", "q_norm", "k_norm", "ffn_norm", "post_attn_norm",
+                     "post_ffn_norm"):
+            setattr(lw, name, move(getattr(lw, name)))
+    if isinstance(w.tok_embd, qmm.QuantMatrix):
+        raise ValueError(f"a token embedding in the file's blocks cannot move to {device}")
+    w.head.to(device)
+    w.tok_embd, w.rope_freqs = move(w.tok_embd), move(w.rope_freqs)
+    w.output_norm = move(w.output_norm)
+    return w
+
+
 def _row_order(rows: int, n_head: int) -> np.ndarray:
     """Inverse of convert_hf_to_gguf's llama Q/K permutation (interleaved -> half-split)."""
     return np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(rows)
