@@ -178,8 +178,8 @@ def test_each_environment_variable_sets_what_its_flag_sets(f: Flag, tmp_path: Pa
 
 def test_exact_tokens_never_prefixes() -> None:
     p = parse_serve(["-m", "model.gguf", "-ngl", "99", "-n", "5", "--jinja", "-fa", "on"], {})
-    assert (p.cfg.model, p.cfg.n_predict) == ("model.gguf", 5)
-    assert len(p.notes) == 2  # -ngl and -fa: not applicable, logged
+    assert (p.cfg.model, p.cfg.n_predict, p.cfg.gpu_layers) == ("model.gguf", 5, "99")
+    assert len(p.notes) == 1  # -fa: not applicable, logged (-ngl is honored: --device's layers)
     with pytest.raises(FlagError, match="invalid argument: --ctx"):
         parse_serve(["--ctx", "512"], {})  # argparse would have taken it for --ctx-size
     with pytest.raises(FlagError, match="expected an integer"):
@@ -294,7 +294,9 @@ def test_help_lists_every_flag_with_its_outcome() -> None:
     for f in SERVE_FLAGS:
         assert f.spellings[0] in text
     assert "[refused] multimodal projectors" in text
-    assert "[not applicable] radixserve runs on the CPU" in text
+    assert "[not applicable] the whole model and its KV pool sit on one device" in text
+    assert "] the one device the model and its KV pool use" not in text  # honored: no tag
+    assert "--device <dev1,dev2,..>           the one device the model" in text
 
 
 def test_disk_tier_flags_reach_the_config_and_bad_combinations_are_refused() -> None:

@@ -58,7 +58,7 @@ SLOW_FILES: dict[str, str] = {
 }
 # Single tests in files that are otherwise fast (node-id prefixes).
 SLOW_TESTS: dict[str, str] = {
-    "tests/model/test_device.py::test_engine_on_the_device_build_names_every_device":
+    "tests/model/test_device.py::test_engine_on_the_device_build_names_every_device[":
         "default-model generation",
     "tests/http/test_server_flags.py::test_seed_command_line_starts_a_server": "a server process",
     "tests/http/test_server_flags.py::test_deterministic_mode_is_reported_by_props":

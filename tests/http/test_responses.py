@@ -435,6 +435,7 @@ def test_props_shape(tiny_model: Any) -> None:
         "cache_disk": False, "cache_disk_mib": 10240, "cache_disk_block": 64,
     }
     assert ours["default_generation_settings"]["n_ctx"] == 4096
+    assert ours["device"] == "cpu"  # ours: where the model runs (--device / -ngl)
     # the KV cache types (ours): the compute dtype unless -ctk / -ctv name one
     assert (ours["cache_type_k"], ours["cache_type_v"]) == ("f32", "f32")
     typed = info.props_json(tiny_model, facts, ServerConfig(cache_type_k="q8_0",

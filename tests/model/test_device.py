@@ -12,6 +12,7 @@ engine/) that names no device: on a CUDA server such a tensor lands on the CPU.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -264,17 +265,27 @@ def _run(sched: Scheduler, prompts: list[list[int]], slot: int = -1) -> list[Fin
     return [o[-1] for o in outs]
 
 
-def test_engine_on_the_device_build_names_every_device(default_path: str) -> None:
-    """A scheduler over the CUDA build of the default model (f32 here), with the host tier:
-    two sessions share a system prompt, the first is evicted to the host tier by a third and
-    comes back from it. No device-side factory leaves out its device, and every answer equals
-    the same prompt's answer computed alone without any cache."""
-    with torch_ops_only():
-        model = load_model(default_path, "f32", weights="dequant")
+# the devices the engine test runs on: the CPU, and the one scripts/gpu-check.sh names
+GPU = os.environ.get("RADIXSERVE_TEST_DEVICE", "")
+DEVICES = ["cpu"] + ([GPU] if GPU else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_engine_on_the_device_build_names_every_device(device: str, default_path: str) -> None:
+    """A scheduler over the device build of the default model (f32; on the CPU the same build,
+    torch's ops on dense weights), with the host tier: two sessions share a system prompt, the
+    first is evicted to the host tier by a third and comes back from it. No device-side
+    factory leaves out its device, and every answer equals the same prompt's answer computed
+    alone without any cache."""
+    with torch_ops_only():  # scripts/gpu-check.sh may name the model (its carry limit)
+        model = load_model(os.environ.get("RADIXSERVE_TEST_MODEL") or default_path, "f32",
+                           device=device, weights="dequant")
+    assert model.device == torch.device(device) and model.transformer.kern is None
     system = list(range(1000, 1100))
     a, b, c = system + [5, 6, 7], system + [8, 9], list(range(3000, 3150))
     cfg = ServerConfig(ctx_size=512, n_parallel=2, kv_unified=True, cache_idle_slots=True)
     sched = Scheduler(model, cfg, ServerMetrics())
+    assert sched.pool.k.device == model.device
     with NamedDevices() as nd:
         first = _run(sched, [a, b])
         _run(sched, [c], slot=0)
