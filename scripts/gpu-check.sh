@@ -27,7 +27,7 @@ case "${1:-}" in
       --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 --platform any -d .whl \
       "fastapi>=0.110" starlette "pydantic>=2.6" pydantic-core annotated-types \
-      typing-inspection "uvicorn>=0.29" "gguf>=0.17" "llguidance>=1.9,<2"
+      typing-inspection "uvicorn>=0.29" "gguf>=0.17" "llguidance>=1.9,<2" sniffio
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
     du -sh .whl
     ;;

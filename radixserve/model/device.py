@@ -72,20 +72,22 @@ def cuda_count() -> int:
 
 def resolve_device(device: str, gpu_layers: str, n_layer: int) -> torch.device:
     """The one device the model and its KV pool go to. `-ngl 0` keeps everything on the CPU
-    (llama-server: no layer offloaded); `auto`/`all`/-1 or a count covering every layer puts
-    the whole model on `device`; a count between is refused. DeviceError for a CUDA device
+    (llama-server: no layer offloaded), as `auto` does where torch sees no CUDA device;
+    `auto`/`all`/-1 or a count of at least every repeating layer (the head goes with them)
+    puts the whole model on `device`; a count between is refused. DeviceError for a CUDA device
     torch cannot reach, naming what it has."""
     device, ngl = parse_device(device), parse_gpu_layers(gpu_layers)
-    if device == "cpu" or ngl == "0":
+    n = cuda_count()
+    # no layer offloaded, or nowhere to offload them (llama-server's CPU build takes any -ngl)
+    if device == "cpu" or ngl == "0" or (device == "auto" and not n):
         return torch.device("cpu")
     if ngl not in ALL_LAYERS and int(ngl) < n_layer:
         raise DeviceError(
             f"-ngl {ngl}: the model has {n_layer} layers and radixserve does not split a model "
             f"between the CPU and a GPU; use -ngl 0 (CPU) or -ngl all (every layer on "
-            f"{'the GPU' if device == 'auto' else device})")
-    n = cuda_count()
+            f"{'cuda:0' if device == 'auto' else device})")
     if device == "auto":
-        return torch.device("cuda:0" if n else "cpu")
+        return torch.device("cuda:0")
     index = int(device.split(":")[1])
     if index >= n:
         have = f"torch sees {n} CUDA device(s)"

@@ -71,7 +71,8 @@ def test_gpu_layer_values() -> None:
 def test_resolve_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(D, "cuda_count", lambda: 0)
     for dev, ngl in (("auto", "auto"), ("cpu", "all"), ("none", "99"), ("cuda", "0"),
-                     ("auto", "0"), ("auto", "30"), ("auto", "-1")):
+                     ("auto", "0"), ("auto", "30"), ("auto", "-1"), ("auto", "12"),
+                     ("cpu", "12")):
         assert D.resolve_device(dev, ngl, 30) == torch.device("cpu"), (dev, ngl)
     with pytest.raises(D.DeviceError, match=r"--device cuda:0: not available \(torch sees 0"):
         D.resolve_device("cuda", "auto", 30)
@@ -88,12 +89,15 @@ def test_resolve_with_two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     # a part of the layers: refused, naming the two values that work
     with pytest.raises(D.DeviceError, match=r"-ngl 12: the model has 30 layers.*-ngl 0 .*all"):
         D.resolve_device("cuda:0", "12", 30)
+    with pytest.raises(D.DeviceError, match=r"-ngl 29: .*every layer on cuda:0"):
+        D.resolve_device("auto", "29", 30)
 
 
 def test_list_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     class Props:
         name, total_memory = "NVIDIA H200", 141 * 2**30
 
+    monkeypatch.setattr(D, "cuda_count", lambda: 0)
     assert D.list_devices().splitlines() == ["Available devices:",
                                             "  cpu: CPU (radixserve's C kernels, PyTorch)"]
     monkeypatch.setattr(D, "cuda_count", lambda: 1)
@@ -280,7 +284,8 @@ def test_engine_on_the_device_build_names_every_device(device: str, default_path
     with torch_ops_only():  # scripts/gpu-check.sh may name the model (its carry limit)
         model = load_model(os.environ.get("RADIXSERVE_TEST_MODEL") or default_path, "f32",
                            device=device, weights="dequant")
-    assert model.device == torch.device(device) and model.transformer.kern is None
+    want = torch.device(D.parse_device(device))
+    assert model.device == want and model.transformer.kern is None
     system = list(range(1000, 1100))
     a, b, c = system + [5, 6, 7], system + [8, 9], list(range(3000, 3150))
     cfg = ServerConfig(ctx_size=512, n_parallel=2, kv_unified=True, cache_idle_slots=True)
