@@ -76,10 +76,11 @@ def _copy_out(pool: KVPool, seq: int, p0: int, p1: int) -> list[torch.Tensor]:
         rows += [pool.draft.k[:, :, idx], pool.draft.v[:, :, idx]]
     if pool.device.type == "cpu":
         return rows  # advanced indexing already made fresh tensors
-    # host rows off a CUDA pool sit in pinned memory: their copies back run at full bus speed
-    pin = pool.device.type == "cuda"
-    return [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin).copy_(t)
-            for t in rows]
+    # off a device pool the rows come to pageable host memory. Not pinned one allocation a
+    # segment: torch's pinned allocator rounds each up to a power of two and keeps what is
+    # freed, so the tier's page-locked memory could reach twice --cache-ram and never shrink;
+    # pinning wants one arena of the tier's size (SGLang's HiCache host pool), measured on a GPU
+    return [t.to("cpu") for t in rows]
 
 
 @dataclass(slots=True)

@@ -237,7 +237,7 @@ class RadixTree:
     # ##### Internal helpers #####
     @staticmethod
     def _new_root(ns: str) -> RadixNode:
-        empty = torch.empty(0)
+        empty = torch.empty(0, device="cpu")  # host rows, as every node's
         return RadixNode([], empty, empty, None, 0, lock_ref=1, ns=ns)  # never evicted
 
     def _split(self, child: RadixNode, at: int) -> RadixNode:

@@ -191,7 +191,7 @@ def _parse_block(r: _Reader, fp: Fingerprint, types: KVTypes) -> ParsedState:
         for t, size, out in zip(types, rows, kv):
             shape = (n_head_kv, n, t.width(head_dim))
             out.append(torch.frombuffer(bytearray(r.take(size)), dtype=t.storage).view(shape)
-                       if n else torch.empty(shape, dtype=t.storage))
+                       if n else torch.empty(shape, dtype=t.storage, device="cpu"))
     return ParsedState(positions, torch.stack(kv[0]), torch.stack(kv[1]))
 
 

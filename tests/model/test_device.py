@@ -22,7 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 
-from radixserve.config import ServerConfig
+from radixserve.config import ServerConfig, SpecConfig
 from radixserve.engine.batch import BatchSeq, hidden
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.scheduler import Scheduler
@@ -302,3 +302,71 @@ def test_engine_on_the_device_build_names_every_device(device: str, default_path
                       ServerMetrics())
     for prompt, got in ((a, first[0]), (b, first[1]), (a + first[0].tokens[:2], again)):
         assert _run(plain, [prompt])[0].tokens == got.tokens
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny_swa"])
+def test_every_tier_on_the_device_build_names_every_device(which: str, tiny_path: str,
+                                                           tiny_swa_path: str,
+                                                           tmp_path: Any) -> None:
+    """The rest of the engine on the device build of two tiny models (a llama, a gemma3 with
+    a sliding-window pool): speculation, a context shift (the llama), an embedding, a
+    slot saved to a file, erased and restored, and a restart that restores from the disk
+    tier. No device-side factory leaves out its device; every answer equals the uncached
+    one."""
+    from radixserve.engine.slot_actions import slot_action
+
+    path = tiny_path if which == "tiny" else tiny_swa_path
+    with torch_ops_only():
+        model = load_model(path, "f32", weights="dequant")
+    shift = which == "tiny"
+    # the llama drafts with itself (draft-simple: a draft pool beside the target's, its rows
+    # in every tier), the gemma3 with n-grams (draft-simple refuses sliding-window models)
+    spec = (SpecConfig(types=["draft-simple"], draft_model=path) if shift
+            else SpecConfig(types=["ngram-simple"]))
+
+    def sched() -> Scheduler:
+        cfg = ServerConfig(ctx_size=512, n_parallel=2, kv_unified=True, cache_disk=str(tmp_path
+                           / "disk"), cache_disk_block=16, slot_save_path=str(tmp_path),
+                           context_shift=shift, spec=spec, cache_idle_slots=False)
+        return Scheduler(model, cfg, ServerMetrics())
+
+    def ask(s: Scheduler, prompt: list[int], n: int = 12, slot: int = -1,
+            pooling: str = "") -> FinalResult:
+        out: list[Any] = []
+        s.submit(CompletionTask(prompt, SamplingParams(temperature=0), n_predict=n,
+                                ignore_eos=True, id_slot=slot, pooling=pooling), out.append)
+        while s.has_active() or s.deferred:
+            s.step()
+        assert isinstance(out[-1], FinalResult), out[-1]
+        return out[-1]
+
+    long_prompt = [7, 8, 9] * 60 + list(range(300, 400))  # repeats: the n-gram drafts hit
+    s = sched()
+    with NamedDevices() as nd:
+        first = ask(s, long_prompt, n=24, slot=0)
+        emb = ask(s, list(range(50, 90)), slot=1, pooling="mean").embedding
+        saved = slot_action(s, 0, "save", "dev.bin")
+        slot_action(s, 0, "erase", None)
+        restored = slot_action(s, 1, "restore", "dev.bin")
+        follow = ask(s, long_prompt + first.tokens + [11, 12], slot=1)
+        shifted = ask(s, list(range(600, 1000)), n=200, slot=0) if shift else None
+        s.radix_disk.disk.drain()
+        s.close()
+        s = sched()  # a restart: the disk tier serves the long prompt
+        again = ask(s, long_prompt + [5], slot=0)
+        s.close()
+    assert nd.missing == []
+    if shift:  # the draft is the target itself: every drafted token is accepted
+        assert first.timings.draft_n and first.timings.draft_n_accepted == first.timings.draft_n
+    assert saved["n_saved"] == restored["n_restored"] == len(long_prompt) + 23
+    assert follow.timings.cache_n >= len(long_prompt) + 23
+    assert again.timings.reuse is not None and again.timings.reuse.tier == "disk"
+    plain = Scheduler(model, ServerConfig(ctx_size=512, n_parallel=1, cache_ram_mib=0,
+                                          context_shift=shift), ServerMetrics())
+    assert ask(plain, long_prompt, n=24).tokens == first.tokens
+    assert ask(plain, long_prompt + first.tokens + [11, 12]).tokens == follow.tokens
+    assert ask(plain, long_prompt + [5]).tokens == again.tokens
+    assert torch.equal(ask(plain, list(range(50, 90)), pooling="mean").embedding, emb)
+    if shifted is not None:
+        assert shifted.truncated and len(shifted.tokens) == 200  # shifted (llama-server)
+        assert ask(plain, list(range(600, 1000)), n=200).tokens == shifted.tokens
