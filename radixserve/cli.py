@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="weight paths to measure, comma separated (default: auto,dequant; auto "
                          "with --routes)")
     pf.add_argument("--ctx", type=int, default=512, help="context of the decode figures")
+    pf.add_argument("--batches", default="1,4",
+                    help="decode batch sizes (sequences a step), comma separated")
+    pf.add_argument("--device", default="cpu",
+                    help="where the model runs, as serve's --device (auto, cpu, cuda[:N])")
     pf.add_argument("--repeats", type=int, default=3)
     pf.add_argument("--routes", action="store_true",
                     help="print the kernel route table for this CPU and which route each "
@@ -83,6 +87,19 @@ def kernels_env_error() -> str | None:
     try:
         select_variant()
     except KernelsError as e:
+        return str(e)
+    return None
+
+
+def device_error(device: str, gpu_layers: str) -> str | None:
+    """What is wrong with --device (a CUDA device torch cannot reach), or None: checked before
+    the model loads, as the kernels are. A partial -ngl needs the model's layer count: the
+    load refuses it."""
+    from radixserve.model.device import DeviceError, resolve_device
+
+    try:
+        resolve_device(device, "0" if gpu_layers == "0" else "all", 1)
+    except DeviceError as e:
         return str(e)
     return None
 
@@ -116,7 +133,7 @@ def run_serve(argv: list[str]) -> int:
         print(f"radixserve serve: error: {e}\n(run `radixserve serve --help` for the flags)",
               file=sys.stderr)
         return 1
-    error = kernels_env_error()
+    error = kernels_env_error() or device_error(parsed.cfg.device, parsed.cfg.gpu_layers)
     if error is not None:  # before listening: a server that cannot load never answers
         print(f"radixserve serve: error: {error}", file=sys.stderr)
         return 1
@@ -162,9 +179,12 @@ def main(argv: list[str] | None = None) -> int:
         from radixserve.perf import main as perf_main
 
         a.dtypes, a.weights = a.dtypes or "f32,bf16", a.weights or "auto,dequant"
-
+        if (error := device_error(a.device, "all")) is not None:
+            print(f"radixserve perf: error: {error}", file=sys.stderr)
+            return 1
         return perf_main(a.model, a.dtypes.split(","), a.weights.split(","), a.repeats, a.ctx,
-                         tuple(a.deterministic.split(",")))
+                         tuple(a.deterministic.split(",")), a.device,
+                         tuple(int(b) for b in a.batches.split(",")))
     if a.cmd == "generate":
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         from radixserve.generate import run_generate

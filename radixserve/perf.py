@@ -21,6 +21,7 @@ import torch
 
 from radixserve.engine.batch import BatchSeq, hidden, model_pool
 from radixserve.kv.pool import KVPool
+from radixserve.model.device import device_name, resolve_device
 from radixserve.model.forward import Transformer
 from radixserve.model.head import RowNeed
 from radixserve.model.kernels import variant_name
@@ -65,22 +66,28 @@ def decode_tps(model: Model, batch: int, ctx: int = 512, steps: int = 32) -> flo
 
 
 def run(model_path: str, dtype: str, weights: str, repeats: int, ctx: int,
-        modes: tuple[str, ...] = ("auto",)) -> list[dict]:
+        modes: tuple[str, ...] = ("auto",), device: str = "cpu",
+        batches: tuple[int, ...] = (1, 4)) -> list[dict]:
     """One figure set per deterministic mode; the modes share the loaded weights and take
-    turns within each repeat, so their ratios come from the same minutes of this machine."""
-    model = load_model(model_path, dtype, weights=weights, deterministic=modes[0])
+    turns within each repeat, so their ratios come from the same minutes of this machine.
+    Each figure ends in a host read (the head's logits, the sampled ids), so a device's
+    queued work is inside the timing."""
+    model = load_model(model_path, dtype, device=device, weights=weights,
+                       deterministic=modes[0])
     rss_load = psutil.Process().memory_info().rss / 2**20
+    on_cpu = model.device.type == "cpu"
     models = [model] + [
         replace(model, transformer=Transformer(model.hp, model.transformer.w, model.dtype,
-                                               deterministic=m)) for m in modes[1:]]
+                                               use_kernels=on_cpu, deterministic=m))
+        for m in modes[1:]]
     figs: list[dict[str, list[float]]] = [{} for _ in models]
     for _ in range(repeats):
         for m, fig in zip(models, figs):
             for name, fn in (
                 ("prefill_512_tok_s", lambda: prefill_tps(m, 512)),
                 ("prefill_2048_tok_s", lambda: prefill_tps(m, 2048)),
-                (f"decode_b1_tok_s_ctx{ctx}", lambda: decode_tps(m, 1, ctx)),
-                (f"decode_b4_tok_s_ctx{ctx}", lambda: decode_tps(m, 4, ctx)),
+                *((f"decode_b{b}_tok_s_ctx{ctx}", lambda b=b: decode_tps(m, b, ctx))
+                  for b in batches),
             ):
                 fig.setdefault(name, []).append(fn())
     return [_figures(m, dtype, fig, rss_load, repeats) for m, fig in zip(models, figs)]
@@ -96,6 +103,7 @@ def _figures(model: Model, dtype: str, fig: dict[str, list[float]], rss_load: fl
         # our C step kernels' variant (model/kernels.py), "none" for torch's ops
         # (RADIXSERVE_KERNELS=0, f32 compute); RADIXSERVE_KERNELS=avx2 etc. measures another
         "kernels": variant_name(model.transformer.kern),
+        "device": device_name(model.device),
         "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "load_s": round(model.load_s, 3),
@@ -113,18 +121,20 @@ def _run_in_child(args: tuple, out: multiprocessing.Queue) -> None:
 
 
 def main(model_path: str, dtypes: list[str], weights: list[str], repeats: int,
-         ctx: int = 512, modes: tuple[str, ...] = ("auto",)) -> int:
+         ctx: int = 512, modes: tuple[str, ...] = ("auto",), device: str = "cpu",
+         batches: tuple[int, ...] = (1, 4)) -> int:
     ctx_mp = multiprocessing.get_context("spawn")
+    dev = resolve_device(device, "auto", 1)  # -ngl auto: the layer count does not matter
     seen = set()
     for dt in dtypes:
         for w in weights:
-            key = (dt, resolve_weights(w, resolve_dtype(dt, torch.device("cpu"))))
+            key = (dt, resolve_weights(w, resolve_dtype(dt, dev), dev))
             if key in seen:
                 continue
             seen.add(key)
             q: multiprocessing.Queue = ctx_mp.Queue()
             p = ctx_mp.Process(target=_run_in_child,
-                               args=((model_path, *key, repeats, ctx, modes,
+                               args=((model_path, *key, repeats, ctx, modes, str(dev), batches,
                                       torch.get_num_threads()), q))
             p.start()
             for fig in q.get():

@@ -65,6 +65,8 @@ SLOW_TESTS: dict[str, str] = {
         "server processes",
     "tests/http/test_server_flags.py::test_bad_kernel_variant_stops_startup":
         "server processes (that stop at start-up)",
+    "tests/http/test_server_flags.py::test_an_unreachable_device_stops_startup":
+        "server and perf processes (that stop at start-up)",
     "tests/test_cli.py::test_generate_": "`radixserve generate` processes",
     "tests/engine/test_cache_salt.py::test_own_slot": "default-model generation",
     "tests/engine/test_cache_salt.py::test_device_sharing_between_slots":

@@ -250,6 +250,19 @@ def test_bad_kernel_variant_stops_startup(value: str, says: str) -> None:
         assert r.returncode == 1 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_an_unreachable_device_stops_startup() -> None:
+    """--device naming a CUDA device torch cannot reach ends `serve` before it listens (exit 1,
+    the message naming what torch sees, no traceback); `perf --device` too."""
+    r = cli("serve", "--device", "cuda:64", "--port", str(free_port()))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("radixserve serve: error: --device cuda:64: not available "
+                               "(torch sees "), r.stderr
+    assert "listening" not in r.stderr
+    r = cli("perf", "--device", "CUDA64")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("radixserve perf: error: --device cuda:64: not available")
+
+
 def test_deterministic_on_where_it_cannot_hold_stops_startup() -> None:
     """f32 compute has no batch-invariant path: `on` is an error naming why, not a mode that
     silently is not one; `auto` there means off."""

@@ -370,3 +370,16 @@ def test_every_tier_on_the_device_build_names_every_device(which: str, tiny_path
     if shifted is not None:
         assert shifted.truncated and len(shifted.tokens) == 200  # shifted (llama-server)
         assert ask(plain, list(range(600, 1000)), n=200).tokens == shifted.tokens
+
+
+def test_perf_measures_the_device_build_at_each_batch(tiny_path: str) -> None:
+    """`radixserve perf --device D --batches ...` (scripts/gpu-check.sh's figures): one decode
+    figure per batch size, the device named, on the model built for it."""
+    from radixserve import perf
+
+    with torch_ops_only():
+        [fig] = perf.run(tiny_path, "f32", "dequant", 1, 32, device="cpu", batches=(1, 3))
+    assert fig["device"] == "cpu" and fig["kernels"] == "none" and fig["weights"] == "dequant"
+    assert [k for k in fig if k.startswith("decode_")] == ["decode_b1_tok_s_ctx32",
+                                                          "decode_b3_tok_s_ctx32"]
+    assert all(fig[k] > 0 for k in fig if k.endswith("_tok_s") or "_tok_s_" in k)
