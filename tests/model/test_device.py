@@ -170,33 +170,38 @@ def device_build(path: str, dtype: str = "bf16") -> Transformer:
     return Transformer(m.hp, place(tr.w, META), tr.dtype, use_kernels=False)
 
 
-@pytest.mark.parametrize("which", ["default", "tiny_swa"])
+@pytest.mark.parametrize("which", ["default", "tiny_swa", "gemma3"])
 def test_forward_and_pool_run_on_the_model_device(which: str, default_path: str,
                                                  tiny_swa_path: str) -> None:
-    """The forward (batched prefill, decode, a sliding-window model's split cache, a q8_0
-    cache) and the pool's shift and copy run on the meta device: every weight, table, index
-    and cell tensor is where the model is."""
-    tr = device_build(default_path if which == "default" else tiny_swa_path)
+    """The forward (batched prefill past the sliding window, decode, a sliding-window model's
+    split cache, a q8_0 cache) and the pool's shift and copy run on the meta device: every
+    weight, table, index and cell tensor is where the model is. Gemma 3 270M: its 262k-token
+    head, its two RoPE bases, its 512-token window."""
+    from radixserve.model.default_model import gemma3_model_path
+
+    paths = {"default": default_path, "tiny_swa": tiny_swa_path}
+    tr = device_build(paths[which] if which in paths else gemma3_model_path())
     moved = dict(weight_tensors(tr.w))
     assert len(moved) > 4 * len(tr.w.layers)
     assert {n: t.device for n, t in moved.items() if t.device != META} == {}
     assert tr.rope.inv_freq.device == META and tr.rope_swa.inv_freq.device == META
     hp = tr.hp
+    n = hp.n_swa + 24 if hp.n_swa else 40  # the first prompt: past the window
     for types in (None, ("q8_0", "q8_0")) if hp.head_dim % 32 == 0 else (None,):
         kw = {} if types is None else {"types": _kv_types(types, tr.dtype)}
         pool = make_pool(hp.n_layer, hp.swa_layers, hp.n_swa, False, hp.n_head_kv, hp.head_dim,
-                         128, 2, True, tr.dtype, tr.rope.rotate, tr.rope_swa.rotate, 64, META,
+                         n + 64, 2, True, tr.dtype, tr.rope.rotate, tr.rope_swa.rotate, n, META,
                          **kw)
         assert pool.k.device == META
         with NamedDevices() as nd:
-            h = hidden(tr, pool, [BatchSeq(0, list(range(5, 45)), 0)])  # 40 tokens: past the
-            assert h.shape == (1, hp.n_embd) and h.device == META     # tiny window (16)
-            h = hidden(tr, pool, [BatchSeq(0, [7], 40), BatchSeq(1, [3, 4, 5], 0, n_logits=3)])
+            h = hidden(tr, pool, [BatchSeq(0, list(range(5, 5 + n)), 0)])
+            assert h.shape == (1, hp.n_embd) and h.device == META
+            h = hidden(tr, pool, [BatchSeq(0, [7], n), BatchSeq(1, [3, 4, 5], 0, n_logits=3)])
             assert h.shape == (4, hp.n_embd) and h.device == META
             pool.seq_cp(0, 1, 0, 20)
             pool.seq_rm(0, 5, 10)
-            pool.seq_add(0, 10, 41, -5)  # a K-shift: rotates cached keys on the device
-            h = hidden(tr, pool, [BatchSeq(0, [9, 10], 36)])
+            pool.seq_add(0, 10, n + 1, -5)  # a K-shift: rotates cached keys on the device
+            h = hidden(tr, pool, [BatchSeq(0, [9, 10], n - 4)])
             assert h.device == META
         assert nd.missing == []
 
