@@ -93,8 +93,8 @@ def kernels_env_error() -> str | None:
 
 def device_error(device: str, gpu_layers: str) -> str | None:
     """What is wrong with --device (a CUDA device torch cannot reach), or None: checked before
-    the model loads, as the kernels are. A partial -ngl needs the model's layer count: the
-    load refuses it."""
+    `serve` loads the model, as the kernels are. A partial -ngl needs the model's layer count:
+    the load refuses it."""
     from radixserve.model.device import DeviceError, resolve_device
 
     try:
@@ -179,12 +179,16 @@ def main(argv: list[str] | None = None) -> int:
         from radixserve.perf import main as perf_main
 
         a.dtypes, a.weights = a.dtypes or "f32,bf16", a.weights or "auto,dequant"
-        if (error := device_error(a.device, "all")) is not None:
-            print(f"radixserve perf: error: {error}", file=sys.stderr)
+        try:
+            batches = tuple(int(b) for b in a.batches.split(","))
+            if min(batches) < 1:
+                raise ValueError(f"--batches {a.batches}: each batch is 1 sequence or more")
+            perf_main(a.model, a.dtypes.split(","), a.weights.split(","), a.repeats, a.ctx,
+                      tuple(a.deterministic.split(",")), a.device, batches)
+        except ValueError as e:  # a bad --batches, --device, or a weights mode it cannot run
+            print(f"radixserve perf: error: {e}", file=sys.stderr)
             return 1
-        return perf_main(a.model, a.dtypes.split(","), a.weights.split(","), a.repeats, a.ctx,
-                         tuple(a.deterministic.split(",")), a.device,
-                         tuple(int(b) for b in a.batches.split(",")))
+        return 0
     if a.cmd == "generate":
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         from radixserve.generate import run_generate

