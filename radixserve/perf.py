@@ -83,7 +83,8 @@ def run(model_path: str, dtype: str, weights: str, repeats: int, ctx: int,
     figs: list[dict[str, list[float]]] = [{} for _ in models]
     if not on_cpu:  # a GPU's first calls load kernels and plan its libraries: not timed
         for m in models:
-            prefill_tps(m, 512), decode_tps(m, max(batches), ctx, steps=4)
+            prefill_tps(m, 512)
+            decode_tps(m, max(batches), ctx, steps=4)
     for _ in range(repeats):
         for m, fig in zip(models, figs):
             for name, fn in (

@@ -163,7 +163,7 @@ def load_model(path: str | None = "default", dtype: str = "auto", device: str = 
     mode = resolve_weights(weights, dt, dev)
     with torch_ops_only(dev.type != "cpu"):
         w = place(load_weights(reader, hp, dt, packed=mode == "native"), dev)
-        tr = Transformer(hp, w, dt, use_kernels=dev.type == "cpu", deterministic=deterministic)
+        tr = Transformer(hp, w, dt, deterministic=deterministic)
     tok = Tokenizer.from_gguf(reader)
     template = ChatTemplate.from_gguf(reader, tok)
     load_s = time.perf_counter() - t0

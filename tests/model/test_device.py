@@ -263,15 +263,22 @@ def test_named_devices_catches_a_factory_without_its_device() -> None:
     assert run_as("/x/radixserve/sampling/planted.py", "torch.zeros(3)") == []
 
 
-def _run(sched: Scheduler, prompts: list[list[int]], slot: int = -1) -> list[FinalResult]:
+def _run(sched: Scheduler, prompts: list[list[int]], slot: int = -1, n: int = 6,
+         pooling: str = "") -> list[FinalResult]:
+    """Greedy answers to `prompts`, submitted together, stepped until all are done."""
     outs: list[list] = [[] for _ in prompts]
     for p, out in zip(prompts, outs):
-        sched.submit(CompletionTask(p, SamplingParams(temperature=0), n_predict=6,
-                                    ignore_eos=True, id_slot=slot), out.append)
+        sched.submit(CompletionTask(p, SamplingParams(temperature=0), n_predict=n,
+                                    ignore_eos=True, id_slot=slot, pooling=pooling), out.append)
     while sched.has_active() or sched.deferred:
         sched.step()
-    assert all(isinstance(o[-1], FinalResult) for o in outs)
+    assert all(isinstance(o[-1], FinalResult) for o in outs), [o[-1] for o in outs]
     return [o[-1] for o in outs]
+
+
+def ask(sched: Scheduler, prompt: list[int], n: int = 12, slot: int = -1,
+        pooling: str = "") -> FinalResult:
+    return _run(sched, [prompt], slot, n, pooling)[0]
 
 
 # the devices the engine test runs on: the CPU, and the one scripts/gpu-check.sh names
@@ -340,16 +347,6 @@ def test_every_tier_on_the_device_build_names_every_device(which: str, device: s
                            / "disk"), cache_disk_block=16, slot_save_path=str(tmp_path),
                            context_shift=shift, spec=spec, cache_idle_slots=False)
         return Scheduler(model, cfg, ServerMetrics())
-
-    def ask(s: Scheduler, prompt: list[int], n: int = 12, slot: int = -1,
-            pooling: str = "") -> FinalResult:
-        out: list[Any] = []
-        s.submit(CompletionTask(prompt, SamplingParams(temperature=0), n_predict=n,
-                                ignore_eos=True, id_slot=slot, pooling=pooling), out.append)
-        while s.has_active() or s.deferred:
-            s.step()
-        assert isinstance(out[-1], FinalResult), out[-1]
-        return out[-1]
 
     long_prompt = [7, 8, 9] * 60 + list(range(300, 400))  # repeats: the n-gram drafts hit
     s = sched()
