@@ -20,7 +20,7 @@ import psutil
 import torch
 
 from radixserve.engine.batch import BatchSeq, hidden, model_pool
-from radixserve.kv.pool import KVPool
+from radixserve.memory.pool.pool import KVPool
 from radixserve.model.device import device_name, resolve_device
 from radixserve.model.forward import Transformer
 from radixserve.model.head import RowNeed

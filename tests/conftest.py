@@ -77,10 +77,10 @@ import gguf
 import pytest
 import torch
 
-from radixserve.cache.base import PromptCache
-from radixserve.engine.slot_kv import SlotKV
-from radixserve.kv.pool import KVPool
-from radixserve.kv.swa import make_pool as swa_make_pool
+from radixserve.memory.tiers.base import PromptCache
+from radixserve.memory.seq_kv import SlotKV
+from radixserve.memory.pool.pool import KVPool
+from radixserve.memory.pool.swa import make_pool as swa_make_pool
 from radixserve.model.default_model import default_model_path
 from radixserve.model.forward import Transformer
 from radixserve.model.hparams import HParams

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.cache.prefix import common_prefix
+from radixserve.memory.tiers.prefix import common_prefix
 
 MIB = 1024 * 1024
 

@@ -39,7 +39,7 @@ from radixserve.cluster import route_key as keys
 from radixserve.cluster.bridge import Forwarded, Head, run_asgi
 from radixserve.cluster.metrics import aggregate
 from radixserve.config import ServerConfig
-from radixserve.engine.task import TaskError
+from radixserve.errors import TaskError
 from radixserve.http.errors import error_response
 from radixserve.http.middleware import key_ok, request_api_key, too_large
 from radixserve.http.sse import sse_error

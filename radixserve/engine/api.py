@@ -57,7 +57,7 @@ class EngineAPI(Protocol):
         ...
 
     async def cache_view(self) -> dict[str, Any]:
-        """GET /cache (engine/cache_view.py): slots, tree, tiers, reuse over time; every
+        """GET /cache (memory/cache_view.py): slots, tree, tiers, reuse over time; every
         `text` is token ids (or None: not shown)."""
         ...
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.kv.pool import KVPool, KVTypes
-from radixserve.kv.swa import SWAPool, alloc_step, make_pool
+from radixserve.memory.pool.pool import KVPool, KVTypes
+from radixserve.memory.pool.swa import SWAPool, alloc_step, make_pool
 from radixserve.model.forward import SeqStep, SwaStep, Transformer
 from radixserve.model.loader import Model
 

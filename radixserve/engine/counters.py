@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-RECENT_PROMPTS = 120  # the page's chart of reuse over time (engine/cache_view.py)
+RECENT_PROMPTS = 120  # the page's chart of reuse over time (memory/cache_view.py)
 
 
 @dataclass(slots=True)

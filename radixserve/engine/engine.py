@@ -25,13 +25,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from radixserve.cache.base import PromptCache
+from radixserve.memory.tiers.base import PromptCache
 from radixserve.config import ServerConfig
-from radixserve.engine.cache_view import CacheView
+from radixserve.memory.cache_view import CacheView
 from radixserve.engine.counters import ServerMetrics
-from radixserve.engine.scheduler import Scheduler
-from radixserve.engine.slot_actions import slot_action
-from radixserve.engine.task import CompletionTask, FinalResult, TaskError
+from radixserve.engine.build import build_scheduler
+from radixserve.engine.task import CompletionTask, FinalResult
+from radixserve.errors import TaskError
 from radixserve.model.loader import Model
 
 log = logging.getLogger(__name__)
@@ -108,10 +108,10 @@ class Engine:
         """`cache`: a host cache instead of the one `cfg` describes (tests inject faults)."""
         self.model, self.cfg = model, cfg
         self.metrics = ServerMetrics()
-        self.scheduler = Scheduler(model, cfg, self.metrics, cache)
+        self.scheduler = build_scheduler(model, cfg, self.metrics, cache)
         self.view = CacheView(cfg.slots_debug)
         self.changes = 0  # EngineAPI.changes; event loop only
-        self.scheduler.set_disk_wake(lambda: self._post(Wake()))
+        self.scheduler.mem.set_disk_wake(lambda: self._post(Wake()))
         self._q: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._outbox: list[tuple[TaskStream, Any]] = []  # results not yet handed to the loop
         self._thread = threading.Thread(target=self._run, name="radixserve-engine", daemon=True)
@@ -149,7 +149,7 @@ class Engine:
         self._stopping = True
         self._post(Wake())
         self._thread.join(timeout=10)
-        self.scheduler.close()
+        self.scheduler.mem.close()
 
     def submit(self, task: CompletionTask) -> TaskStream:
         stream = TaskStream(self, task, asyncio.get_running_loop())
@@ -248,27 +248,27 @@ class Engine:
         return await self.call(lambda: any(not s.is_processing for s in self.scheduler.slots))
 
     async def cache_stats(self) -> dict[str, float]:
-        return await self.call(self.scheduler.cache.stats)
+        return await self.call(self.scheduler.mem.cache.stats)
 
     async def scrape(self) -> tuple[ServerMetrics, dict[str, float]]:
         def scrape() -> tuple[ServerMetrics, dict[str, float]]:
-            self.metrics.tiers = self.scheduler.tier_figures()
-            return self.metrics.scrape(), self.scheduler.cache.stats()
+            self.metrics.tiers = self.scheduler.mem.tier_figures()
+            return self.metrics.scrape(), self.scheduler.mem.cache.stats()
 
         return await self.call(scrape)
 
     async def cache_view(self) -> dict[str, Any]:
-        return await self.call(lambda: self.view.snapshot(self.scheduler))
+        return await self.call(lambda: self.view.snapshot(self.scheduler.mem, self.metrics))
 
     async def flush_cache(self) -> dict[str, int]:
         """Empty every cache tier: slots (a busy one's KV when its task ends), host RAM, disk."""
-        out, fut = await self.call(self.scheduler.flush)
+        out, fut = await self.call(self.scheduler.mem.flush)
         out["disk_files"] = 0 if fut is None else await asyncio.wrap_future(fut)
         return out
 
     async def slot_action(self, id_slot: int, action: str, filename: str | None) -> dict[str, Any]:
         """POST /slots/{id}?action=save|restore|erase (disk tier)."""
-        return await self.call(lambda: slot_action(self.scheduler, id_slot, action, filename))
+        return await self.call(lambda: self.scheduler.mem.slot_action(id_slot, action, filename))
 
 
 def _deliver(items: list[tuple[TaskStream, Any]]) -> None:  # event loop

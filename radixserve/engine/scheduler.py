@@ -13,7 +13,7 @@ tokens, discards n_discard after them and moves the rest left, through SlotKV.sh
 shifted KV is dropped when the task ends, never reused), and n_cmpl > 1 children, which wait
 until their parent's prompt is computed and then take its cells (prefix_plan's `prefer`).
 
-Sliding-window models (kv/swa.py) add llama-server's context checkpoints: before a prompt
+Sliding-window models (memory/pool/swa.py) add llama-server's context checkpoints: before a prompt
 chunk that starts a user message (chat prompts) or lies near the prompt's end, the slot's
 sliding KV is copied (`SlotKV.take_checkpoint`), and the chunking ends chunks before user
 messages and leaves the last n_ubatch + 4 and the last 4 prompt tokens to chunks of their own
@@ -34,22 +34,16 @@ from typing import Any
 
 import torch
 
-from radixserve.cache.base import DiskTierCache, PromptCache
-from radixserve.config import POOLINGS, ServerConfig
-from radixserve.engine import reuse
-from radixserve.engine.batch import model_pool, run, seq_step
+from radixserve.config import ServerConfig
+from radixserve.engine.batch import run, seq_step
 from radixserve.engine.counters import ServerMetrics
-from radixserve.engine.host_tier import HostTier
-from radixserve.engine.prefix_plan import (choose_slot, pending_prefill, salted_lcp,
-                                           take_prefix)
 from radixserve.engine.slot import Slot, SlotState
-from radixserve.engine.slot_kv import SlotKV
-from radixserve.engine.speculative import Speculator, load_draft
-from radixserve.engine.task import CompletionTask, TaskError
-from radixserve.kv.pool import OutOfCells
-from radixserve.kv.state import fingerprint_of
-from radixserve.kv.swa import SWAPool
-from radixserve.model import kv_types
+from radixserve.engine.speculative import Speculator
+from radixserve.engine.task import CompletionTask
+from radixserve.errors import TaskError
+from radixserve.memory.manager import MemoryManager
+from radixserve.memory.miss_report import describe
+from radixserve.memory.pool.pool import OutOfCells
 from radixserve.model.forward import SeqStep
 from radixserve.model.loader import Model
 from radixserve.sampling.chain import Sampler, sample_batch
@@ -59,79 +53,20 @@ log = logging.getLogger(__name__)
 Emit = Callable[[Any], None]
 
 
-def slot_layout(cfg: ServerConfig, n_ctx_train: int) -> tuple[int, int, bool, int]:
-    """(n_slots, pool cells, unified, n_ctx per slot) as llama-server derives them."""
-    n_slots = cfg.n_parallel if cfg.n_parallel > 0 else 4
-    unified = cfg.kv_unified or cfg.n_parallel <= 0  # -np auto: 4 slots, unified KV
-    n_ctx = cfg.ctx_size or n_ctx_train
-    if unified:
-        n_slot = n_ctx
-        if cfg.kv_unified_per_slot > 0:
-            n_slot = min(n_slot, cfg.kv_unified_per_slot)
-    else:
-        n_slot = n_ctx // n_slots
-        n_ctx = n_slot * n_slots
-    if n_slot > n_ctx_train:
-        log.warning("the slot context (%d) exceeds the training context (%d) - capping",
-                    n_slot, n_ctx_train)
-        n_slot = n_ctx_train
-    return n_slots, n_ctx, unified, n_slot
-
-
 class Scheduler:
+    """Built by `engine/build.py` (the composition root): it schedules what it is handed and
+    builds nothing. Sequence memory is reached through `mem` alone; each slot's KV owner
+    (`slot.kv`) takes the steps' cells and commits."""
+
     def __init__(self, model: Model, cfg: ServerConfig, metrics: ServerMetrics,
-                 cache: PromptCache | None = None, draft: Model | None = None) -> None:
-        """`cache`: a host cache to use instead of the one `cfg` describes (tests inject
-        faults this way); `draft`: the draft model instead of loading `cfg.spec.draft_model`."""
-        self.model, self.cfg, self.metrics = model, cfg, metrics
+                 mem: MemoryManager, slots: list[Slot], spec: Speculator | None,
+                 n_ctx_slot: int, n_budget: int) -> None:
+        self.model, self.cfg, self.metrics, self.mem = model, cfg, metrics, mem
         self.tok = model.tokenizer
-        hp = model.hp
-        n_slots, n_cells, unified, self.n_ctx_slot = slot_layout(cfg, hp.n_ctx_train)
-        self.n_budget = max(1, min(cfg.batch_size, cfg.ubatch_size))
-        self.pool = model_pool(model, n_cells, n_slots, unified, self.n_budget, cfg.swa_full,
-                               kv_types.resolve(cfg.cache_type_k, cfg.cache_type_v, model.dtype))
-        self.swa = self.pool if isinstance(self.pool, SWAPool) else None
-        fp = fingerprint_of(self.pool, hp.arch)
-        n_ckpt = cfg.ctx_checkpoints if self.swa is not None else 0
-        self.slots = [Slot(SlotKV(self.pool, i, fp, n_ckpt, cfg.checkpoint_min_step),
-                           self.n_ctx_slot, cfg.context_shift) for i in range(n_slots)]
+        self.pool, self.slots, self.spec = mem.pool, slots, spec
+        self.n_ctx_slot, self.n_budget = n_ctx_slot, n_budget
         self.deferred: deque[tuple[CompletionTask, Emit]] = deque()
         self._next_id = 0
-        self.spec: Speculator | None = None
-        if cfg.spec.enabled:
-            if draft is None:
-                draft = load_draft(cfg, model)
-            self.spec = Speculator(cfg.spec, self.pool, n_slots, self.n_budget, draft)
-            log.info("speculative decoding: %s", ", ".join(cfg.spec.types))
-        for s in self.slots:
-            s.server_spec, s.can_speculate = cfg.spec, self.spec is not None
-            if self.spec is not None and draft is not None:
-                s.kv.sync_draft = self.spec.sync
-        models = (model,) if draft is None else (model, draft)
-        self.host = HostTier(cfg, self.pool, hp.arch, cache, models)
-        hc = self.host.cache
-        # the disk tier under the host cache: tasks wait (unslotted) while their blocks load
-        self.radix_disk: DiskTierCache | None = hc.disk_tier()
-        self._disk_wait: dict[int, int] = {}  # task id -> disk ticket it waits for
-        self._from_disk: set[int] = set()  # task ids whose disk read ended (reuse report)
-        self._disk_asked: set[int] = set()  # task ids whose disk lookup was made
-        log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = %s",
-                 n_slots, self.n_ctx_slot, unified)
-        if self.swa is not None:
-            log.info("sliding window %d: %d sliding-layer cells, context checkpoints enabled, "
-                     "max = %d, min spacing = %d", self.swa.n_swa, self.swa.swa.n_cells, n_ckpt,
-                     cfg.checkpoint_min_step)
-        pooling = cfg.embedding_pooling(hp.pooling)
-        if cfg.embeddings and pooling not in POOLINGS:
-            raise ValueError(f"this model's embedding pooling ({pooling}) is not computed "
-                             "here (rank needs a reranker's classification head): give "
-                             "--pooling none|mean|cls|last")
-        self.no_shift = self.swa is not None or model.deterministic
-        if self.no_shift and cfg.cache_reuse > 0:
-            why = ("the sliding window keeps no KV to shift" if self.swa is not None else
-                   "shifted chunks keep KV computed for other text, so deterministic mode never "
-                   "shifts them (--deterministic off to allow it)")
-            log.warning("--cache-reuse %d: %s", cfg.cache_reuse, why)
 
     # -- tasks in ---------------------------------------------------------------------------
     def submit(self, task: CompletionTask, emit: Emit) -> None:
@@ -178,9 +113,7 @@ class Scheduler:
         for i, (t, _) in enumerate(self.deferred):
             if t is task:
                 del self.deferred[i]
-                self._disk_wait.pop(task.id, None)
-                self._from_disk.discard(task.id)
-                self._disk_asked.discard(task.id)
+                self.mem.forget(task.id)
                 return
         for slot in self.slots:
             if slot.is_processing and slot.task is task:
@@ -195,106 +128,37 @@ class Scheduler:
             if task.parent is not None and self._prefilling(task.parent):
                 self.deferred.append((task, emit))  # n_cmpl child: wait for the parent's prompt
                 continue
-            if pending_prefill(self.slots, task) is not None or self._awaits_disk(task):
+            if self.mem.must_wait(task, task.id):
                 self.deferred.append((task, emit))
                 continue
-            slot, update_cache = choose_slot(self.slots, task, self.cfg.slot_prompt_similarity)
+            held, update_cache = self.mem.choose_slot(task)
+            slot = self.slots[held.id] if held is not None else None
             if slot is None or slot.is_processing:
                 self.deferred.append((task, emit))
                 continue
-            # radix: cache the other idle slots first, so this prompt can restore from them
-            early = self.host.cache.load_always
-            if early:
-                self.host.cache_idle_slots(self.slots, exclude=slot)
-            self._disk_asked.discard(task.id)
+            self.mem.before_launch(slot)
             try:
                 self._launch(slot, task, emit, update_cache)
             except TaskError as e:
+                self.mem.forget(task.id)
                 emit(e)
                 continue
-            if not early:
-                self.host.cache_idle_slots(self.slots)
+            self.mem.after_launch()
         self.metrics.requests_deferred = len(self.deferred)
         self.metrics.requests_processing = sum(s.is_processing for s in self.slots)
         self._count_checkpoints()
 
-    def _awaits_disk(self, task: CompletionTask) -> bool:
-        """Whether `task` waits for its prompt's blocks to come from disk into the radix tree
-        (the lookup is made once, when the task is first considered; off the engine thread)."""
-        if self.radix_disk is None or not task.cache_prompt:
-            return False
-        if task.id not in self._disk_asked:
-            self._disk_asked.add(task.id)
-            prompt, salt = task.prompt_tokens, task.cache_salt
-            n_have = max((salted_lcp(s.kv, prompt, salt) for s in self.slots if s.kv.reusable),
-                         default=0)
-            ticket = self.radix_disk.disk_lookup(prompt, salt, n_have)
-            if ticket is not None:
-                self._disk_wait[task.id] = ticket
-        return task.id in self._disk_wait
-
     def poll_io(self) -> None:
         """Take finished disk reads into the radix tree and let their tasks go on (the engine
         calls this on every turn of its loop; the disk tier wakes it when a read ends)."""
-        if self.radix_disk is None:
-            return
-        done = set(self.radix_disk.take_disk_loads())
-        if done:
-            # their prefixes are in the tree now, read from disk
-            self._from_disk |= {t for t, k in self._disk_wait.items() if k in done}
-            self._disk_wait = {t: k for t, k in self._disk_wait.items() if k not in done}
+        if self.mem.poll_io():
             self.launch_deferred()
 
-    def flush(self) -> tuple[dict[str, int], Future[int] | None]:
-        """The admin flush of every tier: the disk tier's reads and writes in flight are
-        dropped first (so none lands in RAM afterwards) and its files go off the engine thread
-        (the future: files removed; None without a disk tier); then every slot's KV (a busy
-        slot's when its task ends) and the host cache. Returns what went."""
-        disk = None if self.radix_disk is None else self.radix_disk.disk_flush()
-        n_slots = 0
-        for s in self.slots:
-            if s.is_processing:
-                s.kv.flushed = True  # never reused nor saved: dropped when the task ends
-            elif not len(s.kv):
-                continue
-            else:
-                s.kv.drop()
-            n_slots += 1
-        nodes, n_bytes = self.host.cache.clear()
-        return {"slots": n_slots, "ram_entries": nodes, "ram_bytes": n_bytes}, disk
-
-    def tier_figures(self) -> dict[str, dict[str, float]]:
-        """Per cache tier: host RAM (when on) and disk (when on), for /metrics."""
-        out = {}
-        if self.host.cache.name != "none":
-            st = self.host.cache.stats()
-            out["ram"] = {"bytes": st["bytes"], "tokens": st["unique_tokens"],
-                          "hits": st["loads"], "misses": self.host.misses,
-                          "hit_tokens": st["hit_tokens"], "writes": st["saves"],
-                          "evictions": st["evictions"]}
-        if self.radix_disk is not None:
-            out["disk"] = self.radix_disk.disk_figures()
-        return out
-
-    def set_disk_wake(self, wake: Callable[[], None]) -> None:
-        """Have the disk tier (when on) call `wake` when a read ends, from its I/O thread: the
-        engine's loop then runs `poll_io`."""
-        if self.radix_disk is not None:
-            self.radix_disk.set_disk_wake(wake)
-
-    def close(self) -> None:
-        """Let the disk tier finish its queued writes (a restart finds them)."""
-        if self.radix_disk is not None:
-            self.radix_disk.close()
-
     def _count_checkpoints(self) -> None:
-        if self.swa is not None:
-            self.metrics.checkpoints = sum(len(s.kv.checkpoints) for s in self.slots)
-            self.metrics.checkpoint_bytes = sum(s.kv.checkpoint_bytes for s in self.slots)
+        if self.mem.swa is not None:
+            self.metrics.checkpoints, self.metrics.checkpoint_bytes = self.mem.checkpoints()
 
     def _launch(self, slot: Slot, task: CompletionTask, emit: Emit, update_cache: bool) -> None:
-        from_disk = task.id in self._from_disk
-        self._from_disk.discard(task.id)
         try:
             # ignore_eos: -inf biases on the EOG tokens, appended to logit_bias as llama-server
             constraint = None if task.grammar is None else Constraint(task.grammar, self.tok)
@@ -303,30 +167,10 @@ class Scheduler:
                               constraint=constraint)
         except ValueError as e:
             raise TaskError(400, "invalid_request_error", f"Failed to initialize samplers: {e}")
-        prompt = task.prompt_tokens
-        if self.pool.unified:  # room for the whole prompt, so a cached prefix can be restored
-            while (self.pool.n_free + len(slot.kv) < len(prompt)
-                   and self.try_clear_idle_slots(exclude=slot)):
-                pass
-        self.host.save_before_overwrite(slot, prompt, task.cache_salt, update_cache)
-        n_reuse = self.cfg.cache_reuse if task.n_cache_reuse is None else task.n_cache_reuse
-        if n_reuse > 0 and self.no_shift:
-            if task.n_cache_reuse:  # llama-server's words where it cannot shift the cache
-                log.warning("cache reuse is not supported - ignoring n_cache_reuse = %d",
-                            n_reuse)
-            n_reuse = 0
-        host = self.host.consulted(update_cache)
-        loads = host.stats()["loads"] if host is not None and task.cache_prompt else None
-        held = reuse.probe(prompt, task.cache_salt, self.slots, self.host.cache)
-        plan = take_prefix(slot, prompt, self.slots, host,
-                           task.cache_prompt, n_reuse, prefer=self._holder(task.parent),
-                           salt=task.cache_salt)
-        slot.kv.slot_only = bool(task.pooling)  # embeddings never reach the host tiers
-        why = reuse.report(held, plan, prompt, from_disk, self.tok)
-        if loads is not None and host is not None and host.stats()["loads"] == loads:
-            self.host.misses += 1
-        if update_cache:
-            self.host.cache.update()
+        plan, why = self.mem.admit(slot, task, task.id, update_cache=update_cache,
+                                   n_cache_reuse=task.n_cache_reuse,
+                                   prefer=self._holder(task.parent),
+                                   slot_only=bool(task.pooling))  # embeddings: no host tiers
         if plan.checkpoint is not None:
             self.metrics.checkpoints_restored_total += 1
         slot.start(task, sampler, emit, plan.todo, plan.n_reused, why)
@@ -334,7 +178,7 @@ class Scheduler:
             slot.speculative = bool(self.spec.spec_of(slot).types)
             self.spec.begin(slot)
         log.info("slot %d: task %d, prompt %d tokens, %d reused; %s", slot.id, task.id,
-                 len(prompt), plan.n_reused, reuse.describe(why))
+                 len(task.prompt_tokens), plan.n_reused, describe(why))
 
     def _prefilling(self, parent: CompletionTask) -> bool:
         """The parent of an n_cmpl > 1 child is still waiting or computing its prompt."""
@@ -374,8 +218,7 @@ class Scheduler:
         n_discard = min(max(n_discard, 0), max(0, n_left - 1))
         log.warning("slot %d: context shift, n_keep = %d, n_left = %d, n_discard = %d",
                     s.id, n_keep, n_left, n_discard)
-        if self.host.cache.offer_every_drop:  # the shifted KV is never reused: keep it first
-            self.host.offer(s)
+        self.mem.offer_before_drop(s)  # the shifted KV is never reused: keep it first
         if not s.kv.shift(n_keep, n_discard):
             self._fail(s, TaskError(500, "server_error", "Context size has been exceeded."))
             return False
@@ -536,17 +379,6 @@ class Scheduler:
             self.metrics.checkpoints_created_total += 1
             self._count_checkpoints()
 
-    def _slide(self, s: Slot) -> None:
-        """The step is committed: drop the sliding KV no later token reads, first saving into
-        a write-through host tier (radix) what it lacks (a task that caches its prompt)."""
-        kv = s.kv
-        if kv.swa is None:
-            return
-        if (kv.window_unsaved() and self.host.cache.load_always and s.task is not None
-                and s.task.cache_prompt and kv.reusable):
-            kv.save_to(self.host.cache)
-        kv.prune()
-
     def _postprocess(self, batch: list[tuple[Slot, SeqStep]], hidden: torch.Tensor) -> None:
         now = time.perf_counter()
         rows: list[int] = []
@@ -562,7 +394,7 @@ class Scheduler:
                 to_sample.append(s)
                 continue
             s.kv.commit(b.pos0, b.tokens)
-            self._slide(s)
+            self.mem.slide(s, s.task.cache_prompt)
             if s.state is SlotState.PROCESSING_PROMPT:
                 if s.task.pooling:  # an embedding keeps its chunk's rows
                     s.keep_rows(hidden[row - b.n_logits + 1 : row + 1])
@@ -627,13 +459,12 @@ class Scheduler:
             m.n_drafts_total += 1
             assert self.spec is not None
             self.spec.accepted(s, n_acc)
-        self._slide(s)
+        self.mem.slide(s, s.task.cache_prompt)
         s.draft = []
         return done
 
     def _finish(self, s: Slot, emit_final: bool = True) -> None:
         now = time.perf_counter()
-        s.kv.truncate(len(s.kv))  # cancelled mid-prompt: drop KV past the contiguous prefix
         if emit_final:
             part = s.partial(final=True) if s.task.stream else None
             if part is not None:
@@ -644,40 +475,22 @@ class Scheduler:
         self.metrics.observe_n_tokens(len(s.tokens))
         log.info("slot %d: stop processing, n_tokens = %d, truncated = %s",
                  s.id, len(s.tokens), s.truncated)
-        task = s.task
-        if not s.kv.reusable:  # shifted KV is not what its tokens compute to: never reuse it
-            s.kv.drop()
-        elif (self.radix_disk is not None or task.pin_s) and s.kv.save_to(self.host.cache):
-            # on disk now, not only when the slot is reused: a restart; pinned: in the tree
-            self.host.cache.update()
-        if task.pin_s and emit_final and s.kv.reusable and not self.host.cache.pin(
-                list(task.prompt_tokens), task.cache_salt, task.pin_s):
-            log.warning("slot %d: task %d's prompt (%d tokens) not pinned: over "
-                        "--cache-pin-mib, or not kept by the host cache", s.id, task.id,
-                        len(task.prompt_tokens))
+        self.mem.release(s, s.task, s.task.id, s.task.pin_s, answered=emit_final)
         s.release()
         self.launch_deferred()
 
     def _fail(self, s: Slot, err: TaskError) -> None:
         """Fail one request and drop its KV (it may be half-written); others carry on."""
         s.send(err)
-        s.kv.drop()
+        self.mem.drop(s)
         s.release()
 
     def try_clear_idle_slots(self, exclude: Slot | None = None) -> bool:
-        return self.host.clear_idle_slot(self.slots, exclude)
+        return self.mem.make_room(exclude)
 
     def check(self) -> None:
-        """Every invariant the engine keeps: the pool's bookkeeping, each slot's KV against
-        its tokens, the host cache's (tests call this after every step)."""
-        self.pool.check()
-        for s in self.slots:
-            s.kv.check()
-        self.host.cache.check()
-
-    @property
-    def cache(self) -> PromptCache:
-        return self.host.cache
+        """Every invariant the engine keeps (tests call this after every step)."""
+        self.mem.check()
 
     def slots_json(self) -> list[dict[str, Any]]:
         return [s.to_json() for s in self.slots]

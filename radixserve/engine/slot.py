@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from radixserve.config import SpecConfig
-from radixserve.engine.slot_kv import SlotKV
+from radixserve.memory.seq_kv import SlotKV
 from radixserve.engine.task import (CompletionTask, FinalResult, PartialResult, Reuse, Timings,
                                    TokenProbs)
 from radixserve.sampling.chain import Sampler
@@ -99,6 +99,10 @@ class Slot:
     @property
     def is_processing(self) -> bool:
         return self.state is not SlotState.IDLE
+
+    @property
+    def prefilling(self) -> bool:
+        return self.state is SlotState.PROCESSING_PROMPT
 
     def start(self, task: CompletionTask, sampler: Sampler, emit: Callable[[object], None],
               todo: list[tuple[int, int]], n_cached: int, reuse: Reuse | None = None) -> None:

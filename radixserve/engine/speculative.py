@@ -10,7 +10,7 @@ target samples at its position - the same sampler, the same random draws, and (d
 mode) the same logits as without speculation: the output is identical, greedy or seeded, and
 the drafts only decide how many tokens one forward yields. Rejected positions leave the KV.
 
-With a draft model, its K/V lives in the target's cells (kv/draft.py) and follows them through
+With a draft model, its K/V lives in the target's cells (memory/pool/draft.py) and follows them through
 every tier; `SlotKV.n_draft` says how many of a slot's tokens have draft rows. The draft runs
 every forward the target runs (`follow`, as llama.cpp's draft context processes every batch),
 writes the rows of the drafted positions while drafting, and computes whatever a restore did
@@ -29,12 +29,12 @@ from radixserve.config import ServerConfig, SpecConfig
 from radixserve.engine.batch import seq_step
 from radixserve.engine.ngram import NgramMod, ngram_simple_draft
 from radixserve.engine.slot import Slot
-from radixserve.engine.slot_kv import SlotKV
-from radixserve.kv.draft import attach_draft
-from radixserve.kv.pool import KVPool, OutOfCells
-from radixserve.kv.swa import SWAPool
+from radixserve.memory.seq_kv import SlotKV
+from radixserve.memory.pool.draft import attach_draft
+from radixserve.memory.pool.pool import KVPool, OutOfCells
+from radixserve.memory.pool.swa import SWAPool
 from radixserve.model.default_model import resolve_model_path
-from radixserve.model import kv_types
+from radixserve.memory.pool import kv_types
 from radixserve.model.forward import SeqStep
 from radixserve.model.loader import Model, load_model
 

@@ -1,42 +1,22 @@
 """What crosses between the HTTP handlers and the engine thread: tasks in, results out.
 
 Handlers build a `CompletionTask` (tokens already computed, sampling parameters validated) and
-read `PartialResult`s and one `FinalResult` back; a failure arrives as `TaskError` carrying the
-HTTP status and OpenAI error type. Nothing here holds tensors but an embedding task's result (a
+read `PartialResult`s and one `FinalResult` back; a failure arrives as `TaskError`
+(radixserve/errors.py) carrying the HTTP status and OpenAI error type. Nothing here holds tensors but an embedding task's result (a
 CPU f32 tensor the slot lets go of, turned into JSON off the engine thread).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from radixserve.config import SpecConfig
+from radixserve.memory.miss_report import Reuse
 from radixserve.sampling.chain import SamplingParams
 
 if TYPE_CHECKING:
     import torch
-
-
-class TaskError(Exception):
-    """A request-level failure: status + OpenAI error `type`; extra fields go inside `error`."""
-
-    def __init__(self, status: int, type_: str, message: str, **extra: Any) -> None:
-        super().__init__(message)
-        self.status, self.type, self.message, self.extra = status, type_, message, extra
-
-    def to_json(self) -> dict[str, Any]:
-        return {"error": {"code": self.status, "message": self.message, "type": self.type, **self.extra}}
-
-
-def invalid_request(message: str) -> TaskError:
-    return TaskError(400, "invalid_request_error", message)
-
-
-def not_supported(message: str) -> TaskError:
-    """llama-server's 501: what this server (as started) does not do."""
-    return TaskError(501, "not_supported_error", message)
 
 
 @dataclass(slots=True)
@@ -97,22 +77,6 @@ class TokenProbs:
     bytes: list[int]
     prob: float
     top: list[tuple[int, str, float]]
-
-
-@dataclass(slots=True, frozen=True)
-class Reuse:
-    """Where a prompt's reused prefix came from and, when less than the cache held or nothing
-    was reused, why (engine/reuse.py): `timings.reuse`, the log and `/slots`."""
-
-    tier: str  # slot, slot_share, ram, disk or none
-    n_tokens: int  # prompt tokens it gave (timings.cache_n)
-    n_held: int  # the longest prefix of the prompt any tier held (same cache_salt)
-    first_diff: int | None  # where the prompt left the best cached sequence (None: it did not)
-    cached_text: str | None  # that sequence's text from first_diff on (a short excerpt)
-    prompt_text: str | None  # the prompt's text from first_diff on
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @dataclass(slots=True)

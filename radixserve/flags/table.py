@@ -10,10 +10,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from radixserve.cache.disk_block import load_key
+from radixserve.memory.tiers.disk_block import load_key
 from radixserve.config import POOLINGS, SPEC_TYPES
 from radixserve.model.device import list_devices, parse_device, parse_gpu_layers
-from radixserve.model.kv_types import NOT_BUILT, TYPES
+from radixserve.memory.pool.kv_types import NOT_BUILT, TYPES
 from radixserve.flags.spec import (
     ACTION,
     HONORED,

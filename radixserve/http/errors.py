@@ -20,7 +20,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from radixserve.engine.task import TaskError, invalid_request
+from radixserve.errors import TaskError, invalid_request
 
 log = logging.getLogger(__name__)
 

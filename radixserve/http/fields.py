@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.engine.task import invalid_request
+from radixserve.errors import invalid_request
 from radixserve.http.schemas import GenerationRequest
 
 # field -> (values that ask for nothing, the feature a real value needs)

@@ -13,7 +13,7 @@ from typing import Any
 
 from radixserve.config import RequestDefaults, ServerConfig
 from radixserve.http.responses import BUILD_INFO, params_json
-from radixserve.model import kv_types
+from radixserve.memory.pool import kv_types
 from radixserve.model.device import device_name
 from radixserve.model.kernels import variant_name
 from radixserve.model.loader import Model

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from radixserve.engine.task import TaskError
+from radixserve.errors import TaskError
 from radixserve.http.errors import error_response
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config import RequestDefaults, SpecConfig
-from radixserve.engine.task import CompletionTask, TaskError, invalid_request
+from radixserve.engine.task import CompletionTask
+from radixserve.errors import TaskError, invalid_request
 from radixserve.http.fields import reject_unimplemented
 from radixserve.http.schemas import (
     ChatRequest,

@@ -23,7 +23,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from radixserve.engine.task import CompletionTask, TaskError, invalid_request, not_supported
+from radixserve.engine.task import CompletionTask
+from radixserve.errors import TaskError, invalid_request, not_supported
 from radixserve.http import info, openapi
 from radixserve.http.errors import read_json
 from radixserve.http.parse import prompt_list

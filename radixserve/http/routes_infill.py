@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from radixserve.engine.task import TaskError, invalid_request, not_supported
+from radixserve.errors import TaskError, invalid_request, not_supported
 from radixserve.http import openapi
 from radixserve.http.parse import (ParseContext, ParsedRequest, build_task, completion_n_probs,
                                    request_grammar, tokenize_mixed)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from radixserve.engine.task import not_supported
+from radixserve.errors import not_supported
 from radixserve.http import openapi
 from radixserve.http.state import AppState
 

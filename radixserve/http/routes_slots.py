@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from radixserve.engine.task import invalid_request
+from radixserve.errors import invalid_request
 from radixserve.http import openapi
 from radixserve.http.errors import error_response, read_json
 from radixserve.http.state import AppState

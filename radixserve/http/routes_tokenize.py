@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from radixserve.engine.task import invalid_request
+from radixserve.errors import invalid_request
 from radixserve.http import openapi
 from radixserve.http.errors import read_json
 from radixserve.http.parse import render_chat, tokenize_mixed

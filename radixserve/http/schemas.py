@@ -22,7 +22,7 @@ from pydantic import (
     field_validator,
 )
 
-from radixserve.engine.task import TaskError, invalid_request
+from radixserve.errors import TaskError, invalid_request
 from radixserve.text.chat_template import flatten_content
 
 log = logging.getLogger(__name__)

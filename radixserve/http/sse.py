@@ -18,7 +18,8 @@ import json
 import logging
 from typing import Any
 
-from radixserve.engine.task import FinalResult, PartialResult, TaskError, TokenProbs
+from radixserve.engine.task import FinalResult, PartialResult, TokenProbs
+from radixserve.errors import TaskError
 from radixserve.http.parse import ParsedRequest
 from radixserve.http.responses import (
     ResponseContext,

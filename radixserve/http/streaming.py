@@ -22,7 +22,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from radixserve.engine.task import FinalResult, PartialResult, TaskError
+from radixserve.engine.task import FinalResult, PartialResult
+from radixserve.errors import TaskError
 from radixserve.http.errors import ClientDisconnected
 from radixserve.http.sse import StreamFormatter, sse_error, sse_event
 

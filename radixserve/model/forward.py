@@ -22,7 +22,7 @@ Gemma 3 adds sliding-window layers: a query at position p sees keys at p - n_swa
 (llama.cpp's LLAMA_SWA_TYPE_STANDARD), rotated with their own RoPE base. Their K/V live either
 in the same cache as the global layers' (`--swa-full`: every layer, every cell, the window
 applied by the mask) or in a separate window-sized cache whose cells each step names in
-`SeqStep.swa` (kv/swa.py), so a long context costs the sliding layers n_swa cells only.
+`SeqStep.swa` (memory/pool/swa.py), so a long context costs the sliding layers n_swa cells only.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from radixserve.model import step as kstep
 from radixserve.model.step import KernelStep, LayerKind
 from radixserve.model.hparams import HParams
 from radixserve.model.kernels import KVTypes, kernels
-from radixserve.model.kv_types import of_dtype
+from radixserve.memory.pool.kv_types import of_dtype
 from radixserve.model.quant import Int4Linear
 from radixserve.model.rope import Rope
 from radixserve.model.torch_step import Sliding, TorchStep, rms_norm, sliding
@@ -177,7 +177,7 @@ class Transformer:
         k_swa/v_swa the sliding ones ([n_layer_swa, n_head_kv, n_swa_cells, head_dim]), and
         every step's `.swa` names their cells. Without them (--swa-full) the caches hold every
         layer and the sliding layers read the step's own cells through the window mask.
-        `types`: the caches' K and V types (model/kv_types.py; None: the tensors' float
+        `types`: the caches' K and V types (memory/pool/kv_types.py; None: the tensors' float
         dtypes), the sliding caches' too; their last axis is then a stored row's width.
 
         The step object (KernelStep or TorchStep) is chosen per step, as it depends

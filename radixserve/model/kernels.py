@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from radixserve.model.cabi import bind
-from radixserve.model.kv_types import TYPES, KVType
+from radixserve.memory.pool.kv_types import TYPES, KVType
 
 log = logging.getLogger(__name__)
 

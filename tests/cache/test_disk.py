@@ -1,4 +1,4 @@
-"""The disk tier's files (cache/disk.py) on their own: keys, round trips, damage, the LRU bound,
+"""The disk tier's files (memory/tiers/disk.py) on their own: keys, round trips, damage, the LRU bound,
 a full disk (injected, and a real one filled by others), processes sharing a directory, flush,
 the directory as a trust boundary (modes, a key, what names the files); and the radix cache
 writing through to it."""
@@ -21,11 +21,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from radixserve.cache.disk import DiskTier
-from radixserve.cache.disk_block import DIGEST, FILE_PERSON, SUFFIX, RowSpec, load_key
-from radixserve.cache.radix import RadixPromptCache
+from radixserve.memory.tiers.disk import DiskTier
+from radixserve.memory.tiers.disk_block import DIGEST, FILE_PERSON, SUFFIX, RowSpec, load_key
+from radixserve.memory.tiers.radix import RadixPromptCache
 from radixserve.config import ServerConfig
-from radixserve.engine.host_tier import make_disk
+from radixserve.memory.host_tier import make_disk
 from radixserve.model.kernels import cache_dir, kernels
 from radixserve.model.loader import Model
 from tests.cache.test_radix import fake_pool, fill, pool_rows, prefix_hashes

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.cache.base import STAT_NAMES
-from radixserve.cache.legacy import LegacyPromptCache
+from radixserve.memory.tiers.base import STAT_NAMES
+from radixserve.memory.tiers.legacy import LegacyPromptCache
 from radixserve.engine.batch import BatchSeq, forward
-from radixserve.kv.state import fingerprint_of
+from radixserve.memory.pool.state import fingerprint_of
 from radixserve.model.forward import Transformer
 from tests.conftest import make_pool, restore
 

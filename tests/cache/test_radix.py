@@ -14,14 +14,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.cache import radix_tree
-from radixserve.cache.base import PromptCache
-from radixserve.cache.prefix import common_prefix as common_prefix_len
-from radixserve.cache.radix import RadixPromptCache
-from radixserve.cache.radix_tree import RadixNode, RadixTree
+from radixserve.memory.tiers import radix_tree
+from radixserve.memory.tiers.base import PromptCache
+from radixserve.memory.tiers.prefix import common_prefix as common_prefix_len
+from radixserve.memory.tiers.radix import RadixPromptCache
+from radixserve.memory.tiers.radix_tree import RadixNode, RadixTree
 from radixserve.engine.batch import BatchSeq, forward
-from radixserve.kv.pool import KVPool
-from radixserve.kv.state import write_rows
+from radixserve.memory.pool.pool import KVPool
+from radixserve.memory.pool.state import write_rows
 from radixserve.model.forward import Transformer
 from tests.conftest import make_pool, restore
 
@@ -261,7 +261,7 @@ def test_save_rejects_tokens_without_kv() -> None:
 
 
 def test_failed_copy_out_leaves_cache_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
-    from radixserve.cache import radix
+    from radixserve.memory.tiers import radix
 
     pool = fake_pool()
     cache = RadixPromptCache(-1)
@@ -447,7 +447,7 @@ def test_stats_and_log_line(caplog: pytest.LogCaptureFixture) -> None:
         "pins": 0.0,
         "pinned_bytes": 0.0,
     }
-    with caplog.at_level(logging.INFO, logger="radixserve.cache.radix"):
+    with caplog.at_level(logging.INFO, logger="radixserve.memory.tiers.radix"):
         cache.log_stats()
     assert len(caplog.records) == 1 and "unique tokens 5, logical tokens 7" in caplog.text
 
@@ -575,7 +575,7 @@ def test_fault_after_partial_restore_falls_back_and_tree_stays_usable(
     pool, cache = build(tiny_tr, 2, fault=17)  # segments of 12 and 18: faults inside the second
     before = snapshot(cache.tree)
     n_free = pool.n_free + pool.seq_len(1)
-    with caplog.at_level(logging.WARNING, logger="radixserve.cache.radix"):
+    with caplog.at_level(logging.WARNING, logger="radixserve.memory.tiers.radix"):
         assert restore(cache, pool, 1, [], P + [3]) == []
     assert "after 17 restored tokens" in caplog.text
     assert pool.seq_len(1) == 0 and pool.n_free == n_free

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixserve.cache.slot_file import (
+from radixserve.memory.tiers.slot_file import (
     MAX_SALT,
     Checkpoint,
     SlotFile,
@@ -27,7 +27,7 @@ from radixserve.cache.slot_file import (
 )
 from radixserve.engine.batch import BatchSeq, forward
 from radixserve.http.parse import MAX_CACHE_SALT
-from radixserve.kv.state import fingerprint_of, get_state, parse_state
+from radixserve.memory.pool.state import fingerprint_of, get_state, parse_state
 from radixserve.model.forward import Transformer
 from tests.conftest import make_pool
 

@@ -18,6 +18,7 @@ from radixserve.bench.scenarios import make_text
 from radixserve.bench.stats import unshared_minimum
 from radixserve.config import ServerConfig
 from radixserve.engine.counters import ServerMetrics
+from radixserve.engine.build import build_scheduler
 from radixserve.engine.scheduler import Scheduler
 from radixserve.model.loader import Model
 from tests.engine.test_cache_salt import Alone, drive, greedy
@@ -43,7 +44,7 @@ def run_agents(model: Model, alone: Alone, radix: bool
     hist = [[3000 + 97 * s] + enc(f" task {s}: " + make_text(rng, 12), add_special=False)
             for s in range(N_SESSIONS)]
     cfg = ServerConfig(n_parallel=2, ctx_size=1024, cache_radix_prompt=radix)
-    sched = Scheduler(model, cfg, ServerMetrics())
+    sched = build_scheduler(model, cfg, ServerMetrics())
     computed, sent = 0, []
     for step in range(N_STEPS):
         prompts = [tools + h for h in hist]
@@ -63,12 +64,12 @@ def test_radix_computes_exactly_the_unshared_minimum(model: Model, alone: Alone)
     computed, minimum, prompts, sched = run_agents(model, alone, radix=True)
     assert computed == minimum, (computed, minimum)
     # what was saved is what the tree holds: every session's history, once
-    assert sched.cache.stats()["evictions"] == 0
+    assert sched.mem.cache.stats()["evictions"] == 0
     assert minimum < sum(map(len, prompts)) // 3  # the workload does share most of it
 
 
 def test_legacy_keeps_llama_cpp_rule_and_computes_more(model: Model, alone: Alone) -> None:
     computed, minimum, _, sched = run_agents(model, alone, radix=False)
-    assert sched.cache.name == "legacy"
+    assert sched.mem.cache.name == "legacy"
     # a slot taken by another session keeps the tools (more than half): its history is lost
     assert computed > minimum * 1.3, (computed, minimum)

@@ -18,16 +18,17 @@ import pytest
 import torch
 
 from radixserve.bench.scenarios import make_text
-from radixserve.cache.legacy import LegacyPromptCache
+from radixserve.memory.tiers.legacy import LegacyPromptCache
 from radixserve.config import ServerConfig
 from radixserve.engine.counters import ServerMetrics
-from radixserve.engine.prefix_plan import Source, choose_slot, pending_prefill, take_prefix
+from radixserve.memory.prefix_plan import Source, choose_slot, pending_prefill, take_prefix
+from radixserve.engine.build import build_scheduler
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.slot import Slot
-from radixserve.engine.slot_kv import SlotKV
+from radixserve.memory.seq_kv import SlotKV
 from radixserve.engine.task import CompletionTask, FinalResult
-from radixserve.kv.pool import KVPool
-from radixserve.kv.state import fingerprint_of
+from radixserve.memory.pool.pool import KVPool
+from radixserve.memory.pool.state import fingerprint_of
 from radixserve.model.loader import Model
 from radixserve.sampling.chain import SamplingParams
 from tests.engine.test_deterministic import run_to_end
@@ -199,7 +200,7 @@ class Alone:
     """Each prompt's tokens computed alone with no cache at all (memoized)."""
 
     def __init__(self, model: Model) -> None:
-        self.sched = Scheduler(model, ServerConfig(n_parallel=1, ctx_size=512, cache_ram_mib=0),
+        self.sched = build_scheduler(model, ServerConfig(n_parallel=1, ctx_size=512, cache_ram_mib=0),
                                ServerMetrics())
         self.memo: dict[tuple[int, ...], list[int]] = {}
 
@@ -231,7 +232,7 @@ def check_one_by_one(sched: Scheduler, alone: Alone, steps: list[tuple[list[int]
 def test_own_slot(model: Model, texts: dict[str, list[int]], alone: Alone) -> None:
     """One slot, no host cache: its KV serves only its own salt."""
     P, t = texts["P"], texts
-    sched = Scheduler(model, ServerConfig(n_parallel=1, ctx_size=512, cache_ram_mib=0),
+    sched = build_scheduler(model, ServerConfig(n_parallel=1, ctx_size=512, cache_ram_mib=0),
                       ServerMetrics())
     n = len(P)
     check_one_by_one(sched, alone, [
@@ -255,12 +256,12 @@ def test_device_sharing_between_slots(model: Model, texts: dict[str, list[int]],
     cfg = ServerConfig(n_parallel=4, kv_unified=True, ctx_size=1024, cache_ram_mib=0)
     first, second = P + t["s1"], P + t["s2"]
     for salts, want in ((("a", "b"), 0), (("a", "a"), n), (("", ""), n), (("", "a"), 0)):
-        sched = Scheduler(model, cfg, ServerMetrics())
+        sched = build_scheduler(model, cfg, ServerMetrics())
         f1, f2 = drive(sched, [greedy(first, salts[0]), greedy(second, salts[1])])
         assert (f1.timings.cache_n, f2.timings.cache_n) == (0, want), salts
         assert f1.tokens == alone(first) and f2.tokens == alone(second)
 
-        sched = Scheduler(model, cfg, ServerMetrics())
+        sched = build_scheduler(model, cfg, ServerMetrics())
         (f1,) = drive(sched, [greedy(first, salts[0])])
         (f2,) = drive(sched, [greedy(second, salts[1])])
         assert (f1.timings.cache_n, f2.timings.cache_n) == (0, want), salts
@@ -299,9 +300,9 @@ def host_steps(texts: dict[str, list[int]]) -> list[tuple[list[int], str, int]]:
 def test_host_cache(model: Model, texts: dict[str, list[int]], alone: Alone,
                     backend: str) -> None:
     """Legacy entries carry their salt; the radix backend keeps one tree namespace per salt
-    (cache/radix.py)."""
+    (memory/tiers/radix.py)."""
     cfg = ServerConfig(n_parallel=1, ctx_size=512, cache_radix_prompt=backend == "radix")
-    sched = Scheduler(model, cfg, ServerMetrics())
-    assert sched.cache.name == backend
+    sched = build_scheduler(model, cfg, ServerMetrics())
+    assert sched.mem.cache.name == backend
     check_one_by_one(sched, alone, host_steps(texts))
-    assert sched.cache.stats()["loads"] == 3
+    assert sched.mem.cache.stats()["loads"] == 3

@@ -1,4 +1,4 @@
-"""The cache view (`GET /cache`'s body, engine/cache_view.py) against the engine's own state, on
+"""The cache view (`GET /cache`'s body, memory/cache_view.py) against the engine's own state, on
 the default model: cells two slots really share, the radix tree's real shape after two prompts
 with one document, the reuse each task reported, and salted namespaces shown without text."""
 
@@ -10,10 +10,11 @@ import random
 import pytest
 
 from radixserve.bench.scenarios import make_text
-from radixserve.cache.prefix import common_prefix
+from radixserve.memory.tiers.prefix import common_prefix
 from radixserve.config import ServerConfig
-from radixserve.engine.cache_view import PREVIEW, CacheView, snapshot
+from radixserve.memory.cache_view import PREVIEW, CacheView, snapshot
 from radixserve.engine.counters import ServerMetrics
+from radixserve.engine.build import build_scheduler
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.slot import SlotState
 from radixserve.engine.task import CompletionTask, FinalResult
@@ -41,14 +42,14 @@ def prompts(model: Model) -> dict[str, list[int]]:
 def test_view_of_slots_sharing_cells_then_of_the_tree(model: Model,
                                                         prompts: dict[str, list[int]]) -> None:
     cfg = ServerConfig(ctx_size=1024, n_parallel=2, kv_unified=True, ubatch_size=64)
-    sched = Scheduler(model, cfg, ServerMetrics())
+    sched = build_scheduler(model, cfg, ServerMetrics())
     outs: list[list] = [[], []]
     for p, out in zip((prompts["a"], prompts["b"]), outs):
         sched.submit(greedy(p), out.append)
     while not all(s.state is SlotState.GENERATING for s in sched.slots):
         sched.step()
     # mid-run: the second task waited for the first's prefill and reads the same cells
-    pool, view = sched.pool, snapshot(sched)
+    pool, view = sched.pool, snapshot(sched.mem, sched.metrics)
     both = set(pool.seq_cells(0)) & set(pool.seq_cells(1))
     assert len(both) >= len(prompts["doc"])
     assert view["device"] == {"n_cells": pool.n_cells, "used_cells": pool.n_cells - pool.n_free,
@@ -64,9 +65,9 @@ def test_view_of_slots_sharing_cells_then_of_the_tree(model: Model,
 
     # both idle slots go to the radix tree: one node for the shared part, one leaf per prompt
     held = [list(s.kv.tokens) for s in sched.slots]
-    sched.host.cache_idle_slots(sched.slots)
-    view = snapshot(sched)
-    tree = sched.host.cache.tree  # type: ignore[attr-defined]
+    sched.mem.host.cache_idle_slots(sched.slots)
+    view = snapshot(sched.mem, sched.metrics)
+    tree = sched.mem.host.cache.tree  # type: ignore[attr-defined]
     assert view["backend"] == "radix" and view["entries"] == []
     (root,) = view["tree"]["roots"]
     assert root["namespace"] == "" and root["leaves"] == 2 and root["more"] == 0
@@ -98,15 +99,15 @@ def test_view_of_slots_sharing_cells_then_of_the_tree(model: Model,
 
 def test_a_salted_namespace_is_shown_without_its_salt_or_text(
         model: Model, prompts: dict[str, list[int]]) -> None:
-    sched = Scheduler(model, ServerConfig(ctx_size=1024, n_parallel=2), ServerMetrics())
+    sched = build_scheduler(model, ServerConfig(ctx_size=1024, n_parallel=2), ServerMetrics())
     run_to_end(sched, [greedy(prompts["a"])])
     (f,) = run_to_end(sched, [greedy(prompts["b"], salt="tenant-secret-7")])
     assert f.timings.cache_n == 0  # salts never share
     n_salted = len(next(s for s in sched.slots if s.kv.salt).kv.tokens)
-    view = snapshot(sched)
+    view = snapshot(sched.mem, sched.metrics)
     assert [v["salted"] for v in view["slots"]] == [bool(s.kv.salt) for s in sched.slots]
-    sched.host.cache_idle_slots(sched.slots)
-    view = snapshot(sched)
+    sched.mem.host.cache_idle_slots(sched.slots)
+    view = snapshot(sched.mem, sched.metrics)
     open_, hidden = view["tree"]["roots"]
     assert open_["namespace"] == "" and hidden["namespace"] == "salted #1"
     assert (hidden["subtree_tokens"], hidden["leaves"]) == (n_salted, 1)
@@ -126,17 +127,18 @@ def test_no_text_at_all_unless_the_server_shows_it(model: Model, prompts: dict[s
     """The engine's view as `serve` builds it without LLAMA_SERVER_SLOTS_DEBUG: no namespace's
     text, in the tree, the eviction order or the legacy entries."""
     cfg = ServerConfig(ctx_size=1024, n_parallel=2, cache_radix_prompt=not legacy)
-    sched = Scheduler(model, cfg, ServerMetrics())
+    sched = build_scheduler(model, cfg, ServerMetrics())
     run_to_end(sched, [greedy(prompts["a"])])
     run_to_end(sched, [greedy(prompts["b"], salt="s")])
-    sched.host.cache_idle_slots(sched.slots)
+    sched.mem.host.cache_idle_slots(sched.slots)
 
     def texts(v: object) -> list[object]:
         if isinstance(v, dict):
             return [x for k, w in v.items() for x in ([w] if k == "text" else texts(w))]
         return [x for w in v for x in texts(w)] if isinstance(v, list) else []
 
-    shown, hidden = snapshot(sched, show_text=True), snapshot(sched, show_text=False)
+    shown = snapshot(sched.mem, sched.metrics, show_text=True)
+    hidden = snapshot(sched.mem, sched.metrics, show_text=False)
     assert any(t is not None for t in texts(shown))  # there is text to hide
     assert texts(hidden) and all(t is None for t in texts(hidden))
     assert (shown["text_shown"], hidden["text_shown"]) == (True, False)
@@ -144,17 +146,17 @@ def test_no_text_at_all_unless_the_server_shows_it(model: Model, prompts: dict[s
 
 def test_legacy_entries_oldest_first(model: Model, prompts: dict[str, list[int]]) -> None:
     cfg = ServerConfig(ctx_size=1024, n_parallel=2, cache_radix_prompt=False)
-    sched = Scheduler(model, cfg, ServerMetrics())
+    sched = build_scheduler(model, cfg, ServerMetrics())
     run_to_end(sched, [greedy(prompts["a"])])
     run_to_end(sched, [greedy(list(range(3000, 3040)))])  # unrelated: another slot
     held = [list(s.kv.tokens) for s in sched.slots if len(s.kv)]
     assert len(held) == 2
-    sched.host.cache_idle_slots(sched.slots)
-    view = snapshot(sched)
+    sched.mem.host.cache_idle_slots(sched.slots)
+    view = snapshot(sched.mem, sched.metrics)
     assert view["backend"] == "legacy" and view["tree"] is None
     assert sorted(e["tokens"] for e in view["entries"]) == sorted(map(len, held))
     assert [e["tokens"] for e in view["entries"]] == [len(e.tokens)
-                                                      for e in sched.host.cache.states]
+                                                      for e in sched.mem.host.cache.states]
     assert sorted(e["text"] for e in view["entries"]) == sorted(h[-PREVIEW:] for h in held)
     assert view["ram"]["prompts"] == 2 and view["ram"]["bytes"] == sum(
         e["bytes"] for e in view["entries"])
@@ -165,37 +167,39 @@ def test_the_tree_part_is_kept_until_the_tree_changes_and_locked_leaves_are_not_
     """Polls of an unchanged tree reuse its drawing; any change (a new prompt, a lock) is seen
     by the next poll; a leaf a restore holds is not listed for eviction; the eviction list
     shows a prompt's last words even when its own edge is shorter."""
-    sched = Scheduler(model, ServerConfig(ctx_size=1024, n_parallel=1), ServerMetrics())
+    sched = build_scheduler(model, ServerConfig(ctx_size=1024, n_parallel=1), ServerMetrics())
     run_to_end(sched, [greedy(prompts["a"])])
-    sched.host.cache_idle_slots(sched.slots)
+    sched.mem.host.cache_idle_slots(sched.slots)
     view = CacheView(show_text=True)
-    first = view.snapshot(sched)
-    assert view.snapshot(sched)["tree"] is first["tree"]  # unchanged: not walked again
+    first = view.snapshot(sched.mem, sched.metrics)
+    # unchanged: not walked again
+    assert view.snapshot(sched.mem, sched.metrics)["tree"] is first["tree"]
     # a prompt one token past the stored one: its own edge is 1 token (any rows will do here:
     # the view reads tokens and sizes, never the K/V values)
-    tree = sched.host.cache.tree  # type: ignore[attr-defined]
+    tree = sched.mem.host.cache.tree  # type: ignore[attr-defined]
     stored = list(sched.slots[0].kv.tokens)
     k, v = next(tree.match(stored).all_rows())[1][:2]
     node = tree.insert(stored + [7], k[:, :, :1].clone(), v[:, :, :1].clone())
-    second = view.snapshot(sched)
+    second = view.snapshot(sched.mem, sched.metrics)
     assert second["tree"] is not first["tree"] and second["tree"]["nodes"] == 2
     (leaf,) = second["tree"]["lru"]
     assert (leaf["tokens"], leaf["depth"]) == (1, len(stored) + 1)
     assert leaf["text"] == (stored + [7])[-PREVIEW:]
     tree.lock(node)
-    assert view.snapshot(sched)["tree"]["lru"] == []  # eviction would skip it
+    assert view.snapshot(sched.mem, sched.metrics)["tree"]["lru"] == []  # eviction would skip it
     tree.unlock(node)
-    assert len(view.snapshot(sched)["tree"]["lru"]) == 1
-    assert view.snapshot(sched)["device"]["shared_cells"] == 0  # one slot: nothing shared
+    assert len(view.snapshot(sched.mem, sched.metrics)["tree"]["lru"]) == 1
+    # one slot: nothing shared
+    assert view.snapshot(sched.mem, sched.metrics)["device"]["shared_cells"] == 0
 
 
 def test_salted_namespaces_are_numbered_by_size(model: Model,
                                                 prompts: dict[str, list[int]]) -> None:
-    sched = Scheduler(model, ServerConfig(ctx_size=1024, n_parallel=2), ServerMetrics())
+    sched = build_scheduler(model, ServerConfig(ctx_size=1024, n_parallel=2), ServerMetrics())
     run_to_end(sched, [greedy(prompts["a"][:20], salt="small-first")])
     run_to_end(sched, [greedy(prompts["b"], salt="large-second")])
-    sched.host.cache_idle_slots(sched.slots)
-    roots = snapshot(sched)["tree"]["roots"]
+    sched.mem.host.cache_idle_slots(sched.slots)
+    roots = snapshot(sched.mem, sched.metrics)["tree"]["roots"]
     assert [r["namespace"] for r in roots] == ["", "salted #1", "salted #2"]
     assert roots[0]["leaves"] == 0 and roots[1]["bytes"] > roots[2]["bytes"] > 0
     assert roots[1]["subtree_tokens"] > roots[2]["subtree_tokens"]

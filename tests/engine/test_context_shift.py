@@ -16,6 +16,7 @@ import pytest
 
 from radixserve.config import ServerConfig
 from radixserve.engine.counters import ServerMetrics
+from radixserve.engine.build import build_scheduler
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.slot import Slot, SlotState
 from radixserve.engine.task import CompletionTask, FinalResult
@@ -36,7 +37,7 @@ def task(prompt, n=8, **kw) -> CompletionTask:
 
 def sched_of(model, **kw) -> Scheduler:
     cfg = dict(ctx_size=64, n_parallel=1, cache_ram_mib=0, context_shift=True)
-    return Scheduler(model, ServerConfig(**(cfg | kw)), ServerMetrics())
+    return build_scheduler(model, ServerConfig(**(cfg | kw)), ServerMetrics())
 
 
 def expected_tokens(prompt, generated, n_ctx, n_keep, n_discard, add_bos) -> list[int]:

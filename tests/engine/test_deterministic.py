@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-import radixserve.engine.prefix_plan as prefix_plan
+import radixserve.memory.prefix_plan as prefix_plan
 from radixserve.bench.scenarios import INSTRUCTION, make_text
 from radixserve.config import ServerConfig
 from radixserve.engine.counters import ServerMetrics
-from radixserve.engine.prefix_plan import PrefixPlan, Source
+from radixserve.memory.prefix_plan import PrefixPlan, Source
+from radixserve.engine.build import build_scheduler
 from radixserve.engine.scheduler import Scheduler
-from radixserve.engine.slot_actions import slot_action
 from radixserve.engine.task import CompletionTask, FinalResult
 from radixserve.model.loader import Model
 from radixserve.sampling.chain import SamplingParams
@@ -110,7 +110,7 @@ def drive(sched: Scheduler, tasks: list[CompletionTask]) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(model, prompts) -> dict[tuple[int, ...], list[int]]:
     """Each prompt alone: one slot, no cache of any kind, ubatch 512."""
-    sched = Scheduler(model, ServerConfig(ctx_size=1024, n_parallel=1, cache_ram_mib=0),
+    sched = build_scheduler(model, ServerConfig(ctx_size=1024, n_parallel=1, cache_ram_mib=0),
                       ServerMetrics())
     ref = {}
     for row in prompts:
@@ -152,7 +152,7 @@ def test_four_way_concurrency_with_each_cache_tier_equals_no_cache(model, prompt
                                                                    monkeypatch, name):
     kw, sources, n_docs = RUNS[name]
     rec = Recorder(monkeypatch)
-    sched = Scheduler(model, ServerConfig(ctx_size=4096, n_parallel=4, **kw), ServerMetrics())
+    sched = build_scheduler(model, ServerConfig(ctx_size=4096, n_parallel=4, **kw), ServerMetrics())
     sent = order(prompts, n_docs)
     check_all(drive(sched, [greedy(p) for p in sent]), sent, reference, n_docs)
     reused = rec.reused()
@@ -163,7 +163,7 @@ def test_in_slot_reuse_at_ubatch_7_equals_no_cache(model, prompts, reference, mo
     """Each slot answers its document's questions in turn (in-slot prefix reuse), 4 slots at
     once, 7-token chunks, with --cache-reuse set (which the mode never lets shift)."""
     rec = Recorder(monkeypatch)
-    sched = Scheduler(model, ServerConfig(ctx_size=4096, n_parallel=4, ubatch_size=7,
+    sched = build_scheduler(model, ServerConfig(ctx_size=4096, n_parallel=4, ubatch_size=7,
                                           cache_ram_mib=0, cache_reuse=8), ServerMetrics())
     tasks, sent = [], []
     for d in range(N_DOCS):
@@ -178,7 +178,7 @@ def test_in_slot_reuse_at_ubatch_7_equals_no_cache(model, prompts, reference, mo
 def test_slot_files_between_questions_equal_no_cache(model, prompts, reference, tmp_path):
     """Four documents at a time: after each round of questions every slot is saved to a file,
     erased and restored from it, so the next question's prefix comes from the file."""
-    sched = Scheduler(model, ServerConfig(ctx_size=4096, n_parallel=4, cache_ram_mib=0,
+    sched = build_scheduler(model, ServerConfig(ctx_size=4096, n_parallel=4, cache_ram_mib=0,
                                           slot_save_path=str(tmp_path)), ServerMetrics())
     outs, sent, restored = [], [], 0
     for d0 in range(0, N_DOCS, 4):
@@ -186,9 +186,9 @@ def test_slot_files_between_questions_equal_no_cache(model, prompts, reference, 
         for q in range(N_Q):
             if q:
                 for s, _ in enumerate(docs):
-                    slot_action(sched, s, "save", f"d{d0}-s{s}.bin")
-                    slot_action(sched, s, "erase", None)
-                    restored += slot_action(sched, s, "restore", f"d{d0}-s{s}.bin")["n_restored"]
+                    sched.mem.slot_action(s, "save", f"d{d0}-s{s}.bin")
+                    sched.mem.slot_action(s, "erase", None)
+                    restored += sched.mem.slot_action(s, "restore", f"d{d0}-s{s}.bin")["n_restored"]
             before = sched.metrics.prompt_tokens_cached_total
             outs += drive(sched, [greedy(prompts[d][q], id_slot=s) for s, d in enumerate(docs)])
             sent += [prompts[d][q] for d in docs]
@@ -211,11 +211,11 @@ def test_cache_reuse_never_shifts_in_deterministic_mode(model, prompts, monkeypa
     for mode in ("on", "off"):
         rec = Recorder(monkeypatch)
         m = model if mode == "on" else off_model(model)
-        sched = Scheduler(m, ServerConfig(ctx_size=1024, n_parallel=1, cache_ram_mib=0,
+        sched = build_scheduler(m, ServerConfig(ctx_size=1024, n_parallel=1, cache_ram_mib=0,
                                           cache_reuse=8), ServerMetrics())
         outs = [drive(sched, [greedy(p)])[0] for p in sent]
         if mode == "on":
-            alone = Scheduler(model, ServerConfig(ctx_size=1024, n_parallel=1,
+            alone = build_scheduler(model, ServerConfig(ctx_size=1024, n_parallel=1,
                                                   cache_ram_mib=0), ServerMetrics())
             want = [drive(alone, [greedy(p, cache_prompt=False)])[0] for p in sent]
             assert outs == want

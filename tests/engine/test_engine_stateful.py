@@ -26,12 +26,13 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from radixserve.cache.radix import RadixPromptCache
+from radixserve.memory.tiers.radix import RadixPromptCache
 from radixserve.config import ServerConfig
 from radixserve.engine.counters import ServerMetrics
+from radixserve.engine.build import build_scheduler
 from radixserve.engine.scheduler import Scheduler
-from radixserve.engine.slot_actions import slot_action
-from radixserve.engine.task import CompletionTask, FinalResult, TaskError
+from radixserve.engine.task import CompletionTask, FinalResult
+from radixserve.errors import TaskError
 from radixserve.model.loader import Model, load_model
 from radixserve.sampling.chain import SamplingParams
 
@@ -67,7 +68,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.exact = cache_reuse == 0
         # every host restore fails part-way: each falls back to a prefill
         faulty = RadixPromptCache(64 * 2**20, fault_after_tokens=fault_after)
-        self.sched = Scheduler(self.model, cfg, ServerMetrics(),
+        self.sched = build_scheduler(self.model, cfg, ServerMetrics(),
                                faulty if backend == "radix-faults" else None)
         self.outs: dict[int, list[Any]] = {}  # task id -> what it emitted
         self.tasks: dict[int, CompletionTask] = {}
@@ -115,9 +116,9 @@ class EngineMachine(RuleBasedStateMachine):
         s = self.sched.slots[slot]
         if s.is_processing:
             with pytest.raises(TaskError):
-                slot_action(self.sched, slot, "save", f"s{slot}.bin")
+                self.sched.mem.slot_action(slot, "save", f"s{slot}.bin")
             return
-        slot_action(self.sched, slot, "save", f"s{slot}.bin")
+        self.sched.mem.slot_action(slot, "save", f"s{slot}.bin")
         self.saved[slot] = list(s.tokens)
 
     @precondition(lambda self: bool(self.saved))
@@ -127,7 +128,7 @@ class EngineMachine(RuleBasedStateMachine):
         if self.sched.slots[into].is_processing:
             return
         try:
-            slot_action(self.sched, into, "restore", f"s{src}.bin")
+            self.sched.mem.slot_action(into, "restore", f"s{src}.bin")
         except TaskError as e:  # no room for it now: the slot must be as it was
             assert "No available space" in e.message, e.message
             return
@@ -136,7 +137,7 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(slot=st.integers(0, N_SLOTS - 1))
     def erase_slot(self, slot: int) -> None:
         if not self.sched.slots[slot].is_processing:
-            slot_action(self.sched, slot, "erase", None)
+            self.sched.mem.slot_action(slot, "erase", None)
             assert len(self.sched.slots[slot].tokens) == 0
 
     @rule()
@@ -181,7 +182,7 @@ class EngineMachine(RuleBasedStateMachine):
     def expected(self, task: CompletionTask) -> list[int]:
         key = (tuple(task.prompt_tokens), task.n_predict)
         if key not in self.reference:
-            ref = Scheduler(self.model, ServerConfig(ctx_size=256, n_parallel=1, cache_ram_mib=0),
+            ref = build_scheduler(self.model, ServerConfig(ctx_size=256, n_parallel=1, cache_ram_mib=0),
                             ServerMetrics())
             out: list[Any] = []
             ref.submit(greedy(task.prompt_tokens, task.n_predict, cache_prompt=False),

@@ -18,10 +18,11 @@ import pytest
 from radixserve.bench.scenarios import INSTRUCTION, make_text
 from radixserve.config import ServerConfig
 from radixserve.engine.counters import ServerMetrics
-from radixserve.engine.prefix_plan import Source
+from radixserve.memory.prefix_plan import Source
+from radixserve.engine.build import build_scheduler
 from radixserve.engine.scheduler import Scheduler
-from radixserve.engine.slot_actions import slot_action
-from radixserve.engine.task import CompletionTask, TaskError
+from radixserve.engine.task import CompletionTask
+from radixserve.errors import TaskError
 from radixserve.model.loader import Model
 from radixserve.sampling.chain import SamplingParams
 from tests.engine.test_deterministic import Recorder, drive, run_to_end
@@ -51,7 +52,7 @@ def greedy(prompt: list[int], **kw: Any) -> CompletionTask:
 
 def sched(model: Model, kv: str, **kw: Any) -> Scheduler:
     cfg = dict(ctx_size=4096, n_parallel=4, cache_type_k=kv, cache_type_v=kv) | kw
-    return Scheduler(model, ServerConfig(**cfg), ServerMetrics())
+    return build_scheduler(model, ServerConfig(**cfg), ServerMetrics())
 
 
 def flat(prompts: list[list[list[int]]]) -> list[list[int]]:
@@ -116,9 +117,9 @@ def test_slot_files_equal_no_cache_and_refuse_another_type(model, prompts, refer
         for q in range(N_Q):
             if q:
                 for i in range(len(docs)):
-                    slot_action(s, i, "save", f"d{d0}-s{i}.bin")
-                    slot_action(s, i, "erase", None)
-                    assert slot_action(s, i, "restore", f"d{d0}-s{i}.bin")["n_restored"] > 40
+                    s.mem.slot_action(i, "save", f"d{d0}-s{i}.bin")
+                    s.mem.slot_action(i, "erase", None)
+                    assert s.mem.slot_action(i, "restore", f"d{d0}-s{i}.bin")["n_restored"] > 40
             outs += drive(s, [greedy(prompts[d][q], id_slot=i) for i, d in enumerate(docs)])
             sent += [prompts[d][q] for d in docs]
     check(outs, sent, reference[kv])
@@ -127,7 +128,7 @@ def test_slot_files_equal_no_cache_and_refuse_another_type(model, prompts, refer
             continue
         o = sched(model, other, cache_ram_mib=0, slot_save_path=str(tmp_path))
         with pytest.raises(TaskError, match="cache type .dtype: file '" + kv):
-            slot_action(o, 0, "restore", "d0-s0.bin")
+            o.mem.slot_action(0, "restore", "d0-s0.bin")
         assert o.pool.seq_len(0) == 0
 
 
@@ -138,8 +139,8 @@ def test_disk_tier_after_a_restart_equals_no_cache_and_no_other_type_reads_it(
     s = sched(model, kv, **disk)
     firsts = [row[0] for row in prompts]
     assert drive(s, [greedy(p) for p in firsts]) == [reference[kv][tuple(p)] for p in firsts]
-    s.radix_disk.disk.drain()
-    s.close()
+    s.mem.disk.disk.drain()
+    s.mem.close()
     for other in ["", *TYPES]:  # "": bf16
         if other == kv:
             continue
@@ -152,8 +153,8 @@ def test_disk_tier_after_a_restart_equals_no_cache_and_no_other_type_reads_it(
     finals = run_to_end(s, [greedy(p) for p in rest])
     assert [f.tokens for f in finals] == [reference[kv][tuple(p)] for p in rest]
     assert any(f.timings.reuse is not None and f.timings.reuse.tier == "disk" for f in finals)
-    assert s.tier_figures()["disk"]["hits"] > 0
-    s.close()
+    assert s.mem.tier_figures()["disk"]["hits"] > 0
+    s.mem.close()
 
 
 def test_props_and_slot_state_fingerprint_name_the_types(model):

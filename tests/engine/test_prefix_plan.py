@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.cache.legacy import LegacyPromptCache
-from radixserve.cache.radix import RadixPromptCache
-from radixserve.engine.prefix_plan import (
+from radixserve.memory.tiers.legacy import LegacyPromptCache
+from radixserve.memory.tiers.radix import RadixPromptCache
+from radixserve.memory.prefix_plan import (
     SHARE_MIN_TOKENS,
     Source,
     apply_plan,
@@ -15,9 +15,9 @@ from radixserve.engine.prefix_plan import (
     take_prefix,
 )
 from radixserve.engine.slot import Slot
-from radixserve.engine.slot_kv import SlotKV
-from radixserve.kv.pool import KVPool
-from radixserve.kv.state import fingerprint_of
+from radixserve.memory.seq_kv import SlotKV
+from radixserve.memory.pool.pool import KVPool
+from radixserve.memory.pool.state import fingerprint_of
 
 
 def slots_with(*contents: list[int], n_cells: int = 256) -> list[Slot]:

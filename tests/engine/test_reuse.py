@@ -1,4 +1,4 @@
-"""`timings.reuse` (engine/reuse.py) on each kind of hit and miss, through the real scheduler on
+"""`timings.reuse` (memory/miss_report.py) on each kind of hit and miss, through the real scheduler on
 the default model: the tier that served and what it gave, the longest prefix any tier held, and
 where the prompt left the best cached sequence, with both texts from there; never another
 `cache_salt`'s text. Every answer is the one its prompt gives alone (deterministic mode)."""
@@ -9,7 +9,8 @@ import pytest
 
 from radixserve.config import ServerConfig
 from radixserve.engine.counters import ServerMetrics
-from radixserve.engine.reuse import EXCERPT_TOKENS, describe
+from radixserve.memory.miss_report import EXCERPT_TOKENS, describe
+from radixserve.engine.build import build_scheduler
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.task import FinalResult, Reuse
 from radixserve.model.loader import Model
@@ -39,7 +40,7 @@ def prompt(model: Model, date: str = "2026-12-04", ask: str = ASK) -> list[int]:
 
 
 def test_full_hit_then_a_changed_date_shows_where_and_what(model: Model, alone: Alone) -> None:
-    sched = Scheduler(model, ServerConfig(n_parallel=1, ctx_size=512), ServerMetrics())
+    sched = build_scheduler(model, ServerConfig(n_parallel=1, ctx_size=512), ServerMetrics())
     a = prompt(model)
     assert one(sched, alone, a) == Reuse("none", 0, 0, None, None, None)  # a cold start
     full = one(sched, alone, a)
@@ -56,7 +57,7 @@ def test_full_hit_then_a_changed_date_shows_where_and_what(model: Model, alone: 
 
 
 def test_another_salt_holds_nothing_and_shows_nothing(model: Model, alone: Alone) -> None:
-    sched = Scheduler(model, ServerConfig(n_parallel=2, ctx_size=512), ServerMetrics())
+    sched = build_scheduler(model, ServerConfig(n_parallel=2, ctx_size=512), ServerMetrics())
     a = prompt(model)
     one(sched, alone, a, salt="tenant-a")
     r = one(sched, alone, a, salt="tenant-b")
@@ -66,14 +67,14 @@ def test_another_salt_holds_nothing_and_shows_nothing(model: Model, alone: Alone
 
 
 def test_ram_and_slot_share_tiers(model: Model, alone: Alone) -> None:
-    sched = Scheduler(model, ServerConfig(n_parallel=2, ctx_size=512), ServerMetrics())
+    sched = build_scheduler(model, ServerConfig(n_parallel=2, ctx_size=512), ServerMetrics())
     a, other = prompt(model), model.tokenizer.encode("unrelated words here " * 20)
     one(sched, alone, a, id_slot=0)
     one(sched, alone, other, id_slot=0)  # a goes to the RAM tier
     r = one(sched, alone, a + model.tokenizer.encode(" thanks.", add_special=False), id_slot=0)
     assert r.tier == "ram" and r.n_tokens >= len(a) and r.n_held >= len(a)
     # no host tier: another slot's cells are the only source
-    sched = Scheduler(model, ServerConfig(n_parallel=2, ctx_size=512, cache_ram_mib=0),
+    sched = build_scheduler(model, ServerConfig(n_parallel=2, ctx_size=512, cache_ram_mib=0),
                       ServerMetrics())
     one(sched, alone, a, id_slot=0)
     r = one(sched, alone, a + model.tokenizer.encode(" ok!", add_special=False), id_slot=1)
@@ -83,14 +84,14 @@ def test_ram_and_slot_share_tiers(model: Model, alone: Alone) -> None:
 def test_eviction_leaves_only_what_every_prompt_shares(model: Model, alone: Alone) -> None:
     # a RAM tier of 2 MiB holds 91 tokens of the default model (23 KiB each): the third
     # prompt saved evicts the first
-    sched = Scheduler(model, ServerConfig(n_parallel=1, ctx_size=512, cache_ram_mib=2),
+    sched = build_scheduler(model, ServerConfig(n_parallel=1, ctx_size=512, cache_ram_mib=2),
                       ServerMetrics())
     a = prompt(model)
     one(sched, alone, a)
     for words in ("apples and pears ", "rivers and hills "):
         one(sched, alone, model.tokenizer.encode(words * 8))
     r = one(sched, alone, a)  # the slot's content saved first evicts a, the oldest
-    assert sched.cache.stats()["evictions"] >= 1
+    assert sched.mem.cache.stats()["evictions"] >= 1
     assert r.tier in ("none", "slot") and r.n_held == r.n_tokens <= 1  # at most the BOS
     assert r.first_diff == r.n_held and r.cached_text is not None  # what it found instead
 
@@ -103,11 +104,11 @@ def test_a_pinned_prompt_survives_the_eviction_that_takes_an_unpinned_one(
     fill = [model.tokenizer.encode(w * 8) for w in ("apples and pears ", "rivers and hills ")]
     for pin_s, tier in ((0.0, "none"), (24 * 3600.0, "ram")):
         cfg = ServerConfig(n_parallel=1, ctx_size=512, cache_ram_mib=2, cache_pin_mib=2)
-        sched = Scheduler(model, cfg, ServerMetrics())
+        sched = build_scheduler(model, cfg, ServerMetrics())
         one(sched, alone, a, pin_s=pin_s)
-        assert sched.cache.stats()["pins"] == (1 if pin_s else 0)
+        assert sched.mem.cache.stats()["pins"] == (1 if pin_s else 0)
         for p in fill:
             one(sched, alone, p)
         r = one(sched, alone, a)
         assert r.tier == tier and (r.n_tokens == len(a) - 1 if pin_s else r.n_tokens <= 1)
-        assert sched.cache.stats()["evictions"] >= 1  # the pressure was there both times
+        assert sched.mem.cache.stats()["evictions"] >= 1  # the pressure was there both times

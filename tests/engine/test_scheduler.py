@@ -6,8 +6,10 @@ import pytest
 
 from radixserve.config import ServerConfig
 from radixserve.engine.counters import ServerMetrics
+from radixserve.engine.build import build_scheduler
 from radixserve.engine.scheduler import Scheduler
-from radixserve.engine.task import CompletionTask, FinalResult, TaskError
+from radixserve.engine.task import CompletionTask, FinalResult
+from radixserve.errors import TaskError
 from radixserve.model.loader import load_model
 from radixserve.sampling.chain import SamplingParams
 
@@ -40,7 +42,7 @@ def task(prompt, n=8, **kw) -> CompletionTask:
 
 
 def test_long_prompt_is_chunked_while_others_decode(model):
-    sched = Scheduler(model, ServerConfig(ctx_size=2048, n_parallel=2, ubatch_size=64,
+    sched = build_scheduler(model, ServerConfig(ctx_size=2048, n_parallel=2, ubatch_size=64,
                                           cache_ram_mib=0), ServerMetrics())
     short, long_ = task(list(range(100, 110)), n=40), task(list(range(200, 700)), n=4)
     outs = run(sched, [short, long_])
@@ -48,19 +50,19 @@ def test_long_prompt_is_chunked_while_others_decode(model):
     # the short request streamed its 40 tokens over many steps while the long prompt
     # was prefilled in 64-token chunks: decode steps were not stalled behind it
     assert sched.metrics.n_decode_total >= 500 // 64 + 40 - 1
-    alone = run(Scheduler(model, ServerConfig(ctx_size=2048, n_parallel=2, cache_ram_mib=0),
+    alone = run(build_scheduler(model, ServerConfig(ctx_size=2048, n_parallel=2, cache_ram_mib=0),
                           ServerMetrics()), [task(list(range(100, 110)), n=40)])
     assert outs[0][-1].tokens == alone[0][-1].tokens
 
 
 def test_unified_out_of_cells_clears_an_idle_slot_after_saving_it(model):
     cfg = ServerConfig(ctx_size=256, n_parallel=2, kv_unified=True, cache_idle_slots=False)
-    sched = Scheduler(model, cfg, ServerMetrics())
+    sched = build_scheduler(model, cfg, ServerMetrics())
     run(sched, [task(list(range(1000, 1180)), n=4, id_slot=0)])
     assert len(sched.slots[0].tokens) == 183
     outs = run(sched, [task(list(range(3000, 3100)), n=4, id_slot=1)])
     assert isinstance(outs[0][-1], FinalResult)
-    assert sched.slots[0].tokens == [] and sched.cache.stats()["saves"] == 1
+    assert sched.slots[0].tokens == [] and sched.mem.cache.stats()["saves"] == 1
     # the purged conversation comes back from the host cache
     back = run(sched, [task(list(range(1000, 1180)) + [5, 6], n=2, id_slot=0)])
     assert back[0][-1].timings.cache_n >= 180
@@ -68,7 +70,7 @@ def test_unified_out_of_cells_clears_an_idle_slot_after_saving_it(model):
 
 def test_decode_that_cannot_fit_fails_only_its_requests(model):
     cfg = ServerConfig(ctx_size=64, n_parallel=2, kv_unified=True, cache_ram_mib=0)
-    sched = Scheduler(model, cfg, ServerMetrics())
+    sched = build_scheduler(model, cfg, ServerMetrics())
     outs = run(sched, [task(list(range(100, 130)), n=60), task(list(range(200, 230)), n=60)])
     kinds = [type(o[-1]) for o in outs]
     assert TaskError in kinds  # together they need more than 64 cells
@@ -79,7 +81,7 @@ def test_decode_that_cannot_fit_fails_only_its_requests(model):
 
 
 def test_request_for_a_busy_slot_waits(model):
-    sched = Scheduler(model, ServerConfig(ctx_size=512, n_parallel=2, cache_ram_mib=0),
+    sched = build_scheduler(model, ServerConfig(ctx_size=512, n_parallel=2, cache_ram_mib=0),
                       ServerMetrics())
     outs = run(sched, [task(list(range(100, 120)), n=10, id_slot=1),
                        task(list(range(500, 520)), n=3, id_slot=1)])
@@ -88,7 +90,7 @@ def test_request_for_a_busy_slot_waits(model):
 
 
 def test_similar_prompt_picks_the_slot_holding_it(model):
-    sched = Scheduler(model, ServerConfig(ctx_size=512, n_parallel=3, cache_ram_mib=0),
+    sched = build_scheduler(model, ServerConfig(ctx_size=512, n_parallel=3, cache_ram_mib=0),
                       ServerMetrics())
     base = list(range(100, 160))
     first = run(sched, [task(base)])[0][-1]
@@ -104,13 +106,13 @@ def test_concurrent_requests_share_one_prefill(model, unified):
     second waits for it and reads the same cells (unified) or a copy (partitioned)."""
     cfg = ServerConfig(ctx_size=2048, n_parallel=2, kv_unified=unified, ubatch_size=64,
                        cache_ram_mib=0)
-    sched = Scheduler(model, cfg, ServerMetrics())
+    sched = build_scheduler(model, cfg, ServerMetrics())
     doc = list(range(2000, 2300))
     tasks = [task(doc + [11, 12, 13], n=6), task(doc + [21, 22], n=6)]
     outs = run(sched, tasks)
     a, b = outs[0][-1], outs[1][-1]
     assert a.timings.prompt_n == 303 and b.timings.cache_n == 300 and b.timings.prompt_n == 2
-    fresh = Scheduler(model, ServerConfig(ctx_size=2048, n_parallel=2, cache_ram_mib=0),
+    fresh = build_scheduler(model, ServerConfig(ctx_size=2048, n_parallel=2, cache_ram_mib=0),
                       ServerMetrics())
     assert b.tokens == run(fresh, [task(doc + [21, 22], n=6, cache_prompt=False)])[0][-1].tokens
     if unified:  # one copy of the prefix in the pool
@@ -121,7 +123,7 @@ def test_concurrent_requests_share_one_prefill(model, unified):
 def test_cache_prompt_false_neither_waits_nor_shares(model):
     cfg = ServerConfig(ctx_size=2048, n_parallel=2, kv_unified=True, ubatch_size=64,
                        cache_ram_mib=0)
-    sched = Scheduler(model, cfg, ServerMetrics())
+    sched = build_scheduler(model, cfg, ServerMetrics())
     doc = list(range(2000, 2300))
     outs = run(sched, [task(doc + [1], n=3), task(doc + [2], n=3, cache_prompt=False)])
     assert outs[1][-1].timings.cache_n == 0 and outs[1][-1].timings.prompt_n == 301
@@ -133,7 +135,7 @@ def test_partials_only_for_streamed_tasks(model):
     cfg = ServerConfig(ctx_size=512, n_parallel=2, cache_ram_mib=0)
     streamed = task(list(range(300, 320)), n=12)
     quiet = task(list(range(300, 320)), n=12, stream=False)
-    out_s, out_q = run(Scheduler(model, cfg, ServerMetrics()), [streamed, quiet])
+    out_s, out_q = run(build_scheduler(model, cfg, ServerMetrics()), [streamed, quiet])
     assert [type(o).__name__ for o in out_q] == ["FinalResult"]
     assert len(out_s) > 2 and isinstance(out_s[-1], FinalResult)
     assert "".join(p.text for p in out_s[:-1]) == out_s[-1].content
@@ -145,7 +147,7 @@ def test_prompts_that_cannot_all_fit_fail_one_at_a_time(model):
     cells, the other completes (not both failed)."""
     cfg = ServerConfig(ctx_size=64, n_parallel=2, kv_unified=True, batch_size=16,
                        ubatch_size=16, cache_ram_mib=0)
-    sched = Scheduler(model, cfg, ServerMetrics())
+    sched = build_scheduler(model, cfg, ServerMetrics())
     out1: list = []
     sched.submit(task(list(range(100, 140)), n=4, id_slot=1), out1.append)
     sched.step()

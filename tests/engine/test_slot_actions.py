@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from radixserve.cache.slot_file import (
+from radixserve.memory.tiers.slot_file import (
     Checkpoint,
     main_size,
     read_slot_file,
@@ -20,10 +20,12 @@ from radixserve.cache.slot_file import (
 )
 from radixserve.config import ServerConfig
 from radixserve.engine.counters import ServerMetrics
+from radixserve.engine.build import build_scheduler
 from radixserve.engine.scheduler import Scheduler
-from radixserve.engine.slot_actions import NOT_SUPPORTED, slot_action
-from radixserve.engine.task import CompletionTask, FinalResult, TaskError
-from radixserve.kv.state import fingerprint_of, get_state
+from radixserve.memory.slot_files import NOT_SUPPORTED, slot_action
+from radixserve.engine.task import CompletionTask, FinalResult
+from radixserve.errors import TaskError
+from radixserve.memory.pool.state import fingerprint_of, get_state
 from radixserve.model.loader import Model, load_model
 from radixserve.sampling.chain import SamplingParams
 
@@ -41,7 +43,7 @@ def make_sched(model: Model, save_dir: Path | None, ctx: int = 256,
     # no host cache: a continuation's cache_n must come from the restored slot alone
     cfg = ServerConfig(ctx_size=ctx, n_parallel=2, kv_unified=unified, cache_ram_mib=0,
                        slot_save_path=str(save_dir) if save_dir else None)
-    return Scheduler(model, cfg, ServerMetrics())
+    return build_scheduler(model, cfg, ServerMetrics())
 
 
 def run(sched: Scheduler, prompt: list[int], id_slot: int, n_predict: int = 6,
@@ -64,7 +66,7 @@ def snapshot(sched: Scheduler, slot: int) -> tuple[list[int], bytes]:
 def timed_action(sched: Scheduler, *args: Any) -> tuple[dict[str, Any], float]:
     """The action's answer and the wall time around it, in ms (a bound for its own timing)."""
     t0 = time.perf_counter()
-    res = slot_action(sched, *args)
+    res = sched.mem.slot_action(*args)
     return res, (time.perf_counter() - t0) * 1e3
 
 
@@ -94,7 +96,7 @@ def test_save_erase_restore_continue(model: Model, tmp_path: Path, unified: bool
     assert isinstance(save_ms, float) and 0 < save_ms <= wall_ms
     state_before = snapshot(sched, 0)[1]
 
-    erased = slot_action(sched, 0, "erase", None)
+    erased = sched.mem.slot_action(0, "erase", None)
     assert erased == {"id_slot": 0, "n_erased": len(held)}
     assert sched.slots[0].tokens == [] and sched.pool.seq_len(0) == 0
     sched.pool.check()
@@ -124,13 +126,13 @@ def test_restored_kv_keeps_its_cache_salt(model: Model, tmp_path: Path):
     first_a = run(sched, PROMPT, 0, salt="A")
     held_a = list(sched.slots[0].tokens)
     assert sched.slots[0].kv.salt == "A"
-    slot_action(sched, 0, "save", "a.bin")
+    sched.mem.slot_action(0, "save", "a.bin")
     assert read_slot_file(tmp_path / "a.bin")[0].salt == "A"
     first_s = run(sched, OTHER, 0)  # unsalted: the planner empties A's KV first
     held_s = list(sched.slots[0].tokens)
     assert held_s == OTHER + first_s.tokens[:-1] and sched.slots[0].kv.salt == ""
-    slot_action(sched, 0, "save", "shared.bin")
-    slot_action(sched, 0, "erase", None)  # only the restored slot holds either prefix now
+    sched.mem.slot_action(0, "save", "shared.bin")
+    sched.mem.slot_action(0, "erase", None)  # only the restored slot holds either prefix now
 
     cases = (("a.bin", held_a + [first_a.tokens[-1], 2024, 2025], "A", len(held_a)),
              ("shared.bin", held_s + [first_s.tokens[-1], 2024, 2025], "", len(held_s)))
@@ -138,7 +140,7 @@ def test_restored_kv_keeps_its_cache_salt(model: Model, tmp_path: Path):
         fresh = run(make_sched(model, None), follow, 0, n_predict=8)
         assert fresh.timings.cache_n == 0
         for salt in ("", "A", "B"):
-            res = slot_action(sched, 1, "restore", filename)
+            res = sched.mem.slot_action(1, "restore", filename)
             assert res["n_restored"] == n_held and sched.slots[1].kv.salt == file_salt
             got = run(sched, follow, 1, n_predict=8, salt=salt)
             want_cached = n_held if salt == file_salt else 0
@@ -152,16 +154,16 @@ def test_restored_kv_keeps_its_cache_salt(model: Model, tmp_path: Path):
 def test_guards(model: Model, tmp_path: Path):
     off = make_sched(model, None)
     for action in ("save", "restore", "erase"):
-        e = expect_error(501, slot_action, off, 0, action, "x.bin")
+        e = expect_error(501, slot_action, off.mem, 0, action, "x.bin")
         assert e.type == "not_supported_error" and e.message == NOT_SUPPORTED
     sched = make_sched(model, tmp_path)
-    assert expect_error(400, slot_action, sched, 0, "load", "x.bin").message == "Invalid action"
+    assert expect_error(400, slot_action, sched.mem, 0, "load", "x.bin").message == "Invalid action"
     for bad_id in (-1, 2, 99):
-        e = expect_error(400, slot_action, sched, bad_id, "save", "x.bin")
+        e = expect_error(400, slot_action, sched.mem, bad_id, "save", "x.bin")
         assert e.message == "Invalid slot ID"
     for missing in (None, ""):
-        expect_error(400, slot_action, sched, 0, "save", missing)
-    e = expect_error(400, slot_action, sched, 0, "restore", "nope.bin")
+        expect_error(400, slot_action, sched.mem, 0, "save", missing)
+    e = expect_error(400, slot_action, sched.mem, 0, "restore", "nope.bin")
     assert "not found" in e.message and e.type == "invalid_request_error"
     # a busy slot: every action is refused with 409 and nothing changes
     out: list[Any] = []
@@ -169,17 +171,17 @@ def test_guards(model: Model, tmp_path: Path):
                  out.append)
     assert sched.slots[0].is_processing
     for action in ("save", "restore", "erase"):
-        e = expect_error(409, slot_action, sched, 0, action, "x.bin")
+        e = expect_error(409, slot_action, sched.mem, 0, action, "x.bin")
         assert e.type == "invalid_request_error"
     assert not (tmp_path / "x.bin").exists()
     while sched.has_active():
         sched.step()
     assert isinstance(out[-1], FinalResult)
-    assert slot_action(sched, 0, "save", "x.bin")["n_saved"] > 0
+    assert sched.mem.slot_action(0, "save", "x.bin")["n_saved"] > 0
     # a directory's name is the client's mistake (400, as its restore), not a server error
     (tmp_path / "adir").mkdir()
     for action in ("save", "restore"):
-        expect_error(400, slot_action, sched, 0, action, "adir")
+        expect_error(400, slot_action, sched.mem, 0, action, "adir")
     assert (tmp_path / "adir").is_dir() and not list((tmp_path / "adir").iterdir())
 
 
@@ -192,8 +194,8 @@ def test_restore_rejects_other_model_and_dtype(model: Model, tiny_paths: dict[st
                          ("dtype", load_model(tiny_paths["llama"], "bf16"))):
         foreign = make_sched(other, tmp_path)
         run(foreign, PROMPT, 0, n_predict=2)
-        slot_action(foreign, 0, "save", f"{label}.bin")
-        e = expect_error(400, slot_action, sched, 1, "restore", f"{label}.bin")
+        foreign.mem.slot_action(0, "save", f"{label}.bin")
+        e = expect_error(400, slot_action, sched.mem, 1, "restore", f"{label}.bin")
         assert label in e.message and "another model, dtype or cache type" in e.message
         assert snapshot(sched, 1) == before
         sched.pool.check()
@@ -202,7 +204,7 @@ def test_restore_rejects_other_model_and_dtype(model: Model, tiny_paths: dict[st
 def test_restore_checks_tokens_positions_and_space(model: Model, tmp_path: Path):
     sched = make_sched(model, tmp_path, ctx=64, unified=True)
     run(sched, PROMPT * 3, 0, n_predict=1)  # 36 tokens
-    slot_action(sched, 0, "save", "big.bin")
+    sched.mem.slot_action(0, "save", "big.bin")
     sf, _ = read_slot_file(tmp_path / "big.bin")
     bad = {
         "tokens.bin": (sf.tokens[:-1] + [10**9], "Invalid tokens"),
@@ -210,12 +212,12 @@ def test_restore_checks_tokens_positions_and_space(model: Model, tmp_path: Path)
     }
     for name, (tokens, _) in bad.items():
         write_slot_file(tmp_path / name, type(sf)(tokens, sf.state))
-    slot_action(sched, 0, "erase", None)
+    sched.mem.slot_action(0, "erase", None)
     run(sched, OTHER * 4, 1, n_predict=1)  # 36 tokens in slot 1: 28 cells left of 64
     before = snapshot(sched, 0), snapshot(sched, 1)
     for name, (_, msg) in bad.items():
-        assert msg in expect_error(400, slot_action, sched, 0, "restore", name).message
-    e = expect_error(400, slot_action, sched, 0, "restore", "big.bin")
+        assert msg in expect_error(400, slot_action, sched.mem, 0, "restore", name).message
+    e = expect_error(400, slot_action, sched.mem, 0, "restore", "big.bin")
     assert "No available space" in e.message
     assert (snapshot(sched, 0), snapshot(sched, 1)) == before
     sched.pool.check()
@@ -260,7 +262,7 @@ def saved_file(model: Model, tmp_path: Path) -> Saved:
     run(sched, PROMPT[:4], 0, n_predict=2)  # 5 tokens: a ~2.6 KiB state
     run(sched, OTHER[:3], 1, n_predict=2)
     content = snapshot(sched, 0)
-    slot_action(sched, 0, "save", "s.bin")
+    sched.mem.slot_action(0, "save", "s.bin")
     sf, warnings = read_slot_file(tmp_path / "s.bin")
     assert warnings == [] and sf.checkpoints == [] and (sf.tokens, sf.state) == content
     pool = sched.pool
@@ -311,7 +313,7 @@ def test_path_traversal_rejected(model: Model, tmp_path: Path):
     before = snapshot(sched, 0)
     for name in BAD_NAMES + ["link_out", "link_dir", "dangling"]:
         for action in ("save", "restore"):
-            e = expect_error(400, slot_action, sched, 0, action, name)
+            e = expect_error(400, slot_action, sched.mem, 0, action, name)
             assert e.message.startswith("Invalid filename"), (name, e.message)
     assert snapshot(sched, 0) == before
     assert sorted(p.name for p in outside.iterdir()) == ["victim"]
@@ -320,13 +322,13 @@ def test_path_traversal_rejected(model: Model, tmp_path: Path):
     assert not (tmp_path / "x").exists() and not (save_dir.parent / "passwd").exists()
     # fine: a 255-byte name, non-ASCII letters, inner spaces
     for name in ["é" * 127 + "x", "slot 1.bin", "日本語.bin"]:
-        assert slot_action(sched, 0, "save", name)["n_saved"] == len(before[0])
+        assert sched.mem.slot_action(0, "save", name)["n_saved"] == len(before[0])
 
 
 def test_disk_full_keeps_old_file(model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     sched = make_sched(model, tmp_path)
     run(sched, PROMPT[:4], 0, n_predict=2)
-    slot_action(sched, 0, "save", "s.bin")
+    sched.mem.slot_action(0, "save", "s.bin")
     old = (tmp_path / "s.bin").read_bytes()
     run(sched, OTHER, 0, n_predict=4)  # the slot now holds something else
     real_write, calls = os.write, [0]
@@ -338,9 +340,9 @@ def test_disk_full_keeps_old_file(model: Model, tmp_path: Path, monkeypatch: pyt
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", full)
-    e = expect_error(500, slot_action, sched, 0, "save", "s.bin")
+    e = expect_error(500, slot_action, sched.mem, 0, "save", "s.bin")
     assert e.type == "server_error" and "No space left" in e.message
     monkeypatch.undo()
     assert (tmp_path / "s.bin").read_bytes() == old
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.bin"]  # no temp file left
-    assert slot_action(sched, 1, "restore", "s.bin")["n_restored"] == 5
+    assert sched.mem.slot_action(1, "restore", "s.bin")["n_restored"] == 5

@@ -3,7 +3,7 @@
 Every backend (none, legacy, radix, radix over a disk tier) is driven through `SlotKV` on pools
 of every layout (unified, partitioned, sliding window, with a draft model's rows), with the pool
 instrumented: a sequence operation (`alloc`, `seq_rm`, ...) whose nearest caller outside kv/ is
-not engine/slot_kv.py fails the test, and every cache call (`save`, `match`, `load`, each step of
+not memory/seq_kv.py fails the test, and every cache call (`save`, `match`, `load`, each step of
 the handed-over segments, the `done` report) must leave the pool bit for bit as it found it.
 After every operation: `SlotKV.check`, the pool's free + held accounting, the cache's own check
 (the radix byte counter, no lock left) and, for every slot, its rows equal the rows its tokens
@@ -24,18 +24,18 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-import radixserve.engine.slot_kv as slot_kv_module
-import radixserve.kv.pool as pool_module
-from radixserve.cache.base import NullPromptCache, PromptCache, Restore, Segment
-from radixserve.cache.prefix import common_prefix
-from radixserve.cache.disk import DiskTier
-from radixserve.cache.legacy import LegacyPromptCache
-from radixserve.cache.radix import RadixPromptCache, row_layout
-from radixserve.engine.slot_kv import SlotKV
-from radixserve.kv.draft import attach_draft
-from radixserve.kv.pool import KVPool, OutOfCells
-from radixserve.kv.state import fingerprint_of
-from radixserve.kv.swa import SWAPool
+import radixserve.memory.seq_kv as slot_kv_module
+import radixserve.memory.pool.pool as pool_module
+from radixserve.memory.tiers.base import NullPromptCache, PromptCache, Restore, Segment
+from radixserve.memory.tiers.prefix import common_prefix
+from radixserve.memory.tiers.disk import DiskTier
+from radixserve.memory.tiers.legacy import LegacyPromptCache
+from radixserve.memory.tiers.radix import RadixPromptCache, row_layout
+from radixserve.memory.seq_kv import SlotKV
+from radixserve.memory.pool.draft import attach_draft
+from radixserve.memory.pool.pool import KVPool, OutOfCells
+from radixserve.memory.pool.state import fingerprint_of
+from radixserve.memory.pool.swa import SWAPool
 from radixserve.model.forward import Transformer
 from tests.conftest import make_pool, make_transformer
 

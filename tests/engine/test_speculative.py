@@ -17,9 +17,9 @@ import torch
 
 from radixserve.config import ServerConfig, SpecConfig
 from radixserve.engine.counters import ServerMetrics
-from radixserve.engine.prefix_plan import Source
+from radixserve.memory.prefix_plan import Source
+from radixserve.engine.build import build_scheduler
 from radixserve.engine.scheduler import Scheduler
-from radixserve.engine.slot_actions import slot_action
 from radixserve.engine.task import CompletionTask, FinalResult
 from radixserve.model.loader import Model, load_model
 from radixserve.sampling.chain import SamplingParams
@@ -61,7 +61,7 @@ def task(p: list[int], **kw: Any) -> CompletionTask:
 
 def plain(model: Model, **kw: Any) -> Scheduler:
     cfg: dict[str, Any] = dict(ctx_size=1024, n_parallel=1, cache_ram_mib=0)
-    return Scheduler(model, ServerConfig(**(cfg | kw)), ServerMetrics())
+    return build_scheduler(model, ServerConfig(**(cfg | kw)), ServerMetrics())
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ TIERS = {
 def spec_sched(model: Model, draft: Model | None, spec: dict[str, Any], **kw: Any
                ) -> Scheduler:
     cfg = ServerConfig(**(dict(ctx_size=2048) | kw), spec=SpecConfig(**spec))
-    return Scheduler(model, cfg, ServerMetrics(), draft=draft)
+    return build_scheduler(model, cfg, ServerMetrics(), draft=draft)
 
 
 def draft_of(name: str | None, model: Model, tiny_draft: Model) -> Model | None:
@@ -209,10 +209,10 @@ def test_slot_file_sdft_round_trip_and_bad_appendix(model, tiny_draft, prompts, 
     p = prompts[1]
     assert drive(s, [task(p)])[0] == reference[tuple(p)]
     n = len(s.slots[0].kv)
-    slot_action(s, 0, "save", "a.bin")
+    s.mem.slot_action(0, "save", "a.bin")
     want_rows = draft_rows(s, 0, n)
-    slot_action(s, 0, "erase", None)
-    assert slot_action(s, 0, "restore", "a.bin")["n_restored"] == n
+    s.mem.slot_action(0, "erase", None)
+    assert s.mem.slot_action(0, "restore", "a.bin")["n_restored"] == n
     assert s.slots[0].kv.n_draft == n
     assert all(torch.equal(a, b) for a, b in zip(draft_rows(s, 0, n), want_rows))
     # a truncated SDFT: the main part and its tokens stay, the draft rows are dropped
@@ -221,7 +221,7 @@ def test_slot_file_sdft_round_trip_and_bad_appendix(model, tiny_draft, prompts, 
     (tmp_path / "cut.bin").write_bytes(raw[: at + (len(raw) - at) // 2])
     for other, fname in ((s, "cut.bin"),
                          (spec_sched(model, tiny_draft, SPECS["draft-tiny"][0], **kw), "a.bin")):
-        assert slot_action(other, 0, "restore", fname)["n_restored"] == n
+        assert other.mem.slot_action(0, "restore", fname)["n_restored"] == n
         assert other.slots[0].kv.n_draft == 0 and len(other.slots[0].kv) == n
         q = prompts[1]  # the same prompt again: reused from the restored slot
         assert drive(other, [task(q)])[0] == reference[tuple(q)]

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from radixserve.cache.slot_file import parse_slot_file, read_slot_file
+from radixserve.memory.tiers.slot_file import parse_slot_file, read_slot_file
 from radixserve.config import ServerConfig
 from radixserve.engine.counters import ServerMetrics
-from radixserve.engine.prefix_plan import Source
+from radixserve.memory.prefix_plan import Source
+from radixserve.engine.build import build_scheduler
 from radixserve.engine.scheduler import Scheduler
-from radixserve.engine.slot_actions import slot_action
-from radixserve.kv.swa import SWAPool
+from radixserve.memory.pool.swa import SWAPool
 from radixserve.model.loader import Model, load_model
 from tests.engine.test_deterministic import Recorder, drive, greedy
 
@@ -58,7 +58,7 @@ class Ref:
     """Each prompt alone, one slot, no cache of any kind."""
 
     def __init__(self, model: Model) -> None:
-        self.sched = Scheduler(model, ServerConfig(ctx_size=512, n_parallel=1, cache_ram_mib=0),
+        self.sched = build_scheduler(model, ServerConfig(ctx_size=512, n_parallel=1, cache_ram_mib=0),
                                ServerMetrics())
         self.memo: dict[tuple[int, ...], list[int]] = {}
 
@@ -92,7 +92,7 @@ def ref(model: Model) -> Ref:
 def sched(model: Model, **kw: Any) -> Scheduler:
     cfg = dict(ctx_size=512, n_parallel=1, ubatch_size=8)
     cfg.update(kw)
-    s = Scheduler(model, ServerConfig(**cfg), ServerMetrics())
+    s = build_scheduler(model, ServerConfig(**cfg), ServerMetrics())
     assert isinstance(s.pool, SWAPool)
     return s
 
@@ -116,7 +116,7 @@ def test_reference_runs_past_the_window(model: Model, ref: Ref):
     """The reference itself: one prompt in 8-token chunks vs 64-token chunks, and with
     full-size caches (--swa-full): the window's pruning changes no token."""
     s64 = sched(model, ubatch_size=64, cache_ram_mib=0)
-    full = Scheduler(model, ServerConfig(ctx_size=512, n_parallel=1, cache_ram_mib=0,
+    full = build_scheduler(model, ServerConfig(ctx_size=512, n_parallel=1, cache_ram_mib=0,
                                          swa_full=True), ServerMetrics())
     assert not isinstance(full.pool, SWAPool)
     for p in (P(0, 0), P(1, 1)):
@@ -193,13 +193,13 @@ def test_slot_file_carries_checkpoints(model: Model, ref: Ref, tmp_path: Path, m
     rec = Recorder(monkeypatch)
     s = sched(model, cache_ram_mib=0, slot_save_path=str(tmp_path))
     check_run(s, ref, [P(2, 0)])
-    slot_action(s, 0, "save", "a.bin")
+    s.mem.slot_action(0, "save", "a.bin")
     sf, warnings = read_slot_file(tmp_path / "a.bin")
     assert not warnings and [c.n_tokens for c in sf.checkpoints] == [len(P(2, 0)) - 12,
                                                                      len(P(2, 0)) - 4]
-    slot_action(s, 0, "erase", None)
+    s.mem.slot_action(0, "erase", None)
     n_held = len(P(2, 0)) + len(ref(P(2, 0))) - 1
-    assert slot_action(s, 0, "restore", "a.bin")["n_restored"] == n_held
+    assert s.mem.slot_action(0, "restore", "a.bin")["n_restored"] == n_held
     assert [c.id_task for c in s.slots[0].kv.checkpoints] == [-1, -1]
     check_run(s, ref, [edit(P(2, 0))])
     assert [c.n_tokens for c in restored(rec)] == [len(P(2, 0)) - 4]
@@ -213,7 +213,7 @@ def test_broken_checkpoint_appendix_keeps_the_main_state(model: Model, ref: Ref,
     (each is sealed with a CRC), never crashes, and answers as a fresh computation does."""
     s = sched(model, cache_ram_mib=0, slot_save_path=str(tmp_path))
     check_run(s, ref, [P(2, 1)])
-    slot_action(s, 0, "save", "a.bin")
+    s.mem.slot_action(0, "save", "a.bin")
     data = (tmp_path / "a.bin").read_bytes()
     good, _ = parse_slot_file(data)
     assert len(good.checkpoints) == 2
@@ -232,8 +232,8 @@ def test_broken_checkpoint_appendix_keeps_the_main_state(model: Model, ref: Ref,
     kept = set()
     for i, v in enumerate(variants):
         (tmp_path / "b.bin").write_bytes(v)
-        slot_action(s, 0, "erase", None)
-        assert slot_action(s, 0, "restore", "b.bin")["n_restored"] == len(good.tokens)
+        s.mem.slot_action(0, "erase", None)
+        assert s.mem.slot_action(0, "restore", "b.bin")["n_restored"] == len(good.tokens)
         cks = s.slots[0].kv.checkpoints
         kept.add(len(cks))
         assert all(c.target in [g.target for g in good.checkpoints] for c in cks)

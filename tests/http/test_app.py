@@ -18,16 +18,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from radixserve.cache.base import stats_dict
+from radixserve.memory.tiers.base import stats_dict
 from radixserve.config import ServerConfig
 from radixserve.engine.counters import ServerMetrics
-from radixserve.engine.task import (
-    CompletionTask,
-    FinalResult,
-    PartialResult,
-    TaskError,
-    Timings,
-)
+from radixserve.engine.task import CompletionTask, FinalResult, PartialResult, Timings
+from radixserve.errors import TaskError
 from radixserve.http.app import create_app
 from radixserve.model.loader import Model
 

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from radixserve.bench.scenarios import make_text
-from radixserve.cache.disk_block import SUFFIX
-from radixserve.cache.prefix import common_prefix
+from radixserve.memory.tiers.disk_block import SUFFIX
+from radixserve.memory.tiers.prefix import common_prefix
 from tests.http.harness import running_server
 from tests.http.test_host_cache import parse_metrics
 

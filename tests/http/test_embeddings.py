@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 
 from radixserve.config import ServerConfig
 from radixserve.engine.engine import Engine
-from radixserve.engine.task import TaskError
+from radixserve.errors import TaskError
 from radixserve.flags import FlagError, parse_serve
 from radixserve.http.routes_embeddings import normalize
 from radixserve.model.loader import Model, load_model
@@ -320,12 +320,13 @@ def test_slots_let_go_of_rows_and_results(default_bf16: Model):
     """An embedding's kept rows and its result leave the slot when the task ends: sent,
     cancelled half-way through its prompt (64-token chunks), or failed."""
     from radixserve.engine.counters import ServerMetrics
-    from radixserve.engine.scheduler import Scheduler
+    from radixserve.engine.build import build_scheduler
+from radixserve.engine.scheduler import Scheduler
     from radixserve.engine.task import CompletionTask
     tok = default_bf16.tokenizer
     ids = tok.encode(TEXTS[1], add_special=True, parse_special=True)
     cfg = ServerConfig(embeddings=True, pooling="none", ubatch_size=64, n_parallel=1)
-    sched = Scheduler(default_bf16, cfg, ServerMetrics())
+    sched = build_scheduler(default_bf16, cfg, ServerMetrics())
     got: list = []
     sent = CompletionTask(prompt_tokens=ids, n_predict=0, cache_prompt=False, stream=False,
                           pooling="none")
@@ -372,15 +373,15 @@ def test_unknown_pooling_type_matters_only_with_embeddings(tmp_path):
     path = write_tiny_gguf(str(tmp_path / "odd.gguf"), pooling_type=9)
     odd = load_model(path, "f32")
     assert odd.hp.pooling == "pooling_type 9"
-    Scheduler(odd, ServerConfig(), ServerMetrics())
+    build_scheduler(odd, ServerConfig(), ServerMetrics())
     with pytest.raises(ValueError, match=r"embedding pooling \(pooling_type 9\) is not "
                                          "computed here"):
-        Scheduler(odd, ServerConfig(embeddings=True), ServerMetrics())
-    Scheduler(odd, ServerConfig(embeddings=True, pooling="mean"), ServerMetrics())
+        build_scheduler(odd, ServerConfig(embeddings=True), ServerMetrics())
+    build_scheduler(odd, ServerConfig(embeddings=True, pooling="mean"), ServerMetrics())
     ranked = load_model(write_tiny_gguf(str(tmp_path / "rank.gguf"), pooling_type=4), "f32")
     with pytest.raises(ValueError, match=r"\(rank\) is not computed here \(rank needs a "
                                          r"reranker's classification head\)"):
-        Scheduler(ranked, ServerConfig(embeddings=True), ServerMetrics())
+        build_scheduler(ranked, ServerConfig(embeddings=True), ServerMetrics())
     with client(load_model(write_tiny_gguf(str(tmp_path / "cls.gguf"), pooling_type=2),
                            "f32")) as c:  # the GGUF's pooling when --pooling is unset
         assert len(embed(c, "hello world")[0]) == 1
@@ -395,7 +396,7 @@ def test_embeddings_stay_out_of_the_host_tiers(default_bf16: Model):
     with app_client(engine, cfg) as c:
         for t in TEXTS:
             embed(c, t)
-        cache = engine.scheduler.host.cache
+        cache = engine.scheduler.mem.cache
         assert cache.stats()["saves"] == 0
         for t in TEXTS[:2]:
             c.post("/completion", json={"prompt": t, "n_predict": 2, "temperature": 0})

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from radixserve.cache.radix import RadixPromptCache
+from radixserve.memory.tiers.radix import RadixPromptCache
 from radixserve.config import ServerConfig
 from radixserve.engine.engine import Engine
 from radixserve.http.app import create_app

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from radixserve.config import RequestDefaults, ServerConfig
-from radixserve.engine.task import FinalResult, PartialResult, TaskError, Timings, TokenProbs
+from radixserve.engine.task import FinalResult, PartialResult, Timings, TokenProbs
+from radixserve.errors import TaskError
 from radixserve.http import info
 from radixserve.http.parse import ParseContext, ParsedRequest, parse_chat, parse_completion
 from radixserve.http.responses import (

@@ -30,7 +30,7 @@ from radixserve.config import ServerConfig
 from radixserve.engine.batch import BatchSeq, hidden
 from radixserve.engine.engine import Engine
 from radixserve.http.app import create_app
-from radixserve.kv.pool import KVPool
+from radixserve.memory.pool.pool import KVPool
 from radixserve.model.loader import Model
 from radixserve.sampling.ops import MT19937
 

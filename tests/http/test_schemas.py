@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixserve.engine.task import TaskError
+from radixserve.errors import TaskError
 from radixserve.http.parse import (
     INT32_MAX,
     ParseContext,

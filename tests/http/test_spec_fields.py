@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from radixserve.config import RequestDefaults, SpecConfig
-from radixserve.engine.task import TaskError
+from radixserve.errors import TaskError
 from radixserve.http.parse import (
     INT32_MAX,
     ParseContext,

@@ -1,4 +1,4 @@
-"""A draft model's rows beside the target's in the same cells (kv/draft.py), through the pool's
+"""A draft model's rows beside the target's in the same cells (memory/pool/draft.py), through the pool's
 sequence operations, states and both host caches, and the n-gram drafters (engine/ngram.py)."""
 
 from __future__ import annotations
@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.cache.legacy import LegacyPromptCache
-from radixserve.cache.radix import RadixPromptCache
+from radixserve.memory.tiers.legacy import LegacyPromptCache
+from radixserve.memory.tiers.radix import RadixPromptCache
 from radixserve.engine.batch import BatchSeq, place
 from radixserve.engine.ngram import NgramMod, ngram_simple_draft
-from radixserve.kv.draft import attach_draft
-from radixserve.kv.pool import KVPool
-from radixserve.kv.state import (StateError, draft_state_size, fingerprint_of,
+from radixserve.memory.pool.draft import attach_draft
+from radixserve.memory.pool.pool import KVPool
+from radixserve.memory.pool.state import (StateError, draft_state_size, fingerprint_of,
                                   get_draft_state, parse_draft_state, set_draft_state)
 from radixserve.model.forward import Transformer
-from radixserve.model.kv_types import resolve
+from radixserve.memory.pool.kv_types import resolve
 from tests.conftest import make_pool, make_transformer, restore
 
 A = list(range(1000, 1040))

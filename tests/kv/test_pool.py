@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixserve.engine.batch import BatchSeq, forward
-from radixserve.kv.pool import KVPool, OutOfCells
+from radixserve.memory.pool.pool import KVPool, OutOfCells
 from radixserve.model.forward import Transformer
 from tests.conftest import make_pool
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from radixserve.engine.batch import BatchSeq, forward
-from radixserve.kv.pool import OutOfCells
-from radixserve.kv.state import StateError, fingerprint_of, get_state, set_state, state_size
+from radixserve.memory.pool.pool import OutOfCells
+from radixserve.memory.pool.state import StateError, fingerprint_of, get_state, set_state, state_size
 from radixserve.model.forward import Transformer
 from tests.conftest import make_pool
 

@@ -1,4 +1,4 @@
-"""The sliding-window pool (kv/swa.py): the sliding layers' memory is bounded by the window,
+"""The sliding-window pool (memory/pool/swa.py): the sliding layers' memory is bounded by the window,
 pruning never changes what attention computes, and states and checkpoints round-trip exactly."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from radixserve.engine.batch import BatchSeq, forward
-from radixserve.kv.pool import KVPool
-from radixserve.kv.state import (
+from radixserve.memory.pool.pool import KVPool
+from radixserve.memory.pool.state import (
     StateError,
     fingerprint_of,
     get_state,
@@ -17,7 +17,7 @@ from radixserve.kv.state import (
     set_swa_state,
     state_size,
 )
-from radixserve.kv.swa import SWAPool, alloc_step
+from radixserve.memory.pool.swa import SWAPool, alloc_step
 from radixserve.model.forward import Transformer
 from tests.conftest import make_pool, make_transformer
 

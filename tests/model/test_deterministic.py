@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from radixserve.engine.batch import BatchSeq, hidden, model_pool
-from radixserve.kv.pool import KVPool
+from radixserve.memory.pool.pool import KVPool
 from radixserve.model import kernels as K
 from radixserve.model.forward import Transformer
 from radixserve.model.head import RowNeed
@@ -210,7 +210,7 @@ def test_gemma3_is_chunk_and_batch_invariant(tiny_swa_path, swa_full, variant):
     GeGLU: model/step.py's C glue and our windowed attention): a prefix's K/V in both
     kinds of layers and its last logits are the same bits in one chunk, in 7-token chunks and
     token by token, beside another sequence; and the mode is on by default there."""
-    from radixserve.kv.swa import SWAPool
+    from radixserve.memory.pool.swa import SWAPool
 
     m = load_with(variant, tiny_swa_path, "auto")
     tr = m.transformer

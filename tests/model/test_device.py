@@ -25,11 +25,12 @@ from torch.utils._device import _device_constructors
 from radixserve.config import ServerConfig, SpecConfig
 from radixserve.engine.batch import BatchSeq, hidden
 from radixserve.engine.counters import ServerMetrics
+from radixserve.engine.build import build_scheduler
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.task import CompletionTask, FinalResult
 from radixserve.flags.spec import FlagError, FlagExit, parse
 from radixserve.flags.table import ALL_FLAGS as FLAGS
-from radixserve.kv.swa import make_pool
+from radixserve.memory.pool.swa import make_pool
 from radixserve.model import device as D
 from radixserve.model.forward import Transformer
 from radixserve.model.kernels import torch_ops_only
@@ -39,7 +40,7 @@ from radixserve.sampling.chain import SamplingParams
 
 META = torch.device("meta")
 CONSTRUCTORS = _device_constructors()
-DEVICE_SIDE = ("radixserve/model/", "radixserve/kv/", "radixserve/cache/", "radixserve/engine/")
+DEVICE_SIDE = ("radixserve/model/", "radixserve/memory/", "radixserve/engine/")
 
 
 # -- --device / -ngl -------------------------------------------------------------------------
@@ -207,7 +208,7 @@ def test_forward_and_pool_run_on_the_model_device(which: str, default_path: str,
 
 
 def _kv_types(names: tuple[str, str], dtype: torch.dtype) -> Any:
-    from radixserve.model import kv_types
+    from radixserve.memory.pool import kv_types
     return kv_types.resolve(*names, dtype)
 
 
@@ -254,12 +255,12 @@ def test_named_devices_catches_a_factory_without_its_device() -> None:
             exec(compile(code, path, "exec"), {"torch": torch, "x": x})
         return nd.missing
 
-    assert run_as("/x/radixserve/kv/planted.py", "a = 1\nt = torch.zeros(3)\n") == \
-        ["radixserve/kv/planted.py:2"]
+    assert run_as("/x/radixserve/memory/planted.py", "a = 1\nt = torch.zeros(3)\n") == \
+        ["radixserve/memory/planted.py:2"]
     assert run_as("/x/radixserve/engine/planted.py", "torch.tensor([1, 2])") == \
         ["radixserve/engine/planted.py:1"]
-    assert run_as("/x/radixserve/kv/planted.py", "torch.zeros(3, device='cpu')") == []
-    assert run_as("/x/radixserve/kv/planted.py", "torch.as_tensor(x)") == []
+    assert run_as("/x/radixserve/memory/planted.py", "torch.zeros(3, device='cpu')") == []
+    assert run_as("/x/radixserve/memory/planted.py", "torch.as_tensor(x)") == []
     assert run_as("/x/radixserve/sampling/planted.py", "torch.zeros(3)") == []
 
 
@@ -303,7 +304,7 @@ def test_engine_on_the_device_build_names_every_device(device: str,
     system = list(range(1000, 1100))
     a, b, c = system + [5, 6, 7], system + [8, 9], list(range(3000, 3150))
     cfg = ServerConfig(ctx_size=512, n_parallel=2, kv_unified=True, cache_idle_slots=True)
-    sched = Scheduler(model, cfg, ServerMetrics())
+    sched = build_scheduler(model, cfg, ServerMetrics())
     assert sched.pool.k.device == model.device
     with NamedDevices() as nd:
         first = _run(sched, [a, b])
@@ -312,7 +313,7 @@ def test_engine_on_the_device_build_names_every_device(device: str,
         again = _run(sched, [a + first[0].tokens[:2]])[0]
     assert nd.missing == []
     assert again.timings.cache_n >= len(a)  # served from the host tier
-    plain = Scheduler(model, ServerConfig(ctx_size=512, n_parallel=1, cache_ram_mib=0),
+    plain = build_scheduler(model, ServerConfig(ctx_size=512, n_parallel=1, cache_ram_mib=0),
                       ServerMetrics())
     for prompt, got in ((a, first[0]), (b, first[1]), (a + first[0].tokens[:2], again)):
         assert _run(plain, [prompt])[0].tokens == got.tokens
@@ -330,7 +331,6 @@ def test_every_tier_on_the_device_build_names_every_device(which: str, device: s
     slot saved to a file, erased and restored, and a restart that restores from the disk
     tier. No device-side factory leaves out its device; every answer equals the uncached
     one."""
-    from radixserve.engine.slot_actions import slot_action
 
     path = tiny_path if which == "tiny" else tiny_swa_path
     with torch_ops_only():
@@ -346,30 +346,30 @@ def test_every_tier_on_the_device_build_names_every_device(which: str, device: s
         cfg = ServerConfig(ctx_size=512, n_parallel=2, kv_unified=True, cache_disk=str(tmp_path
                            / "disk"), cache_disk_block=16, slot_save_path=str(tmp_path),
                            context_shift=shift, spec=spec, cache_idle_slots=False)
-        return Scheduler(model, cfg, ServerMetrics())
+        return build_scheduler(model, cfg, ServerMetrics())
 
     long_prompt = [7, 8, 9] * 60 + list(range(300, 400))  # repeats: the n-gram drafts hit
     s = sched()
     with NamedDevices() as nd:
         first = ask(s, long_prompt, n=24, slot=0)
         emb = ask(s, list(range(50, 90)), slot=1, pooling="mean").embedding
-        saved = slot_action(s, 0, "save", "dev.bin")
-        slot_action(s, 0, "erase", None)
-        restored = slot_action(s, 1, "restore", "dev.bin")
+        saved = s.mem.slot_action(0, "save", "dev.bin")
+        s.mem.slot_action(0, "erase", None)
+        restored = s.mem.slot_action(1, "restore", "dev.bin")
         follow = ask(s, long_prompt + first.tokens + [11, 12], slot=1)
         shifted = ask(s, list(range(600, 1000)), n=200, slot=0) if shift else None
-        s.radix_disk.disk.drain()
-        s.close()
+        s.mem.disk.disk.drain()
+        s.mem.close()
         s = sched()  # a restart: the disk tier serves the long prompt
         again = ask(s, long_prompt + [5], slot=0)
-        s.close()
+        s.mem.close()
     assert nd.missing == []
     if shift:  # the draft is the target itself: every drafted token is accepted
         assert first.timings.draft_n and first.timings.draft_n_accepted == first.timings.draft_n
     assert saved["n_saved"] == restored["n_restored"] == len(long_prompt) + 23
     assert follow.timings.cache_n >= len(long_prompt) + 23
     assert again.timings.reuse is not None and again.timings.reuse.tier == "disk"
-    plain = Scheduler(model, ServerConfig(ctx_size=512, n_parallel=1, cache_ram_mib=0,
+    plain = build_scheduler(model, ServerConfig(ctx_size=512, n_parallel=1, cache_ram_mib=0,
                                           context_shift=shift), ServerMetrics())
     assert ask(plain, long_prompt, n=24).tokens == first.tokens
     assert ask(plain, long_prompt + first.tokens + [11, 12]).tokens == follow.tokens

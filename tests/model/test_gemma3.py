@@ -1,5 +1,5 @@
 """Gemma 3 (sliding-window attention): our forward equals HF transformers on the same GGUF
-across the window, and the sliding layers' split cache (kv/swa.py's layout, window-sized and
+across the window, and the sliding layers' split cache (memory/pool/swa.py's layout, window-sized and
 pruned) gives what the all-layers cache (--swa-full) gives.
 
 The fast tests use a tiny random gemma3 (window 16, so every prompt crosses it many times);
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from radixserve.engine.batch import BatchSeq, forward
-from radixserve.kv.pool import KVPool
+from radixserve.memory.pool.pool import KVPool
 from radixserve.model.forward import SeqStep, SwaStep, Transformer, resolve_deterministic
 from radixserve.model.hparams import HParams
 from radixserve.model.loader import Model, load_model
@@ -81,7 +81,7 @@ def full_cache(tr: Transformer, n_cells: int) -> Step:
 class SplitCache:
     """The split layout by hand: the global layers in one KVPool, the sliding ones in another,
     every SeqStep carrying its `.swa`. `drop`: after each step the sliding pool loses the cells
-    no later query can read (what kv/swa.py's prune does), so it holds the window only."""
+    no later query can read (what memory/pool/swa.py's prune does), so it holds the window only."""
 
     def __init__(self, tr: Transformer, n_cells: int, n_seq: int = 1,
                  drop: bool = False) -> None:

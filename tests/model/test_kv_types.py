@@ -1,4 +1,4 @@
-"""KV cache types (model/kv_types.py, csrc/kv_rows.c, decode_attn.c's typed path): the bytes are
+"""KV cache types (memory/pool/kv_types.py, csrc/kv_rows.c, decode_attn.c's typed path): the bytes are
 ggml's (gguf-py's reference quantizers), the C store equals the torch one in every kernel
 variant, and attention over quantized K/V equals attention over the dequantized values within
 the stated bound, with a query's bits independent of how many queries share the call."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from radixserve.kv.pool import KVPool
+from radixserve.memory.pool.pool import KVPool
 from radixserve.model.cabi import bind
-from radixserve.model.kv_types import TYPES, resolve, types_name
+from radixserve.memory.pool.kv_types import TYPES, resolve, types_name
 from tests.model.kernel_variants import VARIANTS, variant_kernels
 
 BF = torch.bfloat16

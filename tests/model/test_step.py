@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 import radixserve.model.forward as fw
 from radixserve.engine.batch import BatchSeq, hidden, model_pool
-from radixserve.kv.swa import SWAPool
-from radixserve.model import kv_types
+from radixserve.memory.pool.swa import SWAPool
+from radixserve.memory.pool import kv_types
 from radixserve.model import step as G
 from radixserve.model import kernels as K
 from radixserve.model.forward import rms_norm

@@ -1,4 +1,4 @@
-/* Causal attention over bf16 K/V held in the KV pool (radixserve/kv/pool.py), computed the same
+/* Causal attention over bf16 K/V held in the KV pool (radixserve/memory/pool/pool.py), computed the same
  * way whatever shares the call, so that a token's output depends on its tokens alone.
  *
  * Why fixed blocks: a query's keys (its sequence's cells in position order, up to itself) are

@@ -1,6 +1,6 @@
 /* Storing K/V rows in the pool's cache type (kv_rows.h): ggml's reference quantizers
  * (quantize_row_q8_0_ref, quantize_row_q4_0_ref), so the bytes are llama.cpp's and equal
- * radixserve/model/kv_types.py's torch ones (tests/model/test_kv_types.py). Compiled with
+ * radixserve/memory/pool/kv_types.py's torch ones (tests/model/test_kv_types.py). Compiled with
  * -ffp-contract=off (kernels.py): q4_0's x * id + 8.5 is two roundings there, and a fused
  * multiply-add would move a value across a nibble boundary now and then. */
 #include <math.h>

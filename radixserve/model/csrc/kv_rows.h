@@ -1,4 +1,4 @@
-/* KV cache types (radixserve/model/kv_types.py): one head's K or V row of one token as the pool
+/* KV cache types (radixserve/memory/pool/kv_types.py): one head's K or V row of one token as the pool
  * stores it, in llama.cpp's layouts (bf16 / f16 / f32 values, or ggml's block_q8_0 /
  * block_q4_0: an f16 scale, then 32 int8 values or 16 bytes of nibble pairs). Reading a row as
  * bf16 (kv_load_bf16) is inline here, for attention; storing one (kv_store_row) is kv_rows.c's,

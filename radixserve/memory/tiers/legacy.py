@@ -6,7 +6,7 @@ tokens when there is one, restored together with the target's or not at all). Hi
 are consumed: a loaded entry moves into the slot and leaves the cache. This is what
 llama-server users know, and the baseline the radix backend is measured against. Rules and their reasons: shared/DESIGN.md and seeds/000_*.txt.
 
-Namespaces (a request's `cache_salt`, cache/base.py): each entry carries the salt it was saved
+Namespaces (a request's `cache_salt`, memory/tiers/base.py): each entry carries the salt it was saved
 under; a load considers only entries of the prompt's salt, and the save rules that compare
 entries with the new prompt (already cached: skip; a prefix of it: obsolete) compare it only
 with entries of its own salt. The limits and FIFO order stay shared: one RAM budget.
@@ -20,11 +20,11 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from radixserve.cache.base import Restore, Segment, stats_dict
-from radixserve.cache.prefix import common_prefix
-from radixserve.kv.checkpoint import Checkpoint
-from radixserve.kv.pool import KVPool, OutOfCells
-from radixserve.kv.state import (Fingerprint, ParsedState, StateError, check_room,
+from radixserve.memory.tiers.base import Restore, Segment, stats_dict
+from radixserve.memory.tiers.prefix import common_prefix
+from radixserve.memory.checkpoint import Checkpoint
+from radixserve.memory.pool.pool import KVPool, OutOfCells
+from radixserve.memory.pool.state import (Fingerprint, ParsedState, StateError, check_room,
                                   draft_state_size, get_draft_state, get_state, parse_draft_rows,
                                   parse_pool_state, state_size)
 

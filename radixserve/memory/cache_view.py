@@ -21,12 +21,12 @@ import heapq
 import time
 from typing import TYPE_CHECKING, Any
 
-from radixserve.cache.legacy import LegacyPromptCache
-from radixserve.cache.radix import RadixPromptCache
-from radixserve.cache.radix_tree import RadixNode, RadixTree
+from radixserve.memory.tiers.legacy import LegacyPromptCache
+from radixserve.memory.tiers.radix import RadixPromptCache
+from radixserve.memory.tiers.radix_tree import RadixNode, RadixTree
 
 if TYPE_CHECKING:
-    from radixserve.engine.scheduler import Scheduler
+    from radixserve.memory.manager import MemoryManager
 
 PREVIEW = 12  # tokens of text shown per node or entry
 MAX_NODES = 60  # nodes drawn in all; the rest are counted in their parent's `more`
@@ -42,20 +42,20 @@ class CacheView:
         self.show_text = show_text  # the unsalted namespace's text (LLAMA_SERVER_SLOTS_DEBUG)
         self._memo: tuple[RadixTree | None, int, dict[str, Any] | None] = (None, -1, None)
 
-    def snapshot(self, sched: Scheduler) -> dict[str, Any]:
+    def snapshot(self, mem: MemoryManager, m: Any) -> dict[str, Any]:
         """The /cache body, with every `text` a list of token ids (or None: not shown); the
-        caller must not modify it (parts are shared with later snapshots)."""
-        cache = sched.host.cache
+        caller must not modify it (parts are shared with later snapshots). `m`: the engine's
+        request counters (totals and the recent prompts' reuse)."""
+        cache = mem.cache
         stats = cache.stats()
-        disk = sched.tier_figures().get("disk")
-        m = sched.metrics
-        device, per_slot = cells_json(sched)
+        disk = mem.tier_figures().get("disk")
+        device, per_slot = cells_json(mem)
         return {
             "time": time.time(),
             "text_shown": self.show_text,
             "backend": cache.name,
             "device": device,
-            "slots": [slot_json(s, n) for s, n in zip(sched.slots, per_slot)],
+            "slots": [slot_json(s, n) for s, n in zip(mem.slots, per_slot)],
             "ram": {
                 "bytes": int(stats["bytes"]), "limit_bytes": int(stats["limit_bytes"]),
                 "nodes": int(stats["nodes"]), "prompts": int(stats["terminal_nodes"]),
@@ -67,7 +67,7 @@ class CacheView:
             "disk": None if disk is None else {
                 "bytes": int(disk["bytes"]), "limit_bytes": int(disk["limit_bytes"]),
                 "tokens": int(disk["tokens"]),
-                "files": int(disk["tokens"]) // sched.cfg.cache_disk_block,
+                "files": int(disk["tokens"]) // mem.cfg.cache_disk_block,
                 "hits": int(disk["hits"]), "misses": int(disk["misses"]),
                 "writes": int(disk["writes"]),
             },
@@ -88,19 +88,19 @@ class CacheView:
         return out
 
 
-def snapshot(sched: Scheduler, show_text: bool = True) -> dict[str, Any]:
+def snapshot(mem: MemoryManager, m: Any, show_text: bool = True) -> dict[str, Any]:
     """One snapshot, nothing kept (tests)."""
-    return CacheView(show_text).snapshot(sched)
+    return CacheView(show_text).snapshot(mem, m)
 
 
-def cells_json(sched: Scheduler) -> tuple[dict[str, int], list[int]]:
+def cells_json(mem: MemoryManager) -> tuple[dict[str, int], list[int]]:
     """The pool's figures, and each slot's cells that another slot reads too. Only unified KV
     shares cells (a partitioned pool copies them), so only then are they counted."""
-    pool = sched.pool
-    per_slot = [0] * len(sched.slots)
+    pool = mem.pool
+    per_slot = [0] * len(mem.slots)
     shared: set[int] = set()
     if pool.unified:
-        for i, s in enumerate(sched.slots):
+        for i, s in enumerate(mem.slots):
             mine = [c for c in pool.seq_cells(s.id) if len(pool.cell_seqs[c]) > 1]
             per_slot[i] = len(mine)
             shared.update(mine)

@@ -24,25 +24,25 @@ import hashlib
 import logging
 import time
 
-from radixserve.cache.base import NullPromptCache, PromptCache
-from radixserve.cache.disk import DiskTier
-from radixserve.cache.disk_block import load_key, private_dir
-from radixserve.cache.legacy import LegacyPromptCache
-from radixserve.cache.radix import RadixPromptCache, row_layout
+from collections.abc import Sequence
+
 from radixserve.config import ServerConfig
-from radixserve.engine.prefix_plan import salted_lcp
-from radixserve.engine.slot import Slot
-from radixserve.kv.pool import KVPool
-from radixserve.kv.state import fingerprint_of
-from radixserve.kv.swa import SWAPool
-from radixserve.model.loader import Model
+from radixserve.memory.holders import Holder, ModelIdentity
+from radixserve.memory.pool.pool import KVPool
+from radixserve.memory.pool.state import fingerprint_of
+from radixserve.memory.prefix_plan import salted_lcp
+from radixserve.memory.tiers.base import NullPromptCache, PromptCache
+from radixserve.memory.tiers.disk import DiskTier
+from radixserve.memory.tiers.disk_block import load_key, private_dir
+from radixserve.memory.tiers.legacy import LegacyPromptCache
+from radixserve.memory.tiers.radix import RadixPromptCache, row_layout
 
 log = logging.getLogger(__name__)
 STATS_LOG_INTERVAL_S = 30.0
 
 
 def make_cache(cfg: ServerConfig, pool: KVPool, arch: str,
-               models: tuple[Model, ...] = ()) -> PromptCache:
+               models: tuple[ModelIdentity, ...] = ()) -> PromptCache:
     """The host cache `cfg` describes; with `--cache-disk`, `models` (the target, then a draft
     model) name the disk tier's files."""
     if cfg.cache_ram_mib == 0:
@@ -56,7 +56,7 @@ def make_cache(cfg: ServerConfig, pool: KVPool, arch: str,
     return LegacyPromptCache(limit, pool.n_cells, fingerprint_of(pool, arch))
 
 
-def make_disk(cfg: ServerConfig, pool: KVPool, models: tuple[Model, ...]) -> DiskTier:
+def make_disk(cfg: ServerConfig, pool: KVPool, models: tuple[ModelIdentity, ...]) -> DiskTier:
     """The disk tier, its files keyed by the models' identities and the KV layout: another
     model, quantization, dtype, draft, kernel build or torch never sees them; with
     `--cache-disk-key`, names and checksums are keyed too (docs/SECURITY.md)."""
@@ -77,7 +77,7 @@ def make_disk(cfg: ServerConfig, pool: KVPool, models: tuple[Model, ...]) -> Dis
 
 class HostTier:
     def __init__(self, cfg: ServerConfig, pool: KVPool, arch: str,
-                 cache: PromptCache | None = None, models: tuple[Model, ...] = ()) -> None:
+                 cache: PromptCache | None = None, models: tuple[ModelIdentity, ...] = ()) -> None:
         self.pool = pool
         self.cache = cache if cache is not None else make_cache(cfg, pool, arch, models)
         self.misses = 0  # new prompts the host cache was asked for and restored nothing
@@ -92,7 +92,7 @@ class HostTier:
         are not consumed), only when the slot is about to be overwritten for the legacy one."""
         return self.cache if update_cache or self.cache.load_always else None
 
-    def save_before_overwrite(self, slot: Slot, prompt: list[int], salt: str,
+    def save_before_overwrite(self, slot: Holder, prompt: list[int], salt: str,
                               update_cache: bool) -> None:
         """Before `slot` takes `prompt` (of namespace `salt`): the radix tree is offered what
         the slot holds whenever the prompt will not keep all of it (its last token is always
@@ -104,7 +104,7 @@ class HostTier:
             return
         self.offer(slot)
 
-    def offer(self, slot: Slot) -> None:
+    def offer(self, slot: Holder) -> None:
         """The slot's KV into the host cache (nothing when it is not reusable or the cache
         declines: over its budget, or a sliding window that dropped the rows). No update()
         here: a radix save enforces its limit itself, and the legacy cache evicts after the
@@ -112,7 +112,7 @@ class HostTier:
         if slot.kv.save_to(self.cache):
             log.debug("slot %d: saved %d tokens to the host cache", slot.id, len(slot.kv))
 
-    def cache_idle_slots(self, slots: list[Slot], exclude: Slot | None = None) -> None:
+    def cache_idle_slots(self, slots: Sequence[Holder], exclude: Holder | None = None) -> None:
         """`--cache-idle-slots`: save every idle slot's KV to the cache and, with unified KV
         (only there does it free cells another slot can use), clear the slot."""
         if not self.idle_slots:
@@ -132,7 +132,7 @@ class HostTier:
             self._t_log = now
             log_stats()
 
-    def clear_idle_slot(self, slots: list[Slot], exclude: Slot | None = None) -> bool:
+    def clear_idle_slot(self, slots: Sequence[Holder], exclude: Holder | None = None) -> bool:
         """llama-server's try_clear_idle_slots, unified KV only: free the first idle slot holding
         cells. Unlike llama-server, its KV goes to the host cache first (when there is one), so
         freeing cells for an active slot loses nothing a later request could reuse."""

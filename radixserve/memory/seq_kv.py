@@ -12,7 +12,7 @@ Cells reserved for a forward (`reserve`) are the one transient exception: they a
 (`commit`) when the forward succeeded or dropped with the rest when it failed.
 
 Host-cache restores (`restore_from`): a cache never writes the pool. It hands its rows over
-(cache/base.py's `Restore`: segments of rows in the pool's layout, the tokens they are of, the
+(memory/tiers/base.py's `Restore`: segments of rows in the pool's layout, the tokens they are of, the
 checkpoints that came with them) and this object writes them (`write_restore`); when writing
 fails part-way (a bad segment, out of cells, an injected fault) the cells written so far go,
 the slot is left empty and the cache is told, so it counts a fallback and releases its locks.
@@ -26,9 +26,9 @@ shift on; `save_to` refuses it, `share_from` refuses it as a donor (the prefix p
 offer it), and the scheduler drops it when the task ends (so no later request, host-cache save,
 idle-slot save or slot file ever sees it). `drop` makes the slot reusable again.
 
-Sliding-window models (kv/swa.py): the sliding layers hold only the last n_swa positions, so a
+Sliding-window models (memory/pool/swa.py): the sliding layers hold only the last n_swa positions, so a
 prefix of the tokens is usable only while the window still holds the keys its next token reads
-(`usable_prefix`), else from a context checkpoint (kv/checkpoint.py) this object keeps with the
+(`usable_prefix`), else from a context checkpoint (memory/checkpoint.py) this object keeps with the
 tokens: taken before prompt chunks (`take_checkpoint`, llama.cpp's create_checkpoint rules),
 restored when a new prompt diverges where the window has gone (`keep_prefix`), and carried with
 the tokens into the host cache and slot files.
@@ -47,13 +47,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from radixserve.cache.base import PromptCache, Restore, Segment
-from radixserve.cache.prefix import common_prefix
-from radixserve.kv.checkpoint import Checkpoint, seal, unseal
-from radixserve.kv.pool import KVPool, OutOfCells
-from radixserve.kv.state import (Fingerprint, StateError, get_swa_state, parse_swa_state,
+from radixserve.memory.tiers.base import PromptCache, Restore, Segment
+from radixserve.memory.tiers.prefix import common_prefix
+from radixserve.memory.checkpoint import Checkpoint, seal, unseal
+from radixserve.memory.pool.pool import KVPool, OutOfCells
+from radixserve.memory.pool.state import (Fingerprint, StateError, get_swa_state, parse_swa_state,
                                   set_draft_state, set_swa_state, write_draft_rows, write_rows)
-from radixserve.kv.swa import SWAPool, alloc_step
+from radixserve.memory.pool.swa import SWAPool, alloc_step
 
 MiB = 1024 * 1024
 
@@ -79,9 +79,9 @@ class SlotKV:
         self.n_checkpoints = n_checkpoints if self.swa is not None and fp is not None else 0
         self.checkpoint_min_step = checkpoint_min_step
         self.checkpoints: list[Checkpoint] = []  # oldest first
-        self.saved_upto = 0  # tokens a write-through host tier holds (kv/swa.py, radix)
+        self.saved_upto = 0  # tokens a write-through host tier holds (memory/pool/swa.py, radix)
         self.salt = ""  # the cache namespace (`cache_salt`) of the KV held: see the docstring
-        # a draft model's rows (kv/draft.py) are computed for positions < n_draft (may run past
+        # a draft model's rows (memory/pool/draft.py) are computed for positions < n_draft (may run past
         # the tokens while drafting: cells reserved for a verification); `sync_draft` computes
         # the missing ones (engine/speculative.py), set by the scheduler when there is a draft
         self.n_draft = 0
@@ -289,7 +289,7 @@ class SlotKV:
         return self.swa is not None and self.swa.window_start(self.seq) > self.saved_upto
 
     def prune(self) -> None:
-        """Drop sliding cells no later token reads (kv/swa.py)."""
+        """Drop sliding cells no later token reads (memory/pool/swa.py)."""
         if self.swa is not None:
             self.swa.prune(self.seq)
 

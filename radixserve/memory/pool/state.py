@@ -3,7 +3,7 @@
 Layout (little-endian): magic "RXKV", u32 version, fingerprint (u16-length-prefixed arch
 string, u32 n_layer, u32 n_head_kv, u32 head_dim, u16-length-prefixed dtype name), u32 n_tokens,
 i32 positions[n_tokens], then for each layer the K rows [n_head_kv, n_tokens, head_dim] and the
-V rows, in the pool's dtype. A sliding-window pool (kv/swa.py) appends a second such block for its
+V rows, in the pool's dtype. A sliding-window pool (memory/pool/swa.py) appends a second such block for its
 sliding layers (arch suffixed ":swa", the window's positions only), as llama.cpp's iSWA state
 writes the base cache then the SWA cache; a context checkpoint is that second block alone.
 `set_state` validates everything (sizes, fingerprint, positions, free cells) before it touches
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from radixserve.kv.pool import KVPool, KVTypes, OutOfCells
-from radixserve.kv.swa import SWAPool
-from radixserve.model.kv_types import types_name
+from radixserve.memory.pool.pool import KVPool, KVTypes, OutOfCells
+from radixserve.memory.pool.swa import SWAPool
+from radixserve.memory.pool.kv_types import types_name
 
 MAGIC = b"RXKV"
 VERSION = 1
@@ -117,7 +117,7 @@ def get_swa_state(pool: SWAPool, seq: int, fp: Fingerprint) -> bytes:
 
 
 def get_draft_state(pool: KVPool, seq: int) -> bytes:
-    """The draft model's rows of `seq`'s cells (kv/draft.py), as a state of its own."""
+    """The draft model's rows of `seq`'s cells (memory/pool/draft.py), as a state of its own."""
     assert pool.draft is not None
     return _get_block(pool, seq, pool.draft.fp, pool.draft)
 

@@ -9,7 +9,7 @@ cells, an injected fault) has its cells removed by the writer, which reports the
 as a "fallback", the scheduler prefills from scratch, the tree stays usable. `--cache-ram`
 bounds the bytes; LRU leaves go first.
 
-Sliding-window models (kv/swa.py): a segment keeps every layer of every token, the sliding
+Sliding-window models (memory/pool/swa.py): a segment keeps every layer of every token, the sliding
 layers stacked after the global ones, so the tree never needs checkpoints: restoring a prefix
 writes the global layers' rows for all of it and the sliding layers' for its last window. A
 slot's sliding part holds only its window, so the engine saves into the tree before the window
@@ -19,7 +19,7 @@ the window is skipped.
 Tenants: a `salt` (a request's `cache_salt`) is the tree's namespace: prompts of different salts
 never match each other, in RAM or on disk.
 
-Disk tier (`disk`, cache/disk.py): every block of `disk.block` tokens a save completes is written
+Disk tier (`disk`, memory/tiers/disk.py): every block of `disk.block` tokens a save completes is written
 through to disk (in the background), and an evicted leaf's blocks the disk lacks are written
 before it goes. `disk_lookup` starts reading a prompt's blocks past what RAM and the slots hold;
 `take_disk_loads` puts what was read into the tree (on the engine thread), from where `load`
@@ -36,14 +36,14 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.cache.base import Restore, Segment, stats_dict
-from radixserve.cache.disk import DiskTier, Loaded
-from radixserve.cache.disk_block import RowSpec
-from radixserve.cache.prefix import common_prefix
-from radixserve.cache.radix_tree import RadixMatch, RadixNode, RadixTree, own_rows
-from radixserve.kv.checkpoint import Checkpoint
-from radixserve.kv.pool import KVPool
-from radixserve.kv.swa import SWAPool
+from radixserve.memory.tiers.base import Restore, Segment, stats_dict
+from radixserve.memory.tiers.disk import DiskTier, Loaded
+from radixserve.memory.tiers.disk_block import RowSpec
+from radixserve.memory.tiers.prefix import common_prefix
+from radixserve.memory.tiers.radix_tree import RadixMatch, RadixNode, RadixTree, own_rows
+from radixserve.memory.checkpoint import Checkpoint
+from radixserve.memory.pool.pool import KVPool
+from radixserve.memory.pool.swa import SWAPool
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ class RadixPromptCache:
 
     # ##### Disk tier #####
     def disk_tier(self) -> RadixPromptCache | None:
-        """This cache fronts its disk tier (cache/base.py's `DiskTierCache`) when it has one."""
+        """This cache fronts its disk tier (memory/tiers/base.py's `DiskTierCache`) when it has one."""
         return self if self.disk is not None else None
 
     def set_disk_wake(self, wake: Callable[[], None]) -> None:

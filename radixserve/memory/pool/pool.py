@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixserve.model.kv_types import KVType, of_dtype
+from radixserve.memory.pool.kv_types import KVType, of_dtype
 
 if TYPE_CHECKING:
-    from radixserve.kv.draft import DraftRows
+    from radixserve.memory.pool.draft import DraftRows
 
 KVTypes = tuple[KVType, KVType]
 
@@ -97,7 +97,7 @@ class KVPool:
         types: KVTypes | None = None,
     ) -> None:
         """`dtype`: the compute dtype; `types`: how K and V rows are stored (`-ctk` / `-ctv`,
-        model/kv_types.py; None: as `dtype`), so k / v are [n_layer, n_head_kv, n_cells,
+        memory/pool/kv_types.py; None: as `dtype`), so k / v are [n_layer, n_head_kv, n_cells,
         width] of each type's storage (a quantized row: its blocks' bytes)."""
         if not unified and n_cells % n_seq:
             n_cells -= n_cells % n_seq
@@ -117,7 +117,7 @@ class KVPool:
             list(range(p * self.part_size, (p + 1) * self.part_size)) for p in range(n_part)
         ]
         self._n_free = n_cells
-        self.draft: DraftRows | None = None  # a draft model's rows of these cells (kv/draft.py)
+        self.draft: DraftRows | None = None  # a draft model's rows of these cells (memory/pool/draft.py)
 
     # -- sizes ---------------------------------------------------------------------------
     @property

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.kv.pool import KVPool, KVTypes, Rotate, cell_bytes, rotate_rows, typed_rows
-from radixserve.kv.state import Fingerprint
-from radixserve.model.kv_types import types_name
+from radixserve.memory.pool.pool import KVPool, KVTypes, Rotate, cell_bytes, rotate_rows, typed_rows
+from radixserve.memory.pool.state import Fingerprint
+from radixserve.memory.pool.kv_types import types_name
 
 
 class DraftRows:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import logging
 
-from radixserve.cache.prefix import common_prefix
+from radixserve.memory.tiers.prefix import common_prefix
 
 log = logging.getLogger(__name__)
 GRAM = 8  # index granularity for finding reusable chunks (verified and extended after lookup)

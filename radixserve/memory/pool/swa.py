@@ -9,18 +9,18 @@ by window x slots, which is the point of the layout (`--swa-full` keeps full-siz
 instead: one plain pool for every layer, the window applied by the attention mask).
 
 The price: a prefix whose window has gone cannot be reused from the slot as it stands (the
-sliding layers lack the keys before its end); a context checkpoint (kv/checkpoint.py) or a host
+sliding layers lack the keys before its end); a context checkpoint (memory/checkpoint.py) or a host
 tier that kept every token (the radix tree) supplies them.
 
 Sequence operations fan out to both pools. Allocation does not: a forward reserves cells in
-both (`alloc_step`), a restore writes each part where it belongs (kv/state.py).
+both (`alloc_step`), a restore writes each part where it belongs (memory/pool/state.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from radixserve.kv.pool import KVPool, KVTypes, OutOfCells, Rotate
+from radixserve.memory.pool.pool import KVPool, KVTypes, OutOfCells, Rotate
 
 PAD = 256  # llama.cpp pads cache sizes to 256 cells
 

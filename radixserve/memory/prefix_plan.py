@@ -16,7 +16,7 @@ taken in this module from one measure (the longest common prefix, `common_prefix
 `apply_plan` carries a plan out through the slot's KV owner; when a source fails (a restore
 fault, no room for a copy) the caller plans again without it.
 
-Cache namespaces (`CompletionTask.cache_salt`): every common prefix measured here counts 0
+Cache namespaces (a request's `cache_salt`): every common prefix measured here counts 0
 between a slot's KV (`SlotKV.salt`) and a prompt of another salt (`salted_lcp`, also what the
 scheduler's disk lookup measures; the same test guards the own prefix, its chunks and the
 prefills worth waiting for), so no choice (slot, wait, own prefix, chunks, donor) ever reuses
@@ -30,13 +30,12 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from radixserve.cache.base import PromptCache
-from radixserve.cache.prefix import common_prefix
-from radixserve.engine.cache_reuse import find_chunks
-from radixserve.engine.slot import Slot, SlotState
-from radixserve.engine.slot_kv import SlotKV
-from radixserve.engine.task import CompletionTask
-from radixserve.kv.checkpoint import Checkpoint
+from radixserve.memory.checkpoint import Checkpoint
+from radixserve.memory.chunk_reuse import find_chunks
+from radixserve.memory.holders import Holder, Request
+from radixserve.memory.seq_kv import SlotKV
+from radixserve.memory.tiers.base import PromptCache
+from radixserve.memory.tiers.prefix import common_prefix
 
 log = logging.getLogger(__name__)
 SHARE_MIN_TOKENS = 16  # shorter shared prefixes are not worth waiting (a step) for or copying
@@ -65,7 +64,7 @@ class PrefixPlan:
     spans: list[Span]  # in order, covering the whole prompt; the last one computes
     source: Source  # where [0, n_prefix) comes from
     n_prefix: int = 0
-    donor: Slot | None = None  # the slot a SLOT prefix comes from
+    donor: Holder | None = None  # the slot a SLOT prefix comes from
     checkpoint: Checkpoint | None = None  # to restore first for an OWN prefix (sliding window)
     restored: int = 0  # tokens a host restore gave (the plan then names them the slot's own)
 
@@ -92,7 +91,7 @@ def salted_lcp(kv: SlotKV, tokens: Sequence[int], salt: str) -> int:
     return common_prefix(kv.tokens, tokens) if kv.salt == salt else 0
 
 
-def choose_slot(slots: list[Slot], task: CompletionTask, thold: float) -> tuple[Slot | None, bool]:
+def choose_slot(slots: Sequence[Holder], task: Request, thold: float) -> tuple[Holder | None, bool]:
     """id_slot if given; else the idle slot with the best LCP similarity above `thold`; else
     the least recently used idle slot (ties go to the later slot, as in llama-server).
 
@@ -125,13 +124,13 @@ def choose_slot(slots: list[Slot], task: CompletionTask, thold: float) -> tuple[
     return lru, True
 
 
-def pending_prefill(slots: list[Slot], task: CompletionTask) -> Slot | None:
+def pending_prefill(slots: Sequence[Holder], task: Request) -> Holder | None:
     """A prefilling slot that will soon hold a prefix of this task's prompt it lacks now."""
     if not task.cache_prompt:  # it will compute everything anyway
         return None
     for s in slots:
         # its KV was claimed for its task's salt at launch: another salt's prefix is no reason
-        if (s.state is SlotState.PROCESSING_PROMPT and s.task is not task
+        if (s.prefilling and s.task is not task
                 and s.kv.salt == task.cache_salt):
             n = common_prefix(s.prompt, task.prompt_tokens)
             # wait until all of it is there (the last prompt token is always computed anyway)
@@ -140,8 +139,8 @@ def pending_prefill(slots: list[Slot], task: CompletionTask) -> Slot | None:
     return None
 
 
-def plan_prefix(slot: Slot, prompt: list[int], donors: list[Slot], host: PromptCache | None,
-                cache_prompt: bool, n_reuse: int, prefer: Slot | None = None, *,
+def plan_prefix(slot: Holder, prompt: list[int], donors: Sequence[Holder], host: PromptCache | None,
+                cache_prompt: bool, n_reuse: int, prefer: Holder | None = None, *,
                 salt: str) -> PrefixPlan:
     """The best source for the prompt's prefix, then `--cache-reuse` chunks, then compute.
 
@@ -229,8 +228,8 @@ def apply_plan(kv: SlotKV, plan: PrefixPlan, prompt: list[int],
     return kv.shift_chunks(prompt, plan.n_prefix, plan.chunks)
 
 
-def take_prefix(slot: Slot, prompt: list[int], slots: list[Slot], host: PromptCache | None,
-                cache_prompt: bool, n_reuse: int, prefer: Slot | None = None, *,
+def take_prefix(slot: Holder, prompt: list[int], slots: Sequence[Holder], host: PromptCache | None,
+                cache_prompt: bool, n_reuse: int, prefer: Holder | None = None, *,
                 salt: str) -> PrefixPlan:
     """Plan where the prompt's prefix comes from and make the slot hold it. A source that fails
     (a restore fault, no room for a copy or a shift) is left out and the plan made again; after

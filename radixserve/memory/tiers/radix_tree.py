@@ -1,7 +1,7 @@
 """The radix fork's tree: token ids on compressed edges, each owning the K/V rows of its tokens.
 
 Pure data structure (no pool): `radix.py` copies rows out of the device pool and hands them
-over for a restore, which the slot's KV owner (engine/slot_kv.py) writes into it.
+over for a restore, which the slot's KV owner (memory/seq_kv.py) writes into it.
 
 - A node's `k`/`v` are [n_layer, n_head_kv, len(tokens), head_dim] host tensors that own their
   storage (a split copies both halves), so `bytes` is exactly the memory the tree holds.
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixserve.cache.prefix import common_prefix
+from radixserve.memory.tiers.prefix import common_prefix
 
 
 @dataclass(slots=True, eq=False)

@@ -17,17 +17,34 @@ still counts as held), the tier after it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from radixserve.cache.base import PromptCache
-from radixserve.cache.prefix import common_prefix
-from radixserve.engine.prefix_plan import PrefixPlan, Source
-from radixserve.engine.slot import Slot
-from radixserve.engine.task import Reuse
+from radixserve.memory.holders import Holder
+from radixserve.memory.prefix_plan import PrefixPlan, Source
+from radixserve.memory.tiers.base import PromptCache
+from radixserve.memory.tiers.prefix import common_prefix
 from radixserve.text.tokenizer import Tokenizer
 
 EXCERPT_TOKENS = 16  # tokens of each text shown from the first difference on
+
+
+@dataclass(slots=True, frozen=True)
+class Reuse:
+    """Where a prompt's reused prefix came from and, when less than the cache held or nothing
+    was reused, why: `timings.reuse`, the log and `/slots`."""
+
+    tier: str  # slot, slot_share, ram, disk or none
+    n_tokens: int  # prompt tokens it gave (timings.cache_n)
+    n_held: int  # the longest prefix of the prompt any tier held (same cache_salt)
+    first_diff: int | None  # where the prompt left the best cached sequence (None: it did not)
+    cached_text: str | None  # that sequence's text from first_diff on (a short excerpt)
+    prompt_text: str | None  # the prompt's text from first_diff on
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,7 +60,7 @@ class Held:
         return self.n > other.n or (self.n == other.n and bool(self.more) and not other.more)
 
 
-def probe(prompt: Sequence[int], salt: str, slots: list[Slot], cache: PromptCache) -> Held:
+def probe(prompt: Sequence[int], salt: str, slots: Sequence[Holder], cache: PromptCache) -> Held:
     """What the slots and the host cache hold of `prompt` in namespace `salt`."""
     best = Held()
     for s in slots:

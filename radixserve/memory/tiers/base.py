@@ -2,7 +2,7 @@
 
 Caches hold KV; they never write the device pool. A restore is a hand-over: `load` returns what
 the cache holds for the prompt (a `Restore`: the tokens, their rows as `Segment`s in the pool's
-layout, the checkpoints that came with them) and the slot's KV owner (engine/slot_kv.py, the
+layout, the checkpoints that came with them) and the slot's KV owner (memory/seq_kv.py, the
 only writer of a slot's cells) writes the rows, then tells the cache how it went (`done`).
 
 Rules every backend keeps (SGLang-style contracts):
@@ -40,8 +40,8 @@ from typing import Protocol
 
 import torch
 
-from radixserve.kv.checkpoint import Checkpoint
-from radixserve.kv.pool import KVPool
+from radixserve.memory.checkpoint import Checkpoint
+from radixserve.memory.pool.pool import KVPool
 
 __all__ = ["STAT_NAMES", "DiskTierCache", "NullPromptCache", "PromptCache", "Restore", "Segment"]
 
@@ -173,7 +173,7 @@ class PromptCache(Protocol):
     def held(self, prompt: list[int], salt: str, n_more: int) -> tuple[int, list[int]]:
         """What the cache holds of `prompt` in namespace `salt` (whether restorable now or
         not): the longest stored prefix's length and up to `n_more` tokens the stored sequence
-        continues with past it ([]: it ends there). For the reuse report (engine/reuse.py)."""
+        continues with past it ([]: it ends there). For the reuse report (memory/miss_report.py)."""
         ...
 
     def pin(self, tokens: list[int], salt: str, seconds: float) -> bool:

@@ -2,7 +2,7 @@
 
 Layout (little-endian, byte tables in docs/FORMATS.md): the main part ("RXSL", u32 version 2,
 u32 salt length + the UTF-8 `cache_salt` of the KV, u32 n_tokens, i32 tokens[n], u64 state
-length + the sequence state of kv/state.py, u32 CRC-32 of everything before it); then the
+length + the sequence state of memory/pool/state.py, u32 CRC-32 of everything before it); then the
 checkpoint appendix ("SCKP", u32 version 1, u32 count, per checkpoint i64 n_tokens, i32 pos_min,
 i32 pos_max and three u64-length-prefixed buffers: target, draft, speculative); then the draft
 appendix ("SDFT", u32 version 1, u64-length-prefixed draft and speculative states; omitted when
@@ -31,7 +31,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from radixserve.kv.checkpoint import Checkpoint
+from radixserve.memory.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class SlotFileError(ValueError):
 @dataclass(slots=True)
 class SlotFile:
     tokens: list[int]
-    state: bytes  # kv/state.py sequence state (opaque here)
+    state: bytes  # memory/pool/state.py sequence state (opaque here)
     checkpoints: list[Checkpoint] = field(default_factory=list)
     draft: bytes = b""
     speculative: bytes = b""
@@ -109,7 +109,7 @@ def _lp(b: bytes) -> list[bytes]:
 
 
 def _salt_bytes(salt: str) -> bytes:
-    """As the disk tier names a namespace (cache/disk_block.py): surrogatepass, so any str a salt can
+    """As the disk tier names a namespace (memory/tiers/disk_block.py): surrogatepass, so any str a salt can
     be encodes, and decodes back to the same str."""
     return salt.encode("utf-8", "surrogatepass")
 

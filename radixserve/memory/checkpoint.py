@@ -38,7 +38,7 @@ class Checkpoint:
     n_tokens: int  # tokens held when it was taken: it restores the prefix of that many
     pos_min: int  # positions its sliding-layer KV covers
     pos_max: int
-    target: bytes  # `seal`ed kv/state.py state of the sliding layers only
+    target: bytes  # `seal`ed memory/pool/state.py state of the sliding layers only
     draft: bytes = b""  # a draft model's (none yet; carried through the formats)
     speculative: bytes = b""
     id_task: int = -1  # the task that made it; -1: restored from a cache or a file

@@ -1,7 +1,7 @@
 """`POST /slots/{id}?action=save|restore|erase`: llama-server's slot tasks, on the engine thread.
 
 Responses are llama-server's. Beyond it: file names must stay inside `--slot-save-path`
-(cache/slot_file.py), saves are atomic, a busy slot is refused with 409 instead of waiting, and a
+(memory/tiers/slot_file.py), saves are atomic, a busy slot is refused with 409 instead of waiting, and a
 restore checks the whole file (format, checksum, model fingerprint, tokens, positions, free
 cells) before it touches the slot, so a failed restore leaves the slot exactly as it was
 (llama-server clears it). A file keeps the `cache_salt` of the KV it holds and a restore puts
@@ -14,27 +14,27 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from radixserve.cache.slot_file import (
+from radixserve.memory.tiers.slot_file import (
     SlotFile,
     main_size,
     read_slot_file,
     resolve_in_dir,
     write_slot_file,
 )
-from radixserve.engine.task import TaskError, not_supported
-from radixserve.kv.pool import KVPool
-from radixserve.kv.state import (
+from radixserve.errors import TaskError, not_supported
+from radixserve.memory.pool.pool import KVPool
+from radixserve.memory.pool.state import (
     StateError,
     fingerprint_of,
     get_draft_state,
     get_state,
     parse_pool_state,
 )
-from radixserve.kv.swa import SWAPool
+from radixserve.memory.pool.swa import SWAPool
 
 if TYPE_CHECKING:
-    from radixserve.engine.scheduler import Scheduler
-    from radixserve.engine.slot import Slot
+    from radixserve.memory.holders import Holder
+    from radixserve.memory.manager import MemoryManager
 
 log = logging.getLogger(__name__)
 
@@ -47,21 +47,21 @@ def _bad(message: str) -> TaskError:
 
 
 def slot_action(
-    sched: Scheduler, id_slot: int, action: str, filename: str | None
+    mem: MemoryManager, id_slot: int, action: str, filename: str | None
 ) -> dict[str, Any]:
     """Run one slot action; raises TaskError (501 no save path, 400 bad request or unusable file,
     409 slot busy, 500 I/O failure while saving)."""
-    save_dir = sched.cfg.slot_save_path
+    save_dir = mem.cfg.slot_save_path
     if not save_dir:
         raise not_supported(NOT_SUPPORTED)
     if action not in ACTIONS:
         raise _bad("Invalid action")
-    if not 0 <= id_slot < len(sched.slots):
+    if not 0 <= id_slot < len(mem.slots):
         raise _bad("Invalid slot ID")
-    slot = sched.slots[id_slot]
+    slot = mem.slots[id_slot]
     if action == "erase":
         _check_idle(slot)
-        return _erase(sched, slot)
+        return _erase(mem, slot)
     if not filename:
         raise _bad('"filename" is required')
     try:
@@ -70,36 +70,36 @@ def slot_action(
         raise _bad(f"Invalid filename: {e}") from None
     _check_idle(slot)
     if action == "save":
-        return _save(sched, slot, filename, str(path))
-    return _restore(sched, slot, filename, str(path))
+        return _save(mem, slot, filename, str(path))
+    return _restore(mem, slot, filename, str(path))
 
 
-def _check_idle(slot: Slot) -> None:
+def _check_idle(slot: Holder) -> None:
     if slot.is_processing:
         raise TaskError(409, "invalid_request_error",
                         f"slot {slot.id} is processing a task; retry when it is idle")
 
 
-def _erase(sched: Scheduler, slot: Slot) -> dict[str, Any]:
+def _erase(mem: MemoryManager, slot: Holder) -> dict[str, Any]:
     n_erased = len(slot.kv)
     slot.kv.drop()
     log.info("slot %d: erased %d tokens", slot.id, n_erased)
     return {"id_slot": slot.id, "n_erased": n_erased}
 
 
-def _save(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str, Any]:
+def _save(mem: MemoryManager, slot: Holder, filename: str, path: str) -> dict[str, Any]:
     t0 = time.perf_counter()
-    pool, n = sched.pool, len(slot.tokens)
+    pool, n = mem.pool, len(slot.kv.tokens)
     if pool.seq_positions(slot.id) != list(range(n)):  # token i must sit at position i
         raise TaskError(500, "server_error",
                         f"Unable to save slot: its KV does not match its {n} tokens")
-    state = get_state(pool, slot.id, fingerprint_of(pool, sched.model.hp.arch))
+    state = get_state(pool, slot.id, fingerprint_of(pool, mem.arch))
     draft = b""
     if pool.draft is not None:  # the SDFT appendix: the draft model's rows, all of them
         slot.kv.complete_draft()
         draft = get_draft_state(pool, slot.id)
     try:
-        n_written = write_slot_file(path, SlotFile(list(slot.tokens), state,
+        n_written = write_slot_file(path, SlotFile(list(slot.kv.tokens), state,
                                                    list(slot.kv.checkpoints), draft=draft,
                                                    salt=slot.kv.salt))
     except IsADirectoryError:  # the client named a directory: its error, not the server's
@@ -115,10 +115,10 @@ def _save(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str, A
             "timings": {"save_ms": ms}}
 
 
-def _restore(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str, Any]:
+def _restore(mem: MemoryManager, slot: Holder, filename: str, path: str) -> dict[str, Any]:
     """All checks first, then the slot's KV is replaced. On failure: 400, the slot as it was."""
     t0 = time.perf_counter()
-    pool, seq = sched.pool, slot.id
+    pool, seq = mem.pool, slot.id
 
     def fail(reason: str) -> TaskError:
         log.warning("slot %d: restore of %r failed: %s", seq, filename, reason)
@@ -135,10 +135,10 @@ def _restore(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str
     n = len(sf.tokens)
     if n > slot.n_ctx:
         raise fail(f"Restored prompt does not fit in the slot context ({n} > {slot.n_ctx})")
-    n_vocab = sched.model.tokenizer.n_vocab
+    n_vocab = mem.tok.n_vocab
     if any(not 0 <= t < n_vocab for t in sf.tokens):
         raise fail("Invalid tokens in slot save file")
-    fp = fingerprint_of(pool, sched.model.hp.arch)
+    fp = fingerprint_of(pool, mem.arch)
     swa = pool if isinstance(pool, SWAPool) else None
     try:
         st = parse_pool_state(pool, sf.state, fp)
@@ -164,8 +164,7 @@ def _restore(sched: Scheduler, slot: Slot, filename: str, path: str) -> dict[str
     if sf.checkpoints and swa is None:
         log.info("slot %d: %d checkpoints in %r are not used (the model has no sliding "
                  "window)", seq, len(sf.checkpoints), filename)
-    if sched.host.cache.offer_every_drop:  # what the slot held stays reusable from the tree
-        sched.host.offer(slot)
+    mem.offer_before_drop(slot)  # what the slot held stays reusable from the tree
     # the restored KV is back in the cache namespace it was saved from (the file's
     # `cache_salt`; "" for a version-1 file): it serves requests of that salt and no other
     slot.kv.load_rows(list(sf.tokens), st.k, st.v, window,

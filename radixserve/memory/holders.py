@@ -1,0 +1,48 @@
+"""What memory/ reads of the engine's objects, as protocols: the engine's `Slot` and
+`CompletionTask` satisfy them by their shape, so this room never imports engine/.
+
+A holder is a slot: one pool sequence (its `kv`, the per-sequence owner, `SlotKV`) and the task
+it serves, if any. A request is what a task asks of the memory: the prompt, its cache
+namespace, the slot it names and whether it may reuse cached KV.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from radixserve.memory.seq_kv import SlotKV
+
+
+class Request(Protocol):
+    prompt_tokens: list[int]
+    cache_salt: str  # the cache namespace: KV of another salt never serves this prompt
+    id_slot: int  # -1: any slot
+    cache_prompt: bool  # false: compute the whole prompt (nothing reused)
+
+
+class Holder(Protocol):
+    kv: SlotKV
+    t_last_used: float
+    n_ctx: int  # the most tokens its KV may hold
+    prompt: list[int]  # the running task's prompt
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def is_processing(self) -> bool: ...
+
+    @property
+    def prefilling(self) -> bool:
+        """Computing its task's prompt."""
+        ...
+
+    @property
+    def task(self) -> object: ...
+
+
+class ModelIdentity(Protocol):
+    """A model as the disk tier keys its files: what the KV it computes depends on."""
+
+    def identity(self, cache_dir: str | None = None) -> bytes: ...

@@ -1,0 +1,255 @@
+"""The one object the engine sees of sequence memory: the pool, each slot's KV owner, the host
+tier (radix tree or llama.cpp's whole-prompt cache, or none), the disk tier under it, slot
+files, and the figures /metrics, /slots and /cache show.
+
+Every decision to save, offer, restore, share, pin or drop a slot's KV is taken here (or by
+the modules this one calls: the prefix planner, the host tier's triggers), never by the
+scheduler, which asks in scheduling terms: may this task start, which slot takes it, admit it
+(returns where its prefix came from), make room, the step is committed, the task ended or failed.
+The host cache backends are strategies behind this object; what differs between them (whether a
+hit is consumed, whether every drop is offered) is read here and nowhere outside memory/.
+
+Runs on the engine thread only, as everything it holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from radixserve.config import ServerConfig
+from radixserve.memory import miss_report
+from radixserve.memory.holders import Holder, Request
+from radixserve.memory.host_tier import HostTier
+from radixserve.memory.miss_report import Reuse
+from radixserve.memory.pool.pool import KVPool
+from radixserve.memory.pool.swa import SWAPool
+from radixserve.memory.prefix_plan import (PrefixPlan, choose_slot, pending_prefill,
+                                           salted_lcp, take_prefix)
+from radixserve.memory.slot_files import slot_action
+from radixserve.memory.tiers.base import DiskTierCache, PromptCache
+from radixserve.text.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class MemoryManager:
+    def __init__(self, cfg: ServerConfig, pool: KVPool, slots: Sequence[Holder], host: HostTier,
+                 tok: Tokenizer, arch: str, *, no_shift: bool) -> None:
+        """`slots`: the engine's slots, each holding one of this pool's sequences (read, never
+        changed here but through their `kv`); `no_shift`: KV is never shifted (a sliding
+        window keeps none to shift; deterministic mode never reuses KV computed for other
+        text), so `--cache-reuse` is off."""
+        self.cfg, self.pool, self.slots, self.host, self.tok = cfg, pool, slots, host, tok
+        self.arch = arch
+        self.swa = pool if isinstance(pool, SWAPool) else None
+        self.no_shift = no_shift
+        # the disk tier under the host cache: tasks wait (unslotted) while their blocks load
+        self.disk: DiskTierCache | None = host.cache.disk_tier()
+        self._disk_wait: dict[int, int] = {}  # task id -> disk ticket it waits for
+        self._from_disk: set[int] = set()  # task ids whose disk read ended (reuse report)
+        self._disk_asked: set[int] = set()  # task ids whose disk lookup was made
+
+    @property
+    def cache(self) -> PromptCache:
+        """The host cache backend (for its figures: stats(), name)."""
+        return self.host.cache
+
+    # -- admission ---------------------------------------------------------------------------
+    def must_wait(self, task: Request, task_id: int) -> bool:
+        """Whether `task` should wait rather than start now: another slot is computing a prefix
+        it would reuse, or its prompt's blocks are being read from disk."""
+        return pending_prefill(self.slots, task) is not None or self._awaits_disk(task, task_id)
+
+    def choose_slot(self, task: Request) -> tuple[Holder | None, bool]:
+        """llama-server's slot choice; the flag: the slot's content goes to the host cache
+        first (legacy rule). The slot may be busy (the task named it): the caller waits."""
+        return choose_slot(self.slots, task, self.cfg.slot_prompt_similarity)
+
+    def before_launch(self, slot: Holder) -> None:
+        """`--cache-idle-slots`, radix backend: the other idle slots are cached before the new
+        task plans its prefix, so it can already restore what they held."""
+        if self.host.cache.load_always:
+            self.host.cache_idle_slots(self.slots, exclude=slot)
+
+    def after_launch(self) -> None:
+        """`--cache-idle-slots`, legacy backend: llama.cpp caches the idle slots once the new
+        task took its slot."""
+        if not self.host.cache.load_always:
+            self.host.cache_idle_slots(self.slots)
+
+    def admit(self, slot: Holder, task: Request, task_id: int, *, update_cache: bool,
+              n_cache_reuse: int | None, prefer: Holder | None, slot_only: bool
+              ) -> tuple[PrefixPlan, Reuse]:
+        """Make `slot` hold the longest reusable prefix of the task's prompt (its own KV,
+        shifted chunks, another slot's cells, the host or disk tier), after saving what the
+        slot would lose. Returns the plan carried out and the reuse report.
+        `n_cache_reuse`: the task's own `--cache-reuse` (None: the server's); `prefer`: the
+        slot of an n_cmpl parent; `slot_only`: the KV stays out of the host tiers."""
+        from_disk = task_id in self._from_disk
+        self._from_disk.discard(task_id)
+        self._disk_asked.discard(task_id)
+        prompt, salt = task.prompt_tokens, task.cache_salt
+        if self.pool.unified:  # room for the whole prompt, so a cached prefix can be restored
+            while (self.pool.n_free + len(slot.kv) < len(prompt)
+                   and self.make_room(exclude=slot)):
+                pass
+        self.host.save_before_overwrite(slot, prompt, salt, update_cache)
+        n_reuse = self.cfg.cache_reuse if n_cache_reuse is None else n_cache_reuse
+        if n_reuse > 0 and self.no_shift:
+            if n_cache_reuse:  # llama-server's words where it cannot shift the cache
+                log.warning("cache reuse is not supported - ignoring n_cache_reuse = %d",
+                            n_reuse)
+            n_reuse = 0
+        host = self.host.consulted(update_cache)
+        loads = host.stats()["loads"] if host is not None and task.cache_prompt else None
+        held = miss_report.probe(prompt, salt, self.slots, self.host.cache)
+        plan = take_prefix(slot, prompt, self.slots, host, task.cache_prompt, n_reuse,
+                           prefer=prefer, salt=salt)
+        slot.kv.slot_only = slot_only
+        why = miss_report.report(held, plan, prompt, from_disk, self.tok)
+        if loads is not None and host is not None and host.stats()["loads"] == loads:
+            self.host.misses += 1
+        if update_cache:
+            self.host.cache.update()
+        return plan, why
+
+    def forget(self, task_id: int) -> None:
+        """A waiting task left: nothing of it is kept."""
+        self._disk_wait.pop(task_id, None)
+        self._from_disk.discard(task_id)
+        self._disk_asked.discard(task_id)
+
+    def _awaits_disk(self, task: Request, task_id: int) -> bool:
+        """Whether `task` waits for its prompt's blocks to come from disk into the radix tree
+        (the lookup is made once, when the task is first considered; off the engine thread)."""
+        if self.disk is None or not task.cache_prompt:
+            return False
+        if task_id not in self._disk_asked:
+            self._disk_asked.add(task_id)
+            prompt, salt = task.prompt_tokens, task.cache_salt
+            n_have = max((salted_lcp(s.kv, prompt, salt) for s in self.slots if s.kv.reusable),
+                         default=0)
+            ticket = self.disk.disk_lookup(prompt, salt, n_have)
+            if ticket is not None:
+                self._disk_wait[task_id] = ticket
+        return task_id in self._disk_wait
+
+    def poll_io(self) -> bool:
+        """Take finished disk reads into the radix tree; True when a waiting task may go on."""
+        if self.disk is None:
+            return False
+        done = set(self.disk.take_disk_loads())
+        if not done:
+            return False
+        # their prefixes are in the tree now, read from disk
+        self._from_disk |= {t for t, k in self._disk_wait.items() if k in done}
+        self._disk_wait = {t: k for t, k in self._disk_wait.items() if k not in done}
+        return True
+
+    # -- while tasks run ---------------------------------------------------------------------
+    def make_room(self, exclude: Holder | None = None) -> bool:
+        """llama-server's try_clear_idle_slots (unified KV): an idle slot's cells freed, its
+        KV kept by the host cache first. False when no idle slot held any."""
+        return self.host.clear_idle_slot(self.slots, exclude)
+
+    def offer_before_drop(self, slot: Holder) -> None:
+        """The slot's KV is about to be replaced (a slot file restored) or partly discarded and
+        never reused (a context shift): a backend that keeps every drop takes it first."""
+        if self.host.cache.offer_every_drop:
+            self.host.offer(slot)
+
+    def slide(self, slot: Holder, cache_prompt: bool) -> None:
+        """A step of `slot` is committed: a sliding window drops the KV no later token reads,
+        first saving into a write-through host tier (radix) what it lacks."""
+        kv = slot.kv
+        if kv.swa is None:
+            return
+        if (kv.window_unsaved() and self.host.cache.load_always and cache_prompt
+                and kv.reusable):
+            kv.save_to(self.host.cache)
+        kv.prune()
+
+    def release(self, slot: Holder, task: Request, task_id: int, pin_s: float,
+                answered: bool) -> None:
+        """The slot's task ended (`answered`: not cancelled): its KV stays in the slot (the
+        slot-level prompt cache), is written through to disk when there is a disk tier, and its
+        prompt is pinned in the tree for `pin_s` seconds when asked; shifted or flushed KV is
+        dropped, never reused."""
+        kv = slot.kv
+        kv.truncate(len(kv))  # cancelled mid-prompt: drop KV past the contiguous prefix
+        if not kv.reusable:
+            kv.drop()
+        elif (self.disk is not None or pin_s) and kv.save_to(self.host.cache):
+            # on disk now, not only when the slot is reused: a restart; pinned: in the tree
+            self.host.cache.update()
+        if pin_s and answered and kv.reusable and not self.host.cache.pin(
+                list(task.prompt_tokens), task.cache_salt, pin_s):
+            log.warning("slot %d: task %d's prompt (%d tokens) not pinned: over "
+                        "--cache-pin-mib, or not kept by the host cache", slot.id, task_id,
+                        len(task.prompt_tokens))
+
+    def drop(self, slot: Holder) -> None:
+        """The slot's task failed: its KV may be half-written, so none of it is kept."""
+        slot.kv.drop()
+
+    # -- the tiers as a whole ----------------------------------------------------------------
+    def flush(self) -> tuple[dict[str, int], Future[int] | None]:
+        """The admin flush of every tier: the disk tier's reads and writes in flight are
+        dropped first (so none lands in RAM afterwards) and its files go off the engine thread
+        (the future: files removed; None without a disk tier); then every slot's KV (a busy
+        slot's when its task ends) and the host cache. Returns what went."""
+        disk = None if self.disk is None else self.disk.disk_flush()
+        n_slots = 0
+        for s in self.slots:
+            if s.is_processing:
+                s.kv.flushed = True  # never reused nor saved: dropped when the task ends
+            elif not len(s.kv):
+                continue
+            else:
+                s.kv.drop()
+            n_slots += 1
+        nodes, n_bytes = self.host.cache.clear()
+        return {"slots": n_slots, "ram_entries": nodes, "ram_bytes": n_bytes}, disk
+
+    def tier_figures(self) -> dict[str, dict[str, float]]:
+        """Per cache tier: host RAM (when on) and disk (when on), for /metrics."""
+        out = {}
+        if self.host.cache.name != "none":
+            st = self.host.cache.stats()
+            out["ram"] = {"bytes": st["bytes"], "tokens": st["unique_tokens"],
+                          "hits": st["loads"], "misses": self.host.misses,
+                          "hit_tokens": st["hit_tokens"], "writes": st["saves"],
+                          "evictions": st["evictions"]}
+        if self.disk is not None:
+            out["disk"] = self.disk.disk_figures()
+        return out
+
+    def checkpoints(self) -> tuple[int, int]:
+        """Context checkpoints the slots keep: (count, bytes)."""
+        return (sum(len(s.kv.checkpoints) for s in self.slots),
+                sum(s.kv.checkpoint_bytes for s in self.slots))
+
+    def set_disk_wake(self, wake: Callable[[], None]) -> None:
+        """Have the disk tier (when on) call `wake` when a read ends, from its I/O thread."""
+        if self.disk is not None:
+            self.disk.set_disk_wake(wake)
+
+    def close(self) -> None:
+        """Let the disk tier finish its queued writes (a restart finds them)."""
+        if self.disk is not None:
+            self.disk.close()
+
+    def check(self) -> None:
+        """Every invariant of the memory: the pool's bookkeeping, each slot's KV against its
+        tokens, the host cache's (tests call this after every step)."""
+        self.pool.check()
+        for s in self.slots:
+            s.kv.check()
+        self.host.cache.check()
+
+    def slot_action(self, id_slot: int, action: str, filename: str | None) -> dict[str, Any]:
+        """`POST /slots/{id}?action=save|restore|erase` (memory/slot_files.py)."""
+        return slot_action(self, id_slot, action, filename)
