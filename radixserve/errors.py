@@ -15,7 +15,8 @@ class TaskError(Exception):
         self.status, self.type, self.message, self.extra = status, type_, message, extra
 
     def to_json(self) -> dict[str, Any]:
-        return {"error": {"code": self.status, "message": self.message, "type": self.type, **self.extra}}
+        return {"error": {"code": self.status, "message": self.message, "type": self.type,
+                          **self.extra}}
 
 
 def invalid_request(message: str) -> TaskError:

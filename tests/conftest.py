@@ -77,6 +77,7 @@ import gguf
 import pytest
 import torch
 
+from radixserve.memory.key import PromptKey
 from radixserve.memory.tiers.base import PromptCache
 from radixserve.memory.seq_kv import SlotKV
 from radixserve.memory.pool.pool import KVPool
@@ -147,8 +148,8 @@ def restore(cache: PromptCache, pool: KVPool, seq: int, slot_tokens: list[int],
     (`load`, given what the slot keeps), the slot's KV owner writes them. None: the cache had
     nothing better (the sequence untouched); else the tokens it holds now ([]: the restore
     failed, its cells removed)."""
-    got = cache.load(pool, seq, slot_tokens, prompt, salt=salt)
-    return None if got is None else SlotKV(pool, seq).write_restore(got, salt)
+    got = cache.load(pool, seq, slot_tokens, PromptKey(salt, prompt))
+    return None if got is None else SlotKV(pool, seq).write_restore(got)
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,8 @@
 """Admission and continuous batching: llama-server's update loop, minus what lives elsewhere.
 
-Runs on the engine thread only. Admission takes a task to a slot (`choose_slot`), lets the host
-tier stash what the slot is about to lose, and has the prefix planner decide and carry out where
-the prompt's prefix comes from. Each `step()` is schedule -> run -> postprocess: schedule
+Runs on the engine thread only. Sequence memory is the manager's (memory/manager.py): admission
+asks it which slot takes a task and has it make the slot hold the prompt's longest reusable
+prefix (saving what the slot would lose first); the scheduler never decides what is cached. Each `step()` is schedule -> run -> postprocess: schedule
 reserves cells for a decode token of every generating slot plus prompt chunks of prefilling
 slots (up to the batch budget) before anything runs, so a forward never runs out of cells
 half-way; run is one forward; postprocess commits the new KV, samples, and streams results out
@@ -13,14 +13,8 @@ tokens, discards n_discard after them and moves the rest left, through SlotKV.sh
 shifted KV is dropped when the task ends, never reused), and n_cmpl > 1 children, which wait
 until their parent's prompt is computed and then take its cells (prefix_plan's `prefer`).
 
-Sliding-window models (memory/pool/swa.py) add llama-server's context checkpoints: before a prompt
-chunk that starts a user message (chat prompts) or lies near the prompt's end, the slot's
-sliding KV is copied (`SlotKV.take_checkpoint`), and the chunking ends chunks before user
-messages and leaves the last n_ubatch + 4 and the last 4 prompt tokens to chunks of their own
-so those checkpoints land where a later prompt is likely to diverge. After each step the
-window drops what no later token reads; with the radix host tier it first saves what the tree
-lacks (write-through: the tree keeps every layer of every token, so it can serve any prefix
-later).
+Sliding-window models add llama-server's context checkpoints, placed by the memory manager
+(`checkpoint_chunk`: where a prompt chunk ends and whether one is taken before it runs).
 """
 
 from __future__ import annotations
@@ -29,7 +23,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -39,11 +32,10 @@ from radixserve.engine.batch import run, seq_step
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.slot import Slot, SlotState
 from radixserve.engine.speculative import Speculator
-from radixserve.engine.task import CompletionTask
+from radixserve.engine.task import CompletionTask, check_prompt
 from radixserve.errors import TaskError
 from radixserve.memory.manager import MemoryManager
 from radixserve.memory.miss_report import describe
-from radixserve.memory.pool.pool import OutOfCells
 from radixserve.model.forward import SeqStep
 from radixserve.model.loader import Model
 from radixserve.sampling.chain import Sampler, sample_batch
@@ -72,39 +64,15 @@ class Scheduler:
     def submit(self, task: CompletionTask, emit: Emit) -> None:
         task.id, self._next_id = self._next_id, self._next_id + 1
         try:
-            self._validate(task)
+            check_prompt(task.prompt_tokens, self.n_ctx_slot, self.tok.n_vocab, task.pooling)
+            if task.id_slot != -1 and not 0 <= task.id_slot < len(self.slots):
+                raise TaskError(400, "invalid_request_error", f"id_slot {task.id_slot} is "
+                                f"out of range [0, {len(self.slots)})")
         except TaskError as e:
             emit(e)
             return
         self.deferred.append((task, emit))
         self.launch_deferred()
-
-    def _validate(self, task: CompletionTask) -> None:
-        n = len(task.prompt_tokens)
-        if n == 0:
-            raise TaskError(400, "invalid_request_error", '"prompt" must not be empty')
-        # llama-server: an input pooled over all its rows may fill the context (nothing is
-        # generated); `last` pooling follows the completion rule
-        whole = task.pooling in ("none", "mean", "cls")
-        if whole and n > self.n_ctx_slot:
-            raise TaskError(
-                400, "exceed_context_size_error",
-                f"input ({n} tokens) is larger than the max context size "
-                f"({self.n_ctx_slot} tokens). skipping",
-                n_prompt_tokens=n, n_ctx=self.n_ctx_slot,
-            )
-        if n >= self.n_ctx_slot and not whole:
-            raise TaskError(
-                400, "exceed_context_size_error",
-                f"request ({n} tokens) exceeds the available context size "
-                f"({self.n_ctx_slot} tokens), try increasing it",
-                n_prompt_tokens=n, n_ctx=self.n_ctx_slot,
-            )
-        if any(not 0 <= t < self.tok.n_vocab for t in task.prompt_tokens):
-            raise TaskError(400, "invalid_request_error", "Prompt contains invalid tokens")
-        if task.id_slot != -1 and not 0 <= task.id_slot < len(self.slots):
-            raise TaskError(400, "invalid_request_error",
-                            f"id_slot {task.id_slot} is out of range [0, {len(self.slots)})")
 
     def cancel(self, task: CompletionTask) -> None:
         """Stop `task` (its client left): dropped while it waits, its slot freed while it runs,
@@ -146,17 +114,13 @@ class Scheduler:
             self.mem.after_launch()
         self.metrics.requests_deferred = len(self.deferred)
         self.metrics.requests_processing = sum(s.is_processing for s in self.slots)
-        self._count_checkpoints()
+        self.metrics.checkpoints, self.metrics.checkpoint_bytes = self.mem.checkpoints()
 
     def poll_io(self) -> None:
         """Take finished disk reads into the radix tree and let their tasks go on (the engine
         calls this on every turn of its loop; the disk tier wakes it when a read ends)."""
         if self.mem.poll_io():
             self.launch_deferred()
-
-    def _count_checkpoints(self) -> None:
-        if self.mem.swa is not None:
-            self.metrics.checkpoints, self.metrics.checkpoint_bytes = self.mem.checkpoints()
 
     def _launch(self, slot: Slot, task: CompletionTask, emit: Emit, update_cache: bool) -> None:
         try:
@@ -269,30 +233,14 @@ class Scheduler:
             self._fail(s, TaskError(500, "server_error", f"Compute error: {e}"))
 
     def _reserve(self, s: Slot, pos0: int, n: int) -> SeqStep | None:
-        """Cells for n tokens of `s` at pos0.. (an idle slot is cleared to find them), as the
-        forward's view of the slot; None when even that does not make room. A generating
-        slot's tokens are its pending one and its draft; cells drafting reserved already
-        are kept."""
-        kv = s.kv
-        if s.state is SlotState.PROCESSING_PROMPT:
-            tokens = s.prompt[pos0 : pos0 + n]
-        else:
-            assert s.pending is not None
-            tokens = [s.pending, *s.draft]
-        held = pos0
-        if s.state is SlotState.GENERATING:
-            held = max(pos0, self.pool.seq_pos_max(kv.seq) + 1)
-        cells: list[int] = []
-        while held < pos0 + n:
-            try:
-                cells = kv.reserve(held, pos0 + n - held)
-                break
-            except OutOfCells:
-                if not self.try_clear_idle_slots():
-                    return None
-        if held > pos0:  # some were reserved while drafting
-            cells = self.pool.cells_at(kv.seq, list(range(pos0, pos0 + n)))
-        return seq_step(self.pool, kv.seq, tokens, pos0, cells)
+        """The forward's view of `s` once the memory gave it cells for n tokens at pos0..
+        (a prompt chunk, or the pending token and its draft); None when it has no room."""
+        generating = s.state is SlotState.GENERATING
+        cells = self.mem.reserve(s, pos0, n, generating)
+        if cells is None:
+            return None
+        tokens = [s.pending, *s.draft] if generating else s.prompt[pos0 : pos0 + n]
+        return seq_step(self.pool, s.kv.seq, tokens, pos0, cells)  # type: ignore[list-item]
 
     def _schedule(self) -> list[tuple[Slot, SeqStep]]:
         """One decode token per generating slot (and its draft, speculative decoding), then
@@ -328,11 +276,13 @@ class Scheduler:
                 continue
             p0, p1 = s.todo[0]
             if s.kv.n_free() == 0 and not batch:  # nothing else can run: clearing alone helps
-                self.try_clear_idle_slots()
+                self.mem.make_room()
             take = min(p1 - p0, room, s.kv.n_free())
             if take > 0 and s.kv.n_checkpoints:
-                take = self._cut(s, p0, take)
-                self._checkpoint(s, p0, take)
+                take, made = self.mem.checkpoint_chunk(s, p0, take, s.task.user_starts,
+                                                       s.task.id)
+                self.metrics.checkpoints_created_total += made
+                self.metrics.checkpoints, self.metrics.checkpoint_bytes = self.mem.checkpoints()
             step = self._reserve(s, p0, take) if take > 0 else None
             if step is None:
                 starved.append(s)
@@ -345,39 +295,6 @@ class Scheduler:
                                              "Context size has been exceeded."))
             return self._schedule()
         return batch
-
-    def _cut(self, s: Slot, p0: int, take: int) -> int:
-        """llama-server's chunk breaks for checkpoints: a chunk ends before a user message's
-        start (the last one's, or any one when there is no checkpoint yet or it lies
-        checkpoint_min_step past the last), and the last min(n_batch, n_ubatch + 4) and the
-        last min(n_batch, 4) prompt tokens start chunks of their own."""
-        n, cks, step = len(s.prompt), s.kv.checkpoints, self.cfg.checkpoint_min_step
-        starts = s.task.user_starts
-        for u in starts:
-            if p0 < u < p0 + take and (u == starts[-1] or not cks
-                                       or u > cks[-1].n_tokens + step):
-                return u - p0
-        for n_last in (min(self.cfg.batch_size, self.cfg.ubatch_size + 4),
-                       min(self.cfg.batch_size, 4)):
-            if p0 < n - n_last < p0 + take:
-                return n - n_last - p0
-        return take
-
-    def _checkpoint(self, s: Slot, p0: int, take: int) -> None:
-        """llama-server's do_checkpoint, before the chunk [p0, p0 + take) runs: at a user
-        message's start or near the prompt's end, spaced checkpoint_min_step apart unless at
-        the last user message or near the end."""
-        kv, starts = s.kv, s.task.user_starts
-        near_end = len(s.prompt) < p0 + take + self.cfg.ubatch_size
-        if p0 != len(kv) or not (near_end or p0 in starts):
-            return
-        cks = kv.checkpoints
-        if not (not cks or near_end or (starts and p0 == starts[-1])
-                or p0 > cks[-1].n_tokens + self.cfg.checkpoint_min_step):
-            return
-        if kv.take_checkpoint(s.task.id) is not None:
-            self.metrics.checkpoints_created_total += 1
-            self._count_checkpoints()
 
     def _postprocess(self, batch: list[tuple[Slot, SeqStep]], hidden: torch.Tensor) -> None:
         now = time.perf_counter()
@@ -433,35 +350,13 @@ class Scheduler:
         for s, i, t in zip(to_sample, first, tokens):
             done = s.accept(t, logits[i], self.tok)
             if s.state is SlotState.GENERATING:
-                done = self._verify(s, t, done, logits[i + 1 : i + 1 + len(s.draft)])
+                if s.draft:
+                    assert self.spec is not None
+                    done = self.spec.verify(s, t, done, logits[i + 1 : i + 1 + len(s.draft)],
+                                            self.tok, self.metrics)
+                self.mem.slide(s, s.task.cache_prompt)
             if done:
                 self._finish(s)
-
-    def _verify(self, s: Slot, t: int, done: bool, logits: torch.Tensor) -> bool:
-        """Speculative decoding: the target sampled `t` after the pending token; while it
-        equals the next draft token, that token's KV is kept and the target's next row is
-        sampled in turn (llama.cpp's rule). The rest of the draft leaves the KV."""
-        n_acc = 0
-        for d, row in zip(s.draft, logits):
-            if done or t != d:
-                break
-            s.kv.commit(len(s.kv), [d])
-            n_acc += 1
-            t = sample_batch([s.sampler], row[None])[0]
-            done = s.accept(t, row, self.tok)
-        if s.draft:
-            s.kv.truncate(len(s.kv))  # rejected positions (their cells) go
-            s.n_drafted += len(s.draft)
-            s.n_draft_accepted += n_acc
-            m = self.metrics
-            m.n_draft_tokens_total += len(s.draft)
-            m.n_draft_accepted_total += n_acc
-            m.n_drafts_total += 1
-            assert self.spec is not None
-            self.spec.accepted(s, n_acc)
-        self.mem.slide(s, s.task.cache_prompt)
-        s.draft = []
-        return done
 
     def _finish(self, s: Slot, emit_final: bool = True) -> None:
         now = time.perf_counter()
@@ -485,12 +380,6 @@ class Scheduler:
         self.mem.drop(s)
         s.release()
 
-    def try_clear_idle_slots(self, exclude: Slot | None = None) -> bool:
-        return self.mem.make_room(exclude)
-
     def check(self) -> None:
         """Every invariant the engine keeps (tests call this after every step)."""
         self.mem.check()
-
-    def slots_json(self) -> list[dict[str, Any]]:
-        return [s.to_json() for s in self.slots]

@@ -10,8 +10,8 @@ target samples at its position - the same sampler, the same random draws, and (d
 mode) the same logits as without speculation: the output is identical, greedy or seeded, and
 the drafts only decide how many tokens one forward yields. Rejected positions leave the KV.
 
-With a draft model, its K/V lives in the target's cells (memory/pool/draft.py) and follows them through
-every tier; `SlotKV.n_draft` says how many of a slot's tokens have draft rows. The draft runs
+With a draft model, its K/V lives in the target's cells (memory/pool/draft.py) and follows
+them through every tier; `SlotKV.n_draft` says how many of a slot's tokens have draft rows. The draft runs
 every forward the target runs (`follow`, as llama.cpp's draft context processes every batch),
 writes the rows of the drafted positions while drafting, and computes whatever a restore did
 not bring (`sync`: a slot file whose draft part was dropped) before it drafts or is saved.
@@ -27,6 +27,7 @@ import torch
 
 from radixserve.config import ServerConfig, SpecConfig
 from radixserve.engine.batch import seq_step
+from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.ngram import NgramMod, ngram_simple_draft
 from radixserve.engine.slot import Slot
 from radixserve.memory.seq_kv import SlotKV
@@ -37,6 +38,8 @@ from radixserve.model.default_model import resolve_model_path
 from radixserve.memory.pool import kv_types
 from radixserve.model.forward import SeqStep
 from radixserve.model.loader import Model, load_model
+from radixserve.sampling.chain import sample_batch
+from radixserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 DRAFT_TOP_K = 10  # llama.cpp's draft sampler: top-k 10, the most likely token proposed
@@ -141,6 +144,30 @@ class Speculator:
         if jobs:
             out.update(self._draft_model(jobs))
         return out
+
+    def verify(self, s: Slot, t: int, done: bool, logits: torch.Tensor, tok: Tokenizer,
+               m: ServerMetrics) -> bool:
+        """Speculative decoding (`s.draft` not empty): the target sampled `t` after the pending
+        token; while it equals the next draft token, that token's KV is kept and the target's
+        next row is sampled in turn (llama.cpp's rule). The rest of the draft leaves the KV;
+        the caller then lets a sliding window slide."""
+        n_acc = 0
+        for d, row in zip(s.draft, logits):
+            if done or t != d:
+                break
+            s.kv.commit(len(s.kv), [d])
+            n_acc += 1
+            t = sample_batch([s.sampler], row[None])[0]
+            done = s.accept(t, row, tok)
+        s.kv.truncate(len(s.kv))  # rejected positions (their cells) go
+        s.n_drafted += len(s.draft)
+        s.n_draft_accepted += n_acc
+        m.n_draft_tokens_total += len(s.draft)
+        m.n_draft_accepted_total += n_acc
+        m.n_drafts_total += 1
+        self.accepted(s, n_acc)
+        s.draft = []
+        return done
 
     def accepted(self, slot: Slot, n_accepted: int) -> None:
         if self.mod is not None:

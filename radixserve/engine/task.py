@@ -2,8 +2,9 @@
 
 Handlers build a `CompletionTask` (tokens already computed, sampling parameters validated) and
 read `PartialResult`s and one `FinalResult` back; a failure arrives as `TaskError`
-(radixserve/errors.py) carrying the HTTP status and OpenAI error type. Nothing here holds tensors but an embedding task's result (a
-CPU f32 tensor the slot lets go of, turned into JSON off the engine thread).
+(radixserve/errors.py) carrying the HTTP status and OpenAI error type. Nothing here holds
+tensors but an embedding task's result (a CPU f32 tensor the slot lets go of, turned into JSON
+off the engine thread).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from radixserve.config import SpecConfig
+from radixserve.errors import TaskError, invalid_request
+from radixserve.memory.key import PromptKey
 from radixserve.memory.miss_report import Reuse
 from radixserve.sampling.chain import SamplingParams
 
@@ -66,6 +69,11 @@ class CompletionTask:
     # ("": a completion). Only `last` reads one row, so only it may reuse a cached prefix
     pooling: str = ""
     id: int = -1  # assigned by the engine
+    # the prompt as every cache tier keys it (its tokens under `cache_salt`), made once here
+    key: PromptKey = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.key = PromptKey(self.cache_salt, self.prompt_tokens)
 
 
 @dataclass(slots=True)
@@ -138,3 +146,27 @@ class FinalResult:
     # an embedding task's result, f32 [rows, n_embd]: one pooled row, or one per prompt token
     # (pooling none)
     embedding: torch.Tensor | None = None
+
+
+def check_prompt(tokens: list[int], n_ctx_slot: int, n_vocab: int,
+                 pooling: str | None = None) -> None:
+    """Reject a prompt that can never run: no tokens, unknown ids, or no room in a slot. As
+    llama-server, an input pooled over all its rows (embeddings: none, mean, cls) may fill the
+    context, since nothing is generated; anything else (completions, `last` pooling) must leave
+    room for one more token."""
+    n = len(tokens)
+    if n == 0:
+        raise invalid_request('"prompt" must not be empty')
+    if any(not 0 <= t < n_vocab for t in tokens):
+        raise invalid_request("Prompt contains invalid tokens")
+    if pooling in ("none", "mean", "cls"):
+        if n > n_ctx_slot:
+            raise TaskError(400, "exceed_context_size_error",
+                            f"input ({n} tokens) is larger than the max context size "
+                            f"({n_ctx_slot} tokens). skipping",
+                            n_prompt_tokens=n, n_ctx=n_ctx_slot)
+    elif n >= n_ctx_slot:
+        raise TaskError(400, "exceed_context_size_error",
+                        f"request ({n} tokens) exceeds the available context size "
+                        f"({n_ctx_slot} tokens), try increasing it",
+                        n_prompt_tokens=n, n_ctx=n_ctx_slot)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config import RequestDefaults, SpecConfig
-from radixserve.engine.task import CompletionTask
-from radixserve.errors import TaskError, invalid_request
+from radixserve.engine.task import CompletionTask, check_prompt
+from radixserve.errors import invalid_request
 from radixserve.http.fields import reject_unimplemented
 from radixserve.http.schemas import (
     ChatRequest,
@@ -149,24 +149,6 @@ def _one_prompt(prompt: Any, tok: Tokenizer) -> list[int]:
             raise invalid_request("a prompt object needs a string 'prompt_string'")
         return tok.encode(prompt["prompt_string"])
     return tokenize_mixed(prompt, tok, add_special=True, parse_special=True)
-
-
-def check_prompt(tokens: list[int], ctx: ParseContext) -> None:
-    """Reject what can never run: no tokens, unknown ids, or no room left to generate."""
-    if not tokens:
-        raise invalid_request('"prompt" must not be empty')
-    n_vocab = ctx.tokenizer.n_vocab
-    if any(not 0 <= t < n_vocab for t in tokens):
-        raise invalid_request("Prompt contains invalid tokens")
-    if len(tokens) >= ctx.n_ctx_slot:
-        raise TaskError(
-            400,
-            "exceed_context_size_error",
-            f"request ({len(tokens)} tokens) exceeds the available context size "
-            f"({ctx.n_ctx_slot} tokens), try increasing it",
-            n_prompt_tokens=len(tokens),
-            n_ctx=ctx.n_ctx_slot,
-        )
 
 
 def _first(req: GenerationRequest, *names: str) -> tuple[str, Any]:
@@ -457,7 +439,7 @@ def build_task(
     reject_unimplemented(req)
     prompts = [tokens] if prompts is None else prompts
     for p in prompts:
-        check_prompt(p, ctx)
+        check_prompt(p, ctx.n_ctx_slot, ctx.tokenizer.n_vocab)
     n_name, n_cmpl = _first(req, "n_cmpl", "n")
     n_cmpl = 1 if n_cmpl is None else n_cmpl
     if not 1 <= n_cmpl <= ctx.n_slots:

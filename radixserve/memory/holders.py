@@ -11,14 +11,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from radixserve.memory.key import PromptKey
     from radixserve.memory.seq_kv import SlotKV
 
 
 class Request(Protocol):
-    prompt_tokens: list[int]
-    cache_salt: str  # the cache namespace: KV of another salt never serves this prompt
     id_slot: int  # -1: any slot
     cache_prompt: bool  # false: compute the whole prompt (nothing reused)
+
+    @property
+    def key(self) -> PromptKey:
+        """The prompt and its cache namespace: KV of another namespace never serves it."""
+        ...
 
 
 class Holder(Protocol):

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 from radixserve.config import ServerConfig
 from radixserve.memory.holders import Holder, ModelIdentity
+from radixserve.memory.key import PromptKey
 from radixserve.memory.pool.pool import KVPool
 from radixserve.memory.pool.state import fingerprint_of
 from radixserve.memory.prefix_plan import salted_lcp
@@ -92,13 +93,12 @@ class HostTier:
         are not consumed), only when the slot is about to be overwritten for the legacy one."""
         return self.cache if update_cache or self.cache.load_always else None
 
-    def save_before_overwrite(self, slot: Holder, prompt: list[int], salt: str,
-                              update_cache: bool) -> None:
-        """Before `slot` takes `prompt` (of namespace `salt`): the radix tree is offered what
+    def save_before_overwrite(self, slot: Holder, key: PromptKey, update_cache: bool) -> None:
+        """Before `slot` takes the prompt `key`: the radix tree is offered what
         the slot holds whenever the prompt will not keep all of it (its last token is always
         computed); the legacy cache only when `update_cache` (llama.cpp's rule)."""
         if self.cache.offer_every_drop:
-            if min(salted_lcp(slot.kv, prompt, salt), len(prompt) - 1) >= len(slot.kv):
+            if min(salted_lcp(slot.kv, key), len(key) - 1) >= len(slot.kv):
                 return
         elif not update_cache:
             return

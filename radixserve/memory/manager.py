@@ -24,7 +24,7 @@ from radixserve.memory import miss_report
 from radixserve.memory.holders import Holder, Request
 from radixserve.memory.host_tier import HostTier
 from radixserve.memory.miss_report import Reuse
-from radixserve.memory.pool.pool import KVPool
+from radixserve.memory.pool.pool import KVPool, OutOfCells
 from radixserve.memory.pool.swa import SWAPool
 from radixserve.memory.prefix_plan import (PrefixPlan, choose_slot, pending_prefill,
                                            salted_lcp, take_prefix)
@@ -91,12 +91,12 @@ class MemoryManager:
         from_disk = task_id in self._from_disk
         self._from_disk.discard(task_id)
         self._disk_asked.discard(task_id)
-        prompt, salt = task.prompt_tokens, task.cache_salt
+        key = task.key
         if self.pool.unified:  # room for the whole prompt, so a cached prefix can be restored
-            while (self.pool.n_free + len(slot.kv) < len(prompt)
+            while (self.pool.n_free + len(slot.kv) < len(key)
                    and self.make_room(exclude=slot)):
                 pass
-        self.host.save_before_overwrite(slot, prompt, salt, update_cache)
+        self.host.save_before_overwrite(slot, key, update_cache)
         n_reuse = self.cfg.cache_reuse if n_cache_reuse is None else n_cache_reuse
         if n_reuse > 0 and self.no_shift:
             if n_cache_reuse:  # llama-server's words where it cannot shift the cache
@@ -105,11 +105,10 @@ class MemoryManager:
             n_reuse = 0
         host = self.host.consulted(update_cache)
         loads = host.stats()["loads"] if host is not None and task.cache_prompt else None
-        held = miss_report.probe(prompt, salt, self.slots, self.host.cache)
-        plan = take_prefix(slot, prompt, self.slots, host, task.cache_prompt, n_reuse,
-                           prefer=prefer, salt=salt)
+        held = miss_report.probe(key, self.slots, self.host.cache)
+        plan = take_prefix(slot, key, self.slots, host, task.cache_prompt, n_reuse, prefer)
         slot.kv.slot_only = slot_only
-        why = miss_report.report(held, plan, prompt, from_disk, self.tok)
+        why = miss_report.report(held, plan, key.tokens, from_disk, self.tok)
         if loads is not None and host is not None and host.stats()["loads"] == loads:
             self.host.misses += 1
         if update_cache:
@@ -129,10 +128,10 @@ class MemoryManager:
             return False
         if task_id not in self._disk_asked:
             self._disk_asked.add(task_id)
-            prompt, salt = task.prompt_tokens, task.cache_salt
-            n_have = max((salted_lcp(s.kv, prompt, salt) for s in self.slots if s.kv.reusable),
+            key = task.key
+            n_have = max((salted_lcp(s.kv, key) for s in self.slots if s.kv.reusable),
                          default=0)
-            ticket = self.disk.disk_lookup(prompt, salt, n_have)
+            ticket = self.disk.disk_lookup(key, n_have)
             if ticket is not None:
                 self._disk_wait[task_id] = ticket
         return task_id in self._disk_wait
@@ -150,10 +149,69 @@ class MemoryManager:
         return True
 
     # -- while tasks run ---------------------------------------------------------------------
+    def reserve(self, slot: Holder, pos0: int, n: int, generating: bool) -> list[int] | None:
+        """Cells for n tokens of `slot` at pos0.. before a batch runs, idle slots cleared (their
+        KV kept by the host cache) until they fit; None when even that does not make room.
+        `generating`: the tokens are the pending one and its draft, and cells drafting
+        reserved already are kept."""
+        kv = slot.kv
+        held = max(pos0, self.pool.seq_pos_max(kv.seq) + 1) if generating else pos0
+        cells: list[int] = []
+        while held < pos0 + n:
+            try:
+                cells = kv.reserve(held, pos0 + n - held)
+                break
+            except OutOfCells:
+                if not self.make_room():
+                    return None
+        if held > pos0:  # some were reserved while drafting
+            cells = self.pool.cells_at(kv.seq, list(range(pos0, pos0 + n)))
+        return cells
+
     def make_room(self, exclude: Holder | None = None) -> bool:
         """llama-server's try_clear_idle_slots (unified KV): an idle slot's cells freed, its
         KV kept by the host cache first. False when no idle slot held any."""
         return self.host.clear_idle_slot(self.slots, exclude)
+
+    def checkpoint_chunk(self, slot: Holder, p0: int, take: int, user_starts: Sequence[int],
+                         task_id: int) -> tuple[int, bool]:
+        """llama-server's context checkpoints (sliding window), for the prompt chunk of `take`
+        tokens at p0 about to be scheduled: where the chunk must end so checkpoints land where
+        a later prompt is likely to diverge, and whether one was taken before it runs. Returns
+        (the chunk's length, taken)."""
+        take = self._cut(slot, p0, take, user_starts)
+        return take, self._checkpoint(slot, p0, take, user_starts, task_id)
+
+    def _cut(self, s: Holder, p0: int, take: int, starts: Sequence[int]) -> int:
+        """A chunk ends before a user message's start (the last one's, or any one when there is
+        no checkpoint yet or it lies checkpoint_min_step past the last), and the last
+        min(n_batch, n_ubatch + 4) and the last min(n_batch, 4) prompt tokens start chunks of
+        their own."""
+        n, cks, step = len(s.prompt), s.kv.checkpoints, self.cfg.checkpoint_min_step
+        for u in starts:
+            if p0 < u < p0 + take and (u == starts[-1] or not cks
+                                       or u > cks[-1].n_tokens + step):
+                return u - p0
+        for n_last in (min(self.cfg.batch_size, self.cfg.ubatch_size + 4),
+                       min(self.cfg.batch_size, 4)):
+            if p0 < n - n_last < p0 + take:
+                return n - n_last - p0
+        return take
+
+    def _checkpoint(self, s: Holder, p0: int, take: int, starts: Sequence[int],
+                    task_id: int) -> bool:
+        """llama-server's do_checkpoint, before the chunk [p0, p0 + take) runs: at a user
+        message's start or near the prompt's end, spaced checkpoint_min_step apart unless at
+        the last user message or near the end."""
+        kv = s.kv
+        near_end = len(s.prompt) < p0 + take + self.cfg.ubatch_size
+        if p0 != len(kv) or not (near_end or p0 in starts):
+            return False
+        cks = kv.checkpoints
+        if not (not cks or near_end or (starts and p0 == starts[-1])
+                or p0 > cks[-1].n_tokens + self.cfg.checkpoint_min_step):
+            return False
+        return kv.take_checkpoint(task_id) is not None
 
     def offer_before_drop(self, slot: Holder) -> None:
         """The slot's KV is about to be replaced (a slot file restored) or partly discarded and
@@ -186,10 +244,10 @@ class MemoryManager:
             # on disk now, not only when the slot is reused: a restart; pinned: in the tree
             self.host.cache.update()
         if pin_s and answered and kv.reusable and not self.host.cache.pin(
-                list(task.prompt_tokens), task.cache_salt, pin_s):
+                task.key, pin_s):
             log.warning("slot %d: task %d's prompt (%d tokens) not pinned: over "
                         "--cache-pin-mib, or not kept by the host cache", slot.id, task_id,
-                        len(task.prompt_tokens))
+                        len(task.key))
 
     def drop(self, slot: Holder) -> None:
         """The slot's task failed: its KV may be half-written, so none of it is kept."""

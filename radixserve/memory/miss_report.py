@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.memory.holders import Holder
+from radixserve.memory.key import PromptKey
 from radixserve.memory.prefix_plan import PrefixPlan, Source
 from radixserve.memory.tiers.base import PromptCache
 from radixserve.memory.tiers.prefix import common_prefix
@@ -60,18 +61,19 @@ class Held:
         return self.n > other.n or (self.n == other.n and bool(self.more) and not other.more)
 
 
-def probe(prompt: Sequence[int], salt: str, slots: Sequence[Holder], cache: PromptCache) -> Held:
-    """What the slots and the host cache hold of `prompt` in namespace `salt`."""
+def probe(key: PromptKey, slots: Sequence[Holder], cache: PromptCache) -> Held:
+    """What the slots and the host cache hold of the prompt `key`, in its namespace."""
+    prompt = key.tokens
     best = Held()
     for s in slots:
         kv = s.kv
-        if not len(kv) or kv.salt != salt or not kv.reusable:
+        if not len(kv) or kv.salt != key.ns or not kv.reusable:
             continue
         n = common_prefix(kv.tokens, prompt)
         h = Held(n, tuple(kv.tokens[n:n + EXCERPT_TOKENS]))
         if h.better_than(best):
             best = h
-    n, more = cache.held(list(prompt), salt, EXCERPT_TOKENS)
+    n, more = cache.held(key, EXCERPT_TOKENS)
     h = Held(n, tuple(more))
     return h if h.better_than(best) else best
 

@@ -16,9 +16,9 @@ taken in this module from one measure (the longest common prefix, `common_prefix
 `apply_plan` carries a plan out through the slot's KV owner; when a source fails (a restore
 fault, no room for a copy) the caller plans again without it.
 
-Cache namespaces (a request's `cache_salt`): every common prefix measured here counts 0
-between a slot's KV (`SlotKV.salt`) and a prompt of another salt (`salted_lcp`, also what the
-scheduler's disk lookup measures; the same test guards the own prefix, its chunks and the
+Cache namespaces (a request's `cache_salt`, the `ns` of its `PromptKey`): every common prefix
+measured here counts 0 between a slot's KV (`SlotKV.salt`) and a prompt of another namespace
+(`salted_lcp`, also what the manager's disk lookup measures; the same test guards the own prefix, its chunks and the
 prefills worth waiting for), so no choice (slot, wait, own prefix, chunks, donor) ever reuses
 or favours another tenant's KV; the host cache is asked within the salt.
 """
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from radixserve.memory.checkpoint import Checkpoint
 from radixserve.memory.chunk_reuse import find_chunks
 from radixserve.memory.holders import Holder, Request
+from radixserve.memory.key import PromptKey
 from radixserve.memory.seq_kv import SlotKV
 from radixserve.memory.tiers.base import PromptCache
 from radixserve.memory.tiers.prefix import common_prefix
@@ -85,10 +86,10 @@ class PrefixPlan:
                 if s.source is Source.OWN and s.p0 >= self.n_prefix]
 
 
-def salted_lcp(kv: SlotKV, tokens: Sequence[int], salt: str) -> int:
-    """Tokens of `tokens` the slot's KV holds as a prefix, for a prompt of namespace `salt`:
-    0 across salts (that KV must neither serve the prompt nor steer a choice by it)."""
-    return common_prefix(kv.tokens, tokens) if kv.salt == salt else 0
+def salted_lcp(kv: SlotKV, key: PromptKey) -> int:
+    """Tokens of the prompt `key` the slot's KV holds as a prefix: 0 across namespaces (that KV
+    must neither serve the prompt nor steer a choice by it)."""
+    return common_prefix(kv.tokens, key.tokens) if kv.salt == key.ns else 0
 
 
 def choose_slot(slots: Sequence[Holder], task: Request, thold: float) -> tuple[Holder | None, bool]:
@@ -99,17 +100,18 @@ def choose_slot(slots: Sequence[Holder], task: Request, thold: float) -> tuple[H
     less than half of its tokens, or it was picked by LRU. The slot may be busy when the task
     named it: the caller then defers the task.
     """
-    prompt, salt = task.prompt_tokens, task.cache_salt
+    key = task.key
+    prompt = key.tokens
     if task.id_slot != -1:
         slot = slots[task.id_slot]
-        keep = salted_lcp(slot.kv, prompt, salt) / max(1, len(slot.kv))
+        keep = salted_lcp(slot.kv, key) / max(1, len(slot.kv))
         return slot, not len(slot.kv) or keep < 0.5
     best, f_best = None, 0.0
     if thold > 0:
         for slot in slots:
             if slot.is_processing or not len(slot.kv):
                 continue
-            f_sim = salted_lcp(slot.kv, prompt, salt) / len(prompt)
+            f_sim = salted_lcp(slot.kv, key) / len(prompt)
             if f_sim > f_best and f_sim > thold:
                 best, f_best = slot, f_sim
     if best is not None:
@@ -131,29 +133,29 @@ def pending_prefill(slots: Sequence[Holder], task: Request) -> Holder | None:
     for s in slots:
         # its KV was claimed for its task's salt at launch: another salt's prefix is no reason
         if (s.prefilling and s.task is not task
-                and s.kv.salt == task.cache_salt):
-            n = common_prefix(s.prompt, task.prompt_tokens)
+                and s.kv.salt == task.key.ns):
+            n = common_prefix(s.prompt, task.key.tokens)
             # wait until all of it is there (the last prompt token is always computed anyway)
-            if n >= SHARE_MIN_TOKENS and len(s.kv) < min(n, len(task.prompt_tokens) - 1):
+            if n >= SHARE_MIN_TOKENS and len(s.kv) < min(n, len(task.key) - 1):
                 return s
     return None
 
 
-def plan_prefix(slot: Holder, prompt: list[int], donors: Sequence[Holder], host: PromptCache | None,
-                cache_prompt: bool, n_reuse: int, prefer: Holder | None = None, *,
-                salt: str) -> PrefixPlan:
+def plan_prefix(slot: Holder, key: PromptKey, donors: Sequence[Holder],
+                host: PromptCache | None, cache_prompt: bool, n_reuse: int,
+                prefer: Holder | None = None) -> PrefixPlan:
     """The best source for the prompt's prefix, then `--cache-reuse` chunks, then compute.
 
     The host cache (when given) wins over the slot's own KV when it restores more; another
     slot wins when it holds SHARE_MIN_TOKENS more than both (`prefer`, the slot of an n_cmpl
     parent: when it holds any more). A slot whose KV was context-shifted is never a source, nor
-    is KV (own, another slot's, host-cached) of a cache namespace other than `salt`.
+    is KV (own, another slot's, host-cached) of a cache namespace other than the prompt's.
     """
-    n = len(prompt)
+    prompt, n = key.tokens, len(key)
     if not cache_prompt:
         return PrefixPlan([Span(0, n, Source.COMPUTE)], Source.COMPUTE)
     kv = slot.kv
-    own = kv.reusable and kv.salt == salt
+    own = kv.reusable and kv.salt == key.ns
     n_lcp = common_prefix(kv.tokens, prompt) if own else 0
     n_own, ckpt = kv.usable_prefix(min(n_lcp, n - 1))
     if n_lcp and not n_own:
@@ -162,13 +164,13 @@ def plan_prefix(slot: Holder, prompt: list[int], donors: Sequence[Holder], host:
                  kv.seq, n_lcp)
     source, n_src, donor = Source.OWN, n_own, None
     if host is not None:
-        n_host = host.match(kv.pool, kv.seq, kv.offered(prompt, salt), prompt, salt=salt)
+        n_host = host.match(kv.pool, kv.seq, kv.offered(key), key)
         if n_host > n_src:
             source, n_src = Source.HOST, n_host
     n_best = 0
     for other in donors:
         ok = other is not slot and len(other.kv) and other.kv.reusable
-        m = salted_lcp(other.kv, prompt, salt) if ok else 0
+        m = salted_lcp(other.kv, key) if ok else 0
         m, via = other.kv.usable_prefix(min(m, n - 1))
         m = 0 if via is not None else m  # only a window as it stands is shared
         if m > n_best or (m and m == n_best and other is prefer):
@@ -184,7 +186,7 @@ def plan_prefix(slot: Holder, prompt: list[int], donors: Sequence[Holder], host:
     spans = [Span(0, n_prefix, source)] if n_prefix else []
     if source is Source.OWN and n_reuse > 0 and own:
         spans += [Span(p, p + m, Source.OWN, c)
-                  for c, p, m in find_chunks(list(kv.tokens), prompt, n_prefix, n_reuse)]
+                  for c, p, m in find_chunks(list(kv.tokens), list(prompt), n_prefix, n_reuse)]
     if spans and spans[-1].p1 == n:  # the last prompt token is always computed
         last = spans.pop()
         if last.p1 - 1 > last.p0:
@@ -200,19 +202,18 @@ def plan_prefix(slot: Holder, prompt: list[int], donors: Sequence[Holder], host:
                       ckpt if source is Source.OWN and n_prefix else None)
 
 
-def apply_plan(kv: SlotKV, plan: PrefixPlan, prompt: list[int],
-               host: PromptCache | None, *, salt: str) -> bool:
+def apply_plan(kv: SlotKV, plan: PrefixPlan, key: PromptKey, host: PromptCache | None) -> bool:
     """Carry out `plan` through the slot's KV owner; False when its source failed (the slot
     then holds nothing; or what it held, for a legacy restore that failed its checks; or its
     prefix, for a shift without room).
 
     HOST only restores the cache's entry: a legacy entry may continue past the common prefix
     with chunks `--cache-reuse` can use, so the rest is planned again from the slot's own KV.
-    `salt`: the prompt's cache namespace, the one a HOST restore reads from.
+    A HOST restore reads from the prompt's namespace.
     """
     if plan.source is Source.HOST:
         assert host is not None
-        if not kv.restore_from(host, prompt, salt):
+        if not kv.restore_from(host, key):
             return False
         log.info("slot %d: restored %d tokens from the %s cache", kv.seq, len(kv), host.name)
         return True
@@ -225,22 +226,21 @@ def apply_plan(kv: SlotKV, plan: PrefixPlan, prompt: list[int],
         return True
     if kv.swa is not None:  # no chunks to shift: the window (or a checkpoint) and the prefix
         return kv.keep_prefix(plan.n_prefix, plan.checkpoint)
-    return kv.shift_chunks(prompt, plan.n_prefix, plan.chunks)
+    return kv.shift_chunks(list(key.tokens), plan.n_prefix, plan.chunks)
 
 
-def take_prefix(slot: Holder, prompt: list[int], slots: Sequence[Holder], host: PromptCache | None,
-                cache_prompt: bool, n_reuse: int, prefer: Holder | None = None, *,
-                salt: str) -> PrefixPlan:
+def take_prefix(slot: Holder, key: PromptKey, slots: Sequence[Holder],
+                host: PromptCache | None, cache_prompt: bool, n_reuse: int,
+                prefer: Holder | None = None) -> PrefixPlan:
     """Plan where the prompt's prefix comes from and make the slot hold it. A source that fails
     (a restore fault, no room for a copy or a shift) is left out and the plan made again; after
     a restore, the rest is planned from what the slot now holds. Returns the plan carried out;
-    the slot's KV then belongs to namespace `salt` (the prompt's `cache_salt`): this is where
-    a slot's KV starts belonging to a task."""
+    the slot's KV then belongs to the prompt's namespace (its `cache_salt`): this is where a
+    slot's KV starts belonging to a task."""
     donors, restored = slots, 0
     while True:
-        plan = plan_prefix(slot, prompt, donors, host, cache_prompt, n_reuse, prefer,
-                           salt=salt)
-        done = apply_plan(slot.kv, plan, prompt, host, salt=salt)
+        plan = plan_prefix(slot, key, donors, host, cache_prompt, n_reuse, prefer)
+        done = apply_plan(slot.kv, plan, key, host)
         if plan.source is Source.HOST:
             host = None
             if done:
@@ -248,7 +248,7 @@ def take_prefix(slot: Holder, prompt: list[int], slots: Sequence[Holder], host: 
                 restored = len(slot.kv)
             continue
         if done:
-            slot.kv.claim(salt)
+            slot.kv.claim(key)
             plan.restored = min(restored, plan.n_prefix)
             return plan
         if plan.source is Source.SLOT:

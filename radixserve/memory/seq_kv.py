@@ -12,7 +12,7 @@ Cells reserved for a forward (`reserve`) are the one transient exception: they a
 (`commit`) when the forward succeeded or dropped with the rest when it failed.
 
 Host-cache restores (`restore_from`): a cache never writes the pool. It hands its rows over
-(memory/tiers/base.py's `Restore`: segments of rows in the pool's layout, the tokens they are of, the
+(tiers/base.py's `Restore`: segments of rows in the pool's layout, the tokens they are of, the
 checkpoints that came with them) and this object writes them (`write_restore`); when writing
 fails part-way (a bad segment, out of cells, an injected fault) the cells written so far go,
 the slot is left empty and the cache is told, so it counts a fallback and releases its locks.
@@ -26,9 +26,9 @@ shift on; `save_to` refuses it, `share_from` refuses it as a donor (the prefix p
 offer it), and the scheduler drops it when the task ends (so no later request, host-cache save,
 idle-slot save or slot file ever sees it). `drop` makes the slot reusable again.
 
-Sliding-window models (memory/pool/swa.py): the sliding layers hold only the last n_swa positions, so a
+Sliding-window models (pool/swa.py): the sliding layers hold only the last n_swa positions, so a
 prefix of the tokens is usable only while the window still holds the keys its next token reads
-(`usable_prefix`), else from a context checkpoint (memory/checkpoint.py) this object keeps with the
+(`usable_prefix`), else from a context checkpoint (checkpoint.py) this object keeps with the
 tokens: taken before prompt chunks (`take_checkpoint`, llama.cpp's create_checkpoint rules),
 restored when a new prompt diverges where the window has gone (`keep_prefix`), and carried with
 the tokens into the host cache and slot files.
@@ -50,6 +50,7 @@ import torch
 from radixserve.memory.tiers.base import PromptCache, Restore, Segment
 from radixserve.memory.tiers.prefix import common_prefix
 from radixserve.memory.checkpoint import Checkpoint, seal, unseal
+from radixserve.memory.key import PromptKey
 from radixserve.memory.pool.pool import KVPool, OutOfCells
 from radixserve.memory.pool.state import (Fingerprint, StateError, get_swa_state, parse_swa_state,
                                   set_draft_state, set_swa_state, write_draft_rows, write_rows)
@@ -81,7 +82,7 @@ class SlotKV:
         self.checkpoints: list[Checkpoint] = []  # oldest first
         self.saved_upto = 0  # tokens a write-through host tier holds (memory/pool/swa.py, radix)
         self.salt = ""  # the cache namespace (`cache_salt`) of the KV held: see the docstring
-        # a draft model's rows (memory/pool/draft.py) are computed for positions < n_draft (may run past
+        # a draft model's rows (pool/draft.py) are computed for positions < n_draft (may run past
         # the tokens while drafting: cells reserved for a verification); `sync_draft` computes
         # the missing ones (engine/speculative.py), set by the scheduler when there is a draft
         self.n_draft = 0
@@ -116,11 +117,16 @@ class SlotKV:
         if not self.reusable or not self._tokens or self.slot_only:
             return False
         self.complete_draft()
-        if not cache.save(self.pool, self.seq, list(self._tokens), self.checkpoints,
-                          salt=self.salt):
+        if not cache.save(self.pool, self.seq, self.key, self.checkpoints):
             return False
         self.saved_upto = len(self._tokens)
         return True
+
+    @property
+    def key(self) -> PromptKey:
+        """The contiguous prefix held, under the namespace it belongs to (a copy of the
+        tokens: the key stays what it was when this KV changes)."""
+        return PromptKey(self.salt, list(self._tokens))
 
     def complete_draft(self) -> None:
         """Make the draft rows cover every token held (no-op without a draft model)."""
@@ -128,13 +134,13 @@ class SlotKV:
             self.sync_draft(self)
 
     # -- replacing the content ---------------------------------------------------------------
-    def claim(self, salt: str) -> None:
-        """The KV now serves a task of namespace `salt`: what the slot still holds must be that
-        salt's already (the prefix planner empties a slot of another salt's KV), so later saves,
-        shares and plans see the KV under the salt of the task that extends it."""
-        assert not self.n_held or self.salt == salt, \
+    def claim(self, key: PromptKey) -> None:
+        """The KV now serves the prompt `key`: what the slot still holds must be of its
+        namespace already (the prefix planner empties a slot of another namespace's KV), so
+        later saves, shares and plans see the KV under the namespace of the task extending it."""
+        assert not self.n_held or self.salt == key.ns, \
             f"slot {self.seq}: KV of another cache_salt kept for a task"
-        self.salt = salt
+        self.salt = key.ns
         self.slot_only = False
 
     def drop(self) -> None:
@@ -190,13 +196,14 @@ class SlotKV:
                 best, m_best = ck, m
         return m_best, best
 
-    def offered(self, prompt: Sequence[int], salt: str) -> list[int]:
-        """The tokens this slot offers a host cache as its own for a `prompt` of namespace
-        `salt`: all of them, but with a sliding window only the prefix it can reuse (a cache
+    def offered(self, key: PromptKey) -> list[int]:
+        """The tokens this slot offers a host cache as its own for the prompt `key`: all of
+        them, but with a sliding window only the prefix it can reuse (a cache
         must not decline to restore what the window has dropped); none for another salt (that
         KV will not be kept, so it must not make the cache decline either)."""
-        if salt != self.salt:
+        if key.ns != self.salt:
             return []
+        prompt = key.tokens
         if self.swa is None:
             return list(self._tokens)
         want = min(common_prefix(self._tokens, prompt), len(prompt) - 1)
@@ -307,18 +314,18 @@ class SlotKV:
         self.n_draft = min(donor.n_draft, n)  # the cells came with their draft rows
         return True
 
-    def restore_from(self, cache: PromptCache, prompt: list[int], salt: str) -> bool:
-        """Restore the host cache's best prefix of `prompt` from namespace `salt` (the cache
-        hands its rows over, this object writes them); False if it had none better (slot
+    def restore_from(self, cache: PromptCache, key: PromptKey) -> bool:
+        """Restore the host cache's best prefix of the prompt `key`, from its namespace (the
+        cache hands its rows over, this object writes them); False if it had none better (slot
         untouched) or the restore failed (slot emptied: the caller plans again)."""
-        got = cache.load(self.pool, self.seq, self.offered(prompt, salt), prompt, salt=salt)
+        got = cache.load(self.pool, self.seq, self.offered(key), key)
         if got is None:
             return False
-        return bool(self.write_restore(got, salt))
+        return bool(self.write_restore(got))
 
-    def write_restore(self, got: Restore, salt: str = "") -> list[int]:
-        """Replace the content with the rows a host cache handed over, as KV of namespace
-        `salt`; returns the tokens now held. Any error while writing (a bad segment, out of
+    def write_restore(self, got: Restore) -> list[int]:
+        """Replace the content with the rows a host cache handed over, as KV of the namespace
+        they were stored under; returns the tokens now held. Any error while writing (a bad segment, out of
         cells, an injected fault) removes the cells written so far: the slot then holds nothing
         and [] is returned. Either way the cache hears the outcome (`Restore.done`: it counts
         the load or the fallback, and releases what it locked)."""
@@ -332,7 +339,7 @@ class SlotKV:
             failed = e
         tokens = [] if failed is not None else list(got.tokens)
         self._tokens, self._ahead = tokens, []
-        self.salt = salt
+        self.salt = got.ns
         self.saved_upto = len(tokens) if got.kept else 0  # radix keeps what it gave
         self.n_draft = len(tokens)  # every tier restores the draft rows with the target's
         self.set_checkpoints(list(got.checkpoints) if tokens else [])

@@ -1,7 +1,7 @@
 """`POST /slots/{id}?action=save|restore|erase`: llama-server's slot tasks, on the engine thread.
 
 Responses are llama-server's. Beyond it: file names must stay inside `--slot-save-path`
-(memory/tiers/slot_file.py), saves are atomic, a busy slot is refused with 409 instead of waiting, and a
+(tiers/slot_file.py), saves are atomic, a busy slot is refused with 409 instead of waiting, and a
 restore checks the whole file (format, checksum, model fingerprint, tokens, positions, free
 cells) before it touches the slot, so a failed restore leaves the slot exactly as it was
 (llama-server clears it). A file keeps the `cache_salt` of the KV it holds and a restore puts

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from radixserve.memory.key import PromptKey
 from radixserve.memory.tiers.disk import DiskTier
 from radixserve.memory.tiers.disk_block import DIGEST, FILE_PERSON, SUFFIX, RowSpec, load_key
 from radixserve.memory.tiers.radix import RadixPromptCache
@@ -592,13 +593,13 @@ def test_radix_writes_through_and_a_new_cache_restores_from_disk(tmp_path):
     tokens = list(range(1, 15))  # 3 whole blocks
     cache, d = radix_over_disk(tmp_path)
     fill(pool, 0, tokens)
-    assert cache.save(pool, 0, tokens)
+    assert cache.save(pool, 0, PromptKey("", tokens))
     d.drain()
     assert d.figures()["writes"] == 3
     cache.close()
     fresh, d2 = radix_over_disk(tmp_path)  # a restart
     prompt = tokens + [77]
-    ticket = fresh.disk_lookup(prompt, "", 0)
+    ticket = fresh.disk_lookup(PromptKey("", prompt), 0)
     assert ticket is not None
     d2.drain()
     assert fresh.take_disk_loads() == [ticket]
@@ -606,8 +607,8 @@ def test_radix_writes_through_and_a_new_cache_restores_from_disk(tmp_path):
     assert restore(fresh, pool, 1, [], prompt) == tokens[:12]
     expect = torch.tensor(prefix_hashes(tokens)[:12])
     assert torch.equal(pool_rows(pool, 1), expect)
-    assert fresh.disk_lookup(prompt, "", 0) is None  # the tree has it now
-    assert fresh.disk_lookup(prompt, "other salt", 0) is not None  # another namespace
+    assert fresh.disk_lookup(PromptKey("", prompt), 0) is None  # the tree has it now
+    assert fresh.disk_lookup(PromptKey("other salt", prompt), 0) is not None  # another namespace
     fresh.check()
     fresh.close()
 
@@ -617,7 +618,7 @@ def test_evicted_leaves_reach_disk_and_come_back(tmp_path):
     cache, d = radix_over_disk(tmp_path)
     a = list(range(1, 10))
     fill(pool, 0, a)
-    cache.save(pool, 0, a)
+    cache.save(pool, 0, PromptKey("", a))
     d.drain()
     for f in files(tmp_path):  # as if write-through had been lost
         os.unlink(f)
@@ -626,9 +627,9 @@ def test_evicted_leaves_reach_disk_and_come_back(tmp_path):
     cache.update()  # evicts the leaf: its 2 whole blocks are written first
     d.drain()
     assert cache.tree.n_nodes == 0 and d.figures()["writes"] == 4
-    assert cache.disk_lookup(a + [5], "", 0) is None  # 1 byte of RAM: nothing worth reading
+    assert cache.disk_lookup(PromptKey("", a + [5]), 0) is None  # 1 byte of RAM: nothing worth reading
     cache.limit_bytes = 0
-    ticket = cache.disk_lookup(a + [5], "", 0)
+    ticket = cache.disk_lookup(PromptKey("", a + [5]), 0)
     d.drain()
     assert cache.take_disk_loads() == [ticket] and cache.tree.match(a).length == 8
     cache.check()
@@ -642,13 +643,13 @@ def test_disk_read_joins_what_the_tree_holds_now(tmp_path, keep):
     tokens = list(range(1, 18))
     cache, d = radix_over_disk(tmp_path)
     fill(pool, 0, tokens)
-    cache.save(pool, 0, tokens)
+    cache.save(pool, 0, PromptKey("", tokens))
     d.drain()
     cache.tree.clear()
-    ticket = cache.disk_lookup(tokens, "", 0)
+    ticket = cache.disk_lookup(PromptKey("", tokens), 0)
     if keep:
         fill(pool, 0, tokens[:keep])
-        cache.save(pool, 0, tokens[:keep])
+        cache.save(pool, 0, PromptKey("", tokens[:keep]))
     d.drain()
     cache.take_disk_loads()
     assert cache.tree.match(tokens).length == 16 and ticket

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixserve.memory.key import PromptKey
 from radixserve.memory.tiers.base import STAT_NAMES
 from radixserve.memory.tiers.legacy import LegacyPromptCache
 from radixserve.engine.batch import BatchSeq, forward
@@ -41,9 +42,9 @@ def test_dedupe_when_an_entry_already_covers_the_prompt(env):
     tr, pool, fp = env
     c = cache_for(pool, fp, None)
     fill(tr, pool, 0, T[:20])
-    assert c.save(pool, 0, T[:20])
+    assert c.save(pool, 0, PromptKey("", T[:20]))
     fill(tr, pool, 1, T[:10])
-    assert not c.save(pool, 1, T[:10])  # T[:10] is a prefix of a cached entry
+    assert not c.save(pool, 1, PromptKey("", T[:10]))  # T[:10] is a prefix of a cached entry
     assert len(c.states) == 1
     c.check()
 
@@ -52,9 +53,9 @@ def test_entry_larger_than_the_limit_is_skipped_without_evicting(env):
     tr, pool, fp = env
     c = cache_for(pool, fp, 15)
     fill(tr, pool, 0, U[:5])
-    assert c.save(pool, 0, U[:5])
+    assert c.save(pool, 0, PromptKey("", U[:5]))
     fill(tr, pool, 1, T[:20])
-    assert not c.save(pool, 1, T[:20])
+    assert not c.save(pool, 1, PromptKey("", T[:20]))
     assert [e.tokens for e in c.states] == [U[:5]] and c.counters["skipped"] == 1
     c.check()
 
@@ -63,9 +64,9 @@ def test_entries_covered_by_the_new_prompt_are_dropped(env):
     tr, pool, fp = env
     c = cache_for(pool, fp, None)
     fill(tr, pool, 0, T[:10])
-    c.save(pool, 0, T[:10])
+    c.save(pool, 0, PromptKey("", T[:10]))
     fill(tr, pool, 0, T[:20])
-    assert c.save(pool, 0, T[:20])
+    assert c.save(pool, 0, PromptKey("", T[:20]))
     assert [len(e.tokens) for e in c.states] == [20] and c.counters["evicted_obsolete"] == 1
     c.check()
 
@@ -75,14 +76,14 @@ def test_fifo_makes_room(env):
     c = cache_for(pool, fp, 45)
     for seq, toks in enumerate((T[:20], U[:20], W[:20])):
         fill(tr, pool, seq, toks)
-        assert c.save(pool, seq, toks)
+        assert c.save(pool, seq, PromptKey("", toks))
         c.check()
     assert [e.tokens[0] for e in c.states] == [U[0], W[0]]  # the oldest went first
     assert c.counters["evicted_fifo"] == 1
     assert c.size() <= c.limit_size
     # the figures every backend reports, under the same names: evictions are pressure only
     fill(tr, pool, 0, W[:30])
-    assert c.save(pool, 0, W[:30])  # W[:20] is obsolete now, and U[:20] has to go
+    assert c.save(pool, 0, PromptKey("", W[:30]))  # W[:20] is obsolete now, and U[:20] has to go
     s = c.stats()
     assert list(s) == list(STAT_NAMES) and all(isinstance(v, float) for v in s.values())
     assert s["nodes"] == s["terminal_nodes"] == 1 and s["bytes"] == c.size()
@@ -96,7 +97,7 @@ def test_memory_error_shrinks_limit_to_40_percent(env, monkeypatch):
     c = cache_for(pool, fp, None)
     for seq, toks in enumerate((T[:20], U[:20])):
         fill(tr, pool, seq, toks)
-        c.save(pool, seq, toks)
+        c.save(pool, seq, PromptKey("", toks))
     size_before = c.size()
 
     def boom(*a, **k):
@@ -104,7 +105,7 @@ def test_memory_error_shrinks_limit_to_40_percent(env, monkeypatch):
 
     monkeypatch.setattr(c, "_read_state", boom)
     fill(tr, pool, 2, W[:20])
-    assert not c.save(pool, 2, W[:20])
+    assert not c.save(pool, 2, PromptKey("", W[:20]))
     assert c.limit_size == int(0.4 * size_before)
     assert c.size() <= c.limit_size and c.counters["alloc_failures"] == 1
     c.check()
@@ -114,7 +115,7 @@ def test_load_skips_entries_with_f_keep_below_quarter(env):
     tr, pool, fp = env
     c = cache_for(pool, fp, None)
     fill(tr, pool, 0, T[:100])
-    c.save(pool, 0, T[:100])
+    c.save(pool, 0, PromptKey("", T[:100]))
     prompt = T[:20] + U[:10]  # lcp 20 -> f_keep = 0.2 for the 100-token entry
     assert restore(c, pool, 1, [], prompt) is None
     assert pool.seq_len(1) == 0 and len(c.states) == 1
@@ -128,7 +129,7 @@ def test_load_restores_the_entry_and_removes_it(env):
     k, v = pool.k[:, :, cells].clone(), pool.v[:, :, cells].clone()
     expect = forward(tr, pool, [BatchSeq(0, [U[0]], 30)])
     pool.seq_rm(0, 30)
-    c.save(pool, 0, T[:30])
+    c.save(pool, 0, PromptKey("", T[:30]))
     pool.seq_rm(0)
     fill(tr, pool, 1, U[:8])
     got_tokens = restore(c, pool, 1, U[:8], T[:30] + W[:5])
@@ -146,9 +147,9 @@ def test_load_needs_improvement_on_both_f_keep_and_f_sim(env):
     c = cache_for(pool, fp, None)
     prompt = T[:40]
     fill(tr, pool, 0, T[:30] + U[:70])  # lcp 30: f_keep 0.3, f_sim 0.75
-    c.save(pool, 0, T[:30] + U[:70])
+    c.save(pool, 0, PromptKey("", T[:30] + U[:70]))
     fill(tr, pool, 1, T[:20] + W[:5])  # lcp 20: f_keep 0.8, f_sim 0.5
-    c.save(pool, 1, T[:20] + W[:5])
+    c.save(pool, 1, PromptKey("", T[:20] + W[:5]))
     # slot holds T[:10] + U[:2]: f_keep 10/12 = 0.83, f_sim 0.25 -> nothing beats f_keep
     fill(tr, pool, 2, T[:10] + U[:2])
     assert restore(c, pool, 2, T[:10] + U[:2], prompt) is None
@@ -163,14 +164,14 @@ def test_update_enforces_bytes_then_soft_token_limit(env):
     c = cache_for(pool, fp, None, limit_tokens=50)  # no byte limit: tokens capped at 50
     for seq, toks in enumerate((T[:30], U[:30], W[:30])):
         fill(tr, pool, seq, toks)
-        c.save(pool, seq, toks)
+        c.save(pool, seq, PromptKey("", toks))
     c.update()
     assert c.n_tokens() <= 50 and c.counters["evicted_tokens"] == 2
     # with a byte limit the token limit rises to what the bytes allow
     c2 = LegacyPromptCache(100 * per_token(pool, fp), 50, fp)
     for seq, toks in enumerate((T[:30], U[:30], W[:30])):
         fill(tr, pool, seq, toks)
-        c2.save(pool, seq, toks)
+        c2.save(pool, seq, PromptKey("", toks))
     c2.update()
     assert c2.n_tokens() == 90 and c2.size() <= c2.limit_size
     c2.check()

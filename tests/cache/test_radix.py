@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from radixserve.memory.key import PromptKey
 from radixserve.memory.tiers import radix_tree
 from radixserve.memory.tiers.base import PromptCache
 from radixserve.memory.tiers.prefix import common_prefix as common_prefix_len
@@ -240,15 +241,15 @@ def test_save_copies_only_new_rows_and_never_touches_the_pool() -> None:
     pool = fake_pool()
     cache = RadixPromptCache(-1)
     fill(pool, 0, [1, 2, 3, 4])
-    assert cache.save(pool, 0, [1, 2, 3, 4])
+    assert cache.save(pool, 0, PromptKey("", [1, 2, 3, 4]))
     fill(pool, 0, [1, 2, 3, 7, 8])
     k0, v0, cells0 = pool.k.clone(), pool.v.clone(), pool.seq_cells(0)
-    assert cache.save(pool, 0, [1, 2, 3, 7, 8])
+    assert cache.save(pool, 0, PromptKey("", [1, 2, 3, 7, 8]))
     assert torch.equal(pool.k, k0) and torch.equal(pool.v, v0) and pool.seq_cells(0) == cells0
     cache.check()
     pool.check()
     assert cache.tree.bytes == 6 * BPT and cache.saves == 2
-    assert not cache.save(pool, 0, [])
+    assert not cache.save(pool, 0, PromptKey("", []))
 
 
 def test_save_rejects_tokens_without_kv() -> None:
@@ -256,7 +257,7 @@ def test_save_rejects_tokens_without_kv() -> None:
     cache = RadixPromptCache(-1)
     fill(pool, 0, [1, 2])
     with pytest.raises(ValueError):
-        cache.save(pool, 0, [1, 2, 3])
+        cache.save(pool, 0, PromptKey("", [1, 2, 3]))
     cache.check()
 
 
@@ -266,7 +267,7 @@ def test_failed_copy_out_leaves_cache_unchanged(monkeypatch: pytest.MonkeyPatch)
     pool = fake_pool()
     cache = RadixPromptCache(-1)
     fill(pool, 0, [1, 2, 3])
-    cache.save(pool, 0, [1, 2, 3])
+    cache.save(pool, 0, PromptKey("", [1, 2, 3]))
     before = snapshot(cache.tree)
 
     def fail(pool: KVPool, seq: int, p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,11 +275,11 @@ def test_failed_copy_out_leaves_cache_unchanged(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(radix, "_copy_out", fail)
     fill(pool, 0, [1, 2, 5, 6])
-    assert not cache.save(pool, 0, [1, 2, 5, 6])
+    assert not cache.save(pool, 0, PromptKey("", [1, 2, 5, 6]))
     assert snapshot(cache.tree) == before and cache.saves == 1
     cache.check()
     monkeypatch.undo()
-    assert cache.save(pool, 0, [1, 2, 5, 6])  # still usable
+    assert cache.save(pool, 0, PromptKey("", [1, 2, 5, 6]))  # still usable
     cache.check()
 
 
@@ -286,7 +287,7 @@ def test_repeated_hits_do_not_consume_the_match() -> None:
     pool = fake_pool(n_seq=3)
     cache = RadixPromptCache(-1)
     fill(pool, 0, [1, 2, 3, 4, 5])
-    cache.save(pool, 0, [1, 2, 3, 4, 5])
+    cache.save(pool, 0, PromptKey("", [1, 2, 3, 4, 5]))
     before = snapshot(cache.tree)
     for seq in (1, 2, 1):
         assert restore(cache, pool, seq, [], [1, 2, 3, 4, 9]) == [1, 2, 3, 4]
@@ -302,7 +303,7 @@ def test_load_only_when_better_than_slot_and_long_enough() -> None:
     pool = fake_pool()
     cache = RadixPromptCache(-1, min_restore_tokens=3)
     fill(pool, 0, [1, 2, 3, 4])
-    cache.save(pool, 0, [1, 2, 3, 4])
+    cache.save(pool, 0, PromptKey("", [1, 2, 3, 4]))
     fill(pool, 1, [1, 2, 3, 4])
     cells = pool.seq_cells(1)
     assert restore(cache, pool, 1, [1, 2, 3, 4], [1, 2, 3, 4, 5]) is None  # slot already has it
@@ -318,12 +319,12 @@ def test_byte_limit_evicts_on_save() -> None:
     cache = RadixPromptCache(limit_bytes=8 * BPT)
     for p in ([1, 1, 1, 1], [2, 2, 2, 2], [3, 3, 3, 3]):
         fill(pool, 0, p)
-        assert cache.save(pool, 0, p)
+        assert cache.save(pool, 0, PromptKey("", p))
         cache.check()
     assert stored_prompts(cache.tree) == {(2, 2, 2, 2), (3, 3, 3, 3)}
     assert cache.evictions == 1 and cache.evicted_tokens == 4
     fill(pool, 0, list(range(10, 19)))
-    assert not cache.save(pool, 0, list(range(10, 19)))  # alone bigger than the limit
+    assert not cache.save(pool, 0, PromptKey("", list(range(10, 19))))  # alone bigger than the limit
     cache.check()
 
 
@@ -334,20 +335,20 @@ def test_pins_survive_eviction_lapse_on_time_and_fit_their_budget() -> None:
 
     def save(p: list[int]) -> None:
         fill(pool, 0, p)
-        assert cache.save(pool, 0, p)
+        assert cache.save(pool, 0, PromptKey("", p))
         cache.check()
 
     save([1, 1, 1, 1])
-    assert cache.pin([1, 1, 1, 1], "", 100.0, now=t0)
-    assert not cache.pin([1, 1, 1, 1, 5], "", 100.0, now=t0)  # not stored whole: no pin
-    assert not cache.pin([1, 1, 1, 1], "other salt", 100.0, now=t0)
+    assert cache.pin(PromptKey("", [1, 1, 1, 1]), 100.0, now=t0)
+    assert not cache.pin(PromptKey("", [1, 1, 1, 1, 5]), 100.0, now=t0)  # not stored whole: no pin
+    assert not cache.pin(PromptKey("other salt", [1, 1, 1, 1]), 100.0, now=t0)
     for p in ([2, 2, 2, 2], [3, 3, 3, 3], [4, 4, 4, 4]):  # LRU would evict [1]*4 first
         save(p)
     assert (1, 1, 1, 1) in stored_prompts(cache.tree) and cache.evictions == 2
     st = cache.stats()
     assert (st["pins"], st["pinned_bytes"]) == (1, 4 * BPT)
     # a second pin over the budget (4 + 4 > 6 tokens' bytes): the oldest lapses
-    assert cache.pin([4, 4, 4, 4], "", 100.0, now=t0 + 1)
+    assert cache.pin(PromptKey("", [4, 4, 4, 4]), 100.0, now=t0 + 1)
     assert [p.end.tokens for p in cache.pins] == [[4, 4, 4, 4]] and cache.pins_lapsed == 1
     cache.check()
     # a pin past its time is released at the next update: then LRU applies again
@@ -358,9 +359,9 @@ def test_pins_survive_eviction_lapse_on_time_and_fit_their_budget() -> None:
     assert (4, 4, 4, 4) not in stored_prompts(cache.tree)
     # a prompt larger than the pin budget alone is not pinned; a flush drops pins with the rest
     save([7] * 7)
-    assert not cache.pin([7] * 7, "", 100.0)
+    assert not cache.pin(PromptKey("", [7] * 7), 100.0)
     save([8, 8])
-    assert cache.pin([8, 8], "", 100.0)
+    assert cache.pin(PromptKey("", [8, 8]), 100.0)
     cache.clear()
     assert cache.tree.bytes == 0 and not cache.pins
     cache.check()
@@ -370,7 +371,7 @@ def test_partitioned_pool_round_trip() -> None:
     pool = fake_pool(n_cells=16, n_seq=2, unified=False)
     cache = RadixPromptCache(-1)
     fill(pool, 0, [4, 5, 6])
-    cache.save(pool, 0, [4, 5, 6])
+    cache.save(pool, 0, PromptKey("", [4, 5, 6]))
     assert restore(cache, pool, 1, [], [4, 5, 6, 7]) == [4, 5, 6]
     assert pool_rows(pool, 1).tolist() == prefix_hashes([4, 5, 6])
     assert all(c >= 8 for c in pool.seq_cells(1))
@@ -381,7 +382,7 @@ def test_not_enough_cells_skips_without_touching_the_slot() -> None:
     pool = fake_pool(n_cells=12)
     cache = RadixPromptCache(-1)
     fill(pool, 0, list(range(8)))
-    cache.save(pool, 0, list(range(8)))
+    cache.save(pool, 0, PromptKey("", list(range(8))))
     fill(pool, 1, [50, 51])  # 2 + 2 free < 8
     assert restore(cache, pool, 1, [50, 51], list(range(9))) is None
     assert pool_rows(pool, 1).tolist() == prefix_hashes([50, 51])
@@ -394,7 +395,7 @@ def test_out_of_cells_during_restore_falls_back(monkeypatch: pytest.MonkeyPatch)
     cache = RadixPromptCache(-1)
     for p in (list(range(8)), [0, 1, 2, 99]):  # two segments: [0, 1, 2] and [3..7]
         fill(pool, 0, p)
-        cache.save(pool, 0, p)
+        cache.save(pool, 0, PromptKey("", p))
     pool.seq_rm(0)
     fill(pool, 0, [60] * 8)  # 4 cells left for seq 1
     before = snapshot(cache.tree)
@@ -410,7 +411,7 @@ def test_bad_segment_falls_back() -> None:
     pool = fake_pool()
     cache = RadixPromptCache(-1)
     fill(pool, 0, [1, 2, 3])
-    cache.save(pool, 0, [1, 2, 3])
+    cache.save(pool, 0, PromptKey("", [1, 2, 3]))
     other = fake_pool(head_dim=4)  # rows of another shape
     assert restore(cache, other, 1, [], [1, 2, 3]) == []
     assert other.seq_len(1) == 0 and cache.fallbacks == 1
@@ -425,7 +426,7 @@ def test_stats_and_log_line(caplog: pytest.LogCaptureFixture) -> None:
     assert proto.name == "radix"
     for p in ([1, 2, 3], [1, 2, 4, 5]):
         fill(pool, 0, p)
-        cache.save(pool, 0, p)
+        cache.save(pool, 0, PromptKey("", p))
     restore(cache, pool, 1, [], [1, 2, 4, 6])
     s = cache.stats()
     assert all(isinstance(v, float) for v in s.values())
@@ -457,7 +458,7 @@ def test_fault_hook_faults_only_the_first_restores() -> None:
     pool = fake_pool()
     cache = RadixPromptCache(-1, fault_after_tokens=2, fault_restores=1)
     fill(pool, 0, [1, 2, 3, 4])
-    cache.save(pool, 0, [1, 2, 3, 4])
+    cache.save(pool, 0, PromptKey("", [1, 2, 3, 4]))
     assert restore(cache, pool, 1, [], [1, 2, 3, 4, 5]) == [] and pool.seq_len(1) == 0
     assert restore(cache, pool, 1, [], [1, 2, 3, 4, 5]) == [1, 2, 3, 4]
     assert cache.stats()["fallbacks"] == 1 and cache.stats()["loads"] == 1
@@ -489,7 +490,7 @@ def test_cache_agrees_with_naive_model(ops: list[tuple[str, object]]) -> None:
         if op == "save":
             assert isinstance(arg, list)
             fill(pool, 0, arg)
-            if cache.save(pool, 0, arg):
+            if cache.save(pool, 0, PromptKey("", arg)):
                 saved.add(tuple(arg))
                 if cache.limit_bytes <= 0 or len(arg) * BPT <= cache.limit_bytes:
                     assert cache.tree.match(arg).length == len(arg)
@@ -531,12 +532,12 @@ def build(
     pool = make_pool(tr, n_cells=256, n_seq=3)
     cache = RadixPromptCache(-1, fault_after_tokens=fault)
     forward(tr, pool, [BatchSeq(0, P, 0, n_logits=0)])
-    assert cache.save(pool, 0, P)
+    assert cache.save(pool, 0, PromptKey("", P))
     for s in SPLITS[n_segments]:
         branch = P[:s] + [(P[s] + 1 + j) % 60 for j in range(4)]
         pool.seq_rm(2)
         forward(tr, pool, [BatchSeq(2, branch, 0, n_logits=0)])
-        assert cache.save(pool, 2, branch)
+        assert cache.save(pool, 2, PromptKey("", branch))
         cache.check()
     pool.seq_rm(2)
     assert len(cache.tree.match(P).path) == n_segments

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from radixserve.memory.key import PromptKey
 from radixserve.bench.scenarios import make_text
 from radixserve.memory.tiers.legacy import LegacyPromptCache
 from radixserve.config import ServerConfig
@@ -52,7 +53,7 @@ def plan(slot: Slot, prompt: list[int], salt: str, donors: list[Slot] | None = N
          host: Any = None, n_reuse: int = 0) -> Any:
     """take_prefix, then every invariant: the slot holds exactly the plan's reused KV, in the
     prompt's namespace."""
-    p = take_prefix(slot, prompt, donors or [], host, True, n_reuse, salt=salt)
+    p = take_prefix(slot, PromptKey(salt, prompt), donors or [], host, True, n_reuse)
     slot.kv.check()
     slot.kv.pool.check()
     assert sum(p1 - p0 for p0, p1 in p.todo) + slot.kv.n_held == len(prompt)
@@ -109,7 +110,7 @@ def test_waiting_for_a_prefill_only_within_the_salt() -> None:
     doc = list(range(500, 560))
     (busy, _) = slots_with(([], ""), ([], ""))
     running = _task(doc + [1], "a")
-    busy.kv.claim("a")
+    busy.kv.claim(PromptKey("a", []))
     busy.start(running, None, lambda _: None, [(0, len(doc) + 1)], 0)  # type: ignore[arg-type]
     assert pending_prefill([busy], _task(doc + [2], "a")) is busy
     assert pending_prefill([busy], _task(doc + [2], "b")) is None
@@ -127,11 +128,11 @@ def test_legacy_entries_match_only_their_salt() -> None:
     assert holder.kv.save_to(c) and c.states[0].salt == "a"
     # the same tokens under another salt are not "already cached": a second entry
     assert other.kv.save_to(c) and [e.salt for e in c.states] == ["a", "b"]
-    assert c.match(pool, 2, [], A + B + [1], salt="") == 0
-    assert c.load(pool, 2, [], A + B + [1], salt="") is None
-    assert c.match(pool, 2, [], A + B + [1], salt="a") == 60
+    assert c.match(pool, 2, [], PromptKey("", A + B + [1])) == 0
+    assert c.load(pool, 2, [], PromptKey("", A + B + [1])) is None
+    assert c.match(pool, 2, [], PromptKey("a", A + B + [1])) == 60
     # a longer prompt of salt "b" supersedes b's entry only
-    assert c.save(pool, 1, list(other.kv.tokens), salt="b") is False  # already cached
+    assert c.save(pool, 1, PromptKey("b", list(other.kv.tokens))) is False  # already cached
     p = plan(slot, A + B + [1, 2], "b", host=c)
     assert p.source is Source.OWN and p.n_reused == 60  # restored b's entry, then own KV
     assert [e.salt for e in c.states] == ["a"]  # consumed
@@ -153,7 +154,7 @@ def test_salt_follows_the_kv_through_every_writer() -> None:
     holder, slot = slots_with((A + B, "a"), ([], ""))
     c = legacy_cache(holder.kv.pool)
     assert holder.kv.save_to(c)
-    assert slot.kv.restore_from(c, A + B + [1], "a") and slot.kv.salt == "a"
+    assert slot.kv.restore_from(c, PromptKey("a", A + B + [1])) and slot.kv.salt == "a"
     slot.kv.drop()
     assert slot.kv.salt == ""
     assert slot.kv.share_from(holder.kv, 10) and slot.kv.salt == "a"
@@ -163,7 +164,7 @@ def test_salt_follows_the_kv_through_every_writer() -> None:
     slot.kv.load_rows([1, 2, 3], k, k)  # an unsalted (or version-1) file's: the shared one
     assert slot.kv.salt == ""
     with pytest.raises(AssertionError):
-        slot.kv.claim("a")  # KV of "" kept for a task of "a": the planner never does this
+        slot.kv.claim(PromptKey("a", []))  # KV of "" kept for a task of "a": the planner never does this
 
 
 # -- every tier on the default model ---------------------------------------------------------

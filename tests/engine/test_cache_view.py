@@ -15,7 +15,6 @@ from radixserve.config import ServerConfig
 from radixserve.memory.cache_view import PREVIEW, CacheView, snapshot
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.build import build_scheduler
-from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.slot import SlotState
 from radixserve.engine.task import CompletionTask, FinalResult
 from radixserve.model.loader import Model

@@ -30,7 +30,6 @@ from radixserve.memory.tiers.radix import RadixPromptCache
 from radixserve.config import ServerConfig
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.build import build_scheduler
-from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.task import CompletionTask, FinalResult
 from radixserve.errors import TaskError
 from radixserve.model.loader import Model, load_model
@@ -142,7 +141,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule()
     def clear_idle_slot(self) -> None:
-        self.sched.try_clear_idle_slots()
+        self.sched.mem.make_room()
 
     # -- what must hold ----------------------------------------------------------------------
     @invariant()

@@ -146,8 +146,8 @@ def test_disk_tier_after_a_restart_equals_no_cache_and_no_other_type_reads_it(
             continue
         o = sched(model, other, **disk)
         got = run_to_end(o, [greedy(prompts[0][1])])[0]
-        assert got.timings.cache_n == 0 and o.tier_figures()["disk"]["hits"] == 0
-        o.close()
+        assert got.timings.cache_n == 0 and o.mem.tier_figures()["disk"]["hits"] == 0
+        o.mem.close()
     s = sched(model, kv, **disk)
     rest = [row[q] for q in (1, 2) for row in prompts]
     finals = run_to_end(s, [greedy(p) for p in rest])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.memory.key import PromptKey
 from radixserve.memory.tiers.legacy import LegacyPromptCache
 from radixserve.memory.tiers.radix import RadixPromptCache
 from radixserve.memory.prefix_plan import (
@@ -39,7 +40,7 @@ def held_rows(slot: Slot) -> dict[int, int]:
 
 def run(slot: Slot, prompt: list[int], n_reuse: int = 0, cache_prompt: bool = True,
         donors: list[Slot] | None = None, host=None):
-    plan = take_prefix(slot, prompt, donors or [], host, cache_prompt, n_reuse, salt="")
+    plan = take_prefix(slot, PromptKey("", prompt), donors or [], host, cache_prompt, n_reuse)
     slot.kv.check()
     slot.kv.pool.check()
     # the KV held is the KV of the prompt's tokens at those positions, not just the positions
@@ -162,9 +163,9 @@ def test_host_cache_wins_when_it_restores_more_and_failure_empties_the_slot():
     faulty = RadixPromptCache(-1, fault_after_tokens=7)
     assert holder.kv.save_to(faulty)
     slot.kv.drop()
-    plan = plan_prefix(slot, doc + [3], [], faulty, True, 0, salt="")
+    plan = plan_prefix(slot, PromptKey("", doc + [3]), [], faulty, True, 0)
     assert plan.source is Source.HOST
-    assert not apply_plan(slot.kv, plan, doc + [3], faulty, salt="")
+    assert not apply_plan(slot.kv, plan, PromptKey("", doc + [3]), faulty)
     assert len(slot.kv) == 0 and slot.kv.pool.seq_len(1) == 0
     slot.kv.check()
     plan = run(slot, doc + [3], host=faulty, donors=[holder, slot])

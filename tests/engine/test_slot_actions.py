@@ -222,7 +222,8 @@ def test_restore_checks_tokens_positions_and_space(model: Model, tmp_path: Path)
     assert (snapshot(sched, 0), snapshot(sched, 1)) == before
     sched.pool.check()
     small = make_sched(model, tmp_path, ctx=64)  # partitioned: 32 cells per slot
-    assert "does not fit" in expect_error(400, slot_action, small, 0, "restore", "big.bin").message
+    e = expect_error(400, slot_action, small.mem, 0, "restore", "big.bin")
+    assert "does not fit" in e.message
 
 
 @dataclass
@@ -242,7 +243,7 @@ class Saved:
         before = snapshot(self.sched, 1)
         main_ok = len(data) >= self.main_end and data[: self.main_end] == self.good[: self.main_end]
         try:
-            res = slot_action(self.sched, 1, "restore", "v.bin")
+            res = self.sched.mem.slot_action(1, "restore", "v.bin")
         except TaskError as e:
             assert e.status == 400 and e.message.startswith("Unable to restore slot: ")
             assert snapshot(self.sched, 1) == before

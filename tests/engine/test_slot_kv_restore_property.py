@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 import radixserve.memory.seq_kv as slot_kv_module
 import radixserve.memory.pool.pool as pool_module
+from radixserve.memory.key import PromptKey
 from radixserve.memory.tiers.base import NullPromptCache, PromptCache, Restore, Segment
 from radixserve.memory.tiers.prefix import common_prefix
 from radixserve.memory.tiers.disk import DiskTier
@@ -201,7 +202,7 @@ def compute(kv: SlotKV, prompt: list[int], salt: str) -> None:
     n_lcp = min(common_prefix(kv.tokens, prompt), len(prompt) - 1)
     n, ck = kv.usable_prefix(n_lcp)
     assert kv.keep_prefix(n, ck)
-    kv.claim(salt)
+    kv.claim(PromptKey(salt, []))
     pool, seq = kv.pool, kv.seq
     try:
         cells = kv.reserve(n, len(prompt) - n)
@@ -325,16 +326,16 @@ ops = st.lists(
 def restore(kv: SlotKV, cache: PromptCache, prompt: list[int], salt: str) -> None:
     """One restore, checked against what `match` predicted and what the cache counted."""
     if isinstance(cache, RadixPromptCache) and cache.disk is not None:
-        ticket = cache.disk_lookup(prompt, salt, 0)  # the scheduler reads disk blocks first
+        ticket = cache.disk_lookup(PromptKey(salt, prompt), 0)  # the scheduler reads disk blocks first
         if ticket is not None:
             cache.disk.drain()
             cache.take_disk_loads()
             event("read from disk")
-    want = cache.match(kv.pool, kv.seq, kv.offered(prompt, salt), prompt, salt=salt)
+    want = cache.match(kv.pool, kv.seq, kv.offered(PromptKey(salt, prompt)), PromptKey(salt, prompt))
     before = (list(kv.tokens), kv.pool.seq_cells(kv.seq), kv.salt)
     s0 = cache.stats()
     fault = getattr(cache, "fault_after_tokens", None)
-    ok = kv.restore_from(cache, prompt, salt)
+    ok = kv.restore_from(cache, PromptKey(salt, prompt))
     s1 = cache.stats()
     event("restored" if ok else "nothing better" if want == 0 else "failed")
     if ok:
@@ -447,7 +448,7 @@ def test_the_guard_catches_a_cache_that_writes_the_pool(tiny_tr: Transformer) ->
     compute(a, [1, 2, 3, 4, 5], "")
     assert a.save_to(cache)
     with pytest.raises(RogueWrite, match="not from SlotKV"):
-        b.restore_from(cache, [1, 2, 3, 4, 5, 6], "")
+        b.restore_from(cache, PromptKey("", [1, 2, 3, 4, 5, 6]))
     assert guard.violations
     cache.tree.unlock(cache.tree.match([1, 2, 3, 4, 5]).path[-1])  # the aborted restore's lock
 
@@ -466,11 +467,11 @@ def test_a_fault_mid_restore_leaves_nothing_behind(tiny_tr: Transformer) -> None
     assert a.save_to(cache)  # two segments: [1, 2, 3] and the rest
     compute(b, [7, 7], "")
     n_free = pool.n_free + 2
-    assert not b.restore_from(cache, [1, 2, 3, 4, 5, 6, 0], "")
+    assert not b.restore_from(cache, PromptKey("", [1, 2, 3, 4, 5, 6, 0]))
     assert len(b) == 0 and pool.seq_len(1) == 0 and pool.n_free == n_free
     assert cache.fallbacks == 1 and cache.loads == 0
     check_all([a, b], cache, guard)
-    assert b.restore_from(cache, [1, 2, 3, 4, 5, 6, 0], "")
+    assert b.restore_from(cache, PromptKey("", [1, 2, 3, 4, 5, 6, 0]))
     assert list(b.tokens) == [1, 2, 3, 4, 5, 6] and b.saved_upto == 6 and b.n_draft == 6
     check_all([a, b], cache, guard)
 
@@ -487,7 +488,7 @@ def test_legacy_restore_is_take_and_delete_with_its_draft(tiny_tr: Transformer) 
     compute(a, list(range(10, 30)), "")
     assert a.save_to(cache) and len(cache.states) == 1
     compute(b, [5, 5, 5], "")
-    assert b.restore_from(cache, list(range(10, 30)) + [1], "")
+    assert b.restore_from(cache, PromptKey("", list(range(10, 30)) + [1]))
     assert list(b.tokens) == list(range(10, 30)) and not cache.states and b.saved_upto == 0
     assert cache.counters["loads"] == 1
     check_all([a, b], cache, guard)
@@ -495,7 +496,7 @@ def test_legacy_restore_is_take_and_delete_with_its_draft(tiny_tr: Transformer) 
     e = cache.states[0]
     e.draft = e.draft.replace(b":draft", b":drafx", 1)
     compute(a, [5, 5, 5], "")
-    assert not a.restore_from(cache, list(range(10, 30)) + [1], "")
+    assert not a.restore_from(cache, PromptKey("", list(range(10, 30)) + [1]))
     assert len(a) == 0 and pool.seq_len(0) == 0 and len(cache.states) == 1
     assert cache.stats()["fallbacks"] == 1
     check_all([a, b], cache, guard)

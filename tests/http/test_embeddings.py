@@ -321,7 +321,6 @@ def test_slots_let_go_of_rows_and_results(default_bf16: Model):
     cancelled half-way through its prompt (64-token chunks), or failed."""
     from radixserve.engine.counters import ServerMetrics
     from radixserve.engine.build import build_scheduler
-from radixserve.engine.scheduler import Scheduler
     from radixserve.engine.task import CompletionTask
     tok = default_bf16.tokenizer
     ids = tok.encode(TEXTS[1], add_special=True, parse_special=True)
@@ -368,7 +367,7 @@ def test_unknown_pooling_type_matters_only_with_embeddings(tmp_path):
     """A GGUF whose pooling_type llama.cpp does not know loads and completes; a server with
     --embeddings refuses to start on it unless --pooling says how to pool."""
     from radixserve.engine.counters import ServerMetrics
-    from radixserve.engine.scheduler import Scheduler
+    from radixserve.engine.build import build_scheduler
     from tests.tiny_gguf import write_tiny_gguf
     path = write_tiny_gguf(str(tmp_path / "odd.gguf"), pooling_type=9)
     odd = load_model(path, "f32")

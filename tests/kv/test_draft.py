@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixserve.memory.key import PromptKey
 from radixserve.memory.tiers.legacy import LegacyPromptCache
 from radixserve.memory.tiers.radix import RadixPromptCache
 from radixserve.engine.batch import BatchSeq, place
@@ -128,14 +129,14 @@ def test_legacy_entry_carries_and_counts_the_draft(tiny_tr, draft_tr):
     pool = pool_with_draft(tiny_tr, draft_tr, n_cells=256, n_seq=2)
     cache = LegacyPromptCache(0, 256, fingerprint_of(pool, tiny_tr.hp.arch))
     run(tiny_tr, draft_tr, pool, [BatchSeq(0, A, 0)])
-    assert cache.save(pool, 0, A)
+    assert cache.save(pool, 0, PromptKey("", A))
     e = cache.states[0]
     assert e.draft and e.size == len(e.data) + len(e.draft) and cache.size() == e.size
     want = drows(pool, 0)
     assert restore(cache, pool, 1, [], A + [1]) == A
     assert all(torch.equal(a, b) for a, b in zip(drows(pool, 1), want))
     # a draft part that does not load: neither part is restored, the entry stays
-    cache.save(pool, 1, A)
+    cache.save(pool, 1, PromptKey("", A))
     e = cache.states[0]
     e.draft = e.draft.replace(b":draft", b":drafx", 1)  # (same size: the counters hold)
     pool.seq_rm(0)
@@ -148,13 +149,13 @@ def test_radix_nodes_hold_draft_rows_through_splits(tiny_tr, draft_tr):
     pool = pool_with_draft(tiny_tr, draft_tr, n_cells=256, n_seq=2)
     cache = RadixPromptCache(0)
     run(tiny_tr, draft_tr, pool, [BatchSeq(0, A, 0)])
-    assert cache.save(pool, 0, A)
+    assert cache.save(pool, 0, PromptKey("", A))
     per_token = pool.bytes_per_cell + pool.draft.bytes_per_cell
     assert cache.tree.bytes == len(A) * per_token
     branch = A[:20] + B[:10]
     pool.seq_rm(0)
     run(tiny_tr, draft_tr, pool, [BatchSeq(0, branch, 0)])
-    assert cache.save(pool, 0, branch)  # splits A's edge at 20
+    assert cache.save(pool, 0, PromptKey("", branch))  # splits A's edge at 20
     assert cache.tree.bytes == (len(A) + 10) * per_token
     cache.check()
     want = fresh(tiny_tr, draft_tr, A)

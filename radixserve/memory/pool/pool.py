@@ -117,7 +117,7 @@ class KVPool:
             list(range(p * self.part_size, (p + 1) * self.part_size)) for p in range(n_part)
         ]
         self._n_free = n_cells
-        self.draft: DraftRows | None = None  # a draft model's rows of these cells (memory/pool/draft.py)
+        self.draft: DraftRows | None = None  # a draft model's rows of these cells (draft.py)
 
     # -- sizes ---------------------------------------------------------------------------
     @property

@@ -3,7 +3,7 @@
 Layout (little-endian): magic "RXKV", u32 version, fingerprint (u16-length-prefixed arch
 string, u32 n_layer, u32 n_head_kv, u32 head_dim, u16-length-prefixed dtype name), u32 n_tokens,
 i32 positions[n_tokens], then for each layer the K rows [n_head_kv, n_tokens, head_dim] and the
-V rows, in the pool's dtype. A sliding-window pool (memory/pool/swa.py) appends a second such block for its
+V rows, in the pool's dtype. A sliding-window pool (swa.py) appends a second such block for its
 sliding layers (arch suffixed ":swa", the window's positions only), as llama.cpp's iSWA state
 writes the base cache then the SWA cache; a context checkpoint is that second block alone.
 `set_state` validates everything (sizes, fingerprint, positions, free cells) before it touches

@@ -41,6 +41,7 @@ from typing import Protocol
 import torch
 
 from radixserve.memory.checkpoint import Checkpoint
+from radixserve.memory.key import PromptKey
 from radixserve.memory.pool.pool import KVPool
 
 __all__ = ["STAT_NAMES", "DiskTierCache", "NullPromptCache", "PromptCache", "Restore", "Segment"]
@@ -78,8 +79,8 @@ class DiskTierCache(Protocol):
     prompt's blocks (into the cache when they end), an admin flush, figures for /metrics, and
     the callback a finished read calls (from the tier's I/O thread)."""
 
-    def disk_lookup(self, prompt: list[int], salt: str, n_have: int) -> int | None:
-        """Start reading the blocks of `prompt` the cache lacks past `n_have` tokens; a ticket
+    def disk_lookup(self, key: PromptKey, n_have: int) -> int | None:
+        """Start reading the blocks of `key` the cache lacks past `n_have` tokens; a ticket
         to wait for, or None when nothing is to be read."""
         ...
 
@@ -124,10 +125,12 @@ class Restore:
     """What `PromptCache.load` hands over: once every segment is written, the sequence holds
     `tokens` (token i at position i). Iterating `segments` may raise (a bad segment, an injected
     fault): the restore failed. `kept`: the cache still holds these tokens afterwards (a
-    non-consuming backend), so a write-through save need not copy them again."""
+    non-consuming backend), so a write-through save need not copy them again. `ns`: the cache
+    namespace they were stored under (the slot's KV then belongs to it)."""
 
     tokens: list[int]
     segments: Iterable[Segment]
+    ns: str = ""
     checkpoints: list[Checkpoint] = field(default_factory=list)
     kept: bool = False
     on_done: Callable[[BaseException | None], None] | None = None
@@ -151,33 +154,33 @@ class PromptCache(Protocol):
     # when a new prompt keeps less than half of it (llama.cpp's rule for whole-prompt entries)
     offer_every_drop: bool
 
-    def save(self, pool: KVPool, seq: int, tokens: list[int],
-             checkpoints: Sequence[Checkpoint] = (), salt: str = "") -> bool:
-        """Copy `seq`'s KV (token i at position i) into the cache under namespace `salt`, with
-        the sequence's context checkpoints where the backend keeps them; False if skipped."""
+    def save(self, pool: KVPool, seq: int, key: PromptKey,
+             checkpoints: Sequence[Checkpoint] = ()) -> bool:
+        """Copy `seq`'s KV (`key.tokens`, token i at position i) into the cache under
+        `key.ns`, with the sequence's context checkpoints where the backend keeps them; False
+        if skipped."""
         ...
 
-    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
-              salt: str = "") -> int:
-        """Tokens of `prompt` that `load` would hand over for `seq` now from namespace `salt`
-        (0: none); modifies nothing."""
+    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], key: PromptKey) -> int:
+        """Tokens of the prompt `key` that `load` would hand over for `seq` now (0: none);
+        modifies nothing."""
         ...
 
-    def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
-             salt: str = "") -> Restore | None:
-        """A better prefix of `prompt` than `slot_tokens` (what `seq` keeps) from namespace
-        `salt`, as rows for `seq` to hold in place of its own, locked until `Restore.done`;
+    def load(self, pool: KVPool, seq: int, slot_tokens: list[int],
+             key: PromptKey) -> Restore | None:
+        """A better prefix of the prompt `key` than `slot_tokens` (what `seq` keeps), stored
+        under its namespace, as rows for `seq` to hold in place of its own, locked until `Restore.done`;
         None if the cache has none (or `seq` could not hold it). The pool is only read."""
         ...
 
-    def held(self, prompt: list[int], salt: str, n_more: int) -> tuple[int, list[int]]:
-        """What the cache holds of `prompt` in namespace `salt` (whether restorable now or
+    def held(self, key: PromptKey, n_more: int) -> tuple[int, list[int]]:
+        """What the cache holds of the prompt `key` in its namespace (whether restorable now or
         not): the longest stored prefix's length and up to `n_more` tokens the stored sequence
         continues with past it ([]: it ends there). For the reuse report (memory/miss_report.py)."""
         ...
 
-    def pin(self, tokens: list[int], salt: str, seconds: float) -> bool:
-        """Keep the stored `tokens` from eviction for `seconds` (`prompt_cache_retention`);
+    def pin(self, key: PromptKey, seconds: float) -> bool:
+        """Keep the stored `key` from eviction for `seconds` (`prompt_cache_retention`);
         False where the backend keeps no pins or they did not fit its pin budget."""
         ...
 
@@ -209,22 +212,21 @@ class NullPromptCache:
     load_always = False
     offer_every_drop = False
 
-    def held(self, prompt: list[int], salt: str, n_more: int) -> tuple[int, list[int]]:
+    def held(self, key: PromptKey, n_more: int) -> tuple[int, list[int]]:
         return 0, []
 
-    def pin(self, tokens: list[int], salt: str, seconds: float) -> bool:
+    def pin(self, key: PromptKey, seconds: float) -> bool:
         return False
 
-    def save(self, pool: KVPool, seq: int, tokens: list[int],
-             checkpoints: Sequence[Checkpoint] = (), salt: str = "") -> bool:
+    def save(self, pool: KVPool, seq: int, key: PromptKey,
+             checkpoints: Sequence[Checkpoint] = ()) -> bool:
         return False
 
-    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
-              salt: str = "") -> int:
+    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], key: PromptKey) -> int:
         return 0
 
-    def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
-             salt: str = "") -> Restore | None:
+    def load(self, pool: KVPool, seq: int, slot_tokens: list[int],
+             key: PromptKey) -> Restore | None:
         return None
 
     def update(self) -> None:

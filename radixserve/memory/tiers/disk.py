@@ -7,7 +7,7 @@ L3 and LMCache do this for SGLang and vLLM).
 - Unit: a block of `block` tokens at positions [j*block, (j+1)*block), every layer's K/V rows
   (a draft model's too), whatever radix edges the tokens lie on. Fixed, aligned blocks make a
   prefix's files findable from the tokens alone, with no index another process must share.
-- Names, bytes, checks and the trust model of one block file: memory/tiers/disk_block.py (a file that
+- Names, bytes, checks and the trust model of one block file: disk_block.py (a file that
   does not check out is a miss and is removed: never an error, never wrong KV).
 - Writes go to a temporary file then `os.replace`: readers in any process see a whole file or
   none. Readers tolerate eviction by others: a file gone between lookup and open is a miss.

@@ -1,4 +1,4 @@
-"""One block file of the disk tier (memory/tiers/disk.py): its name, its bytes, the checks it must pass,
+"""One block file of the disk tier (disk.py): its name, its bytes, the checks it must pass,
 and the owner-only way it is written (docs/FORMATS.md §3, docs/SECURITY.md).
 
 - Name of block j: key(-1) = H(model fingerprint, salt), key(j) = H(key(j-1), tokens of block

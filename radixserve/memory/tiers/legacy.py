@@ -4,9 +4,9 @@ Each entry is one slot's whole sequence (tokens + state bytes, plus its context 
 counted in the entry's size as llama.cpp counts them, and a draft model's state of the same
 tokens when there is one, restored together with the target's or not at all). Hits
 are consumed: a loaded entry moves into the slot and leaves the cache. This is what
-llama-server users know, and the baseline the radix backend is measured against. Rules and their reasons: shared/DESIGN.md and seeds/000_*.txt.
+llama-server users know, and the baseline the radix backend is measured against.
 
-Namespaces (a request's `cache_salt`, memory/tiers/base.py): each entry carries the salt it was saved
+Namespaces (a request's `cache_salt`, base.py): each entry carries the salt it was saved
 under; a load considers only entries of the prompt's salt, and the save rules that compare
 entries with the new prompt (already cached: skip; a prefix of it: obsolete) compare it only
 with entries of its own salt. The limits and FIFO order stay shared: one RAM budget.
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from radixserve.memory.tiers.base import Restore, Segment, stats_dict
 from radixserve.memory.tiers.prefix import common_prefix
 from radixserve.memory.checkpoint import Checkpoint
+from radixserve.memory.key import PromptKey
 from radixserve.memory.pool.pool import KVPool, OutOfCells
 from radixserve.memory.pool.state import (Fingerprint, ParsedState, StateError, check_room,
                                   draft_state_size, get_draft_state, get_state, parse_draft_rows,
@@ -92,11 +93,11 @@ class LegacyPromptCache:
             self._evicted_tokens += len(e.tokens)
 
     # -- the three operations ------------------------------------------------------------------
-    def alloc(self, tokens: list[int], size: int,
-              checkpoints: Sequence[Checkpoint] = (), salt: str = "") -> CacheEntry | None:
-        """A new entry for `tokens` (state of `size` bytes) in namespace `salt`, or None if it
-        should not be cached. Only entries of the same salt can make it redundant or be made
+    def alloc(self, key: PromptKey, size: int,
+              checkpoints: Sequence[Checkpoint] = ()) -> CacheEntry | None:
+        """A new entry for `key` (state of `size` bytes), or None if it should not be cached. Only entries of the same salt can make it redundant or be made
         obsolete by it: another salt's copy of the same tokens is not reachable from this one."""
+        tokens, salt = key.tokens, key.ns
         same = [e for e in self.states if e.salt == salt]
         for e in same:
             if common_prefix(e.tokens, tokens) == len(tokens):
@@ -116,8 +117,9 @@ class LegacyPromptCache:
             self._pop_front("fifo")
         return CacheEntry(tokens=list(tokens), salt=salt, checkpoints=list(checkpoints))
 
-    def save(self, pool: KVPool, seq: int, tokens: list[int],
-             checkpoints: Sequence[Checkpoint] = (), salt: str = "") -> bool:
+    def save(self, pool: KVPool, seq: int, key: PromptKey,
+             checkpoints: Sequence[Checkpoint] = ()) -> bool:
+        tokens = key.tokens
         if not tokens:
             return False
         t0 = time.perf_counter()
@@ -125,7 +127,7 @@ class LegacyPromptCache:
         size = state_size(pool, seq, self.fp) + n_draft + sum(c.size for c in checkpoints)
         log.debug(" - saving prompt with length %d, total state size = %.3f MiB (draft: %.3f "
                   "MiB)", len(tokens), size / MiB, n_draft / MiB)
-        entry = self.alloc(tokens, size, checkpoints, salt)
+        entry = self.alloc(key, size, checkpoints)
         if entry is None:
             return False
         try:
@@ -150,10 +152,11 @@ class LegacyPromptCache:
         """Separate so tests can make the allocation fail (MemoryError)."""
         return get_state(pool, seq, self.fp)
 
-    def _best(self, slot_tokens: list[int], prompt: list[int], salt: str
+    def _best(self, slot_tokens: list[int], key: PromptKey
               ) -> tuple[CacheEntry | None, int, float, float]:
-        """The entry of namespace `salt` that beats the slot on both f_keep and f_sim
+        """The entry of the prompt's namespace that beats the slot on both f_keep and f_sim
         (llama.cpp's rule), the prompt tokens it covers, and its f_keep, f_sim."""
+        prompt, salt = key.tokens, key.ns
         lcp = common_prefix(slot_tokens, prompt)
         f_keep_best = lcp / len(slot_tokens) if slot_tokens else -1.0
         f_sim_best = lcp / len(prompt)
@@ -169,13 +172,14 @@ class LegacyPromptCache:
                 best, n_best, f_keep_best, f_sim_best = e, n, f_keep, f_sim
         return best, n_best, f_keep_best, f_sim_best
 
-    def pin(self, tokens: list[int], salt: str, seconds: float) -> bool:
+    def pin(self, key: PromptKey, seconds: float) -> bool:
         """Not kept: requests asking for retention are refused with this backend (parse.py)."""
         return False
 
-    def held(self, prompt: list[int], salt: str, n_more: int) -> tuple[int, list[int]]:
-        """The entry of namespace `salt` sharing the longest prefix with `prompt` (the newest
-        of equals) and what it continues with."""
+    def held(self, key: PromptKey, n_more: int) -> tuple[int, list[int]]:
+        """The entry of the key's namespace sharing the longest prefix with its tokens (the
+        newest of equals) and what it continues with."""
+        prompt, salt = key.tokens, key.ns
         best, more = 0, []
         for e in self.states:
             if e.salt != salt:
@@ -185,17 +189,16 @@ class LegacyPromptCache:
                 best, more = n, e.tokens[n:n + n_more]
         return best, more
 
-    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
-              salt: str = "") -> int:
-        return self._best(slot_tokens, prompt, salt)[1]
+    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], key: PromptKey) -> int:
+        return self._best(slot_tokens, key)[1]
 
-    def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
-             salt: str = "") -> Restore | None:
-        """The entry of namespace `salt` that beats the slot on both f_keep and f_sim, its
+    def load(self, pool: KVPool, seq: int, slot_tokens: list[int],
+             key: PromptKey) -> Restore | None:
+        """The entry of the prompt's namespace that beats the slot on both f_keep and f_sim, its
         state checked against `pool` and `seq`'s room first (a failure: None, counted); it
         leaves the cache once written (take-and-delete), its checkpoints going with it. The
         draft part is checked as its rows are handed over: a bad one fails the whole restore."""
-        best, n, f_keep_best, f_sim_best = self._best(slot_tokens, prompt, salt)
+        best, n, f_keep_best, f_sim_best = self._best(slot_tokens, key)
         if best is None:
             return None
         log.info(" - found better prompt with f_keep = %.3f, f_sim = %.3f", f_keep_best, f_sim_best)
@@ -207,7 +210,7 @@ class LegacyPromptCache:
             self.counters["load_failures"] += 1
             return None
         entry: CacheEntry = best
-        return Restore(list(entry.tokens), self._segments(pool, entry, st),
+        return Restore(list(entry.tokens), self._segments(pool, entry, st), entry.salt,
                        list(entry.checkpoints), kept=False,
                        on_done=lambda error: self._loaded(entry, n, error))
 

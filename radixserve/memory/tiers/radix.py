@@ -19,7 +19,7 @@ the window is skipped.
 Tenants: a `salt` (a request's `cache_salt`) is the tree's namespace: prompts of different salts
 never match each other, in RAM or on disk.
 
-Disk tier (`disk`, memory/tiers/disk.py): every block of `disk.block` tokens a save completes is written
+Disk tier (`disk`, disk.py): every block of `disk.block` tokens a save completes is written
 through to disk (in the background), and an evicted leaf's blocks the disk lacks are written
 before it goes. `disk_lookup` starts reading a prompt's blocks past what RAM and the slots hold;
 `take_disk_loads` puts what was read into the tree (on the engine thread), from where `load`
@@ -42,6 +42,7 @@ from radixserve.memory.tiers.disk_block import RowSpec
 from radixserve.memory.tiers.prefix import common_prefix
 from radixserve.memory.tiers.radix_tree import RadixMatch, RadixNode, RadixTree, own_rows
 from radixserve.memory.checkpoint import Checkpoint
+from radixserve.memory.key import PromptKey
 from radixserve.memory.pool.pool import KVPool
 from radixserve.memory.pool.swa import SWAPool
 
@@ -137,14 +138,15 @@ class RadixPromptCache:
         self.pins_lapsed = 0  # pins released early to stay within the budget
 
     # ##### PromptCache #####
-    def save(self, pool: KVPool, seq: int, tokens: list[int],
-             checkpoints: Sequence[Checkpoint] = (), salt: str = "") -> bool:
-        """Store `tokens` (token i at position i of `seq`); only rows past the stored prefix move.
+    def save(self, pool: KVPool, seq: int, key: PromptKey,
+             checkpoints: Sequence[Checkpoint] = ()) -> bool:
+        """Store `key` (token i at position i of `seq`); only rows past the stored prefix move.
 
         Skipped (False) for an empty prompt, when the new rows alone exceed the limit, or when
         host memory runs out: then the tree is exactly as before, since every allocation
         (copy-out, split) happens before the tree changes.
         """
+        tokens, salt = list(key.tokens), key.ns
         n = len(tokens)
         if n == 0:
             return False
@@ -175,15 +177,15 @@ class RadixPromptCache:
         self.update()
         return True
 
-    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
-              salt: str = "") -> int:
-        found = self._restorable(pool, seq, slot_tokens, prompt, salt)
+    def match(self, pool: KVPool, seq: int, slot_tokens: list[int], key: PromptKey) -> int:
+        found = self._restorable(pool, seq, slot_tokens, key)
         return found.length if found is not None else 0
 
-    def held(self, prompt: list[int], salt: str, n_more: int) -> tuple[int, list[int]]:
+    def held(self, key: PromptKey, n_more: int) -> tuple[int, list[int]]:
         """The tree's longest match; past it, the rest of the edge it ends in, else the edge of
         the most recently used child: the stored text the prompt turned away from."""
-        match = self.tree.match(prompt, salt)
+        salt = key.ns
+        match = self.tree.match(list(key.tokens), salt)
         m = match.length
         node = match.path[-1] if match.path else self.tree.roots.get(salt)
         if node is None:
@@ -197,32 +199,32 @@ class RadixPromptCache:
         return m, more
 
     def _restorable(self, pool: KVPool, seq: int, slot_tokens: list[int],
-                    prompt: list[int], salt: str) -> RadixMatch | None:
+                    key: PromptKey) -> RadixMatch | None:
         """The stored prefix `load` would restore: long enough, better than the slot's own, and
         with room for it."""
-        match = self.tree.match(prompt, salt)
+        match = self.tree.match(list(key.tokens), key.ns)
         m = match.length
-        if m == 0 or m < self.min_restore_tokens or m <= common_prefix(slot_tokens, prompt):
+        if m == 0 or m < self.min_restore_tokens or m <= common_prefix(slot_tokens, key.tokens):
             return None
         return match if self.can_restore(pool, seq, m) else None
 
-    def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
-             salt: str = "") -> Restore | None:
-        """The longest stored prefix of `prompt`, if it beats what `seq` keeps, as the matched
+    def load(self, pool: KVPool, seq: int, slot_tokens: list[int],
+             key: PromptKey) -> Restore | None:
+        """The longest stored prefix of the prompt `key`, if it beats what `seq` keeps, as the matched
         segments in `pool`'s layout for positions 0..m-1 (the whole match: the scheduler keeps
         at least one token to evaluate itself).
 
         None: nothing better (or too few free cells). Otherwise the matched nodes stay locked
         (never evicted) until `Restore.done`, which counts a load, or a fallback for an error.
         """
-        match = self._restorable(pool, seq, slot_tokens, prompt, salt)
+        match = self._restorable(pool, seq, slot_tokens, key)
         if match is None:
             return None
         m = match.length
         end = match.path[-1]
         self.tree.touch(end)
         self.tree.lock(end)  # eviction must not drop the segments while they are copied
-        return Restore(prompt[:m], self._segments(pool, match), kept=True,
+        return Restore(list(key.tokens[:m]), self._segments(pool, match), key.ns, kept=True,
                        on_done=lambda error: self._restored(end, m, seq, error))
 
     def _restored(self, end: RadixNode, m: int, seq: int, error: BaseException | None) -> None:
@@ -253,15 +255,15 @@ class RadixPromptCache:
             self.evicted_tokens += tokens
 
     # ##### Pins (`prompt_cache_retention`) #####
-    def pin(self, tokens: list[int], salt: str, seconds: float,
-            now: float | None = None) -> bool:
-        """Keep the nodes holding `tokens` (stored whole: save them first) from LRU eviction for
+    def pin(self, key: PromptKey, seconds: float, now: float | None = None) -> bool:
+        """Keep the nodes holding `key` (stored whole: save them first) from LRU eviction for
         `seconds`; a pin of the same nodes is extended. Pins hold at most `pin_limit_bytes`
         (shared nodes counted once): the oldest lapse first to make room, and a prompt larger
         than the budget alone is not pinned (False)."""
         now = time.monotonic() if now is None else now
         self.expire_pins(now)
-        match = self.tree.match(tokens, salt)
+        tokens = list(key.tokens)
+        match = self.tree.match(tokens, key.ns)
         if not match.path or match.length < len(tokens):
             return False
         end = match.path[-1]
@@ -308,7 +310,7 @@ class RadixPromptCache:
 
     # ##### Disk tier #####
     def disk_tier(self) -> RadixPromptCache | None:
-        """This cache fronts its disk tier (memory/tiers/base.py's `DiskTierCache`) when it has one."""
+        """This cache fronts its disk tier (base.py's `DiskTierCache`) when it has one."""
         return self if self.disk is not None else None
 
     def set_disk_wake(self, wake: Callable[[], None]) -> None:
@@ -329,12 +331,13 @@ class RadixPromptCache:
         if self.disk is not None:
             self.disk.close()
 
-    def disk_lookup(self, prompt: list[int], salt: str, n_have: int) -> int | None:
-        """Start reading the disk blocks of `prompt`'s restorable prefix (all but its last
+    def disk_lookup(self, key: PromptKey, n_have: int) -> int | None:
+        """Start reading the disk blocks of the prompt's restorable prefix (all but its last
         token) past what the tree holds, when they would reach past `n_have` (what the tree
         or a slot holds already); the ticket `take_disk_loads` will return, or None."""
         if self.disk is None:
             return None
+        prompt, salt = list(key.tokens), key.ns
         b = self.disk.block
         j1 = (len(prompt) - 1) // b
         m = self.tree.match(prompt, salt).length
@@ -471,7 +474,6 @@ class RadixPromptCache:
         were handed over."""
         fault, written = self.fault_after_tokens, 0
         swa = pool if isinstance(pool, SWAPool) else None
-        n_layer = pool.n_layer + (swa.swa.n_layer if swa is not None else 0)
         lo = 0 if swa is None else max(0, match.length - swa.n_swa)  # the window's first
         want = tuple((r.n_layer, r.n_head_kv, r.width, r.dtype) for r in row_layout(pool))
         for pos0, rows in match.all_rows():

@@ -109,7 +109,7 @@ def _lp(b: bytes) -> list[bytes]:
 
 
 def _salt_bytes(salt: str) -> bytes:
-    """As the disk tier names a namespace (memory/tiers/disk_block.py): surrogatepass, so any str a salt can
+    """As the disk tier names a namespace (disk_block.py): surrogatepass, so any str a salt can
     be encodes, and decodes back to the same str."""
     return salt.encode("utf-8", "surrogatepass")
 
