@@ -138,21 +138,21 @@ class ServerConfig:
     escape: bool = True  # -e: process escapes (\n, \t...) in -r
     ignore_eos: bool = False
     grammar: str = ""  # --grammar/-j (and their -file forms), compiled for llguidance
-    # host tier (issues 4/5)
+    # host tier
     cache_ram_mib: int = 8192  # -1 unlimited, 0 off
     cache_idle_slots: bool = True
     cache_radix_prompt: bool = True
     cache_radix_min_restore_tokens: int = 0
-    # `prompt_cache_retention: 24h` pins, radix only (issue 36); bounded by --cache-ram too
+    # `prompt_cache_retention: 24h` pins, radix only; bounded by --cache-ram too
     cache_pin_mib: int = 1024
-    # disk tier (issue 6)
+    # disk tier
     slot_save_path: str | None = None
-    # router mode (issue 40): no -m and one of these -> a router of child servers (router/)
+    # router mode: no -m and one of these -> a router of child servers (router/)
     models_dir: str = ""  # --models-dir: a directory of GGUF files (or one subdirectory each)
     models_preset: str = ""  # --models-preset: an INI file of per-model settings
     models_max: int = 4  # --models-max: children loaded at once (LRU unloading), 0 = no limit
     models_autoload: bool = True  # --no-models-autoload: a request never loads its model
-    # disk tier under the radix cache (issue 18)
+    # disk tier under the radix cache
     cache_disk: str = ""  # --cache-disk DIR ("": off)
     cache_disk_mib: int = 10240  # bound on DIR's block files, -1: none
     cache_disk_block: int = 64  # tokens a block file holds
@@ -165,14 +165,14 @@ class ServerConfig:
     spm_infill: bool = False  # --spm-infill: /infill lays out Suffix/Prefix/Middle
     # sliding-window models (llama.cpp's defaults)
     swa_full: bool = False  # --swa-full: full-size caches for sliding layers too
-    # KV cache types (issue 38): bf16 f16 f32 q8_0 q4_0; "": the compute dtype
+    # KV cache types: bf16 f16 f32 q8_0 q4_0; "": the compute dtype
     cache_type_k: str = ""  # -ctk
     cache_type_v: str = ""  # -ctv
     ctx_checkpoints: int = 32  # -ctxcp: context checkpoints per slot, 0 = none
     checkpoint_min_step: int = 8192  # -cms: tokens between two checkpoints of a prompt
-    # speculative decoding (issue 17)
+    # speculative decoding
     spec: SpecConfig = field(default_factory=SpecConfig)
-    # embeddings (issue 40): /embedding and /v1/embeddings served only with --embeddings
+    # embeddings: /embedding and /v1/embeddings served only with --embeddings
     embeddings: bool = False
     pooling: str = ""  # --pooling none|mean|cls|last ("": the model's, else none)
     embd_normalize: int = 2  # --embd-normalize: -1 none, 0 max abs (int16 range), 2 L2, p>2

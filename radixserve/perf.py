@@ -150,7 +150,7 @@ def main(model_path: str, dtypes: list[str], weights: list[str], repeats: int,
 def print_routes(model_path: str, dtype: str, weights: str) -> int:
     """`radixserve perf --routes`: the route table's rows for this CPU's kernel build, then the
     route of each layer matrix of the loaded model."""
-    from radixserve.model.routes import build_of, table_text
+    from radixserve.model.kernel_routes import build_of, table_text
 
     model = load_model(model_path, dtype=dtype, weights=weights)
     kern = model.transformer.kern

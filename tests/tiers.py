@@ -151,7 +151,7 @@ def fast_tier_guard(request: pytest.FixtureRequest,
     if request.node.get_closest_marker("slow") is not None:
         yield
         return
-    from radixserve.bench.server_proc import ServerProcess
+    from radixserve.server_proc import ServerProcess
     from radixserve.engine.scheduler import Scheduler
     from radixserve.model.default_model import default_model_path
 

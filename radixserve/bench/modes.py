@@ -65,7 +65,7 @@ MODES: dict[str, Mode] = {
         Mode("legacy", ("--cache-radix-prompt", "off"), cache_prompt=True),
         Mode("radix", RADIX, cache_prompt=True),
         Mode("radix-disk", RADIX, cache_prompt=True, cache_disk=True),
-        # `radixserve cluster` (issue #20): the scenario's flags go to every replica
+        # `radixserve cluster`: the scenario's flags go to every replica
         Mode("cluster-1", RADIX, cache_prompt=True, command=("cluster", "--replicas", "1")),
         Mode("cluster-prefix", RADIX, cache_prompt=True,
              command=("cluster", "--replicas", "2", "--router", "prefix")),

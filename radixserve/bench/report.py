@@ -201,7 +201,7 @@ def restart_table(modes: dict[str, dict[str, Any]]) -> str | None:
 
 
 def host_ratio(modes: dict[str, dict[str, Any]]) -> float | None:
-    """radix's host bytes over legacy's (medians), when both ran: issue #5 wants <= 1/3."""
+    """radix's host bytes over legacy's (medians), when both ran (the radix tree's goal: <= 1/3)."""
     radix, legacy = (modes.get(m, {}).get("host_cache_mib") for m in ("radix", "legacy"))
     return radix / legacy if radix is not None and legacy else None
 

@@ -12,7 +12,7 @@
    measured requests left (as it would at its next task); `/metrics` is scraped before the
    measurement and after this step, so the host cache figures count every measured request's
    KV, in every mode alike. Then the prompts are tokenized by the server (/apply-template,
-   /tokenize) to compute the prompt-token bound of issue #5 (`stats.prefix_bound`).
+   /tokenize) to compute the prompt-token bound (`stats.prefix_bound`).
 
 A scenario with `restart_after` (see scenarios.split_at_restart) measures a server restart:
 phases 1-4 run on the first server with the sessions before the restart point; the final
@@ -61,7 +61,7 @@ from radixserve.bench.scenarios import (
     split_at_restart,
     warmup_sessions,
 )
-from radixserve.bench.server_proc import RssSampler, ServerProcess
+from radixserve.server_proc import RssSampler, ServerProcess
 from radixserve.bench.stats import (
     MIB,
     RequestRecord,

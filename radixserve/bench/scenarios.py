@@ -261,7 +261,7 @@ def build_workload(s: Scenario) -> list[Session]:
 
 
 def _agent_loop(s: Scenario, rng: random.Random) -> list[Session]:
-    """Agent sessions (issue 36): every request starts with the same long system prompt of tool
+    """Agent sessions: every request starts with the same long system prompt of tool
     definitions; a session's first turn is its task, each later one a tool result appended
     after the model's answer, so its history grows by an answer and a result a step. With more
     sessions than slots, a session comes back to a slot another session took, keeping only the

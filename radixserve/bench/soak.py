@@ -57,7 +57,7 @@ from tqdm import tqdm
 
 from radixserve.bench.runner import dir_usage
 from radixserve.bench.scenarios import make_text
-from radixserve.bench.server_proc import RssSampler, ServerProcess
+from radixserve.server_proc import RssSampler, ServerProcess
 from radixserve.bench.soak_judge import (
     EXPECTED,
     SERVER_ERROR,

@@ -146,7 +146,7 @@ def prefix_bound(prompts: Sequence[Sequence[int]]) -> int:
 
 
 def unshared_minimum(sent: Sequence[tuple[Sequence[int], Sequence[int]]]) -> int:
-    """Prompt tokens a server that never drops computed KV would compute (issue 36): for each
+    """Prompt tokens a server that never drops computed KV would compute: for each
     (prompt, answer) in the order sent, the prompt's tokens past its longest common prefix with
     any earlier prompt followed by that request's decoded answer (every answer token but the
     last was fed back, so its KV exists), and always the prompt's last token (its logits).

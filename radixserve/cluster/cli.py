@@ -122,7 +122,7 @@ def main(argv: list[str]) -> int:
                                   "ssl_keyfile": cfg.ssl_key_file,
                                   "ssl_certfile": cfg.ssl_cert_file})
         router = RequestRouterConfig(  # by import path: Ray ships the class to the ingress
-            request_router_class="radixserve.cluster.router.PrefixRouter",  # type: ignore[arg-type]
+            request_router_class="radixserve.cluster.replica_router.PrefixRouter",  # type: ignore[arg-type]
             request_router_kwargs={"policy": a.router, "imbalance": a.imbalance,
                                    "deployment": ENGINE})  # the ingress finds it by this name
         engine: Any = serve.deployment(

@@ -93,7 +93,7 @@ class EngineReplica:
 
     def check_health(self) -> None:
         """Ray Serve's health probe: a replica whose engine thread died is replaced."""
-        if not self.engine._thread.is_alive():
+        if not self.engine.alive:
             raise RuntimeError("the engine thread has stopped")
 
     def __del__(self) -> None:
@@ -243,7 +243,7 @@ class Ingress:
     # -- the cluster's own routes -------------------------------------------------------------
 
     def _router(self) -> Any:
-        from radixserve.cluster.router import ROUTERS
+        from radixserve.cluster.replica_router import ROUTERS
 
         return ROUTERS.get(self.engine_deployment)
 

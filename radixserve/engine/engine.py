@@ -117,6 +117,11 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="radixserve-engine", daemon=True)
         self._stopping = False
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread still runs (a health probe's question)."""
+        return self._thread.is_alive()
+
     @classmethod
     def boot(cls, cfg: ServerConfig, load: Callable[[], Model]) -> Engine:
         """Load the model and run the engine loop on one new thread; returns once it is ready

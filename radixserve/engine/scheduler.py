@@ -341,7 +341,7 @@ class Scheduler:
             hidden = hidden[rows]
         needs = [s.sampler.head_need() for s in to_sample]
         ends = first[1:] + [len(rows)]
-        logits = self.model.transformer.w.head.logits(
+        logits = self.model.transformer.logits(
             hidden, [nd for nd, a, b in zip(needs, first, ends) for _ in range(b - a)])
         # the rows stay raw (n_probs reports them); ignore_eos bans are biases in the chain;
         # every slot's first row in one call (one batched argmax for the greedy ones)

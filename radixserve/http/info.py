@@ -1,6 +1,6 @@
 """Bodies of the informational routes: GET /props and GET /models (/v1/models).
 
-Shapes follow props.json and v1_models.json in shared/reference/llama-server-shapes/; the
+Shapes follow llama-server's /props and /v1/models bodies; the
 model name reported everywhere is `--alias`, else the GGUF file name.
 """
 
@@ -123,9 +123,9 @@ def props_json(
         # ours: the variant of radixserve's C kernels the model runs (RADIXSERVE_KERNELS,
         # model/kernels.py), "none" on torch's ops
         "kernels": variant_name(model.transformer.kern),
-        # ours: what runs each layer matrix, {matrix: {route: layers}} (model/routes.py)
+        # ours: what runs each layer matrix, {matrix: {route: layers}} (model/kernel_routes.py)
         "kernel_routes": model.transformer.w.routes(),
-        # ours: the KV cache types every tier stores (-ctk / -ctv; issue 38)
+        # ours: the KV cache types every tier stores (-ctk / -ctv)
         "cache_type_k": kv_types.resolve(cfg.cache_type_k, "", model.dtype)[0].name,
         "cache_type_v": kv_types.resolve("", cfg.cache_type_v, model.dtype)[1].name,
         "prompt_cache": {
@@ -137,7 +137,7 @@ def props_json(
             # chunks shifted by --cache-reuse carry KV computed for other text: not in
             # deterministic mode
             "cache_reuse": 0 if model.deterministic else cfg.cache_reuse,
-            # the disk tier under the radix cache (issue 18): on, bound, tokens a file
+            # the disk tier under the radix cache: on, bound, tokens a file
             "cache_disk": bool(cfg.cache_disk),
             "cache_disk_mib": cfg.cache_disk_mib,
             "cache_disk_block": cfg.cache_disk_block,

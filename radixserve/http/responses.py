@@ -1,6 +1,6 @@
 """JSON bodies of finished completions: native /completion, OpenAI text and chat.
 
-Shapes follow llama-server (shared/reference/llama-server-shapes/): same keys, nesting and
+Shapes follow llama-server's: same keys, nesting and
 value types, so llama.cpp clients, the OpenAI SDK and llama.cpp's own tests read them as is.
 Streaming chunks are built in `sse.py` from the same helpers.
 """

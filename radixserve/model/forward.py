@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from radixserve.model import step as kstep
 from radixserve.model.step import KernelStep, LayerKind
+from radixserve.model.head import RowNeed
 from radixserve.model.hparams import HParams
 from radixserve.model.kernels import KVTypes, kernels
 from radixserve.memory.pool.kv_types import of_dtype
@@ -151,7 +152,7 @@ class Transformer:
         # norms (qwen3, gemma3) or None; its residual block by norm family
         self._checked: dict[tuple[int, int], torch.Tensor] = {}  # the C step's norms, checked
         kind = ["sliding" if s else "global" for s in hp.swa_layers]
-        self._layer_kinds = {False: list(zip(kind, range(hp.n_layer))),
+        self.layer_kinds = {False: list(zip(kind, range(hp.n_layer))),
                              True: [(k, hp.cache_index(li)) for li, k in enumerate(kind)]}
         self._norm_pairs = [(lw.q_norm, lw.k_norm) for lw in w.layers]
         self._qk_norms = [None if qn is None or kn is None else (qn, kn)
@@ -163,6 +164,11 @@ class Transformer:
     def own_attention(self) -> bool:
         """Attention runs our kernel (bf16 with the kernels built, the kernel's scale)."""
         return self.kern is not None and not self.torch_attention
+
+    def logits(self, hidden: torch.Tensor, needs: list[RowNeed]) -> torch.Tensor:
+        """The head over `hidden`'s rows, for samplers that need what `needs` says
+        (model/head.py)."""
+        return self.w.head.logits(hidden, needs)
 
     @torch.inference_mode()
     def hidden(self, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: list[SeqStep],
@@ -309,7 +315,7 @@ class Transformer:
         n_new = [len(b.tokens) for b in batch]
         kinds = {"global": LayerKind(k_cache, v_cache, [b.kv_cells for b in batch], None, 0, cells,
                                  n_new, cos, sin, types)}
-        layer_kind = self._layer_kinds[split]
+        layer_kind = self.layer_kinds[split]
         if swa is not None:
             ks, vs = (k_swa, v_swa) if split else (k_cache, v_cache)
             assert ks is not None and vs is not None

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from radixserve.model import qmm
 from radixserve.model.kernels import BF16_PANEL, Bf16Matrix, Kernels, kernels
-from radixserve.model.routes import FLOAT_TYPES, I8_TYPES, Q4_TYPES, current_build, route_for
+from radixserve.model.kernel_routes import FLOAT_TYPES, I8_TYPES, Q4_TYPES, current_build, route_for
 
 GROUP = 32
 Q = gguf.GGMLQuantizationType
@@ -123,7 +123,7 @@ class Linear:
     # whether `invariant=True` holds: checked row by row for each kernel (tests/model/
     # test_quant.py); deterministic mode needs it of every layer matrix
     row_invariant: bool = False
-    # the route table's name for what runs it (model/routes.py)
+    # the route table's name for what runs it (model/kernel_routes.py)
     route: str = ""
 
     def __call__(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:

@@ -10,8 +10,6 @@ layer's matmuls. Here a layer is: the q/k norms, RoPE, the K/V store and windowe
 every sequence in one (decode_attn.c's attn_step_win_bf16; no norms, no window and positions
 from 0 for llama's layers), the add + norm (rowwise.c's add_rms_norm_bf16, or
 post_norm_add_bf16 for Gemma's post norms), the gate (silu_mul_bf16 or gelu_mul_bf16).
-Llama's layers took a copy of this skeleton of their own (kernels.py's DecodeStep) until
-issue 52: one class now, the same C calls and bits.
 
 Every computation is per row (token) and per (query, KV head) in fixed, position-aligned
 blocks, so a token's K/V and output do not depend on the chunking or the batch: the same

@@ -7,7 +7,7 @@ KernelStep (every architecture's glue in C) or this one. This one runs when that
 than our kernel's, new tokens inside a sequence's cells (--cache-reuse's holes), or a sliding
 plan our kernel does not read. Everything a step shares across layers (plans, masks, the new
 cells as index tensors, each kind of layer's cache and RoPE tables) is built once here; each
-layer only picks its kind's (chosen at load: Transformer._layer_kinds).
+layer only picks its kind's (chosen at load: Transformer.layer_kinds).
 
 Its arithmetic is the one the C steps reproduce bit for bit (their tests compare against it):
 q/k norms as step.head_norm with the kernels, rms_norm in f32 without; RoPE as
@@ -141,7 +141,7 @@ class TorchStep:
             assert ks is not None and vs is not None
             swa_idx = torch.tensor(swa.cells, dtype=torch.long, device=device)
             self.kinds["sliding"] = (ks, vs, swa.plans, swa.cos, swa.sin, swa_idx, tr.rope_swa)
-        self.layer_kind = tr._layer_kinds[split]
+        self.layer_kind = tr.layer_kinds[split]
 
     def attend(self, li: int, qkv: torch.Tensor) -> torch.Tensor:
         """Layer li's fused projections [T, (n_head + 2 n_head_kv) d] -> its attention outputs

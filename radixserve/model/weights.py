@@ -6,7 +6,7 @@ common type, and the Q4 ones on other CPUs, in the file's own blocks (csrc/qmm.c
 those runs is dequantized once at load with `gguf.quants` into the compute dtype (the dequant
 path does that for every type). Q/K/V and
 gate/up are fused into one [out, in] matrix each, because on CPU one larger matmul beats several
-small ones (shared/reference/cpu-perf-notes.md). GGUF `llama` Q/K rows are stored permuted for
+small ones. GGUF `llama` Q/K rows are stored permuted for
 the interleaved rotation; we undo the permutation (rows of codes and scales alike) so every
 architecture uses the half-split (NeoX) rotation, exactly as HF transformers does with a GGUF.
 """
@@ -38,7 +38,7 @@ from radixserve.model.quant import (
     raw_rows,
     split_blocks,
 )
-from radixserve.model.routes import current_build, route_for
+from radixserve.model.kernel_routes import current_build, route_for
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class ModelWeights:
         return F.embedding(tokens, self.tok_embd).float()
 
     def routes(self) -> dict[str, dict[str, int]]:
-        """Each layer matrix's route (model/routes.py; a fused matrix of mixed routes is one
+        """Each layer matrix's route (model/kernel_routes.py; a fused matrix of mixed routes is one
         route a part, joined by "+"), as {matrix: {route: layers}}."""
         out: dict[str, dict[str, int]] = {}
         for lw in self.layers:
@@ -199,7 +199,7 @@ class _Loader:
         return out if dtype is None else out.to(dtype)
 
     def _route(self, t: gguf.ReaderTensor) -> str:
-        """The matrix's route (model/routes.py's table)."""
+        """The matrix's route (model/kernel_routes.py's table)."""
         return route_for(self.build, t.tensor_type, int(t.shape[1]), self.packed)
 
     def _run_key(self, t: gguf.ReaderTensor) -> tuple[str, object]:

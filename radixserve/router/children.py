@@ -4,7 +4,7 @@
 flags, `-m PATH` and `--alias NAME`. Ready once its /health answers 200; stopped with SIGINT
 (its clean shutdown: the disk tier's last writes), then SIGKILL after the preset's
 `stop-timeout` (10 s). The process itself is the benchmark's `ServerProcess`
-(bench/server_proc.py); its output goes to a log file per child in the router's log directory.
+(server_proc.py); its output goes to a log file per child in the router's log directory.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from radixserve.bench.server_proc import ServerProcess
+from radixserve.server_proc import ServerProcess
 from radixserve.flags import ALL_FLAGS
 from radixserve.router.registry import ModelEntry, router_env
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.bench.server_proc import ServerProcess
+from radixserve.server_proc import ServerProcess
 from tests.cluster.workload import LOGS, SERVER_ARGS, Answer, run_workload
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from radixserve.bench.server_proc import free_port
+from radixserve.server_proc import free_port
 from tests.cluster.workload import (RAY, Answer, chat, cluster, documents, ray_stop, replicas,
                                     run_workload)
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixserve.bench.server_proc import ServerProcess
+from radixserve.server_proc import ServerProcess
 from radixserve.memory.tiers.prefix import common_prefix
 from tests.cluster.workload import (Answer, chat, cluster, documents, replicas, requests,
                                     run_workload)

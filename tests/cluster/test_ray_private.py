@@ -1,6 +1,6 @@
 """The Ray Serve version the router was written for, and what it relies on there.
 
-`radixserve/cluster/router.py` uses `ray.serve.request_router`'s public API;
+`radixserve/cluster/replica_router.py` uses `ray.serve.request_router`'s public API;
 `radixserve/cluster/ray_private.py` holds the two attributes that API lacks. Both were written
 against Ray 2.60.0. On another version the first test fails: read `ray_private.py` and
 `router.py` against that version's `ray/serve/_private/request_router/` (the request router,
@@ -34,7 +34,7 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from radixserve.cluster import ray_private
-from radixserve.cluster.router import PrefixRouter
+from radixserve.cluster.replica_router import PrefixRouter
 
 CLUSTER = Path(ray_private.__file__).parent
 

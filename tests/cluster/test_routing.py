@@ -18,7 +18,7 @@ from radixserve.cluster.bridge import Forwarded, Head, run_asgi
 from radixserve.cluster.metrics import aggregate
 from radixserve.cluster.prefix_index import PrefixIndex
 from radixserve.cluster.route_key import route_key
-from radixserve.cluster.router import PrefixRouter
+from radixserve.cluster.replica_router import PrefixRouter
 from radixserve.text.chat_template import CHATML_TEMPLATE, ChatTemplate
 
 DOC = "".join(f"sentence {i} of the shared document. " for i in range(40))

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from radixserve.bench.scenarios import make_text
-from radixserve.bench.server_proc import ServerProcess
+from radixserve.server_proc import ServerProcess
 
 N_DOCS, N_QUESTIONS = 6, 4
 # per server (each replica): 2 slots of 2048; one thread, so a lone server and a replica

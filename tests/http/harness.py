@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 
-from radixserve.bench.server_proc import ServerProcess, free_port
+from radixserve.server_proc import ServerProcess, free_port
 from radixserve.config import ServerConfig
 from radixserve.engine.engine import Engine
 from radixserve.http.app import create_app

@@ -222,7 +222,7 @@ def test_deterministic_mode_is_reported_by_props(mode: str, on: bool, kernels: s
     assert props["prompt_cache"]["cache_reuse"] == (0 if on else 16)
     variant = "avx512bf16" if kernels == "auto" else kernels
     assert props["kernels"] == variant
-    # each layer matrix's route (model/routes.py): the default model's Q4_1 layers
+    # each layer matrix's route (model/kernel_routes.py): the default model's Q4_1 layers
     route = {"avx512bf16": "q4-tiles", "avx2": "qmm-int"}[variant]
     assert props["kernel_routes"] == {m: {route: 30} for m in ("wqkv", "wo", "w_gate_up",
                                                                 "w_down")}

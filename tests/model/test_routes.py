@@ -1,4 +1,4 @@
-"""The route table (model/routes.py): every row is what the loader builds, every route is
+"""The route table (model/kernel_routes.py): every row is what the loader builds, every route is
 reached, and each route's matrix multiplies as gguf-py's dequantized weights do, on one row
 (decode) and on many (prefill), in every kernel build and without kernels."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from radixserve.model import kernels as K
-from radixserve.model import routes
-from radixserve.model.routes import BUILDS, FALLBACK, KINDS, ROUTES, TABLE, route_for
+from radixserve.model import kernel_routes
+from radixserve.model.kernel_routes import BUILDS, FALLBACK, KINDS, ROUTES, TABLE, route_for
 from radixserve.model.weights import _Loader
 from tests.model.kernel_variants import variant_kernels
 
@@ -60,7 +60,7 @@ def test_every_build_and_kind_has_a_route_and_every_route_is_reached():
     assert set(TABLE) == {(b, k) for b in BUILDS for k in KINDS}
     reached = set(TABLE.values()) | {to for to, _ in FALLBACK.values()}
     assert reached == set(ROUTES), f"routes nothing reaches: {set(ROUTES) - reached}"
-    text = routes.table_text()
+    text = kernel_routes.table_text()
     assert all(name in text for name in ROUTES)
 
 

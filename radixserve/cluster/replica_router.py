@@ -64,7 +64,7 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.updated = False
         # Ray Serve ships this class to the ingress pickled by value, with a copy of this
         # module's globals: the registry the ingress reads is the imported module's
-        import radixserve.cluster.router as module
+        import radixserve.cluster.replica_router as module
 
         module.ROUTERS[deployment] = self
 

@@ -1,0 +1,333 @@
+"""Random admit / compute / release / fail / restore sequences through the memory manager alone
+(hypothesis, stateful), for every host backend (none, legacy, radix, radix over a disk tier) and
+every layout (full attention, sliding window, full attention with a draft model's rows), in
+unified and partitioned KV.
+
+No model runs: the "forward" writes into each reserved cell rows that name their token and
+position (`row_of`), as a model's K/V are a function of the tokens up to there. So after every
+rule, beside the manager's own invariants (the pool's bookkeeping, each slot's KV owner against
+the pool, the host cache's), every row a slot holds must be exactly its token's at its position:
+a restore, a share, a slot file or a checkpoint that put rows in the wrong cells, or rows of
+another prompt or namespace, fails here.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
+                                 rule, run_state_machine_as_test)
+
+from radixserve.config import ServerConfig
+from radixserve.errors import TaskError
+from radixserve.memory.host_tier import HostTier
+from radixserve.memory.key import PromptKey
+from radixserve.memory.manager import MemoryManager
+from radixserve.memory.pool.draft import attach_draft
+from radixserve.memory.pool.pool import KVPool
+from radixserve.memory.pool.state import fingerprint_of
+from radixserve.memory.pool.swa import SWAPool, make_pool
+from radixserve.memory.seq_kv import SlotKV
+
+N_SLOTS, N_LAYER, HEADS, DIM, N_SWA = 3, 2, 1, 4, 8
+# three documents; two share their first 12 tokens
+DOCS = [list(range(100, 130)), list(range(100, 112)) + list(range(200, 215)),
+        list(range(300, 326))]
+
+
+def row_of(token: int, pos: int, layer: int, draft: bool = False) -> float:
+    """What the fake forward writes: exact in f32, different for every (token, position,
+    layer, part)."""
+    return token * 1024.0 + pos + layer / 4 + (0.125 if draft else 0.0)
+
+
+def no_rotate(k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    raise AssertionError("nothing shifts here (--cache-reuse off)")
+
+
+@dataclass
+class FakeTask:
+    key: PromptKey
+    id_slot: int = -1
+    cache_prompt: bool = True
+
+
+@dataclass
+class FakeSlot:
+    """A holder as the engine's Slot is one: a sequence, the task it serves, its progress."""
+
+    kv: SlotKV
+    id: int
+    n_ctx: int
+    t_last_used: float = -1.0
+    prompt: list[int] = field(default_factory=list)
+    task: FakeTask | None = None
+    todo: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_processing(self) -> bool:
+        return self.task is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.task is not None and bool(self.todo)
+
+
+class FakeTokenizer:
+    n_vocab = 4096
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+class FakeModel:
+    def identity(self, cache_dir: str | None = None) -> bytes:
+        return b"fake model"
+
+
+def write_rows(pool: KVPool, seq: int, tokens: list[int], pos0: int) -> None:
+    """The fake forward: every part's rows of these tokens into their reserved cells."""
+    positions = list(range(pos0, pos0 + len(tokens)))
+    for part, tag in parts(pool):
+        cells = part.cells_at(seq, positions)
+        for layer in range(part.n_layer):
+            for c, t, p in zip(cells, tokens, positions):
+                part.k[layer, :, c] = row_of(t, p, layer + tag)
+                part.v[layer, :, c] = -row_of(t, p, layer + tag)
+
+
+def parts(pool: KVPool) -> list[tuple[KVPool, int]]:
+    """The pool's parts with a layer tag each (a sliding window's layers are rows of their own)."""
+    return [(pool, 0)] + ([(pool.swa, 100)] if isinstance(pool, SWAPool) else [])
+
+
+def sync_draft(kv: SlotKV) -> None:
+    """A draft model's rows of the tokens held without them (what the speculator computes)."""
+    pool = kv.pool
+    assert pool.draft is not None
+    n = len(kv)
+    positions = list(range(kv.n_draft, n))
+    for c, p in zip(pool.cells_at(kv.seq, positions), positions):
+        for layer in range(pool.draft.n_layer):
+            pool.draft.k[layer, :, c] = row_of(kv.tokens[p], p, layer, draft=True)
+            pool.draft.v[layer, :, c] = -row_of(kv.tokens[p], p, layer, draft=True)
+    kv.n_draft = n
+
+
+class MemoryMachine(RuleBasedStateMachine):
+    @initialize(unified=st.booleans(), layout=st.sampled_from(["full", "sliding", "draft"]),
+                backend=st.sampled_from(["none", "legacy", "radix", "radix-disk"]),
+                idle_slots=st.booleans())
+    def start(self, unified: bool, layout: str, backend: str, idle_slots: bool) -> None:
+        self.dir = tempfile.mkdtemp(prefix="rs-memory-")
+        cfg = ServerConfig(ctx_size=192, n_parallel=N_SLOTS, kv_unified=unified,
+                           cache_ram_mib=0 if backend == "none" else 16,
+                           cache_radix_prompt=backend.startswith("radix"),
+                           cache_disk=f"{self.dir}/disk" if backend == "radix-disk" else "",
+                           cache_disk_block=8, cache_idle_slots=idle_slots, ubatch_size=16,
+                           batch_size=16, slot_save_path=self.dir)
+        swa = (True, False) if layout == "sliding" else (False, False)
+        pool = make_pool(N_LAYER, swa, N_SWA, False, HEADS, DIM, 192, N_SLOTS, unified,
+                         torch.float32, no_rotate, no_rotate, 16)
+        if layout == "draft":
+            attach_draft(pool, 1, HEADS, DIM, torch.float32, no_rotate, "fake")
+        fp = fingerprint_of(pool, "llama")
+        n_ckpt = 3 if layout == "sliding" else 0
+        n_ctx = 192 if unified else 192 // N_SLOTS
+        self.slots = [FakeSlot(SlotKV(pool, i, fp, n_ckpt, 4), i, n_ctx)
+                      for i in range(N_SLOTS)]
+        if layout == "draft":
+            for s in self.slots:
+                s.kv.sync_draft = sync_draft
+        host = HostTier(cfg, pool, "llama", None, (FakeModel(),))
+        self.mem = MemoryManager(cfg, pool, self.slots, host, FakeTokenizer(), "llama",
+                                 no_shift=True)
+        self.pool, self.next_id, self.clock = pool, 0, 0.0
+        self.saved: dict[int, tuple[str, list[int]]] = {}  # slot file -> (namespace, tokens)
+
+    def teardown(self) -> None:
+        if hasattr(self, "mem"):
+            self.mem.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    # -- tasks ---------------------------------------------------------------------------------
+    @rule(doc=st.integers(0, 2), n_tail=st.integers(1, 6), salt=st.sampled_from(["", "", "b"]),
+          cut=st.sampled_from([0, 0, 0, 9, 20]), n_gen=st.integers(0, 3))
+    def serve(self, doc: int, n_tail: int, salt: str, cut: int, n_gen: int) -> None:
+        """A whole request: admitted, its prompt computed in chunks, a few tokens generated,
+        released."""
+        s = self._admit(doc, n_tail, salt, cut, -1)
+        if s is None:
+            return
+        while s.task is not None and (s.todo or n_gen):
+            n_gen -= not s.todo
+            self.compute(s.id, 7)
+        self.release(s.id, 0.0)
+
+    @rule(doc=st.integers(0, 2), n_tail=st.integers(1, 6), salt=st.sampled_from(["", "", "b"]),
+          cut=st.sampled_from([0, 0, 9, 20]), named=st.integers(-1, N_SLOTS - 1))
+    def admit(self, doc: int, n_tail: int, salt: str, cut: int, named: int) -> None:
+        self._admit(doc, n_tail, salt, cut, named)
+
+    def _admit(self, doc: int, n_tail: int, salt: str, cut: int, named: int) -> FakeSlot | None:
+        base = DOCS[doc][:max(4, cut)] if cut else DOCS[doc]
+        tokens = base + [500 + doc * 10 + i for i in range(n_tail)]
+        task = FakeTask(PromptKey(salt, tokens), id_slot=named)
+        held, update_cache = self.mem.choose_slot(task)
+        if held is None or held.is_processing:
+            return None
+        if self.mem.must_wait(task, self.next_id):  # a disk read (or another slot's prefill)
+            self.mem.forget(self.next_id)
+            self.next_id += 1
+            return None
+        slot = self.slots[held.id]
+        self.mem.before_launch(slot)
+        plan, why = self.mem.admit(slot, task, self.next_id, update_cache=update_cache,
+                                   n_cache_reuse=None, prefer=None, slot_only=False)
+        self.next_id += 1
+        # the slot holds exactly the reused prefix of this prompt, in its namespace
+        assert list(slot.kv.tokens) == tokens[:len(slot.kv)]
+        assert len(slot.kv) == plan.n_prefix == plan.n_reused < len(tokens)
+        assert plan.todo == [(plan.n_prefix, len(tokens))]
+        assert slot.kv.salt == salt and why.n_tokens == plan.n_reused
+        assert why.n_held >= plan.n_reused
+        slot.task, slot.prompt, slot.todo = task, tokens, plan.todo
+        self.clock += 1
+        slot.t_last_used = self.clock
+        self.mem.after_launch()
+        return slot
+
+    @precondition(lambda self: any(s.is_processing for s in self.slots))
+    @rule(i=st.integers(0, N_SLOTS - 1), n=st.integers(1, 12))
+    def compute(self, i: int, n: int) -> None:
+        """A prompt chunk, or a generated token once the prompt is done."""
+        s = self.slots[i]
+        if s.task is None:
+            return
+        generating = not s.todo
+        if generating:
+            p0, take = len(s.kv), 1
+            if p0 + 1 >= s.n_ctx:
+                return
+            tokens = [600 + p0 % 50]
+        else:
+            p0, p1 = s.todo[0]
+            take = min(n, p1 - p0)
+            if s.kv.n_checkpoints:
+                take, _ = self.mem.checkpoint_chunk(s, p0, take, (), self.next_id)
+            tokens = s.prompt[p0:p0 + take]
+        cells = self.mem.reserve(s, p0, take, generating)
+        if cells is None:
+            self.fail(i)
+            return
+        write_rows(self.pool, s.kv.seq, tokens, p0)
+        s.kv.commit(p0, tokens)
+        self.mem.slide(s, s.task.cache_prompt)
+        if not generating:
+            s.todo = [] if p0 + take == s.todo[0][1] else [(p0 + take, s.todo[0][1])]
+
+    @rule(i=st.integers(0, N_SLOTS - 1), pin=st.sampled_from([0.0, 0.0, 60.0]))
+    def release(self, i: int, pin: float) -> None:
+        s = self.slots[i]
+        if s.task is None:
+            return
+        self.mem.release(s, s.task, 0, pin, answered=True)
+        s.task, s.todo = None, []
+
+    @rule(i=st.integers(0, N_SLOTS - 1))
+    def fail(self, i: int) -> None:
+        s = self.slots[i]
+        if s.task is None:
+            return
+        self.mem.drop(s)
+        s.task, s.todo = None, []
+
+    @rule()
+    def poll_disk(self) -> None:
+        self.mem.poll_io()
+
+    @rule()
+    def make_room(self) -> None:
+        self.mem.make_room()
+
+    @rule()
+    def flush(self) -> None:
+        _, disk = self.mem.flush()
+        if disk is not None:
+            disk.result(timeout=30)
+
+    # -- slot files ----------------------------------------------------------------------------
+    @rule(i=st.integers(0, N_SLOTS - 1))
+    def save_file(self, i: int) -> None:
+        s = self.slots[i]
+        try:
+            self.mem.slot_action(i, "save", f"s{i}.bin")
+        except TaskError as e:
+            assert e.status == 409 and s.is_processing
+            return
+        self.saved[i] = (s.kv.salt, list(s.kv.tokens))
+
+    @precondition(lambda self: bool(self.saved))
+    @rule(src=st.integers(0, N_SLOTS - 1), into=st.integers(0, N_SLOTS - 1))
+    def restore_file(self, src: int, into: int) -> None:
+        if src not in self.saved:
+            return
+        s = self.slots[into]
+        before = (list(s.kv.tokens), s.kv.salt)
+        try:
+            self.mem.slot_action(into, "restore", f"s{src}.bin")
+        except TaskError as e:  # busy, or no room: the slot as it was
+            assert e.status in (400, 409)
+            assert (list(s.kv.tokens), s.kv.salt) == before
+            return
+        assert (s.kv.salt, list(s.kv.tokens)) == self.saved[src]
+
+    # -- what must hold after every rule --------------------------------------------------------
+    @invariant()
+    def consistent(self) -> None:
+        if not hasattr(self, "mem"):
+            return
+        for s in self.slots:
+            if not s.is_processing:  # an idle slot holds its prefix only (nothing ahead)
+                assert s.kv.n_held == len(s.kv)
+        if not any(s.is_processing for s in self.slots):
+            self.mem.check()  # at idle: nothing left locked either
+        else:
+            self.pool.check()
+            for s in self.slots:
+                s.kv.check()
+
+    @invariant()
+    def rows_are_their_tokens(self) -> None:
+        if not hasattr(self, "mem"):
+            return
+        pool = self.pool
+        for s in self.slots:
+            toks, seq = list(s.kv.tokens), s.kv.seq
+            for part, tag in parts(pool):
+                held = [p for p in part.seq_positions(seq) if p < len(toks)]
+                cells = part.cells_at(seq, held)
+                for layer in range(part.n_layer):
+                    want = torch.tensor([row_of(toks[p], p, layer + tag) for p in held])
+                    got = part.k[layer, 0, cells, 0] if cells else torch.tensor([])
+                    assert torch.equal(got, want), (s.id, tag, layer)
+                    assert torch.equal(part.v[layer, 0, cells, 0] if cells else got, -want)
+            if pool.draft is not None and not s.is_processing:
+                n = min(s.kv.n_draft, len(toks))
+                cells = pool.cells_at(seq, list(range(n)))
+                want = torch.tensor([row_of(toks[p], p, 0, draft=True) for p in range(n)])
+                assert torch.equal(pool.draft.k[0, 0, cells, 0] if n else want, want)
+
+
+def test_memory_manager_random_sequences() -> None:
+    run_state_machine_as_test(
+        MemoryMachine,
+        settings=settings(max_examples=150, stateful_step_count=50, deadline=None,
+                          derandomize=True, database=None,
+                          suppress_health_check=list(HealthCheck)),
+    )
