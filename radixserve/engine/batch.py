@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.memory.pool.pool import KVPool, KVTypes
-from radixserve.memory.pool.swa import SWAPool, alloc_step, make_pool
+from radixserve.memory.pool.swa import alloc_step, make_pool
 from radixserve.model.forward import SeqStep, SwaStep, Transformer
 from radixserve.model.loader import Model
 
@@ -35,18 +35,16 @@ def seq_step(pool: KVPool, seq: int, tokens: list[int], pos0: int, cells: list[i
     (in both parts of a sliding-window pool)."""
     view = pool.view(seq)
     step = SeqStep(tokens, pos0, cells, view.cells, view.positions, n_logits)
-    if isinstance(pool, SWAPool):
-        sv = pool.swa.view(seq)
-        swa_cells = pool.swa.cells_at(seq, list(range(pos0, pos0 + len(tokens))))
-        step.swa = SwaStep(swa_cells, sv.cells, sv.positions)
+    window = pool.window_view(seq, list(range(pos0, pos0 + len(tokens))))
+    if window is not None:
+        step.swa = SwaStep(*window)
     return step
 
 
 def run(tr: Transformer, pool: KVPool, steps: list[SeqStep]) -> torch.Tensor:
     """`Transformer.hidden` over the pool's caches (both parts of a sliding-window pool)."""
-    if isinstance(pool, SWAPool):
-        return tr.hidden(pool.k, pool.v, steps, pool.swa.k, pool.swa.v, types=pool.types)
-    return tr.hidden(pool.k, pool.v, steps, types=pool.types)
+    k, v, k_swa, v_swa = pool.caches()
+    return tr.hidden(k, v, steps, k_swa, v_swa, types=pool.types)
 
 
 def place(pool: KVPool, batch: list[BatchSeq]) -> list[SeqStep]:
@@ -69,9 +67,8 @@ def hidden(tr: Transformer, pool: KVPool, batch: list[BatchSeq]) -> torch.Tensor
     """Output-normed hidden states of the rows to sample (`Transformer.hidden`); a sliding
     window's cells no later query reads are dropped after the step."""
     out = run(tr, pool, place(pool, batch))
-    if isinstance(pool, SWAPool):
-        for b in batch:
-            pool.prune(b.seq)
+    for b in batch:
+        pool.prune(b.seq)
     return out
 
 

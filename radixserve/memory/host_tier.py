@@ -36,7 +36,7 @@ from radixserve.memory.tiers.base import NullPromptCache, PromptCache
 from radixserve.memory.tiers.disk import DiskTier
 from radixserve.memory.tiers.disk_block import load_key, private_dir
 from radixserve.memory.tiers.legacy import LegacyPromptCache
-from radixserve.memory.tiers.radix import RadixPromptCache, row_layout
+from radixserve.memory.tiers.radix import RadixPromptCache
 
 log = logging.getLogger(__name__)
 STATS_LOG_INTERVAL_S = 30.0
@@ -63,7 +63,7 @@ def make_disk(cfg: ServerConfig, pool: KVPool, models: tuple[ModelIdentity, ...]
     `--cache-disk-key`, names and checksums are keyed too (docs/SECURITY.md)."""
     assert models, "the disk tier needs the model's identity"
     key = load_key(cfg.cache_disk_key) if cfg.cache_disk_key else b""
-    layout = row_layout(pool)
+    layout = pool.row_layout()
     h = hashlib.blake2b(digest_size=16)
     private_dir(cfg.cache_disk)
     # the weights' digest is kept in DIR, unless keyed: a writer without the key could plant a

@@ -47,13 +47,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from radixserve.memory.tiers.base import PromptCache, Restore, Segment
+from radixserve.memory.tiers.base import PromptCache, Restore
 from radixserve.memory.tiers.prefix import common_prefix
 from radixserve.memory.checkpoint import Checkpoint, seal, unseal
 from radixserve.memory.key import PromptKey
 from radixserve.memory.pool.pool import KVPool, OutOfCells
 from radixserve.memory.pool.state import (Fingerprint, StateError, get_swa_state, parse_swa_state,
-                                  set_draft_state, set_swa_state, write_draft_rows, write_rows)
+                                  set_draft_state, set_swa_state)
 from radixserve.memory.pool.swa import SWAPool, alloc_step
 
 MiB = 1024 * 1024
@@ -333,7 +333,7 @@ class SlotKV:
         try:
             self.pool.seq_rm(self.seq)
             for seg in got.segments:
-                self._write_segment(seg)
+                self.pool.write_segment(self.seq, seg)
         except BaseException as e:  # reported to the cache; an interrupt re-raised below
             self.pool.seq_rm(self.seq)  # the cells written so far go
             failed = e
@@ -348,20 +348,6 @@ class SlotKV:
             raise failed  # an interrupt: the slot and the cache are consistent, go on up
         return tokens
 
-    def _write_segment(self, seg: Segment) -> None:
-        """Put a segment's rows into fresh cells of this sequence (ValueError for parts this
-        pool lacks; OutOfCells when there is no room)."""
-        if seg.swa is not None and self.swa is None:
-            raise ValueError("sliding-window rows for a pool without a sliding part")
-        if seg.draft is not None and self.pool.draft is None:
-            raise ValueError("draft rows for a pool without a draft model")
-        write_rows(self.pool, self.seq, seg.positions, seg.k, seg.v)
-        if seg.draft is not None:
-            write_draft_rows(self.pool, self.seq, seg.positions, *seg.draft)
-        if seg.swa is not None:
-            assert self.swa is not None
-            write_rows(self.swa.swa, self.seq, *seg.swa)
-
     def load_rows(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor,
                   swa: tuple[list[int], torch.Tensor, torch.Tensor] | None = None,
                   checkpoints: Sequence[Checkpoint] = (), draft: bytes = b"", *,
@@ -373,10 +359,10 @@ class SlotKV:
         belong to (a slot file's), so the planner serves them to that namespace alone."""
         self.drop()
         self.salt = salt
-        write_rows(self.pool, self.seq, list(range(len(tokens))), k, v)
+        self.pool.write_rows(self.seq, list(range(len(tokens))), k, v)
         if swa is not None:
             assert self.swa is not None
-            write_rows(self.swa.swa, self.seq, *swa)
+            self.swa.swa.write_rows(self.seq, *swa)
         self._tokens = list(tokens)
         self.set_checkpoints(list(checkpoints))
         if draft and self.pool.draft is not None:

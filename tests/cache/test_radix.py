@@ -22,7 +22,6 @@ from radixserve.memory.tiers.radix import RadixPromptCache
 from radixserve.memory.tiers.radix_tree import RadixNode, RadixTree
 from radixserve.engine.batch import BatchSeq, forward
 from radixserve.memory.pool.pool import KVPool
-from radixserve.memory.pool.state import write_rows
 from radixserve.model.forward import Transformer
 from tests.conftest import make_pool, restore
 
@@ -54,7 +53,7 @@ def fake_pool(n_cells: int = 64, n_seq: int = 2, unified: bool = True, head_dim:
 def fill(pool: KVPool, seq: int, tokens: list[int]) -> None:
     pool.seq_rm(seq)
     k, v = rows(tokens)
-    write_rows(pool, seq, list(range(len(tokens))), k, v)
+    pool.write_rows(seq, list(range(len(tokens))), k, v)
 
 
 def pool_rows(pool: KVPool, seq: int) -> torch.Tensor:
@@ -262,7 +261,6 @@ def test_save_rejects_tokens_without_kv() -> None:
 
 
 def test_failed_copy_out_leaves_cache_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
-    from radixserve.memory.tiers import radix
 
     pool = fake_pool()
     cache = RadixPromptCache(-1)
@@ -270,10 +268,10 @@ def test_failed_copy_out_leaves_cache_unchanged(monkeypatch: pytest.MonkeyPatch)
     cache.save(pool, 0, PromptKey("", [1, 2, 3]))
     before = snapshot(cache.tree)
 
-    def fail(pool: KVPool, seq: int, p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def fail(seq: int, p0: int, p1: int) -> list[torch.Tensor]:
         raise MemoryError("injected")
 
-    monkeypatch.setattr(radix, "_copy_out", fail)
+    monkeypatch.setattr(pool, "rows_out", fail)
     fill(pool, 0, [1, 2, 5, 6])
     assert not cache.save(pool, 0, PromptKey("", [1, 2, 5, 6]))
     assert snapshot(cache.tree) == before and cache.saves == 1

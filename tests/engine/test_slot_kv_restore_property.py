@@ -31,7 +31,7 @@ from radixserve.memory.tiers.base import NullPromptCache, PromptCache, Restore, 
 from radixserve.memory.tiers.prefix import common_prefix
 from radixserve.memory.tiers.disk import DiskTier
 from radixserve.memory.tiers.legacy import LegacyPromptCache
-from radixserve.memory.tiers.radix import RadixPromptCache, row_layout
+from radixserve.memory.tiers.radix import RadixPromptCache
 from radixserve.memory.seq_kv import SlotKV
 from radixserve.memory.pool.draft import attach_draft
 from radixserve.memory.pool.pool import KVPool, OutOfCells
@@ -294,7 +294,7 @@ def new_cache(backend: str, pool: KVPool, arch: str, disk_dir: str | None) -> Pr
     disk = None
     if backend == "radix-disk":
         assert disk_dir is not None
-        disk = DiskTier(disk_dir, 0, BLOCK, b"slot-kv-property", row_layout(pool))
+        disk = DiskTier(disk_dir, 0, BLOCK, b"slot-kv-property", pool.row_layout())
     return RadixPromptCache(-1, disk=disk)
 
 
@@ -430,11 +430,11 @@ def test_disk_backed_radix_restores_through_slot_kv_only(
 
 # ----- the instrument itself -------------------------------------------------------------------
 class RogueCache(RadixPromptCache):
-    """Writes the pool itself, as the caches did before issue 37."""
+    """Writes the pool itself (what the cache contract forbids)."""
 
-    def load(self, pool: KVPool, seq: int, slot_tokens: list[int], prompt: list[int],
-             salt: str = "") -> Restore | None:
-        got = super().load(pool, seq, slot_tokens, prompt, salt)
+    def load(self, pool: KVPool, seq: int, slot_tokens: list[int],
+             key: PromptKey) -> Restore | None:
+        got = super().load(pool, seq, slot_tokens, key)
         if got is not None:
             pool.seq_rm(seq)
         return got

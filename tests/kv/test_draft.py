@@ -166,7 +166,7 @@ def test_radix_nodes_hold_draft_rows_through_splits(tiny_tr, draft_tr):
     plain = make_pool(tiny_tr, n_cells=256, n_seq=2)
     run_plain = place(plain, [BatchSeq(0, A, 0)])
     tiny_tr.hidden(plain.k, plain.v, run_plain)
-    assert bare.save(plain, 0, A)
+    assert bare.save(plain, 0, PromptKey("", A))
     assert restore(bare, pool, 1, [], A + [7]) == [] and bare.fallbacks == 1
     assert pool.seq_len(1) == 0
 

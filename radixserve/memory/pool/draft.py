@@ -16,6 +16,7 @@ import torch
 from radixserve.memory.pool.pool import KVPool, KVTypes, Rotate, cell_bytes, rotate_rows, typed_rows
 from radixserve.memory.pool.state import Fingerprint
 from radixserve.memory.pool.kv_types import types_name
+from radixserve.memory.pool.rows import stored
 
 
 class DraftRows:
@@ -34,6 +35,11 @@ class DraftRows:
     @property
     def bytes_per_cell(self) -> int:
         return cell_bytes(self.n_layer, self.n_head_kv, self.head_dim, self.types)
+
+    def write(self, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Draft rows [n_layer, n_head_kv, n, width] into cells `idx`."""
+        self.k[:, :, idx] = stored(k, self.k, self.device)
+        self.v[:, :, idx] = stored(v, self.v, self.device)
 
     def copy_cells(self, si: torch.Tensor, di: torch.Tensor) -> None:
         self.k[:, :, di] = self.k[:, :, si]

@@ -8,6 +8,16 @@ slots read one copy of a prefix. K is stored after RoPE, so `seq_add` re-rotates
 Layouts: unified (`--kv-unified`) draws every sequence's cells from one free list; partitioned
 gives sequence s the fixed range [s*n, (s+1)*n) and copies K/V when `seq_cp` crosses ranges.
 Only the engine thread touches a pool; there are no locks.
+
+Rows by layer group: a pool keeps, for each cell, the rows of one or more layer groups: its own
+layers (`KVPool`), a sliding window's layers in a window-sized part of their own (`SWAPool`,
+swa.py), a draft model's layers (`DraftRows`, draft.py, attached). Nothing outside pool/ reads
+or writes those tensors: the tiers ask the pool for a sequence's rows (`rows_out`: every group's
+rows of a run of positions, as fresh host tensors, described by `row_layout`), cut what they
+stored back into the pool's layout (`segment`), and give them back (`write_segment`). A new
+kind of sequence memory is a subclass that adds its group to these four methods (and to the
+state bytes of state.py), and is chosen where the model's pool is made (`make_pool`): the
+tiers, the planner and the engine do not change.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.memory.pool.kv_types import KVType, of_dtype
+from radixserve.memory.pool.rows import RowSpec, Segment, stored
 
 if TYPE_CHECKING:
     from radixserve.memory.pool.draft import DraftRows
@@ -118,6 +129,119 @@ class KVPool:
         ]
         self._n_free = n_cells
         self.draft: DraftRows | None = None  # a draft model's rows of these cells (draft.py)
+
+    # -- rows by layer group (the contract in the module's docstring) ------------------------
+    def _row_layers(self) -> int:
+        """Layers of this pool's own rows in `rows_out` (a sliding window's appended)."""
+        return self.n_layer
+
+    def row_layout(self) -> list[RowSpec]:
+        """The row tensors `rows_out` gives a token, in order: every layer's K and V, then a
+        draft model's, each as its cache type stores it (a float type unnamed)."""
+        parts = [(self._row_layers(), self.n_head_kv, self.head_dim, self.types)]
+        if self.draft is not None:
+            d = self.draft
+            parts.append((d.n_layer, d.n_head_kv, d.head_dim, d.types))
+        return [RowSpec(layers, heads, t.width(dim), t.storage, t.name if t.quantized else "")
+                for layers, heads, dim, types in parts for t in types]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Host bytes of one token's rows in every group (what a tier stores a token in)."""
+        return self.bytes_per_cell + (self.draft.bytes_per_cell if self.draft is not None else 0)
+
+    def caches(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                              torch.Tensor | None]:
+        """The K and V tensors a forward reads and writes: this pool's layers, then a windowed
+        group's (None: no window)."""
+        return self.k, self.v, None, None
+
+    def window_view(self, seq: int, positions: list[int]
+                    ) -> tuple[list[int], slice | torch.Tensor, list[int]] | None:
+        """A windowed group's view for new tokens of `seq` at `positions` (their cells, the
+        cells the window reads and their positions); None without a window."""
+        return None
+
+    def prune(self, seq: int) -> None:
+        """Drop rows no later token reads (a window's oldest; nothing for full attention)."""
+
+    def rows_held_from(self, seq: int) -> int:
+        """The first position from which every group still holds `seq`'s rows (-1: a group
+        holds none), so `rows_out` can copy only from there on."""
+        return 0
+
+    def window_from(self, n: int) -> int:
+        """Where a restore of n tokens must bring a windowed group's rows from (0: no window)."""
+        return 0
+
+    def can_hold(self, seq: int, n: int) -> bool:
+        """Whether `seq` can hold a restore of n tokens once its current cells (those it alone
+        holds) go, in every group."""
+        return n <= self.n_reclaimable(seq)
+
+    def _gather(self, seq: int, positions: list[int],
+                idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, :, idx], self.v[:, :, idx]
+
+    def rows_out(self, seq: int, p0: int, p1: int) -> list[torch.Tensor]:
+        """The rows of positions [p0, p1) of `seq` in every group (`row_layout`'s order), as new
+        host tensors; the pool is only read."""
+        positions = list(range(p0, p1))
+        idx = torch.tensor(self.cells_at(seq, positions), dtype=torch.long, device=self.device)
+        k, v = self._gather(seq, positions, idx)
+        rows = [k.contiguous(), v.contiguous()]
+        if self.draft is not None:
+            rows += [self.draft.k[:, :, idx], self.draft.v[:, :, idx]]
+        if self.device.type == "cpu":
+            return rows  # advanced indexing already made fresh tensors
+        # off a device pool the rows come to pageable host memory. Not pinned one allocation a
+        # segment: torch's pinned allocator rounds each up to a power of two and keeps what is
+        # freed, so the tier's page-locked memory could reach twice the tier's budget and never
+        # shrink; pinning wants one arena of the tier's size, to measure on a GPU
+        return [t.to("cpu") for t in rows]
+
+    def segment(self, pos0: int, rows: list[torch.Tensor], n: int, window_from: int) -> Segment:
+        """The first `n` of `rows` (as `rows_out` gave them, from position pos0) in this pool's
+        layout for a restore whose window starts at `window_from` (a sliding group keeps only
+        the window's positions). ValueError for rows of another layout."""
+        want = tuple((r.n_layer, r.n_head_kv, r.width, r.dtype) for r in self.row_layout())
+        got = tuple((t.shape[0], t.shape[1], t.shape[3], t.dtype) for t in rows)
+        if got != want or rows[1].shape[2] != rows[0].shape[2]:
+            raise ValueError(f"segment at position {pos0} has rows {got}; the pool wants {want}")
+        k, v, *draft = rows
+        g = self.n_layer
+        return Segment(list(range(pos0, pos0 + n)), k[:g, :, :n], v[:g, :, :n],
+                       self._window(pos0, k[g:], v[g:], n, window_from),
+                       (draft[0][:, :, :n], draft[1][:, :, :n]) if draft else None)
+
+    def _window(self, pos0: int, k: torch.Tensor, v: torch.Tensor, n: int,
+                window_from: int) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
+        """A sliding group's part of a segment (none here)."""
+        return None
+
+    def write_segment(self, seq: int, seg: Segment) -> None:
+        """Put a segment's rows into fresh cells of `seq` (ValueError for a group this pool
+        lacks; OutOfCells when there is no room)."""
+        if seg.swa is not None:
+            raise ValueError("sliding-window rows for a pool without a sliding part")
+        if seg.draft is not None and self.draft is None:
+            raise ValueError("draft rows for a pool without a draft model")
+        self.write_rows(seq, seg.positions, seg.k, seg.v)
+        if seg.draft is not None and seg.positions:
+            assert self.draft is not None
+            idx = torch.tensor(self.cells_at(seq, seg.positions), dtype=torch.long,
+                               device=self.device)
+            self.draft.write(idx, *seg.draft)
+
+    def write_rows(self, seq: int, positions: list[int], k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+        """K/V rows [n_layer, n_head_kv, n, width] of this pool's own layers into fresh cells of
+        `seq` at `positions`."""
+        if not positions:
+            return
+        idx = torch.tensor(self.alloc(seq, positions), dtype=torch.long, device=self.device)
+        self.k[:, :, idx] = stored(k, self.k, self.device)
+        self.v[:, :, idx] = stored(v, self.v, self.device)
 
     # -- sizes ---------------------------------------------------------------------------
     @property

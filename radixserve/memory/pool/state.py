@@ -226,9 +226,9 @@ def set_state(pool: KVPool, seq: int, data: bytes | memoryview, fp: Fingerprint)
     n = len(st.positions)
     check_room(pool, seq, st)
     pool.seq_rm(seq)
-    write_rows(pool, seq, st.positions, st.k, st.v)
+    pool.write_rows(seq, st.positions, st.k, st.v)
     if swa is not None and st.swa is not None:
-        write_rows(swa.swa, seq, st.swa.positions, st.swa.k, st.swa.v)
+        swa.swa.write_rows(seq, st.swa.positions, st.swa.k, st.swa.v)
     return n
 
 
@@ -246,7 +246,7 @@ def set_swa_state(pool: SWAPool, seq: int, data: bytes | memoryview, fp: Fingerp
     st = parse_swa_state(pool, data, fp)
     _check_room(pool.swa, seq, len(st.positions))
     pool.swa.seq_rm(seq)
-    write_rows(pool.swa, seq, st.positions, st.k, st.v)
+    pool.swa.write_rows(seq, st.positions, st.k, st.v)
 
 
 def parse_draft_state(pool: KVPool, seq: int, data: bytes | memoryview) -> ParsedState:
@@ -282,25 +282,4 @@ def write_draft_rows(pool: KVPool, seq: int, positions: list[int], k: torch.Tens
         return
     assert pool.draft is not None
     idx = torch.tensor(pool.cells_at(seq, positions), dtype=torch.long, device=pool.device)
-    pool.draft.k[:, :, idx] = _stored(k, pool.draft.k, pool.device)
-    pool.draft.v[:, :, idx] = _stored(v, pool.draft.v, pool.device)
-
-
-def write_rows(pool: KVPool, seq: int, positions: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-    """Put K/V rows [n_layer, n_head_kv, n, head_dim] into fresh cells of `seq` at `positions`."""
-    if not positions:
-        return
-    cells = pool.alloc(seq, positions)
-    idx = torch.tensor(cells, dtype=torch.long, device=pool.device)
-    pool.k[:, :, idx] = _stored(k, pool.k, pool.device)
-    pool.v[:, :, idx] = _stored(v, pool.v, pool.device)
-
-
-def _stored(rows: torch.Tensor, into: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Rows as `into` stores them: a float dtype converted, a quantized row's bytes never (a
-    uint8 row of another width, or floats into bytes, is another cache type: ValueError)."""
-    if (rows.shape[-1] != into.shape[-1]
-            or (torch.uint8 in (rows.dtype, into.dtype) and rows.dtype != into.dtype)):
-        raise ValueError(f"rows {rows.dtype} of width {rows.shape[-1]} are not this pool's "
-                         f"({into.dtype}, width {into.shape[-1]})")
-    return rows.to(device, into.dtype)
+    pool.draft.write(idx, k, v)

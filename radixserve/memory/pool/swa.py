@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from radixserve.memory.pool.pool import KVPool, KVTypes, OutOfCells, Rotate
+from radixserve.memory.pool.rows import Segment
 
 PAD = 256  # llama.cpp pads cache sizes to 256 cells
 
@@ -45,6 +46,53 @@ class SWAPool(KVPool):
         self.swa = KVPool(n_layer_swa, n_head_kv, head_dim, n_swa_cells, n_seq, unified, dtype,
                           rotate_swa, device, self.types)  # the same -ctk / -ctv
         self.n_swa = n_swa
+
+    # -- rows by layer group: the sliding layers after the global ones ------------------------
+    def _row_layers(self) -> int:
+        return self.n_layer + self.swa.n_layer
+
+    @property
+    def bytes_per_token(self) -> int:
+        return super().bytes_per_token + self.swa.bytes_per_cell
+
+    def caches(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                              torch.Tensor | None]:
+        return self.k, self.v, self.swa.k, self.swa.v
+
+    def window_view(self, seq: int, positions: list[int]
+                    ) -> tuple[list[int], slice | torch.Tensor, list[int]] | None:
+        view = self.swa.view(seq)
+        return self.swa.cells_at(seq, positions), view.cells, view.positions
+
+    def rows_held_from(self, seq: int) -> int:
+        return self.swa_pos_min(seq)
+
+    def window_from(self, n: int) -> int:
+        return max(0, n - self.n_swa)
+
+    def can_hold(self, seq: int, n: int) -> bool:
+        return (n <= KVPool.n_reclaimable(self, seq)
+                and min(n, self.n_swa) <= self.swa.n_reclaimable(seq))
+
+    def _gather(self, seq: int, positions: list[int],
+                idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        sidx = torch.tensor(self.swa.cells_at(seq, positions), dtype=torch.long,
+                            device=self.device)
+        return (torch.cat([self.k[:, :, idx], self.swa.k[:, :, sidx]]),
+                torch.cat([self.v[:, :, idx], self.swa.v[:, :, sidx]]))
+
+    def _window(self, pos0: int, k: torch.Tensor, v: torch.Tensor, n: int,
+                window_from: int) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
+        if pos0 + n <= window_from:
+            return None
+        a = max(window_from, pos0) - pos0
+        return list(range(pos0 + a, pos0 + n)), k[:, :, a:n], v[:, :, a:n]
+
+    def write_segment(self, seq: int, seg: Segment) -> None:
+        window = seg.swa
+        super().write_segment(seq, Segment(seg.positions, seg.k, seg.v, None, seg.draft))
+        if window is not None:
+            self.swa.write_rows(seq, *window)
 
     # -- sizes -------------------------------------------------------------------------------
     def n_free_for(self, seq: int) -> int:

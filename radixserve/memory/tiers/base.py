@@ -38,11 +38,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
 
 from radixserve.memory.checkpoint import Checkpoint
 from radixserve.memory.key import PromptKey
 from radixserve.memory.pool.pool import KVPool
+from radixserve.memory.pool.rows import Segment
 
 __all__ = ["STAT_NAMES", "DiskTierCache", "NullPromptCache", "PromptCache", "Restore", "Segment"]
 
@@ -104,20 +104,6 @@ class DiskTierCache(Protocol):
     def close(self) -> None:
         """Let queued writes finish (a restart finds them)."""
         ...
-
-
-@dataclass(slots=True)
-class Segment:
-    """K/V rows of one run of positions, in the pool's layout: `k`/`v` [n_layer, n_head_kv, n,
-    head_dim] of the pool's own layers (a sliding-window pool's global ones) at `positions`;
-    `swa` a sliding-window pool's sliding layers as (positions, k, v), only the window's
-    positions; `draft` a draft model's (k, v) at `positions`."""
-
-    positions: list[int]
-    k: torch.Tensor
-    v: torch.Tensor
-    swa: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
-    draft: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)

@@ -23,10 +23,10 @@ import logging
 import os
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
-import torch
+
+from radixserve.memory.pool.rows import RowSpec
 
 log = logging.getLogger(__name__)
 
@@ -61,29 +61,6 @@ def load_key(path: str) -> bytes:
     if not secret:
         raise ValueError(f"the disk cache key file {path!r} is empty")
     return hashlib.blake2b(secret, digest_size=32).digest()
-
-
-@dataclass(slots=True, frozen=True)
-class RowSpec:
-    """One row tensor of a block: [n_layer, n_head_kv, block, width] of `dtype`, the stored
-    rows of KV cache type `kind` (a quantized type: width bytes of blocks; "" for the dtype's
-    own values). The kind is in the header and the layout's repr, so in the files' names."""
-
-    n_layer: int
-    n_head_kv: int
-    width: int
-    dtype: torch.dtype
-    kind: str = ""
-
-    def shape(self, n: int) -> list[int]:
-        return [self.n_layer, self.n_head_kv, n, self.width]
-
-    @property
-    def dtype_name(self) -> str:
-        return self.kind or str(self.dtype).removeprefix("torch.")
-
-    def nbytes(self, n: int) -> int:
-        return self.n_layer * self.n_head_kv * n * self.width * self.dtype.itemsize
 
 
 class BlockFormat:

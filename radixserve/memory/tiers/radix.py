@@ -38,13 +38,11 @@ import torch
 
 from radixserve.memory.tiers.base import Restore, Segment, stats_dict
 from radixserve.memory.tiers.disk import DiskTier, Loaded
-from radixserve.memory.tiers.disk_block import RowSpec
 from radixserve.memory.tiers.prefix import common_prefix
 from radixserve.memory.tiers.radix_tree import RadixMatch, RadixNode, RadixTree, own_rows
 from radixserve.memory.checkpoint import Checkpoint
 from radixserve.memory.key import PromptKey
 from radixserve.memory.pool.pool import KVPool
-from radixserve.memory.pool.swa import SWAPool
 
 log = logging.getLogger(__name__)
 
@@ -54,55 +52,12 @@ class InjectedFault(RuntimeError):
     middle of a restore; tests set it through the constructor."""
 
 
-def _bytes_per_token(pool: KVPool) -> int:
-    """Host bytes a token takes in the tree (every layer, a draft model's too)."""
-    return (pool.bytes_per_cell + (pool.swa.bytes_per_cell if isinstance(pool, SWAPool) else 0)
-            + (pool.draft.bytes_per_cell if pool.draft is not None else 0))
-
-
-def _copy_out(pool: KVPool, seq: int, p0: int, p1: int) -> list[torch.Tensor]:
-    """Gather the rows of positions [p0, p1) of every layer (a sliding-window pool's sliding
-    layers after its global ones), then a draft model's, into new host tensors; the pool is
-    only read."""
-    positions = list(range(p0, p1))
-    idx = torch.tensor(pool.cells_at(seq, positions), dtype=torch.long, device=pool.device)
-    k, v = pool.k[:, :, idx], pool.v[:, :, idx]
-    if isinstance(pool, SWAPool):
-        sidx = torch.tensor(pool.swa.cells_at(seq, positions), dtype=torch.long,
-                            device=pool.device)
-        k = torch.cat([k, pool.swa.k[:, :, sidx]])
-        v = torch.cat([v, pool.swa.v[:, :, sidx]])
-    rows = [k.contiguous(), v.contiguous()]
-    if pool.draft is not None:
-        rows += [pool.draft.k[:, :, idx], pool.draft.v[:, :, idx]]
-    if pool.device.type == "cpu":
-        return rows  # advanced indexing already made fresh tensors
-    # off a device pool the rows come to pageable host memory. Not pinned one allocation a
-    # segment: torch's pinned allocator rounds each up to a power of two and keeps what is
-    # freed, so the tier's page-locked memory could reach twice --cache-ram and never shrink;
-    # pinning wants one arena of the tier's size (SGLang's HiCache host pool), measured on a GPU
-    return [t.to("cpu") for t in rows]
-
-
 @dataclass(slots=True)
 class Pin:
     """`end` and the nodes above it are kept (locked) until `until` (time.monotonic())."""
 
     end: RadixNode
     until: float
-
-
-def row_layout(pool: KVPool) -> list[RowSpec]:
-    """The row tensors a segment (so a disk block) holds a token: every layer's K and V (a
-    sliding-window pool's sliding layers after its global ones), then a draft model's, each as
-    its cache type stores it (a float type unnamed: its disk files keep their old names)."""
-    n_layer = pool.n_layer + (pool.swa.n_layer if isinstance(pool, SWAPool) else 0)
-    parts = [(n_layer, pool.n_head_kv, pool.head_dim, pool.types)]
-    if pool.draft is not None:
-        d = pool.draft
-        parts.append((d.n_layer, d.n_head_kv, d.head_dim, d.types))
-    return [RowSpec(layers, heads, t.width(dim), t.storage, t.name if t.quantized else "")
-            for layers, heads, dim, types in parts for t in types]
 
 
 class RadixPromptCache:
@@ -153,12 +108,12 @@ class RadixPromptCache:
         if pool.seq_positions(seq)[:n] != list(range(n)):
             raise ValueError(f"sequence {seq} does not hold positions 0..{n - 1} for {n} tokens")
         m = self.tree.match(tokens, salt).length
-        if m < n and isinstance(pool, SWAPool) and not 0 <= pool.swa_pos_min(seq) <= m:
+        if m < n and not 0 <= pool.rows_held_from(seq) <= m:
             log.debug("radix save of %d new tokens skipped: the sliding window dropped them",
                       n - m)
             self.skipped += 1
             return False
-        if 0 < self.limit_bytes < (n - m) * _bytes_per_token(pool):
+        if 0 < self.limit_bytes < (n - m) * pool.bytes_per_token:
             log.debug(
                 "radix save of %d new tokens skipped: over the %d-byte limit",
                 n - m,
@@ -167,7 +122,7 @@ class RadixPromptCache:
             self.skipped += 1
             return False
         try:
-            k, v, *draft = _copy_out(pool, seq, m, n)
+            k, v, *draft = pool.rows_out(seq, m, n)
             node = self.tree.insert(tokens, k, v, tuple(draft), salt)
         except (MemoryError, torch.OutOfMemoryError) as e:
             log.warning("radix save of %d tokens failed (%s); cache unchanged", n, e)
@@ -462,10 +417,7 @@ class RadixPromptCache:
     def can_restore(self, pool: KVPool, seq: int, n: int) -> bool:
         """Whether `seq` can hold `n` cells once its current ones (only those it alone holds) go
         (a sliding-window pool: the window's in its sliding part)."""
-        if isinstance(pool, SWAPool):
-            return (n <= KVPool.n_reclaimable(pool, seq)
-                    and min(n, pool.n_swa) <= pool.swa.n_reclaimable(seq))
-        return n <= pool.n_reclaimable(seq)
+        return pool.can_hold(seq, n)
 
     def _segments(self, pool: KVPool, match: RadixMatch) -> Iterator[Segment]:
         """The matched rows at positions 0..match.length-1 in `pool`'s layout (a sliding-window
@@ -473,23 +425,10 @@ class RadixPromptCache:
         segment of another layout, InjectedFault (the fault hook) once that many tokens' rows
         were handed over."""
         fault, written = self.fault_after_tokens, 0
-        swa = pool if isinstance(pool, SWAPool) else None
-        lo = 0 if swa is None else max(0, match.length - swa.n_swa)  # the window's first
-        want = tuple((r.n_layer, r.n_head_kv, r.width, r.dtype) for r in row_layout(pool))
+        lo = pool.window_from(match.length)
         for pos0, rows in match.all_rows():
-            k, v, *draft = rows
-            got = tuple((t.shape[0], t.shape[1], t.shape[3], t.dtype) for t in rows)
-            if got != want or v.shape[2] != k.shape[2]:
-                raise ValueError(f"segment at position {pos0} has rows {got}; the pool wants "
-                                 f"{want}")
-            n = k.shape[2] if fault is None else min(k.shape[2], fault - written)
-            g = pool.n_layer
-            sliding = None
-            if swa is not None and pos0 + n > lo:
-                a = max(lo, pos0) - pos0
-                sliding = (list(range(pos0 + a, pos0 + n)), k[g:, :, a:n], v[g:, :, a:n])
-            yield Segment(list(range(pos0, pos0 + n)), k[:g, :, :n], v[:g, :, :n], sliding,
-                          (draft[0][:, :, :n], draft[1][:, :, :n]) if draft else None)
+            n = rows[0].shape[2] if fault is None else min(rows[0].shape[2], fault - written)
+            yield pool.segment(pos0, list(rows), n, lo)
             written += n
             if fault is not None and written >= fault:
                 if self.fault_restores_left is not None:
