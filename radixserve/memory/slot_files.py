@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from radixserve.memory.tiers.slot_file import (
     SlotFile,
@@ -33,8 +34,20 @@ from radixserve.memory.pool.state import (
 from radixserve.memory.pool.swa import SWAPool
 
 if TYPE_CHECKING:
+    from radixserve.config import ServerConfig
     from radixserve.memory.holders import Holder
-    from radixserve.memory.manager import MemoryManager
+
+
+class SlotFileHost(Protocol):
+    """What a slot action reads of the memory manager (which calls these functions)."""
+
+    cfg: ServerConfig
+    slots: Sequence[Holder]
+    pool: KVPool
+    arch: str  # the model's architecture (the state's fingerprint)
+    tok: Any  # its tokenizer (`n_vocab`)
+
+    def offer_before_drop(self, slot: Holder) -> None: ...
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +60,7 @@ def _bad(message: str) -> TaskError:
 
 
 def slot_action(
-    mem: MemoryManager, id_slot: int, action: str, filename: str | None
+    mem: SlotFileHost, id_slot: int, action: str, filename: str | None
 ) -> dict[str, Any]:
     """Run one slot action; raises TaskError (501 no save path, 400 bad request or unusable file,
     409 slot busy, 500 I/O failure while saving)."""
@@ -80,14 +93,14 @@ def _check_idle(slot: Holder) -> None:
                         f"slot {slot.id} is processing a task; retry when it is idle")
 
 
-def _erase(mem: MemoryManager, slot: Holder) -> dict[str, Any]:
+def _erase(mem: SlotFileHost, slot: Holder) -> dict[str, Any]:
     n_erased = len(slot.kv)
     slot.kv.drop()
     log.info("slot %d: erased %d tokens", slot.id, n_erased)
     return {"id_slot": slot.id, "n_erased": n_erased}
 
 
-def _save(mem: MemoryManager, slot: Holder, filename: str, path: str) -> dict[str, Any]:
+def _save(mem: SlotFileHost, slot: Holder, filename: str, path: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     pool, n = mem.pool, len(slot.kv.tokens)
     if pool.seq_positions(slot.id) != list(range(n)):  # token i must sit at position i
@@ -115,7 +128,7 @@ def _save(mem: MemoryManager, slot: Holder, filename: str, path: str) -> dict[st
             "timings": {"save_ms": ms}}
 
 
-def _restore(mem: MemoryManager, slot: Holder, filename: str, path: str) -> dict[str, Any]:
+def _restore(mem: SlotFileHost, slot: Holder, filename: str, path: str) -> dict[str, Any]:
     """All checks first, then the slot's KV is replaced. On failure: 400, the slot as it was."""
     t0 = time.perf_counter()
     pool, seq = mem.pool, slot.id

@@ -88,7 +88,7 @@ def test_restart_restores_from_disk_and_answers_as_no_cache(model, prompts, refe
     n_files = len(files(tmp_path))
     assert n_files >= 2 * (len(prompts[0]) // B)
     s = restart(s, model, tmp_path)
-    assert s.cache.stats()["bytes"] == 0
+    assert s.mem.cache.stats()["bytes"] == 0
     second = run_to_end(s, [task(prompts[1]), task(prompts[3])])
     for f, p, before in zip(second, (prompts[1], prompts[3]), (prompts[0], prompts[2])):
         assert f.tokens == reference[tuple(p)]
@@ -237,7 +237,7 @@ def test_flush_empties_every_tier(model, prompts, reference, tmp_path):
     out, disk = s.mem.flush()
     assert out["ram_bytes"] > 0 and out["ram_entries"] >= 1 and out["slots"] == 1
     assert disk is not None and disk.result(30) == n_files
-    assert files(tmp_path) == [] and s.cache.stats()["bytes"] == 0
+    assert files(tmp_path) == [] and s.mem.cache.stats()["bytes"] == 0
     assert not any(len(sl.kv) for sl in s.slots)
     got = run_to_end(s, [task(prompts[1])])[0]
     assert got.timings.cache_n == 0 and got.tokens == reference[tuple(prompts[1])]
@@ -260,7 +260,7 @@ def test_flush_while_a_task_runs_spares_it_and_keeps_nothing(model, prompts, ref
         s.step()
     assert out[-1].tokens == reference[tuple(prompts[0])]  # the request itself is unaffected
     s.mem.disk.disk.drain()
-    assert s.cache.stats()["bytes"] == 0 and files(tmp_path) == []  # its KV was not kept
+    assert s.mem.cache.stats()["bytes"] == 0 and files(tmp_path) == []  # its KV was not kept
     assert not any(len(sl.kv) for sl in s.slots)
     again = run_to_end(s, [task(prompts[0])])[0]
     assert again.timings.cache_n == 0 and again.tokens == reference[tuple(prompts[0])]

@@ -159,7 +159,7 @@ def test_legacy_entries_carry_checkpoints(model: Model, ref: Ref, monkeypatch):
     rec = Recorder(monkeypatch)
     s = sched(model, cache_radix_prompt=False)
     check_run(s, ref, [P(0, 0), P(1, 0)])  # the second overwrites the slot: doc 0 -> host
-    entry = s.cache.states[0]
+    entry = s.mem.cache.states[0]
     assert entry.tokens[: len(P(0, 0))] == P(0, 0) and len(entry.checkpoints) == 2
     assert entry.size == len(entry.data) + sum(c.size for c in entry.checkpoints)
     check_run(s, ref, [edit(P(0, 0))])
