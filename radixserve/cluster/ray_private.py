@@ -1,7 +1,7 @@
 """The router's one use of Ray Serve beyond its public request-router API, written for Ray
 2.60.0 (the version `scripts/setup.sh cluster` installs).
 
-Everything else in `router.py` is `ray.serve.request_router`'s public surface: `RequestRouter`
+Everything else in `replica_router.py` is `ray.serve.request_router`'s public surface: `RequestRouter`
 (`choose_replicas`, `initialize_state`, `update_replicas`, `on_request_routed`,
 `on_replica_actor_died`, `on_replica_actor_unavailable`, `on_new_queue_len_info`,
 `curr_replicas`, `replica_queue_len_cache`, `queue_len_response_deadline_s`), the
@@ -21,7 +21,7 @@ needs one attribute of each:
 
 Nothing is imported from `ray.serve._private`. tests/cluster/test_ray_private.py pins the Ray
 version and checks that these attributes (and the public calls the router makes) are there:
-on another Ray version it fails, and this module and `router.py` are to be read against that
+on another Ray version it fails, and this module and `replica_router.py` are to be read against that
 version's `ray/serve/_private/request_router/` before the pin moves.
 """
 

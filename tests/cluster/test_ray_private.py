@@ -3,7 +3,7 @@
 `radixserve/cluster/replica_router.py` uses `ray.serve.request_router`'s public API;
 `radixserve/cluster/ray_private.py` holds the two attributes that API lacks. Both were written
 against Ray 2.60.0. On another version the first test fails: read `ray_private.py` and
-`router.py` against that version's `ray/serve/_private/request_router/` (the request router,
+`replica_router.py` against that version's `ray/serve/_private/request_router/` (the request router,
 `PendingRequest`'s fields, the default power-of-two router, how queue lengths are probed),
 then move the pin. The other tests say which of the things relied on went missing.
 
@@ -44,7 +44,7 @@ def test_written_for_ray_2_60_0() -> None:
     assert ray.__version__ == ray_private.RAY_VERSION, (
         f"radixserve's router was written for Ray {ray_private.RAY_VERSION}, this is Ray "
         f"{ray.__version__}: re-check radixserve/cluster/ray_private.py (PendingRequest's "
-        "routing_context.should_backoff and metadata.multiplexed_model_id) and router.py "
+        "routing_context.should_backoff and metadata.multiplexed_model_id) and replica_router.py "
         "(its pow2 copy of PowerOfTwoChoicesRequestRouter.choose_replicas, its queue-length "
         "probe modelled on RequestRouter._probe_queue_lens) against this version's "
         "ray/serve/_private/request_router/, then move the pin")
@@ -99,7 +99,7 @@ def test_only_the_adapter_goes_past_the_public_api() -> None:
                 continue
             assert not [n for n in names if "._private" in n], (path, names)
     # the router reaches no underscored member of Ray Serve's classes: its own only
-    source = (CLUSTER / "router.py").read_text()
+    source = (CLUSTER / "replica_router.py").read_text()
     used = set(re.findall(r"self\.(_\w+)", source))
     own = {n for n in vars(PrefixRouter) if n.startswith("_")}
     assert used <= own, used - own
