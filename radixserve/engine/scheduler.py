@@ -2,11 +2,12 @@
 
 Runs on the engine thread only. Sequence memory is the manager's (memory/manager.py): admission
 asks it which slot takes a task and has it make the slot hold the prompt's longest reusable
-prefix (saving what the slot would lose first); the scheduler never decides what is cached. Each `step()` is schedule -> run -> postprocess: schedule
-reserves cells for a decode token of every generating slot plus prompt chunks of prefilling
-slots (up to the batch budget) before anything runs, so a forward never runs out of cells
-half-way; run is one forward; postprocess commits the new KV, samples, and streams results out
-through each task's `emit` callback.
+prefix (saving what the slot would lose first); the scheduler never decides what is cached.
+Each `step()` is schedule -> run -> postprocess: schedule reserves cells (through the manager)
+for a decode token of every generating slot plus prompt chunks of prefilling slots (up to the
+batch budget) before anything runs, so a forward never runs out of cells half-way; run is one
+forward; postprocess commits the new KV, samples, and streams results out through each task's
+`emit` callback.
 
 Also llama-server's: `--context-shift` (a generating slot whose context is full keeps n_keep
 tokens, discards n_discard after them and moves the rest left, through SlotKV.shift; the
@@ -96,7 +97,7 @@ class Scheduler:
             if task.parent is not None and self._prefilling(task.parent):
                 self.deferred.append((task, emit))  # n_cmpl child: wait for the parent's prompt
                 continue
-            if self.mem.must_wait(task, task.id):
+            if self.mem.must_wait(task):
                 self.deferred.append((task, emit))
                 continue
             held, update_cache = self.mem.choose_slot(task)
@@ -131,7 +132,7 @@ class Scheduler:
                               constraint=constraint)
         except ValueError as e:
             raise TaskError(400, "invalid_request_error", f"Failed to initialize samplers: {e}")
-        plan, why = self.mem.admit(slot, task, task.id, update_cache=update_cache,
+        plan, why = self.mem.admit(slot, task, update_cache=update_cache,
                                    n_cache_reuse=task.n_cache_reuse,
                                    prefer=self._holder(task.parent),
                                    slot_only=bool(task.pooling))  # embeddings: no host tiers
@@ -370,7 +371,7 @@ class Scheduler:
         self.metrics.observe_n_tokens(len(s.tokens))
         log.info("slot %d: stop processing, n_tokens = %d, truncated = %s",
                  s.id, len(s.tokens), s.truncated)
-        self.mem.release(s, s.task, s.task.id, s.task.pin_s, answered=emit_final)
+        self.mem.release(s, s.task, answered=emit_final)
         s.release()
         self.launch_deferred()
 

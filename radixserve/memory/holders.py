@@ -16,8 +16,10 @@ if TYPE_CHECKING:
 
 
 class Request(Protocol):
+    id: int  # the engine's task id
     id_slot: int  # -1: any slot
     cache_prompt: bool  # false: compute the whole prompt (nothing reused)
+    pin_s: float  # seconds the prompt stays pinned in the host tier after the task (0: none)
 
     @property
     def key(self) -> PromptKey:

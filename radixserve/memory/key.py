@@ -9,14 +9,13 @@ function of memory/ takes a namespace beside a token list.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
 class PromptKey:
     ns: str
-    tokens: Sequence[int]  # never modified through the key
+    tokens: list[int]  # never modified through the key
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -58,10 +58,10 @@ class MemoryManager:
         return self.host.cache
 
     # -- admission ---------------------------------------------------------------------------
-    def must_wait(self, task: Request, task_id: int) -> bool:
+    def must_wait(self, task: Request) -> bool:
         """Whether `task` should wait rather than start now: another slot is computing a prefix
         it would reuse, or its prompt's blocks are being read from disk."""
-        return pending_prefill(self.slots, task) is not None or self._awaits_disk(task, task_id)
+        return pending_prefill(self.slots, task) is not None or self._awaits_disk(task)
 
     def choose_slot(self, task: Request) -> tuple[Holder | None, bool]:
         """llama-server's slot choice; the flag: the slot's content goes to the host cache
@@ -80,7 +80,7 @@ class MemoryManager:
         if not self.host.cache.load_always:
             self.host.cache_idle_slots(self.slots)
 
-    def admit(self, slot: Holder, task: Request, task_id: int, *, update_cache: bool,
+    def admit(self, slot: Holder, task: Request, *, update_cache: bool,
               n_cache_reuse: int | None, prefer: Holder | None, slot_only: bool
               ) -> tuple[PrefixPlan, Reuse]:
         """Make `slot` hold the longest reusable prefix of the task's prompt (its own KV,
@@ -88,9 +88,9 @@ class MemoryManager:
         slot would lose. Returns the plan carried out and the reuse report.
         `n_cache_reuse`: the task's own `--cache-reuse` (None: the server's); `prefer`: the
         slot of an n_cmpl parent; `slot_only`: the KV stays out of the host tiers."""
-        from_disk = task_id in self._from_disk
-        self._from_disk.discard(task_id)
-        self._disk_asked.discard(task_id)
+        from_disk = task.id in self._from_disk
+        self._from_disk.discard(task.id)
+        self._disk_asked.discard(task.id)
         key = task.key
         if self.pool.unified:  # room for the whole prompt, so a cached prefix can be restored
             while (self.pool.n_free + len(slot.kv) < len(key)
@@ -121,20 +121,20 @@ class MemoryManager:
         self._from_disk.discard(task_id)
         self._disk_asked.discard(task_id)
 
-    def _awaits_disk(self, task: Request, task_id: int) -> bool:
+    def _awaits_disk(self, task: Request) -> bool:
         """Whether `task` waits for its prompt's blocks to come from disk into the radix tree
         (the lookup is made once, when the task is first considered; off the engine thread)."""
         if self.disk is None or not task.cache_prompt:
             return False
-        if task_id not in self._disk_asked:
-            self._disk_asked.add(task_id)
+        if task.id not in self._disk_asked:
+            self._disk_asked.add(task.id)
             key = task.key
             n_have = max((salted_lcp(s.kv, key) for s in self.slots if s.kv.reusable),
                          default=0)
             ticket = self.disk.disk_lookup(key, n_have)
             if ticket is not None:
-                self._disk_wait[task_id] = ticket
-        return task_id in self._disk_wait
+                self._disk_wait[task.id] = ticket
+        return task.id in self._disk_wait
 
     def poll_io(self) -> bool:
         """Take finished disk reads into the radix tree; True when a waiting task may go on."""
@@ -230,13 +230,12 @@ class MemoryManager:
             kv.save_to(self.host.cache)
         kv.prune()
 
-    def release(self, slot: Holder, task: Request, task_id: int, pin_s: float,
-                answered: bool) -> None:
+    def release(self, slot: Holder, task: Request, answered: bool) -> None:
         """The slot's task ended (`answered`: not cancelled): its KV stays in the slot (the
         slot-level prompt cache), is written through to disk when there is a disk tier, and its
-        prompt is pinned in the tree for `pin_s` seconds when asked; shifted or flushed KV is
+        prompt is pinned in the tree for the task's `pin_s` seconds when asked; shifted or flushed KV is
         dropped, never reused."""
-        kv = slot.kv
+        kv, pin_s = slot.kv, task.pin_s
         kv.truncate(len(kv))  # cancelled mid-prompt: drop KV past the contiguous prefix
         if not kv.reusable:
             kv.drop()
@@ -246,7 +245,7 @@ class MemoryManager:
         if pin_s and answered and kv.reusable and not self.host.cache.pin(
                 task.key, pin_s):
             log.warning("slot %d: task %d's prompt (%d tokens) not pinned: over "
-                        "--cache-pin-mib, or not kept by the host cache", slot.id, task_id,
+                        "--cache-pin-mib, or not kept by the host cache", slot.id, task.id,
                         len(task.key))
 
     def drop(self, slot: Holder) -> None:
@@ -287,6 +286,8 @@ class MemoryManager:
 
     def checkpoints(self) -> tuple[int, int]:
         """Context checkpoints the slots keep: (count, bytes)."""
+        if self.swa is None:
+            return 0, 0
         return (sum(len(s.kv.checkpoints) for s in self.slots),
                 sum(s.kv.checkpoint_bytes for s in self.slots))
 

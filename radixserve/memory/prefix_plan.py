@@ -186,7 +186,7 @@ def plan_prefix(slot: Holder, key: PromptKey, donors: Sequence[Holder],
     spans = [Span(0, n_prefix, source)] if n_prefix else []
     if source is Source.OWN and n_reuse > 0 and own:
         spans += [Span(p, p + m, Source.OWN, c)
-                  for c, p, m in find_chunks(list(kv.tokens), list(prompt), n_prefix, n_reuse)]
+                  for c, p, m in find_chunks(list(kv.tokens), prompt, n_prefix, n_reuse)]
     if spans and spans[-1].p1 == n:  # the last prompt token is always computed
         last = spans.pop()
         if last.p1 - 1 > last.p0:
@@ -226,7 +226,7 @@ def apply_plan(kv: SlotKV, plan: PrefixPlan, key: PromptKey, host: PromptCache |
         return True
     if kv.swa is not None:  # no chunks to shift: the window (or a checkpoint) and the prefix
         return kv.keep_prefix(plan.n_prefix, plan.checkpoint)
-    return kv.shift_chunks(list(key.tokens), plan.n_prefix, plan.chunks)
+    return kv.shift_chunks(key.tokens, plan.n_prefix, plan.chunks)
 
 
 def take_prefix(slot: Holder, key: PromptKey, slots: Sequence[Holder],

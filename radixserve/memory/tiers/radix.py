@@ -101,7 +101,7 @@ class RadixPromptCache:
         host memory runs out: then the tree is exactly as before, since every allocation
         (copy-out, split) happens before the tree changes.
         """
-        tokens, salt = list(key.tokens), key.ns
+        tokens, salt = key.tokens, key.ns
         n = len(tokens)
         if n == 0:
             return False
@@ -140,7 +140,7 @@ class RadixPromptCache:
         """The tree's longest match; past it, the rest of the edge it ends in, else the edge of
         the most recently used child: the stored text the prompt turned away from."""
         salt = key.ns
-        match = self.tree.match(list(key.tokens), salt)
+        match = self.tree.match(key.tokens, salt)
         m = match.length
         node = match.path[-1] if match.path else self.tree.roots.get(salt)
         if node is None:
@@ -157,7 +157,7 @@ class RadixPromptCache:
                     key: PromptKey) -> RadixMatch | None:
         """The stored prefix `load` would restore: long enough, better than the slot's own, and
         with room for it."""
-        match = self.tree.match(list(key.tokens), key.ns)
+        match = self.tree.match(key.tokens, key.ns)
         m = match.length
         if m == 0 or m < self.min_restore_tokens or m <= common_prefix(slot_tokens, key.tokens):
             return None
@@ -179,7 +179,7 @@ class RadixPromptCache:
         end = match.path[-1]
         self.tree.touch(end)
         self.tree.lock(end)  # eviction must not drop the segments while they are copied
-        return Restore(list(key.tokens[:m]), self._segments(pool, match), key.ns, kept=True,
+        return Restore(key.tokens[:m], self._segments(pool, match), key.ns, kept=True,
                        on_done=lambda error: self._restored(end, m, seq, error))
 
     def _restored(self, end: RadixNode, m: int, seq: int, error: BaseException | None) -> None:
@@ -217,7 +217,7 @@ class RadixPromptCache:
         than the budget alone is not pinned (False)."""
         now = time.monotonic() if now is None else now
         self.expire_pins(now)
-        tokens = list(key.tokens)
+        tokens = key.tokens
         match = self.tree.match(tokens, key.ns)
         if not match.path or match.length < len(tokens):
             return False
@@ -292,7 +292,7 @@ class RadixPromptCache:
         or a slot holds already); the ticket `take_disk_loads` will return, or None."""
         if self.disk is None:
             return None
-        prompt, salt = list(key.tokens), key.ns
+        prompt, salt = key.tokens, key.ns
         b = self.disk.block
         j1 = (len(prompt) - 1) // b
         m = self.tree.match(prompt, salt).length
