@@ -172,6 +172,15 @@ def tiny_swa_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_lfm2_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny LFM2: 6 layers, attention at 2 and 5, the others short convolutions of kernel
+    length 3 (their state: the last 2 input rows)."""
+    d = tmp_path_factory.mktemp("tiny-lfm2")
+    return write_tiny_gguf(str(d / "tiny-lfm2.gguf"), arch="lfm2", n_layer=6, n_head=4,
+                           n_head_kv=2, seed=11, attn_layers=(2, 5), l_cache=3)
+
+
+@pytest.fixture(scope="session")
 def tiny_path(tiny_paths: dict[str, str]) -> str:
     return tiny_paths["llama"]
 

@@ -5,7 +5,14 @@ the layers, decides a decode step, and prefill is not compute-bound; users run 1
 Speed depends on the shape and the weights' types, not on what the weights say, so random
 weights at Llama 3.2 1B's shape (16 layers, width 2048, FFN 8192, 32 heads, 8 KV heads, tied
 embeddings) measure what a user of that model would see. The tokenizer and chat template are
-the default model's, so prompts tokenize as in every other benchmark.
+the default model's, so prompts tokenize as in every other benchmark; the vocabulary, and so
+the embedding and output head, is the default model's size too (49152 tokens), not the real
+model's (128256 for Llama 3.2, 65536 for LFM2).
+
+LiquidAI's LFM2 (`lfm2-350m`, `lfm2-1.2b`) is a hybrid: most layers are gated short
+convolutions, a few attend. Its file is what llama.cpp's convert_hf_to_gguf.py writes:
+`lfm2.attention.head_count_kv` a per-layer array (0 for a conv layer), the FFN size the one
+after LFM2's auto-adjust, the final norm named token_embd_norm, the conv kernels F32.
 
 The file is written with F16 weights (norms F32), or Q8_0 through gguf-py; other types (Q4_K_M)
 come from llama.cpp's `llama-quantize` run on the F16 file outside this repo:
@@ -39,6 +46,11 @@ class Shape:
     n_head_kv: int
     rope_base: float = 500000.0
     n_ctx_train: int = 131072
+    arch: str = "llama"
+    # lfm2: the layers that attend (the others are short-convolution layers) and the conv
+    # kernel's length
+    attn_layers: tuple[int, ...] = ()
+    l_cache: int = 3
 
 
 SHAPES = {
@@ -47,6 +59,15 @@ SHAPES = {
     # what the tests run: the same structure, small enough to write in a second
     "llama-tiny": Shape(n_layer=2, n_embd=256, n_ff=512, n_head=8, n_head_kv=2,
                         n_ctx_train=4096),
+    # LiquidAI/LFM2-350M's and LFM2-1.2B's config.json: block_ff_dim 6656 and 12288 auto-adjusted
+    # (2/3, rounded up to 256) to 4608 and 8192, full_attn_idxs [2, 5, 8, 10, 12, 14],
+    # conv_L_cache 3, norm_eps 1e-5, rope_theta 1e6, tied embeddings (vocabulary: see above)
+    "lfm2-350m": Shape(n_layer=16, n_embd=1024, n_ff=4608, n_head=16, n_head_kv=8,
+                       rope_base=1e6, n_ctx_train=128000, arch="lfm2",
+                       attn_layers=(2, 5, 8, 10, 12, 14)),
+    "lfm2-1.2b": Shape(n_layer=16, n_embd=2048, n_ff=8192, n_head=32, n_head_kv=8,
+                       rope_base=1e6, n_ctx_train=128000, arch="lfm2",
+                       attn_layers=(2, 5, 8, 10, 12, 14)),
 }
 TYPES = {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 _TOKENIZER = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
@@ -83,24 +104,36 @@ def add_default_tokenizer(w: gguf.GGUFWriter, rename: dict[int, str] | None = No
 
 def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
     """Write the GGUF at `path`: weights N(0, 0.02) (the init Llama uses, so activations stay
-    in range through the layers), norms 1, in `wtype` (TYPES)."""
+    in range through the layers), norms 1, in `wtype` (TYPES); lfm2's conv kernels F32."""
     if wtype not in TYPES:
         raise ValueError(f"weight type {wtype!r}: one of {', '.join(TYPES)}")
+    if shape.arch not in ("llama", "lfm2"):
+        raise ValueError(f"architecture {shape.arch!r}: llama or lfm2")
+    lfm2 = shape.arch == "lfm2"
+    attn = set(shape.attn_layers) if lfm2 else set(range(shape.n_layer))
+    if (shape.attn_layers and not lfm2) or not attn <= set(range(shape.n_layer)):
+        raise ValueError(f"attention layers {shape.attn_layers} for {shape.arch}, "
+                         f"{shape.n_layer} layers")
     qtype = TYPES[wtype]
     n_vocab = len(default_tokenizer_fields()["tokenizer.ggml.tokens"])
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(path, "llama")
+    w = gguf.GGUFWriter(path, shape.arch)
     w.add_name(f"synthetic-{wtype}")
     w.add_block_count(shape.n_layer)
     w.add_context_length(shape.n_ctx_train)
     w.add_embedding_length(shape.n_embd)
     w.add_feed_forward_length(shape.n_ff)
     w.add_head_count(shape.n_head)
-    w.add_head_count_kv(shape.n_head_kv)
+    if lfm2:
+        w.add_head_count_kv([shape.n_head_kv if i in attn else 0 for i in range(shape.n_layer)])
+        w.add_shortconv_l_cache(shape.l_cache)
+    else:
+        w.add_head_count_kv(shape.n_head_kv)
     w.add_rope_freq_base(shape.rope_base)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(n_vocab)
-    w.add_rope_dimension_count(shape.n_embd // shape.n_head)
+    if not lfm2:  # llama.cpp's converter writes none for LFM2 (n_rot is the head size)
+        w.add_rope_dimension_count(shape.n_embd // shape.n_head)
     add_default_tokenizer(w)
 
     def matrix(name: str, rows: int, cols: int) -> None:
@@ -110,20 +143,32 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
         else:
             w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
 
-    def norm(name: str) -> None:
-        w.add_tensor(name, np.ones(shape.n_embd, np.float32))
+    def norm(name: str, n: int = shape.n_embd) -> None:
+        w.add_tensor(name, np.ones(n, np.float32))
 
     d, hd = shape.n_embd, shape.n_embd // shape.n_head
     matrix("token_embd.weight", n_vocab, d)
-    norm("output_norm.weight")
+    # LFM2's final norm (HF's model.embedding_norm) keeps the name its HF name maps to
+    norm("token_embd_norm.weight" if lfm2 else "output_norm.weight")
     for i in range(shape.n_layer):
         p = f"blk.{i}."
         norm(p + "attn_norm.weight")
         norm(p + "ffn_norm.weight")
-        matrix(p + "attn_q.weight", shape.n_head * hd, d)
-        matrix(p + "attn_k.weight", shape.n_head_kv * hd, d)
-        matrix(p + "attn_v.weight", shape.n_head_kv * hd, d)
-        matrix(p + "attn_output.weight", d, shape.n_head * hd)
+        if i in attn:
+            matrix(p + "attn_q.weight", shape.n_head * hd, d)
+            matrix(p + "attn_k.weight", shape.n_head_kv * hd, d)
+            matrix(p + "attn_v.weight", shape.n_head_kv * hd, d)
+            matrix(p + "attn_output.weight", d, shape.n_head * hd)
+            if lfm2:
+                norm(p + "attn_q_norm.weight", hd)
+                norm(p + "attn_k_norm.weight", hd)
+        else:
+            # [n_embd, L] (HF's Conv1d [n_embd, 1, L] squeezed), F32 as the converter keeps it;
+            # a kernel of L taps, so larger than 0.02 or the branch all but vanishes
+            kernel = rng.standard_normal((d, shape.l_cache), dtype=np.float32) * np.float32(0.3)
+            w.add_tensor(p + "shortconv.conv.weight", kernel)
+            matrix(p + "shortconv.in_proj.weight", 3 * d, d)
+            matrix(p + "shortconv.out_proj.weight", d, d)
         matrix(p + "ffn_gate.weight", shape.n_ff, d)
         matrix(p + "ffn_up.weight", shape.n_ff, d)
         matrix(p + "ffn_down.weight", d, shape.n_ff)

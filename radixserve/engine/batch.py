@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.memory.pool.conv import ConvPool
 from radixserve.memory.pool.pool import KVPool, KVTypes
 from radixserve.memory.pool.swa import alloc_step, make_pool
 from radixserve.model.forward import SeqStep, SwaStep, Transformer
@@ -79,9 +80,14 @@ def forward(tr: Transformer, pool: KVPool, batch: list[BatchSeq]) -> torch.Tenso
 
 def model_pool(model: Model, n_cells: int, n_seq: int, unified: bool, n_step: int,
                swa_full: bool = False, types: KVTypes | None = None) -> KVPool:
-    """`make_pool` for a loaded model; `n_step`: the most new tokens one forward holds;
+    """The pool a loaded model needs: `make_pool`'s, or the short-convolution layout for a
+    model with conv layers (`swa_full` is for sliding attention only); `n_step`: the most new tokens one forward holds;
     `types`: the K and V cache types (`-ctk` / `-ctv`; None: the compute dtype)."""
     hp = model.hp
+    if hp.n_layer_conv:
+        return ConvPool(hp.n_layer - hp.n_layer_conv, hp.n_layer_conv, hp.n_head_kv,
+                        hp.head_dim, hp.n_embd, hp.l_cache, n_cells, n_seq, unified,
+                        model.dtype, model.rope.rotate, n_step, model.device, types)
     return make_pool(hp.n_layer, hp.swa_layers, hp.n_swa, swa_full, hp.n_head_kv, hp.head_dim,
                      n_cells, n_seq, unified, model.dtype, model.rope.rotate,
                      model.rope_swa.rotate, n_step, model.device, types)

@@ -64,8 +64,12 @@ def build_scheduler(model: Model, cfg: ServerConfig, metrics: ServerMetrics,
     swa = pool if isinstance(pool, SWAPool) else None
     fp = fingerprint_of(pool, hp.arch)
     n_ckpt = cfg.ctx_checkpoints if swa is not None else 0
+    if hp.recurrent and cfg.context_shift:  # llama-server's words where memory cannot shift
+        log.warning("context shift is not supported by this model (%d recurrent layers: a "
+                    "state exists only at the positions it was computed at), disabling",
+                    hp.n_layer_conv)
     slots = [Slot(SlotKV(pool, i, fp, n_ckpt, cfg.checkpoint_min_step), n_ctx_slot,
-                  cfg.context_shift) for i in range(n_slots)]
+                  cfg.context_shift and not hp.recurrent) for i in range(n_slots)]
     spec = None
     if cfg.spec.enabled:
         if draft is None:
@@ -80,14 +84,20 @@ def build_scheduler(model: Model, cfg: ServerConfig, metrics: ServerMetrics,
     host = HostTier(cfg, pool, hp.arch, cache, models)
     no_shift = swa is not None or model.deterministic
     if no_shift and cfg.cache_reuse > 0:
-        why = ("the sliding window keeps no KV to shift" if swa is not None else
+        why = ("the model's recurrent layers keep no state to shift" if hp.recurrent else
+               "the sliding window keeps no KV to shift" if swa is not None else
                "shifted chunks keep KV computed for other text, so deterministic mode never "
                "shifts them (--deterministic off to allow it)")
         log.warning("--cache-reuse %d: %s", cfg.cache_reuse, why)
     mem = MemoryManager(cfg, pool, slots, host, model.tokenizer, hp.arch, no_shift=no_shift)
     log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = %s",
              n_slots, n_ctx_slot, unified)
-    if swa is not None:
+    if hp.recurrent:
+        log.info("recurrent layers: %d short convolutions (state: the last %d input rows, "
+                 "%d window cells), snapshots as context checkpoints, max = %d, min spacing = %d",
+                 hp.n_layer_conv, hp.l_cache - 1, swa.swa.n_cells if swa else 0, n_ckpt,
+                 cfg.checkpoint_min_step)
+    elif swa is not None:
         log.info("sliding window %d: %d sliding-layer cells, context checkpoints enabled, "
                  "max = %d, min spacing = %d", swa.n_swa, swa.swa.n_cells, n_ckpt,
                  cfg.checkpoint_min_step)

@@ -136,7 +136,10 @@ def props_json(
             "cache_radix_min_restore_tokens": cfg.cache_radix_min_restore_tokens,
             # chunks shifted by --cache-reuse carry KV computed for other text: not in
             # deterministic mode
-            "cache_reuse": 0 if model.deterministic else cfg.cache_reuse,
+            "cache_reuse": 0 if model.deterministic or model.hp.recurrent else cfg.cache_reuse,
+            # a recurrent state exists only where it was computed: never shifted
+            "context_shift": cfg.context_shift and not model.hp.recurrent,
+            "recurrent_layers": model.hp.n_layer_conv,
             # the disk tier under the radix cache: on, bound, tokens a file
             "cache_disk": bool(cfg.cache_disk),
             "cache_disk_mib": cfg.cache_disk_mib,

@@ -42,6 +42,7 @@ from radixserve.model.kernels import KVTypes, kernels
 from radixserve.memory.pool.kv_types import of_dtype
 from radixserve.model.quant import Int4Linear
 from radixserve.model.rope import Rope
+from radixserve.model.short_conv import ShortConv
 from radixserve.model.torch_step import Sliding, TorchStep, rms_norm, sliding
 from radixserve.model.weights import LayerWeights, ModelWeights
 
@@ -151,9 +152,9 @@ class Transformer:
         # all layers in one cache (False) or the sliding ones in their own (True); its q/k
         # norms (qwen3, gemma3) or None; its residual block by norm family
         self._checked: dict[tuple[int, int], torch.Tensor] = {}  # the C step's norms, checked
-        kind = ["sliding" if s else "global" for s in hp.swa_layers]
-        self.layer_kinds = {False: list(zip(kind, range(hp.n_layer))),
-                             True: [(k, hp.cache_index(li)) for li, k in enumerate(kind)]}
+        kind = [hp.layer_kind(li) for li in range(hp.n_layer)]
+        self.layer_kinds = {split: [(k, hp.cache_index(li, split)) for li, k in enumerate(kind)]
+                            for split in (False, True)}
         self._norm_pairs = [(lw.q_norm, lw.k_norm) for lw in w.layers]
         self._qk_norms = [None if qn is None or kn is None else (qn, kn)
                           for qn, kn in self._norm_pairs]
@@ -191,6 +192,10 @@ class Transformer:
         hp = self.hp
         if types is None:
             types = (of_dtype(k_cache.dtype), of_dtype(v_cache.dtype))
+        conv = None
+        if hp.n_layer_conv:  # the window part holds the conv layers' input rows, not K/V
+            conv = ShortConv.plan(hp, batch, k_swa, v_swa)
+            k_swa = v_swa = None
         split = self._split(k_cache, batch, k_swa, v_swa)
         cells = [c for b in batch for c in b.cells]
         device = k_cache.device
@@ -228,7 +233,11 @@ class Transformer:
         h = step.norm(x, None, layers[0].attn_norm)
         for li, lw in enumerate(layers):
             assert h is not None
-            attn = step.attend(li, lw.wqkv(h, inv))
+            if lw.conv is None:
+                attn = step.attend(li, lw.wqkv(h, inv))
+            else:
+                assert conv is not None
+                attn = conv.run(self.layer_kinds[split][li][1], lw.conv, lw.wqkv(h, inv))
             nxt = layers[li + 1].attn_norm if li + 1 < len(layers) else None
             h = self._blocks[li](step, act, lw, x, attn, nxt, inv)
         return self._output(x, batch, device)

@@ -14,7 +14,7 @@ from typing import Any
 
 import gguf
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "lfm2")
 
 # llama.cpp hard-codes these for gemma3 (llama-model.cpp, LLM_ARCH_GEMMA3)
 GEMMA3_SWA_PATTERN = 6  # every 6th layer is global
@@ -60,12 +60,22 @@ class HParams:
     # `{arch}.pooling_type` (llama_pooling_type): the model's embedding pooling, "" when the
     # GGUF does not say (llama.cpp then pools nothing: per-token embeddings)
     pooling: str = ""
+    # LFM2: per layer, True = a short-convolution layer (a recurrent state, no K/V); () = none
+    conv_layers: tuple[bool, ...] = ()
+    l_cache: int = 0  # the short convolution's kernel length (its state: l_cache - 1 rows)
 
     def __post_init__(self) -> None:
         """Fill the defaults that depend on other fields, so hand-built HParams (tests) of
         full-attention models need not spell them out."""
         if not self.swa_layers:
             object.__setattr__(self, "swa_layers", (False,) * self.n_layer)
+        if not any(self.conv_layers):  # also after dataclasses.replace changed n_layer
+            object.__setattr__(self, "conv_layers", (False,) * self.n_layer)
+        if len(self.conv_layers) != self.n_layer:
+            raise ValueError(f"conv_layers has {len(self.conv_layers)} entries for "
+                             f"{self.n_layer} layers")
+        if any(self.conv_layers) and self.l_cache < 2:
+            raise ValueError("short-convolution layers need a kernel length l_cache >= 2")
         if self.rope_base_swa <= 0:
             object.__setattr__(self, "rope_base_swa", self.rope_base)
         if len(self.swa_layers) != self.n_layer:
@@ -88,13 +98,31 @@ class HParams:
     @property
     def n_layer_full(self) -> int:
         """Layers attending to the whole context."""
-        return self.n_layer - self.n_layer_swa
+        return self.n_layer - self.n_layer_swa - self.n_layer_conv
 
-    def cache_index(self, li: int) -> int:
-        """Layer `li`'s index among the layers of its kind: its row in a split cache, which
-        holds only the global (or only the sliding) layers."""
-        kind = self.swa_layers[li]
-        return sum(1 for s in self.swa_layers[:li] if s == kind)
+    @property
+    def n_layer_conv(self) -> int:
+        """Short-convolution layers (a recurrent state a sequence instead of K/V rows)."""
+        return sum(self.conv_layers)
+
+    @property
+    def recurrent(self) -> bool:
+        """Some layers keep a recurrent state: a sequence's memory exists only at positions
+        it was computed at (no context shift, no --cache-reuse chunk shifting)."""
+        return self.n_layer_conv > 0
+
+    def layer_kind(self, li: int) -> str:
+        """"global", "sliding" or "conv"."""
+        return "conv" if self.conv_layers[li] else "sliding" if self.swa_layers[li] else "global"
+
+    def cache_index(self, li: int, split: bool = True) -> int:
+        """Layer `li`'s row in its cache: among the layers of its kind when the sliding layers
+        have a cache of their own (`split`), else among the attention layers (the conv layers'
+        rows are always apart)."""
+        kind = self.layer_kind(li)
+        if split or kind == "conv":
+            return sum(1 for j in range(li) if self.layer_kind(j) == kind)
+        return sum(1 for j in range(li) if self.layer_kind(j) != "conv")
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> HParams:
@@ -112,7 +140,17 @@ class HParams:
 
         n_embd = int(get("embedding_length"))
         n_head = int(get("attention.head_count"))
-        n_head_kv = int(get("attention.head_count_kv", n_head))
+        n_layer = int(get("block_count"))
+        extra: dict[str, Any] = {}
+        n_head_kv_raw = get("attention.head_count_kv", n_head)
+        if arch == "lfm2":
+            extra = _lfm2(get, n_layer, n_head_kv_raw)
+            n_head_kv = extra.pop("n_head_kv")
+        elif isinstance(n_head_kv_raw, (list, tuple)):
+            raise UnsupportedModelError(f"{arch}.attention.head_count_kv: a per-layer array "
+                                        f"is not supported for {arch}")
+        else:
+            n_head_kv = int(n_head_kv_raw)
         head_dim = int(get("attention.key_length", n_embd // n_head))
         tokens = field_value(reader, "tokenizer.ggml.tokens")
         n_vocab = int(get("vocab_size", len(tokens) if tokens is not None else None))
@@ -124,8 +162,6 @@ class HParams:
             scale = factor
         else:
             raise UnsupportedModelError(f"unsupported rope scaling type {scaling_type!r}")
-        n_layer = int(get("block_count"))
-        extra: dict[str, Any] = {}
         if arch == "gemma3":
             extra = _gemma3(get, n_layer, n_embd, n_head, head_dim)
         return cls(
@@ -163,6 +199,26 @@ def _pooling(v: Any) -> str:
 
 def _int_or_none(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _lfm2(get: Callable[..., Any], n_layer: int, head_count_kv: Any) -> dict[str, Any]:
+    """LFM2's layer pattern as llama.cpp reads it (LLM_ARCH_LFM2): a per-layer head_count_kv
+    array whose 0 entries are the short-convolution layers; the kernel length from
+    `shortconv.l_cache`. Sliding-window attention layers (later LFM2 variants) are refused."""
+    if not isinstance(head_count_kv, (list, tuple)) or len(head_count_kv) != n_layer:
+        raise UnsupportedModelError(f"lfm2.attention.head_count_kv must list {n_layer} layers "
+                                    f"(0 for a short-convolution layer), got {head_count_kv!r}")
+    kv = {int(x) for x in head_count_kv if int(x) > 0}
+    if len(kv) != 1:
+        raise UnsupportedModelError("lfm2.attention.head_count_kv: the attention layers must "
+                                    f"share one KV head count, got {sorted(kv) or 'none'}")
+    if int(get("attention.sliding_window", 0, required=False) or 0) > 0:
+        raise UnsupportedModelError("lfm2 with sliding-window attention layers is not supported")
+    l_cache = int(get("shortconv.l_cache"))
+    if l_cache < 2:
+        raise UnsupportedModelError(f"lfm2.shortconv.l_cache must be >= 2, got {l_cache}")
+    return dict(n_head_kv=kv.pop(), conv_layers=tuple(int(x) == 0 for x in head_count_kv),
+                l_cache=l_cache)
 
 
 def _gemma3(get: Callable[..., Any], n_layer: int, n_embd: int, n_head: int,

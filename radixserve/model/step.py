@@ -153,12 +153,14 @@ class KernelStep:
         self.width, self.row = n_head * d, (n_head + 2 * n_kv) * d
         self.kinds, self.x = kinds, x
         for name, ci in layer_kind:
-            if not 0 <= ci < kinds[name].n_layer:
+            if name != "conv" and not 0 <= ci < kinds[name].n_layer:
                 raise ValueError(f"step: layer {ci} outside the {name} cache")
         for kd in kinds.values():
             if (kd.n_kv, kd.d, kd.n_tok) != (n_kv, d, x.shape[0]):
                 raise ValueError("step: a cache's heads or a kind's tokens do not match")
-        self.layers = [(kinds[name], ci, self._weight(qn, d), self._weight(kn, d))
+        # a short-convolution layer (short_conv.py) attends nothing: no entry
+        self.layers = [None if name == "conv" else
+                       (kinds[name], ci, self._weight(qn, d), self._weight(kn, d))
                        for (name, ci), (qn, kn) in zip(layer_kind, norms)]
         longest = max(kd.longest for kd in kinds.values())
         self.work = kern._scratch(longest, self.n_tok, n_kv, self.g, d)
@@ -174,7 +176,10 @@ class KernelStep:
             raise ValueError("step: bad qkv rows")
         if not 0 <= layer < len(self.layers):
             raise ValueError(f"step: no layer {layer}")
-        kd, ci, qn, kn = self.layers[layer]
+        entry = self.layers[layer]
+        if entry is None:
+            raise ValueError(f"step: layer {layer} is a short convolution")
+        kd, ci, qn, kn = entry
         rc = self._step(qkv.data_ptr(), *kd.rope, kd.k0 + ci * kd.k_layer,
                         kd.v0 + ci * kd.v_layer, *kd.seqs, qn, kn,
                         self.eps, self.n_kv, self.g, self.d, self.d**-0.5, self.out.data_ptr(),

@@ -56,6 +56,9 @@ class LayerWeights:
     # gemma3: RMS norms of the attention and FFN outputs before their residual adds
     post_attn_norm: torch.Tensor | None = None
     post_ffn_norm: torch.Tensor | None = None
+    # LFM2's short-convolution layers: the depthwise kernel [n_embd, l_cache] (f32); their
+    # wqkv is the in-projection to [B | C | x] and wo the out-projection
+    conv: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -131,7 +134,7 @@ def place(w: ModelWeights, device: torch.device) -> ModelWeights:
         for name in ("wqkv", "wo", "w_gate_up", "w_down"):
             linear(getattr(lw, name))
         for name in ("attn_norm", "q_norm", "k_norm", "ffn_norm", "post_attn_norm",
-                     "post_ffn_norm"):
+                     "post_ffn_norm", "conv"):
             setattr(lw, name, move(getattr(lw, name)))
     if isinstance(w.tok_embd, qmm.QuantMatrix):
         raise ValueError(f"a token embedding in the file's blocks cannot move to {device}")
@@ -163,6 +166,16 @@ class _Loader:
         if t is None and required:
             raise UnsupportedModelError(f"GGUF is missing tensor {name!r}")
         return t
+
+    def expect(self, name: str, shape: tuple[int, ...]) -> None:
+        """UnsupportedModelError naming the tensor when its shape is not what the metadata
+        says (numpy order: rows first)."""
+        t = self.tensor(name)
+        assert t is not None
+        got = tuple(int(x) for x in reversed(t.shape.tolist()))
+        if got != shape:
+            raise UnsupportedModelError(f"tensor {name!r} has shape {list(got)}; the GGUF's "
+                                        f"metadata says {list(shape)}")
 
     def array(self, name: str, required: bool = True) -> np.ndarray | None:
         t = self.tensor(name, required)
@@ -258,11 +271,14 @@ def load_weights(reader: gguf.GGUFReader, hp: HParams, dtype: torch.dtype,
                  packed: bool = False) -> ModelWeights:
     ld = _Loader(reader, dtype, packed)
     perm_q, perm_k = (hp.n_head, hp.n_head_kv) if hp.arch == "llama" else (None, None)
-    qk_norm = hp.arch in ("qwen3", "gemma3")
+    qk_norm = hp.arch in ("qwen3", "gemma3", "lfm2")
     post_norms = hp.arch == "gemma3"
     layers = []
     for i in range(hp.n_layer):
         p = f"blk.{i}."
+        if hp.conv_layers[i]:
+            layers.append(_conv_layer(ld, hp, p))
+            continue
         biases = [ld.array(p + f"attn_{n}.bias", required=False) for n in "qkv"]
         if any(b is not None for b in biases) and any(b is None for b in biases):
             raise UnsupportedModelError(f"layer {i}: only some of the q/k/v biases are present")
@@ -283,6 +299,8 @@ def load_weights(reader: gguf.GGUFReader, hp: HParams, dtype: torch.dtype,
             if post_norms else None,
         ))
     out = ld.tensor("output.weight", required=False)
+    # LFM2's final norm is stored as token_embd_norm (llama.cpp's LLM_TENSOR_OUTPUT_NORM_LFM2)
+    out_norm = "token_embd_norm.weight" if hp.arch == "lfm2" else "output_norm.weight"
     tok_embd: torch.Tensor | qmm.QuantMatrix | None = None
     if out is None:
         log.info("output.weight absent: using tied token embeddings as the output head")
@@ -291,6 +309,27 @@ def load_weights(reader: gguf.GGUFReader, hp: HParams, dtype: torch.dtype,
         head = OutputHead(ld.rows("output.weight"), shortlist=packed)
         tok_embd = ld.rows("token_embd.weight", dtype=dtype)
     n_params = sum(int(np.prod(t.shape)) for t in reader.tensors)
-    return ModelWeights(tok_embd, ld.torch("output_norm.weight", f32=True), head, layers,
+    return ModelWeights(tok_embd, ld.torch(out_norm, f32=True), head, layers,
                         ld.torch("rope_freqs.weight", required=False, f32=True), n_params, packed,
                         dtype)
+
+
+def _conv_layer(ld: _Loader, hp: HParams, p: str) -> LayerWeights:
+    """An LFM2 short-convolution layer (llama.cpp's tensor names), its shapes checked against
+    the metadata: the norms and FFN of any layer, the in-projection to [B | C | x] (3 n_embd
+    rows, in that order), the depthwise kernel and the out-projection."""
+    e = hp.n_embd
+    ld.expect(p + "shortconv.in_proj.weight", (3 * e, e))
+    ld.expect(p + "shortconv.conv.weight", (e, hp.l_cache))
+    ld.expect(p + "shortconv.out_proj.weight", (e, e))
+    conv = ld.torch(p + "shortconv.conv.weight", f32=True)
+    return LayerWeights(
+        attn_norm=ld.torch(p + "attn_norm.weight", f32=True),
+        wqkv=ld.linear([p + "shortconv.in_proj.weight"], [None]),
+        q_norm=None, k_norm=None,
+        wo=ld.linear([p + "shortconv.out_proj.weight"], [None]),
+        ffn_norm=ld.torch(p + "ffn_norm.weight", f32=True),
+        w_gate_up=ld.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], [None, None]),
+        w_down=ld.linear([p + "ffn_down.weight"], [None]),
+        conv=conv,
+    )

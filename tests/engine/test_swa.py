@@ -20,6 +20,7 @@ from radixserve.engine.counters import ServerMetrics
 from radixserve.memory.prefix_plan import Source
 from radixserve.engine.build import build_scheduler
 from radixserve.engine.scheduler import Scheduler
+from radixserve.memory.pool.conv import ConvPool
 from radixserve.memory.pool.swa import SWAPool
 from radixserve.model.loader import Model, load_model
 from tests.engine.test_deterministic import Recorder, drive, greedy
@@ -27,10 +28,15 @@ from tests.engine.test_deterministic import Recorder, drive, greedy
 N_DOC, N_Q = 60, 6
 
 
-@pytest.fixture(scope="module")
-def model(tiny_swa_path: str) -> Model:
-    m = load_model(tiny_swa_path, "bf16", deterministic="on")
-    assert m.deterministic and m.hp.n_swa == 16
+@pytest.fixture(scope="module", params=["gemma3", "lfm2"])
+def model(request: pytest.FixtureRequest) -> Model:
+    """The window layouts: Gemma 3's sliding attention (window 16) and LFM2's short
+    convolutions (their state a window of 3 input rows, memory/pool/conv.py)."""
+    path = request.getfixturevalue("tiny_swa_path" if request.param == "gemma3"
+                                   else "tiny_lfm2_path")
+    m = load_model(path, "bf16", deterministic="on")
+    assert m.deterministic
+    assert (m.hp.n_swa, m.hp.l_cache) == ((16, 0) if request.param == "gemma3" else (0, 3))
     return m
 
 
@@ -118,7 +124,9 @@ def test_reference_runs_past_the_window(model: Model, ref: Ref):
     s64 = sched(model, ubatch_size=64, cache_ram_mib=0)
     full = build_scheduler(model, ServerConfig(ctx_size=512, n_parallel=1, cache_ram_mib=0,
                                          swa_full=True), ServerMetrics())
-    assert not isinstance(full.pool, SWAPool)
+    # --swa-full is for sliding attention: a short convolution keeps its window part
+    assert isinstance(full.pool, ConvPool) == (model.hp.arch == "lfm2")
+    assert isinstance(full.pool, SWAPool) == (model.hp.arch == "lfm2")
     for p in (P(0, 0), P(1, 1)):
         assert drive(s64, [greedy(p, cache_prompt=False)])[0] == ref(p)
         assert drive(full, [greedy(p, cache_prompt=False)])[0] == ref(p)

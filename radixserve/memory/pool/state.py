@@ -75,8 +75,11 @@ def fingerprint_of(pool: KVPool, arch: str) -> Fingerprint:
 
 
 def swa_fingerprint(pool: SWAPool, fp: Fingerprint) -> Fingerprint:
-    """The sliding part's fingerprint: a state or checkpoint of another layout never loads."""
-    return Fingerprint(fp.arch + ":swa", pool.swa.n_layer, fp.n_head_kv, fp.head_dim, fp.dtype)
+    """The window part's fingerprint (its own rows and types: a short convolution's differ
+    from the attention layers'): a state or checkpoint of another layout never loads."""
+    w = pool.swa
+    return Fingerprint(f"{fp.arch}:{pool.window_tag}", w.n_layer, w.n_head_kv, w.head_dim,
+                       types_name(*w.types))
 
 
 def _block_size(pool: KVPool, seq: int, fp: Fingerprint) -> int:
@@ -147,13 +150,13 @@ class ParsedState:
 
 
 def parse_state(data: bytes | memoryview, fp: Fingerprint, types: KVTypes,
-                swa_fp: Fingerprint | None = None) -> ParsedState:
+                swa: tuple[Fingerprint, KVTypes] | None = None) -> ParsedState:
     """Decode and check a state without touching any pool (`types`: the pool's K and V cache
-    types, which `fp` names); `swa_fp`: a sliding part follows."""
+    types, which `fp` names); `swa`: a window part follows, of this fingerprint and types."""
     r = _Reader(data)
     st = _parse_block(r, fp, types)
-    if swa_fp is not None:
-        st.swa = _parse_block(r, swa_fp, types)
+    if swa is not None:
+        st.swa = _parse_block(r, *swa)
         if st.swa.positions and (not st.positions or max(st.swa.positions) > max(st.positions)):
             raise StateError("sequence state's sliding part is past its global part")
     if r.off != len(r.data):
@@ -208,7 +211,8 @@ def parse_pool_state(pool: KVPool, data: bytes | memoryview, fp: Fingerprint) ->
     """Decode and check a state of `pool`'s layout (a sliding-window pool's: both parts);
     touches nothing."""
     swa = pool if isinstance(pool, SWAPool) else None
-    return parse_state(data, fp, pool.types, None if swa is None else swa_fingerprint(swa, fp))
+    return parse_state(data, fp, pool.types,
+                       None if swa is None else (swa_fingerprint(swa, fp), swa.swa.types))
 
 
 def check_room(pool: KVPool, seq: int, st: ParsedState) -> None:
@@ -235,7 +239,7 @@ def set_state(pool: KVPool, seq: int, data: bytes | memoryview, fp: Fingerprint)
 def parse_swa_state(pool: SWAPool, data: bytes | memoryview, fp: Fingerprint) -> ParsedState:
     """A checkpoint's sliding part, checked (StateError) without touching the pool."""
     r = _Reader(data)
-    st = _parse_block(r, swa_fingerprint(pool, fp), pool.types)
+    st = _parse_block(r, swa_fingerprint(pool, fp), pool.swa.types)
     if r.off != len(r.data):
         raise StateError(f"checkpoint state has {len(r.data) - r.off} trailing bytes")
     return st

@@ -31,20 +31,26 @@ def _pad(n: int) -> int:
 
 
 class SWAPool(KVPool):
+    window_tag = "swa"  # names the window's part in state bytes (state.py's fingerprints)
+
     def __init__(self, n_layer: int, n_layer_swa: int, n_head_kv: int, head_dim: int,
                  n_cells: int, n_seq: int, unified: bool, dtype: torch.dtype, rotate: Rotate,
                  rotate_swa: Rotate, n_swa: int, n_step: int,
-                 device: str | torch.device = "cpu", types: KVTypes | None = None) -> None:
+                 device: str | torch.device = "cpu", types: KVTypes | None = None,
+                 window_rows: tuple[int, int] | None = None,
+                 window_types: KVTypes | None = None) -> None:
         """`n_layer` global layers in `n_cells` cells; `n_layer_swa` sliding layers in
         n_swa cells per sequence plus `n_step` (the most new tokens one forward holds), never
-        more than the global part (llama.cpp's size_swa)."""
+        more than the global part (llama.cpp's size_swa). `window_rows` (heads, width) and
+        `window_types`: the window's rows when they are not the global part's (conv.py)."""
         super().__init__(n_layer, n_head_kv, head_dim, n_cells, n_seq, unified, dtype, rotate,
                          device, types)
         per_part = n_swa * (n_seq if unified else 1) + n_step
         n_part = 1 if unified else n_seq
         n_swa_cells = min(self.n_cells, _pad(per_part) * n_part)
-        self.swa = KVPool(n_layer_swa, n_head_kv, head_dim, n_swa_cells, n_seq, unified, dtype,
-                          rotate_swa, device, self.types)  # the same -ctk / -ctv
+        heads, width = window_rows or (n_head_kv, head_dim)
+        self.swa = KVPool(n_layer_swa, heads, width, n_swa_cells, n_seq, unified, dtype,
+                          rotate_swa, device, window_types or self.types)  # default: -ctk / -ctv
         self.n_swa = n_swa
 
     # -- rows by layer group: the sliding layers after the global ones ------------------------

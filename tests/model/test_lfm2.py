@@ -1,0 +1,168 @@
+"""LFM2 (short convolutions + attention): our forward equals HF transformers' Lfm2ForCausalLM
+on the same GGUF, a token's bits do not depend on chunking in the default dtype, and a GGUF
+whose LFM2 metadata and tensors disagree is refused naming the key or tensor.
+
+The tiny models are random-weight GGUFs written the way llama.cpp's converter writes LFM2
+(tests/tiny_gguf.py); the HF reference is built from the same file (tests/lfm2_hf.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from radixserve.engine.batch import BatchSeq, forward, model_pool
+from radixserve.memory.pool.conv import ConvPool, ShiftRefused
+from radixserve.model.hparams import UnsupportedModelError
+from radixserve.model.loader import Model, load_model
+from tests.lfm2_hf import hf_lfm2_from_gguf
+from tests.tiny_gguf import write_tiny_gguf
+
+TOKENS = [(37 * i * i + 11 * i + 300) % 40000 + 200 for i in range(70)]
+
+
+def logits_in_chunks(m: Model, ids: list[int], chunks: list[int]) -> torch.Tensor:
+    """Every position's logits, the prompt fed in `chunks` (sizes) through a fresh pool."""
+    pool = model_pool(m, 256, 1, True, 64)
+    assert isinstance(pool, ConvPool)
+    out, pos = [], 0
+    for c in chunks:
+        part = ids[pos:pos + c]
+        out.append(forward(m.transformer, pool, [BatchSeq(0, part, pos, len(part))]))
+        pos += len(part)
+        pool.check()
+    assert pos == len(ids)
+    return torch.cat(out)
+
+
+def chunked(n: int, size: int) -> list[int]:
+    return [size] * (n // size) + ([n % size] if n % size else [])
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["f32-weights", "quantized"])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    d = tmp_path_factory.mktemp("lfm2")
+    return write_tiny_gguf(str(d / "tiny-lfm2.gguf"), arch="lfm2", n_layer=6, n_head=4,
+                           n_head_kv=2, seed=5, attn_layers=(2, 5), quantize=request.param)
+
+
+def test_tiny_lfm2_matches_hf(tiny: str):
+    """f32: every position's logits within tolerance of HF's, in one chunk and in chunks of 1
+    and 7 (the conv layers reading their earlier input rows from the pool's window part);
+    greedy continuation equal."""
+    m = load_model(tiny, "f32")
+    ref = hf_lfm2_from_gguf(tiny)
+    with torch.no_grad():
+        want = ref(torch.tensor([TOKENS])).logits[0].float()
+    for chunks in ([70], chunked(70, 1), chunked(70, 7)):
+        got = logits_in_chunks(m, TOKENS, chunks)
+        err = (got - want).abs().max().item()
+        assert err < 2e-3 * want.abs().max().item(), (chunks[:2], err)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    # decode: the greedy tokens after the prompt, one step at a time against HF's generate
+    pool = model_pool(m, 256, 1, True, 64)
+    last = forward(m.transformer, pool, [BatchSeq(0, TOKENS, 0, 1)])[0]
+    ours = []
+    for i in range(12):
+        ours.append(int(last.argmax()))
+        last = forward(m.transformer, pool, [BatchSeq(0, [ours[-1]], len(TOKENS) + i, 1)])[0]
+    with torch.no_grad():
+        hf = ref.generate(torch.tensor([TOKENS]), max_new_tokens=12, min_new_tokens=12,
+                          do_sample=False)[0, len(TOKENS):].tolist()
+    assert ours == hf
+
+
+def test_tiny_lfm2_bits_do_not_depend_on_chunking(tiny_lfm2_path: str):
+    """bf16 with our kernels (the default, deterministic): chunks of 60, 7 and 1 (decode
+    steps) give every position's logits bit for bit."""
+    m = load_model(tiny_lfm2_path, "bf16", deterministic="on")
+    assert m.deterministic
+    one = logits_in_chunks(m, TOKENS, [70])
+    for size in (60, 7, 1):
+        assert torch.equal(logits_in_chunks(m, TOKENS, chunked(70, size)), one), size
+
+
+def test_the_conv_state_is_never_shifted(tiny_lfm2_path: str):
+    m = load_model(tiny_lfm2_path, "bf16")
+    pool = model_pool(m, 256, 1, True, 64)
+    forward(m.transformer, pool, [BatchSeq(0, TOKENS[:10], 0, 1)])
+    with pytest.raises(ShiftRefused):
+        pool.seq_add(0, 5, -1, -2)
+    pool.check()
+    assert pool.seq_positions(0) == list(range(10))
+
+
+# -- refusals: the metadata and the tensors must agree ---------------------------------------
+
+def rewrite(src: str, dst: Path, drop_keys: tuple[str, ...] = (),
+            set_keys: dict[str, object] | None = None,
+            tensors: dict[str, np.ndarray] | None = None) -> str:
+    """A copy of GGUF `src` with keys dropped or set and tensors replaced (f32)."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), "lfm2")
+    set_keys = set_keys or {}
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture" or f.name in drop_keys:
+            continue
+        if f.name in set_keys:
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), vtype, sub_type=sub)
+    for k, v in set_keys.items():
+        if isinstance(v, list):
+            w.add_array(k, v)
+        else:
+            w.add_uint32(k, int(v))
+    for t in r.tensors:
+        if tensors and t.name in tensors:
+            w.add_tensor(t.name, tensors[t.name])
+        else:
+            w.add_tensor(t.name, np.array(t.data), raw_shape=np.array(t.data).shape,
+                         raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(dst)
+
+
+def test_refusals_name_the_key_or_tensor(tmp_path: Path):
+    src = write_tiny_gguf(str(tmp_path / "ok.gguf"), arch="lfm2", n_layer=3, n_head=4,
+                          n_head_kv=2, attn_layers=(1,), quantize=False)
+    load_model(src, "f32")  # the file itself loads
+    cases = [
+        (dict(drop_keys=("lfm2.shortconv.l_cache",)), "lfm2.shortconv.l_cache"),
+        (dict(set_keys={"lfm2.attention.head_count_kv": 2}), "head_count_kv"),
+        (dict(set_keys={"lfm2.attention.head_count_kv": [2, 0]}), "must list 3 layers"),
+        (dict(set_keys={"lfm2.attention.head_count_kv": [0, 0, 0]}), "share one KV head"),
+        (dict(tensors={"blk.0.shortconv.conv.weight": np.zeros((64, 4), np.float32)}),
+         "'blk.0.shortconv.conv.weight' has shape [64, 4]"),
+        (dict(tensors={"blk.2.shortconv.in_proj.weight": np.zeros((128, 64), np.float32)}),
+         "'blk.2.shortconv.in_proj.weight'"),
+    ]
+    for i, (kw, words) in enumerate(cases):
+        bad = rewrite(src, tmp_path / f"bad{i}.gguf", **kw)
+        with pytest.raises(UnsupportedModelError, match=words.replace("[", r"\[")):
+            load_model(bad, "f32")
+
+
+def test_lfm2moe_is_refused_by_name(tmp_path: Path):
+    src = write_tiny_gguf(str(tmp_path / "ok.gguf"), arch="lfm2", n_layer=2, quantize=False)
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), "lfm2moe")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name.replace("lfm2.", "lfm2moe."), f.contents(), vtype, sub_type=sub)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match="unsupported model architecture 'lfm2moe'"):
+        load_model(str(tmp_path / "moe.gguf"), "f32")
