@@ -108,7 +108,8 @@ class MemoryManager:
         held = miss_report.probe(key, self.slots, self.host.cache)
         plan = take_prefix(slot, key, self.slots, host, task.cache_prompt, n_reuse, prefer)
         slot.kv.slot_only = slot_only
-        why = miss_report.report(held, plan, key.tokens, from_disk, self.tok)
+        why = miss_report.report(held, plan, key.tokens, from_disk, self.tok,
+                                 windowed=self.swa is not None and task.cache_prompt)
         if loads is not None and host is not None and host.stats()["loads"] == loads:
             self.host.misses += 1
         if update_cache:

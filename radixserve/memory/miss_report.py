@@ -43,6 +43,11 @@ class Reuse:
     first_diff: int | None  # where the prompt left the best cached sequence (None: it did not)
     cached_text: str | None  # that sequence's text from first_diff on (a short excerpt)
     prompt_text: str | None  # the prompt's text from first_diff on
+    # why fewer than n_held tokens (less the last, always computed) were reused, where a model's
+    # memory keeps a window (sliding attention, a recurrent state): "snapshot" (reuse stopped
+    # at the latest context checkpoint at or before the held prefix's end), "window" (none
+    # was usable: the window had left that prefix); None: not limited so
+    limit: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -87,18 +92,26 @@ def tier_of(plan: PrefixPlan, from_disk: bool) -> str:
 
 
 def report(held: Held, plan: PrefixPlan, prompt: Sequence[int], from_disk: bool,
-           tok: Tokenizer) -> Reuse:
+           tok: Tokenizer, windowed: bool = False) -> Reuse:
+    """`windowed`: the model's memory keeps a window (a held prefix is usable only where a
+    snapshot or the window has it)."""
     diverged = bool(held.more) and held.n < len(prompt)
     d = held.n if diverged else None
+    limit = None
+    if windowed and plan.n_reused < min(held.n, len(prompt) - 1):
+        limit = "snapshot" if plan.checkpoint is not None else "window"
     return Reuse(
         tier=tier_of(plan, from_disk), n_tokens=plan.n_reused, n_held=held.n, first_diff=d,
         cached_text=tok.decode(list(held.more)) if diverged else None,
-        prompt_text=tok.decode(list(prompt[held.n:held.n + EXCERPT_TOKENS])) if diverged else None)
+        prompt_text=tok.decode(list(prompt[held.n:held.n + EXCERPT_TOKENS])) if diverged else None,
+        limit=limit)
 
 
 def describe(r: Reuse) -> str:
     """The report in one log line."""
     out = f"reuse: {r.tier} gave {r.n_tokens} tokens, longest held {r.n_held}"
+    if r.limit is not None:
+        out += f" (stopped at a {r.limit} boundary)"
     if r.first_diff is not None:
         out += (f"; the prompt differs at {r.first_diff}: cached {r.cached_text!r}, "
                 f"prompt {r.prompt_text!r}")

@@ -255,7 +255,7 @@ class SlotKV:
                         "n_tokens = %d, size = %.3f MiB)", self.seq, c.pos_min, c.pos_max,
                         c.n_tokens, c.size / MiB)
         cks = [c for c in cks if c.n_tokens != n]
-        ck = Checkpoint(n, self.swa.swa_pos_min(self.seq), self.swa.seq_pos_max(self.seq),
+        ck = Checkpoint(n, self.swa.snapshot_from(self.seq), self.swa.seq_pos_max(self.seq),
                         seal(get_swa_state(self.swa, self.seq, self.fp)), id_task=id_task)
         cks.append(ck)
         self.checkpoints = cks
@@ -457,7 +457,7 @@ class SlotKV:
             w = self.swa.swa.seq_positions(self.seq)
             assert w == list(range(w[0], len(self._tokens))) if w else True, \
                 f"slot {self.seq}: sliding positions {w[:4]}.. are not the tokens' last"
-            assert not w or len(w) <= self.swa.n_swa or self._ahead, "window not pruned"
+            assert not w or len(w) <= self.swa.n_keep or self._ahead, "window not pruned"
         for c in self.checkpoints:
             assert c.n_tokens == c.pos_max + 1 <= self.n_held, f"slot {self.seq}: checkpoint"
         assert self.n_draft <= self.n_held, f"slot {self.seq}: draft rows past the tokens"

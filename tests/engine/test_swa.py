@@ -85,8 +85,12 @@ def kv_rows(s: Scheduler, seq: int) -> tuple[torch.Tensor, ...]:
     pool = s.pool
     assert isinstance(pool, SWAPool)
     main = torch.tensor(pool.seq_cells(seq))
-    win = torch.tensor(pool.swa.seq_cells(seq))
-    return (torch.tensor(pool.swa.seq_positions(seq)), pool.k[:, :, main], pool.v[:, :, main],
+    # the window's rows (a conv window may hold more, up to its next prune: history-dependent)
+    w0 = pool.snapshot_from(seq)
+    held = [(p, c) for p, c in zip(pool.swa.seq_positions(seq), pool.swa.seq_cells(seq))
+            if p >= w0]
+    win = torch.tensor([c for _, c in held])
+    return (torch.tensor([p for p, _ in held]), pool.k[:, :, main], pool.v[:, :, main],
             pool.swa.k[:, :, win], pool.swa.v[:, :, win])
 
 
@@ -146,10 +150,15 @@ def test_in_slot_window_and_checkpoint(model: Model, ref: Ref, monkeypatch):
     assert [c.n_tokens for c in restored(rec)] == [len(first) - 4]
     assert s.metrics.checkpoints_restored_total == 1
     assert rec.plans[-1].n_reused == len(first) - 4
+    # the report says reuse stopped at the snapshot, not where the prompt left the slot's text
+    r = s.slots[0].reuse
+    assert r is not None and (r.n_tokens, r.n_held, r.limit) == (len(first) - 4,
+                                                                   len(first) - 2, "snapshot")
     # the conversation goes on: the window covers the end, the slot's own KV serves it
     turn2 = edit(first) + ref(edit(first))[:-1] + QS[1]
     check_run(s, ref, [turn2])
     assert rec.plans[-1].source is Source.OWN and rec.plans[-1].checkpoint is None
+    assert s.slots[0].reuse is not None and s.slots[0].reuse.limit is None
     assert rec.plans[-1].n_reused == len(edit(first)) + len(ref(edit(first))) - 1
     # a new question on the same document: the window has gone, the checkpoint taken
     # n_ubatch + 4 tokens before the first prompt's end (inside the document) serves it
@@ -160,6 +169,8 @@ def test_in_slot_window_and_checkpoint(model: Model, ref: Ref, monkeypatch):
     # (llama-server's "forcing full prompt re-processing")
     check_run(s, ref, [DOCS[0][:30] + QS[2]])
     assert rec.plans[-1].n_reused == 0
+    r = s.slots[0].reuse
+    assert r is not None and (r.n_held, r.limit) == (30, "window")
     s.check()
 
 
@@ -277,3 +288,20 @@ def test_radix_serves_what_the_slot_window_dropped(model: Model, ref: Ref, monke
     check_run(s, ref, [DOCS[1][:30] + QS[2]])
     host = [sp.p1 - sp.p0 for p in rec.plans for sp in p.spans if sp.source is Source.HOST]
     assert host == [30]
+
+
+def test_write_through_stores_runs_not_a_node_a_token(model: Model, ref: Ref):
+    """A long generation slides the window many times; the radix tree's write-through stores
+    the rows leaving it in runs (LFM2's window of 3 rows is pruned in runs of PRUNE_SLACK), so
+    one prompt and its answer are a handful of nodes, not one a decoded token."""
+    s = sched(model)
+    p = P(2, 2)
+    task = greedy(p)
+    task.n_predict = 150
+    out = drive(s, [task])[0]
+    tree, pool = s.mem.cache.tree, s.pool
+    assert isinstance(pool, SWAPool) and len(out) == 150
+    run = max(pool.n_keep - pool.n_swa, pool.n_swa)  # tokens between two write-throughs
+    assert run >= 16
+    assert tree.n_nodes <= 2 + (len(p) + 150) // run, tree.n_nodes
+    s.check()

@@ -5,8 +5,8 @@ at positions p - L + 1 .. p only (L = the kernel's length, `shortconv.l_cache`):
 state after position p is exactly the last L - 1 input rows, the state llama.cpp keeps
 (n_embd_r = (L - 1) * n_embd a sequence). That is the sliding window's shape of memory with
 another row, so this layout is the sliding-window pool (swa.py) whose window part holds those
-rows: the attention layers' K/V in the pool's cells, the conv layers' input rows in a part of
-n_swa = L positions a sequence (plus one forward's new tokens), pruned after each step.
+rows: the attention layers' K/V in the pool's cells, the conv layers' input rows in a part
+that keeps a sequence's last n_swa = L positions (pruned in runs of PRUNE_SLACK positions).
 
 What follows from keeping the state as rows rather than as one opaque vector:
 - every position's state is exact, and recoverable wherever the rows are: the radix tree keeps
@@ -44,6 +44,13 @@ def _not_rotated(k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     raise ShiftRefused("a short convolution's state cannot be shifted")
 
 
+# positions of input rows a sequence may hold past its window before `prune` drops them: the
+# radix tier's write-through (before rows leave) then stores runs of this many tokens, not one
+# tree node a decode step, and a prompt that leaves the slot's text within them reuses the
+# slot without a checkpoint; a checkpoint still keeps only the window (`snapshot_from`)
+PRUNE_SLACK = 64
+
+
 class ConvPool(SWAPool):
     window_tag = "conv"
 
@@ -58,7 +65,18 @@ class ConvPool(SWAPool):
         exact = (of_dtype(dtype), of_dtype(dtype))
         super().__init__(n_layer_attn, n_layer_conv, n_head_kv, head_dim, n_cells, n_seq,
                          unified, dtype, rotate, _not_rotated, l_cache, n_step, device, types,
-                         window_rows=(1, n_embd // 2), window_types=exact)
+                         window_rows=(1, n_embd // 2), window_types=exact,
+                         n_keep=l_cache + PRUNE_SLACK)
+
+    # -- the window, pruned in runs --------------------------------------------------------
+    def prune(self, seq: int) -> None:
+        if self.swa.seq_len(seq) >= self.n_keep:
+            super().prune(seq)
+
+    def window_start(self, seq: int) -> int:
+        if self.swa.seq_len(seq) >= self.n_keep:
+            return super().window_start(seq)
+        return max(0, self.swa_pos_min(seq))
 
     # -- rows by layer group: the window's rows are a group of their own shape --------------
     def _row_layers(self) -> int:

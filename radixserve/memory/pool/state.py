@@ -115,8 +115,9 @@ def get_state(pool: KVPool, seq: int, fp: Fingerprint) -> bytes:
 
 
 def get_swa_state(pool: SWAPool, seq: int, fp: Fingerprint) -> bytes:
-    """The sliding layers' part only (what a context checkpoint holds)."""
-    return _get_block(pool.swa, seq, swa_fingerprint(pool, fp))
+    """The window part only, its positions from `snapshot_from` (what a context checkpoint
+    holds)."""
+    return _get_block(pool.swa, seq, swa_fingerprint(pool, fp), p_min=pool.snapshot_from(seq))
 
 
 def get_draft_state(pool: KVPool, seq: int) -> bytes:
@@ -125,11 +126,14 @@ def get_draft_state(pool: KVPool, seq: int) -> bytes:
     return _get_block(pool, seq, pool.draft.fp, pool.draft)
 
 
-def _get_block(pool: KVPool, seq: int, fp: Fingerprint, rows: Any = None) -> bytes:
-    """`rows`: whose K/V to read for the cells (default the pool's own; a DraftRows)."""
+def _get_block(pool: KVPool, seq: int, fp: Fingerprint, rows: Any = None,
+               p_min: int = 0) -> bytes:
+    """`rows`: whose K/V to read for the cells (default the pool's own; a DraftRows);
+    `p_min`: the positions before it are left out."""
     rows = pool if rows is None else rows
-    positions = pool.seq_positions(seq)
-    cells = torch.tensor(pool.seq_cells(seq), dtype=torch.long, device=pool.device)
+    held = [(p, c) for p, c in zip(pool.seq_positions(seq), pool.seq_cells(seq)) if p >= p_min]
+    positions = [p for p, _ in held]
+    cells = torch.tensor([c for _, c in held], dtype=torch.long, device=pool.device)
     parts = [MAGIC, struct.pack("<I", VERSION), fp.pack(), struct.pack("<I", len(positions)),
              struct.pack(f"<{len(positions)}i", *positions)]
     if positions:

@@ -38,14 +38,16 @@ class SWAPool(KVPool):
                  rotate_swa: Rotate, n_swa: int, n_step: int,
                  device: str | torch.device = "cpu", types: KVTypes | None = None,
                  window_rows: tuple[int, int] | None = None,
-                 window_types: KVTypes | None = None) -> None:
+                 window_types: KVTypes | None = None, n_keep: int = 0) -> None:
         """`n_layer` global layers in `n_cells` cells; `n_layer_swa` sliding layers in
         n_swa cells per sequence plus `n_step` (the most new tokens one forward holds), never
         more than the global part (llama.cpp's size_swa). `window_rows` (heads, width) and
-        `window_types`: the window's rows when they are not the global part's (conv.py)."""
+        `window_types`: the window's rows when they are not the global part's (conv.py);
+        `n_keep`: the most positions a sequence holds between two prunes (default n_swa)."""
         super().__init__(n_layer, n_head_kv, head_dim, n_cells, n_seq, unified, dtype, rotate,
                          device, types)
-        per_part = n_swa * (n_seq if unified else 1) + n_step
+        self.n_keep = max(n_keep, n_swa)
+        per_part = self.n_keep * (n_seq if unified else 1) + n_step
         n_part = 1 if unified else n_seq
         n_swa_cells = min(self.n_cells, _pad(per_part) * n_part)
         heads, width = window_rows or (n_head_kv, head_dim)
@@ -122,6 +124,12 @@ class SWAPool(KVPool):
     def window_start(self, seq: int) -> int:
         """First position `prune` would keep now (positions before it go)."""
         return max(0, self.seq_pos_max(seq) - self.n_swa + 1)
+
+    def snapshot_from(self, seq: int) -> int:
+        """The first position a context checkpoint of `seq` keeps: the window's, for a token
+        after the last (-1: none held)."""
+        pm = self.swa_pos_min(seq)
+        return pm if pm < 0 else max(pm, self.seq_pos_max(seq) - self.n_swa + 1)
 
     # -- fan-out of llama.cpp's sequence operations --------------------------------------------
     def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:

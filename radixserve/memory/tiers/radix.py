@@ -122,8 +122,8 @@ class RadixPromptCache:
             self.skipped += 1
             return False
         try:
-            k, v, *draft = pool.rows_out(seq, m, n)
-            node = self.tree.insert(tokens, k, v, tuple(draft), salt)
+            k, v, *more = pool.rows_out(seq, m, n)
+            node = self.tree.insert(tokens, k, v, tuple(more), salt)
         except (MemoryError, torch.OutOfMemoryError) as e:
             log.warning("radix save of %d tokens failed (%s); cache unchanged", n, e)
             return False

@@ -44,16 +44,17 @@ class RadixNode:
     lock_ref: int = 0  # restores in progress through this node (locks count up the path)
     last_access: int = 0
     evicted: bool = False
-    # a draft model's K/V rows of the same tokens (speculative decoding), else empty
-    draft: tuple[torch.Tensor, ...] = ()
+    # the rows of the pool's other row groups for the same tokens (a conv window's input rows,
+    # a draft model's K/V: the pool's row_layout after its first K and V), else empty
+    more: tuple[torch.Tensor, ...] = ()
     ns: str = ""  # a namespace root's name (only read on roots)
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes + sum(t.nbytes for t in self.draft)
+        return self.k.nbytes + self.v.nbytes + sum(t.nbytes for t in self.more)
 
     def rows(self) -> tuple[torch.Tensor, ...]:
-        return (self.k, self.v, *self.draft)
+        return (self.k, self.v, *self.more)
 
 
 @dataclass(slots=True)
@@ -69,7 +70,7 @@ class RadixMatch:
             yield pos0, rows[0], rows[1]
 
     def all_rows(self) -> Iterator[tuple[int, tuple[torch.Tensor, ...]]]:
-        """(pos0, (k, v, draft k, draft v...)) of each matched piece, in position order."""
+        """(pos0, (k, v, *more)) of each matched piece, in position order."""
         for node in self.path:
             pos0 = node.depth - len(node.tokens)
             take = min(len(node.tokens), self.length - pos0)
@@ -114,12 +115,12 @@ class RadixTree:
         return RadixMatch(i, path)
 
     def insert(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor,
-               draft: tuple[torch.Tensor, ...] = (), ns: str = "") -> RadixNode:
-        """Store `tokens` given the rows of the part past `match(tokens, ns)` (and a draft
-        model's rows of it); returns the end node."""
+               more: tuple[torch.Tensor, ...] = (), ns: str = "") -> RadixNode:
+        """Store `tokens` given the rows of the part past `match(tokens, ns)` (and those of
+        the other row groups); returns the end node."""
         m = self.match(tokens, ns)
         if (k.shape[2] != len(tokens) - m.length or v.shape != k.shape
-                or any(t.shape[2] != k.shape[2] for t in draft)):
+                or any(t.shape[2] != k.shape[2] for t in more)):
             need = len(tokens) - m.length
             raise ValueError(f"insert needs rows for {need} tokens, got {tuple(k.shape)}")
         if m.path:
@@ -129,7 +130,7 @@ class RadixTree:
         if node.depth > m.length:
             node = self._split(node, len(node.tokens) - (node.depth - m.length))
         if m.length < len(tokens):
-            leaf = RadixNode(tokens[m.length :], k, v, node, len(tokens), draft=tuple(draft))
+            leaf = RadixNode(tokens[m.length :], k, v, node, len(tokens), more=tuple(more))
             node.children[leaf.tokens[0]] = leaf
             self.bytes += leaf.nbytes
             self.n_nodes += 1
@@ -244,8 +245,8 @@ class RadixTree:
         """Cut `child`'s edge after `at` tokens; the new upper node inherits locks and stamp."""
         head_k, head_v = own_rows(child.k[:, :, :at]), own_rows(child.v[:, :, :at])
         tail_k, tail_v = own_rows(child.k[:, :, at:]), own_rows(child.v[:, :, at:])
-        head_d = tuple(own_rows(t[:, :, :at]) for t in child.draft)
-        tail_d = tuple(own_rows(t[:, :, at:]) for t in child.draft)
+        head_d = tuple(own_rows(t[:, :, :at]) for t in child.more)
+        tail_d = tuple(own_rows(t[:, :, at:]) for t in child.more)
         parent = child.parent
         assert parent is not None
         depth = child.depth - len(child.tokens) + at
@@ -257,11 +258,11 @@ class RadixTree:
             depth,
             lock_ref=child.lock_ref,
             last_access=child.last_access,
-            draft=head_d,
+            more=head_d,
         )
         parent.children[mid.tokens[0]] = mid
         child.tokens, child.k, child.v, child.parent = child.tokens[at:], tail_k, tail_v, mid
-        child.draft = tail_d
+        child.more = tail_d
         mid.children[child.tokens[0]] = child
         self.n_nodes += 1
         self.version += 1
@@ -285,7 +286,7 @@ class RadixTree:
         self.logical_tokens -= leaf.depth
         leaf.evicted, leaf.parent = True, None
         leaf.k = leaf.v = self.root.k  # release the rows now
-        leaf.draft = ()
+        leaf.more = ()
         if parent.children:
             return
         if parent.parent is not None:
