@@ -15,7 +15,7 @@ from radixserve.engine.batch import model_pool
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.slot import Slot
-from radixserve.engine.speculative import Speculator, load_draft
+from radixserve.engine.speculative import Speculator, check_draft, load_draft
 from radixserve.memory.host_tier import HostTier
 from radixserve.memory.manager import MemoryManager
 from radixserve.memory.pool import kv_types
@@ -74,6 +74,8 @@ def build_scheduler(model: Model, cfg: ServerConfig, metrics: ServerMetrics,
     if cfg.spec.enabled:
         if draft is None:
             draft = load_draft(cfg, model)
+        else:
+            check_draft(model, draft)
         spec = Speculator(cfg.spec, pool, n_slots, n_budget, draft)
         log.info("speculative decoding: %s", ", ".join(cfg.spec.types))
     for s in slots:

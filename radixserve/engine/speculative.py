@@ -56,16 +56,26 @@ def load_draft(cfg: ServerConfig, target: Model) -> Model | None:
     draft = target if path == target.path else load_model(
         path, cfg.dtype, device=str(target.device), weights=cfg.weights,
         deterministic=cfg.deterministic)  # -devd / -ngld: the draft runs where the target does
-    if any(draft.hp.swa_layers) or any(target.hp.swa_layers):
-        raise ValueError("draft-simple: sliding-window models (as target or draft) are not "
-                         "supported; use ngram-simple or ngram-mod")
-    a, b = target.tokenizer, draft.tokenizer
-    if a.vocab.tokens != b.vocab.tokens or (a.bos_id, a.eos_id) != (b.bos_id, b.eos_id):
-        raise ValueError(f"draft model {path}: its vocabulary differs from the target's "
-                         f"({b.n_vocab} vs {a.n_vocab} tokens); draft-simple needs the same one")
+    check_draft(target, draft, path)
     log.info("draft model %s: %d layers, draft up to %d tokens (min %d, p_min %.2f)", path,
              draft.hp.n_layer, spec.n_max, spec.n_min, spec.p_min)
     return draft
+
+
+def check_draft(target: Model, draft: Model, path: str = "") -> None:
+    """ValueError unless `draft` can draft for `target` (draft-simple): its rows live beside
+    the target's in the same cells, so neither may keep a window (sliding attention, a
+    recurrent state), and it must share the target's vocabulary."""
+    for m in (target, draft):
+        if any(m.hp.swa_layers) or m.hp.recurrent:
+            kind = "recurrent (short-convolution)" if m.hp.recurrent else "sliding-window"
+            raise ValueError(f"draft-simple: models with {kind} layers (as target or draft) "
+                             "are not supported; use ngram-simple or ngram-mod")
+    a, b = target.tokenizer, draft.tokenizer
+    if a.vocab.tokens != b.vocab.tokens or (a.bos_id, a.eos_id) != (b.bos_id, b.eos_id):
+        raise ValueError(f"draft model {path or draft.path}: its vocabulary differs from the "
+                         f"target's ({b.n_vocab} vs {a.n_vocab} tokens); draft-simple needs "
+                         "the same one")
 
 
 @dataclass(slots=True)

@@ -148,7 +148,7 @@ def plan_prefix(slot: Holder, key: PromptKey, donors: Sequence[Holder],
 
     The host cache (when given) wins over the slot's own KV when it restores more; another
     slot wins when it holds SHARE_MIN_TOKENS more than both (`prefer`, the slot of an n_cmpl
-    parent: when it holds any more). A slot whose KV was context-shifted is never a source, nor
+    parent: when it holds as much). A slot whose KV was context-shifted is never a source, nor
     is KV (own, another slot's, host-cached) of a cache namespace other than the prompt's.
     """
     prompt, n = key.tokens, len(key)
@@ -164,7 +164,8 @@ def plan_prefix(slot: Holder, key: PromptKey, donors: Sequence[Holder],
                  kv.seq, n_lcp)
     source, n_src, donor = Source.OWN, n_own, None
     if host is not None:
-        n_host = host.match(kv.pool, kv.seq, kv.offered(key), key)
+        # capped as the slots' counts are: the last prompt token is always computed
+        n_host = min(host.match(kv.pool, kv.seq, kv.offered(key), key), n - 1)
         if n_host > n_src:
             source, n_src = Source.HOST, n_host
     n_best = 0
@@ -175,7 +176,8 @@ def plan_prefix(slot: Holder, key: PromptKey, donors: Sequence[Holder],
         m = 0 if via is not None else m  # only a window as it stands is shared
         if m > n_best or (m and m == n_best and other is prefer):
             donor, n_best = other, m
-    min_gain = 1 if donor is not None and donor is prefer else SHARE_MIN_TOKENS
+    # an n_cmpl parent's cells are shared, not copied, wherever they hold as much
+    min_gain = 0 if donor is not None and donor is prefer else SHARE_MIN_TOKENS
     if donor is not None and n_best - n_src >= min_gain:
         source, n_src = Source.SLOT, n_best
     else:
