@@ -525,3 +525,15 @@ def test_q8_0_attention_rows_exact_conv_rows(model32: Model, monkeypatch, tier: 
     used = {sp.source for pl in rec.plans for sp in pl.spans if sp.source is not Source.COMPUTE}
     assert source in used, used
     s.check()
+
+
+def test_context_shift_is_refused_for_the_conv_state(tiny_lfm2_path: str,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """--context-shift asked for: the slots are built without it (a full context stops the
+    task, as llama-server stops it), with llama-server's warning in the log."""
+    m = load_model(tiny_lfm2_path, "bf16")
+    with caplog.at_level("WARNING"):
+        s = build_scheduler(m, ServerConfig(ctx_size=512, n_parallel=2, context_shift=True),
+                            ServerMetrics())
+    assert not any(sl.context_shift for sl in s.slots)
+    assert "context shift is not supported by this model" in caplog.text

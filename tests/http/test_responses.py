@@ -434,6 +434,7 @@ def test_props_shape(tiny_model: Any) -> None:
         "backend": "radix", "cache_ram_mib": 8192, "cache_idle_slots": True,
         "cache_radix_min_restore_tokens": 0, "cache_reuse": 0, "nodes": 1.0,
         "cache_disk": False, "cache_disk_mib": 10240, "cache_disk_block": 64,
+        "context_shift": False, "recurrent_layers": 0,
     }
     assert ours["default_generation_settings"]["n_ctx"] == 4096
     assert ours["device"] == "cpu"  # ours: where the model runs (--device / -ngl)
@@ -442,6 +443,16 @@ def test_props_shape(tiny_model: Any) -> None:
     typed = info.props_json(tiny_model, facts, ServerConfig(cache_type_k="q8_0",
                                                             cache_type_v="q4_0"), 4096, 4, {})
     assert (typed["cache_type_k"], typed["cache_type_v"]) == ("q8_0", "q4_0")
+
+
+def test_props_of_a_recurrent_model_refuse_shifts(tiny_lfm2_path: str) -> None:
+    """LFM2's conv state exists only where it was computed: /props says the context shift and
+    --cache-reuse asked for are off, and how many layers are recurrent."""
+    from radixserve.model.loader import load_model
+    m = load_model(tiny_lfm2_path, "f32")
+    cfg = ServerConfig(context_shift=True, cache_reuse=256)
+    pc = info.props_json(m, info.model_facts(m), cfg, 4096, 4, {})["prompt_cache"]
+    assert (pc["context_shift"], pc["cache_reuse"], pc["recurrent_layers"]) == (False, 0, 4)
 
 
 def test_models_shape(tiny_model: Any) -> None:
