@@ -32,7 +32,7 @@ import torch
 
 from radixserve.memory.pool.kv_types import of_dtype
 from radixserve.memory.pool.pool import KVTypes, Rotate
-from radixserve.memory.pool.rows import RowSpec, Segment
+from radixserve.memory.pool.rows import RowSpec
 from radixserve.memory.pool.swa import SWAPool
 
 
@@ -83,31 +83,21 @@ class ConvPool(SWAPool):
         return self.n_layer
 
     def row_layout(self) -> list[RowSpec]:
-        own, draft = super().row_layout()[:2], super().row_layout()[2:]
-        w = self.swa
+        rows, w = super().row_layout(), self.swa  # own K and V, then a draft's
         conv = [RowSpec(w.n_layer, w.n_head_kv, w.head_dim, t.storage) for t in w.types]
-        return own + conv + draft
+        return rows[:2] + conv + rows[2:]
 
-    def rows_out(self, seq: int, p0: int, p1: int) -> list[torch.Tensor]:
-        positions = list(range(p0, p1))
-        idx = torch.tensor(self.cells_at(seq, positions), dtype=torch.long, device=self.device)
-        widx = torch.tensor(self.swa.cells_at(seq, positions), dtype=torch.long,
-                            device=self.device)
-        rows = [self.k[:, :, idx], self.v[:, :, idx], self.swa.k[:, :, widx],
+    def _gather(self, seq: int, positions: list[int],
+                idx: torch.Tensor) -> list[torch.Tensor]:
+        widx = self._window_idx(seq, positions)
+        return [self.k[:, :, idx], self.v[:, :, idx], self.swa.k[:, :, widx],
                 self.swa.v[:, :, widx]]
-        if self.draft is not None:
-            rows += [self.draft.k[:, :, idx], self.draft.v[:, :, idx]]
-        return rows if self.device.type == "cpu" else [t.to("cpu") for t in rows]
 
-    def segment(self, pos0: int, rows: list[torch.Tensor], n: int, window_from: int) -> Segment:
-        want = tuple((r.n_layer, r.n_head_kv, r.width, r.dtype) for r in self.row_layout())
-        got = tuple((t.shape[0], t.shape[1], t.shape[3], t.dtype) for t in rows)
-        if got != want or len({t.shape[2] for t in rows}) != 1:
-            raise ValueError(f"segment at position {pos0} has rows {got}; the pool wants {want}")
-        k, v, ck, cv, *draft = rows
-        return Segment(list(range(pos0, pos0 + n)), k[:, :, :n], v[:, :, :n],
-                       self._window(pos0, ck, cv, n, window_from),
-                       (draft[0][:, :, :n], draft[1][:, :, :n]) if draft else None)
+    def _split(self, rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
+                                                        torch.Tensor, torch.Tensor,
+                                                        list[torch.Tensor]]:
+        k, v, wk, wv, *draft = rows
+        return k, v, wk, wv, draft
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         if delta:

@@ -15,9 +15,11 @@ swa.py), a draft model's layers (`DraftRows`, draft.py, attached). Nothing outsi
 or writes those tensors: the tiers ask the pool for a sequence's rows (`rows_out`: every group's
 rows of a run of positions, as fresh host tensors, described by `row_layout`), cut what they
 stored back into the pool's layout (`segment`), and give them back (`write_segment`). A new
-kind of sequence memory is a subclass that adds its group to these four methods (and to the
-state bytes of state.py), and is chosen where the model's pool is made (`make_pool`): the
-tiers, the planner and the engine do not change.
+kind of sequence memory is a subclass that adds its group to these methods (`_gather` and
+`_split` are where its rows leave and come back apart; and to the state bytes of state.py), and
+is chosen where the model's pool is made (engine/batch.py's `model_pool`: `make_pool`, or
+conv.py's `ConvPool` for short convolutions): the tiers, the planner and the engine do not
+change.
 """
 
 from __future__ import annotations
@@ -180,16 +182,26 @@ class KVPool:
         return n <= self.n_reclaimable(seq)
 
     def _gather(self, seq: int, positions: list[int],
-                idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, :, idx], self.v[:, :, idx]
+                idx: torch.Tensor) -> list[torch.Tensor]:
+        """This pool's own groups' row tensors of `positions` (cells `idx`), as `row_layout`
+        lists them before a draft model's."""
+        return [self.k[:, :, idx], self.v[:, :, idx]]
+
+    def _split(self, rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
+                                                        torch.Tensor, torch.Tensor,
+                                                        list[torch.Tensor]]:
+        """`_gather`'s tensors (then a draft's) back as (K, V of this pool's own layers, K, V
+        of a window's layers (empty here), the draft's)."""
+        k, v, *draft = rows
+        g = self.n_layer
+        return k[:g], v[:g], k[g:], v[g:], draft
 
     def rows_out(self, seq: int, p0: int, p1: int) -> list[torch.Tensor]:
         """The rows of positions [p0, p1) of `seq` in every group (`row_layout`'s order), as new
         host tensors; the pool is only read."""
         positions = list(range(p0, p1))
         idx = torch.tensor(self.cells_at(seq, positions), dtype=torch.long, device=self.device)
-        k, v = self._gather(seq, positions, idx)
-        rows = [k.contiguous(), v.contiguous()]
+        rows = [t.contiguous() for t in self._gather(seq, positions, idx)]
         if self.draft is not None:
             rows += [self.draft.k[:, :, idx], self.draft.v[:, :, idx]]
         if self.device.type == "cpu":
@@ -206,12 +218,11 @@ class KVPool:
         the window's positions). ValueError for rows of another layout."""
         want = tuple((r.n_layer, r.n_head_kv, r.width, r.dtype) for r in self.row_layout())
         got = tuple((t.shape[0], t.shape[1], t.shape[3], t.dtype) for t in rows)
-        if got != want or rows[1].shape[2] != rows[0].shape[2]:
+        if got != want or len({t.shape[2] for t in rows}) != 1:
             raise ValueError(f"segment at position {pos0} has rows {got}; the pool wants {want}")
-        k, v, *draft = rows
-        g = self.n_layer
-        return Segment(list(range(pos0, pos0 + n)), k[:g, :, :n], v[:g, :, :n],
-                       self._window(pos0, k[g:], v[g:], n, window_from),
+        k, v, wk, wv, draft = self._split(rows)
+        return Segment(list(range(pos0, pos0 + n)), k[:, :, :n], v[:, :, :n],
+                       self._window(pos0, wk, wv, n, window_from),
                        (draft[0][:, :, :n], draft[1][:, :, :n]) if draft else None)
 
     def _window(self, pos0: int, k: torch.Tensor, v: torch.Tensor, n: int,

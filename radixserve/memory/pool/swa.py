@@ -82,12 +82,15 @@ class SWAPool(KVPool):
         return (n <= KVPool.n_reclaimable(self, seq)
                 and min(n, self.n_swa) <= self.swa.n_reclaimable(seq))
 
-    def _gather(self, seq: int, positions: list[int],
-                idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        sidx = torch.tensor(self.swa.cells_at(seq, positions), dtype=torch.long,
+    def _window_idx(self, seq: int, positions: list[int]) -> torch.Tensor:
+        return torch.tensor(self.swa.cells_at(seq, positions), dtype=torch.long,
                             device=self.device)
-        return (torch.cat([self.k[:, :, idx], self.swa.k[:, :, sidx]]),
-                torch.cat([self.v[:, :, idx], self.swa.v[:, :, sidx]]))
+
+    def _gather(self, seq: int, positions: list[int],
+                idx: torch.Tensor) -> list[torch.Tensor]:
+        sidx = self._window_idx(seq, positions)
+        return [torch.cat([self.k[:, :, idx], self.swa.k[:, :, sidx]]),
+                torch.cat([self.v[:, :, idx], self.swa.v[:, :, sidx]])]
 
     def _window(self, pos0: int, k: torch.Tensor, v: torch.Tensor, n: int,
                 window_from: int) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
