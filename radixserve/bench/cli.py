@@ -17,6 +17,7 @@ JSON) need servers the benchmark starts: with `--url` they are refused. The disk
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -56,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=None,
                     help="output folder (default: bench-results/<UTC time>)")
     ap.add_argument("-m", "--model", default="default", help="model for the servers we start")
+    ap.add_argument("--reply-ids", action="store_true",
+                    help="ask every request for `logprobs`, whose entries carry each generated "
+                         "token's id, so the unshared minimum counts the ids the server "
+                         "generated rather than the reply re-tokenized (they differ for "
+                         "random-weight models); a counting run: the whole distribution each "
+                         "token costs decode time")
     return ap
 
 
@@ -102,6 +109,10 @@ def main(argv: list[str]) -> int:
                        extra_server_args=unknown + forwarded)
     try:
         scenarios = [load_scenario(n) for n in names]
+        if a.reply_ids:
+            scenarios = [dataclasses.replace(s, request_fields={**s.request_fields,
+                                                                "logprobs": True})
+                         for s in scenarios]
         modes = select_modes(a.modes, a.spec, a.url, a.label)
         if a.scenarios == ["all"] and any(m.url for m in modes):
             # `all` means every scenario that can run here; naming one still gets the error

@@ -64,6 +64,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                       rec: RequestRecord, t0: float) -> str:
     """POST one streamed chat completion; fill `rec`'s timings; return the reply text."""
     text: list[str] = []
+    ids: list[int] = []
     usage: dict[str, Any] = {}
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
@@ -85,6 +86,9 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                     if rec.ttft_s is None:
                         rec.ttft_s = time.perf_counter() - t0
                     text.append(piece)
+                for entry in (choice.get("logprobs") or {}).get("content") or []:
+                    if isinstance(entry.get("id"), int):
+                        ids.append(entry["id"])
             if "timings" in chunk:
                 tm = chunk["timings"]
                 rec.cache_n, rec.prompt_n = tm.get("cache_n"), tm.get("prompt_n")
@@ -95,6 +99,8 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                 rec.draft_n, rec.draft_n_accepted = tm.get("draft_n"), tm.get("draft_n_accepted")
             usage = chunk.get("usage") or usage
     _apply_usage(rec, usage)
+    if ids and rec.error is None:
+        rec.reply_ids = ids
     return "".join(text)
 
 
@@ -162,8 +168,8 @@ async def sent_token_ids(url: str, sent: list[tuple[RequestRecord, Messages]],
                          ) -> list[tuple[list[int], list[int]]] | None:
     """The token ids of the successful requests' prompts (through the server's own template
     and tokenizer: llama-server's /apply-template and /tokenize) and of their replies (the
-    reply text tokenized alone), in the order they were sent. None when the server lacks
-    those endpoints."""
+    ids the server generated where it sent them, else the reply text tokenized alone), in the
+    order they were sent. None when the server lacks those endpoints."""
     out: list[tuple[list[int], list[int]]] = []
     try:
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as c:
@@ -182,7 +188,8 @@ async def sent_token_ids(url: str, sent: list[tuple[RequestRecord, Messages]],
                 if r.status_code != 200:
                     return None
                 prompt = await tokenize(r.json()["prompt"], True)
-                reply = await tokenize(rec.reply or "", False) if rec.reply else []
+                reply = rec.reply_ids if rec.reply_ids is not None else (
+                    await tokenize(rec.reply, False) if rec.reply else [])
                 if prompt is None or reply is None:
                     return None
                 out.append((prompt, reply))

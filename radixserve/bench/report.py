@@ -288,6 +288,9 @@ def _bars(summary: Summary, key: str, ylabel: str, title: str, path: Path,
           scale: float = 1.0, whisker_key: str | None = None, log_y: bool = False) -> Path:
     scenarios = list(summary)
     modes = list(dict.fromkeys(m for s in scenarios for m in summary[s]))
+    # a log axis needs a positive value (every request failed: no TTFT at all)
+    log_y = log_y and any((summary[s].get(m, {}).get(key) or 0.0) > 0
+                          for s in scenarios for m in modes)
     width = 0.8 / max(1, len(modes))
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(scenarios) + 2.0), 4.5))
     for i, m in enumerate(modes):

@@ -36,6 +36,10 @@ class RequestRecord:
     predicted_ms: float | None = None
     error: str | None = None
     reply: str | None = None  # the generated text: runs of different modes must agree on it
+    # the generated token ids, where the server sent them (`logprobs` entries' `id`, llama.cpp's
+    # extension): a reply's text may re-tokenize to other ids (random weights' broken UTF-8,
+    # pieces the tokenizer would merge), and the unshared minimum needs what was computed
+    reply_ids: list[int] | None = None
     # speculative decoding (timings.draft_n / draft_n_accepted): draft tokens proposed and
     # accepted; None when the server sent no such fields (no speculation, or no draft made)
     draft_n: int | None = None

@@ -24,12 +24,13 @@ def _delta(text: str | None, role: bool = False) -> dict:
     return {"choices": [{"index": 0, "delta": d, "finish_reason": None}]}
 
 
+_real_client = httpx.AsyncClient
+
+
 def _run(monkeypatch: pytest.MonkeyPatch, handler, sessions: list[Session],
          concurrency: int = 1):
-    real = httpx.AsyncClient
-
     def patched(**kw):  # the client under test, over an in-process transport
-        return real(transport=httpx.MockTransport(handler), **kw)
+        return _real_client(transport=httpx.MockTransport(handler), **kw)
 
     monkeypatch.setattr(bench_client.httpx, "AsyncClient", patched)
     return asyncio.run(run_sessions("http://x", sessions, concurrency,
@@ -108,3 +109,37 @@ def test_speculation_timings_are_recorded_when_present(monkeypatch: pytest.Monke
     assert plain.draft_n is None and plain.draft_n_accepted is None
     assert spec.predicted_per_second == plain.predicted_per_second == 150.0
     assert spec.reply == plain.reply == "quoted text"  # the content, kept for comparisons
+
+
+def test_reply_ids_from_logprobs_feed_the_unshared_minimum(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """A reply whose text re-tokenizes to other ids (here: 'ab' generated as a, b; the
+    tokenizer merges it) counts by the ids the server generated when it sent them."""
+    from radixserve.bench.client import sent_token_ids
+    from radixserve.bench.stats import unshared_minimum
+
+    def chat(req: httpx.Request) -> httpx.Response:
+        lp = {"content": [{"id": 7, "token": "a", "logprob": 0.0},
+                          {"id": 8, "token": "b", "logprob": 0.0}]}
+        last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+        return httpx.Response(200, content=_sse(
+            {"choices": [{"index": 0, "delta": {"content": "ab"}, "logprobs": lp}]}, last))
+
+    recs, _ = _run(monkeypatch, chat, [Session("c", "chat", "sys", ("u1",))])
+    assert recs[0].reply == "ab" and recs[0].reply_ids == [7, 8]
+
+    def server(req: httpx.Request) -> httpx.Response:
+        body = json.loads(req.content)
+        if req.url.path == "/apply-template":
+            return httpx.Response(200, json={"prompt": "P"})
+        return httpx.Response(200, json={"tokens": {"P": [1, 2], "ab": [9]}[body["content"]]})
+
+    monkeypatch.setattr(bench_client.httpx, "AsyncClient",
+                        lambda **kw: _real_client(transport=httpx.MockTransport(server), **kw))
+    sent = [(recs[0], [{"role": "user", "content": "u1"}])]
+    ids = asyncio.run(sent_token_ids("http://x", sent))
+    assert ids == [([1, 2], [7, 8])]
+    recs[0].reply_ids = None  # a server that sends no ids: the text, tokenized alone
+    assert asyncio.run(sent_token_ids("http://x", sent)) == [([1, 2], [9])]
+    # a next prompt holding the generated ids shares them; by the text it would not
+    assert unshared_minimum([([1, 2], [7, 8]), ([1, 2, 7, 8, 5], [])]) == 2 + 2

@@ -265,3 +265,22 @@ def test_all_with_url_skips_restart_scenarios(tmp_path: Path, monkeypatch) -> No
     monkeypatch.setattr(cli, "write_report", lambda *a: {"summary.md": md})
     assert cli.main(["all", "--url", "http://h:9", "--out", str(tmp_path)]) == 0
     assert "prefix-512" in ran and "restart-shared-prefix" not in ran
+
+
+def test_reply_ids_asks_every_scenario_for_logprobs(tmp_path: Path, monkeypatch) -> None:
+    fields = {}
+
+    def fake_run_all(scenarios, modes, opt):
+        fields.update({s.name: s.request_fields for s in scenarios})
+        return []
+
+    monkeypatch.setattr(cli, "run_all", fake_run_all)
+    md = tmp_path / "summary.md"
+    md.write_text("")
+    monkeypatch.setattr(cli, "write_report", lambda *a: {"summary.md": md})
+    argv = ["multi-turn-chat", "decode-4-json", "--url", "http://h:9", "--out", str(tmp_path)]
+    assert cli.main(argv + ["--reply-ids"]) == 0
+    assert fields["multi-turn-chat"] == {"logprobs": True}
+    assert fields["decode-4-json"]["logprobs"] is True and "json_schema" in fields["decode-4-json"]
+    assert cli.main(argv) == 0
+    assert fields["multi-turn-chat"] == {}

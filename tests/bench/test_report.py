@@ -81,6 +81,14 @@ def test_write_report_creates_files(tmp_path: Path) -> None:
     assert json.loads(paths["summary.json"].read_text())["s1"]["radix"]["hit_rate"] == 0.6
 
 
+def test_a_run_whose_requests_all_failed_still_gets_its_report(tmp_path: Path) -> None:
+    """No TTFT anywhere (every request failed: the server was not up): the log-scaled TTFT
+    plot is drawn on a linear axis instead of raising."""
+    failed = [_run("s", "radix", 0, 0.0, 0.0)]
+    paths = write_report(failed, tmp_path)
+    assert paths["ttft.png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_issue5_lines_bound_and_host_ratio() -> None:
     runs = [_run("s", m, 0, 0.5, 10.0) for m in ("no-cache", "legacy", "radix")]
     for r, mib in zip(runs, (None, 30.0, 9.0)):
