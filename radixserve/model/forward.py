@@ -194,7 +194,7 @@ class Transformer:
             types = (of_dtype(k_cache.dtype), of_dtype(v_cache.dtype))
         conv = None
         if hp.n_layer_conv:  # the window part holds the conv layers' input rows, not K/V
-            conv = ShortConv.plan(hp, batch, k_swa, v_swa)
+            conv = ShortConv.plan(hp, batch, k_swa, v_swa, self.kern)
             k_swa = v_swa = None
         split = self._split(k_cache, batch, k_swa, v_swa)
         cells = [c for b in batch for c in b.cells]

@@ -68,9 +68,9 @@ _COMMON = ("-O3", "-fopenmp", "-fPIC", "-fno-math-errno")
 # and, except for the sources in _STRICT_FP, sums the compiler may reorder (vectorize)
 _REASSOC = ("-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
 # sources whose floating-point sums must run exactly as written (no reassociation)
-_STRICT_FP = frozenset({"qmm.c", "kv_rows.c"})
+_STRICT_FP = frozenset({"qmm.c", "kv_rows.c", "short_conv.c"})
 # and, of those, the sources whose roundings are exactly as written: no fused multiply-adds
-_NO_CONTRACT = frozenset({"kv_rows.c"})
+_NO_CONTRACT = frozenset({"kv_rows.c", "short_conv.c"})
 _LINK = ("-shared", "-fopenmp")
 
 
@@ -341,6 +341,7 @@ class Kernels:
         self._q4, self._q4_dequant = c.q4_matmul_bf16, c.q4_dequant_t_bf16
         self._i8 = c.i8_matmul_bf16  # the 8-bit tiles: Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K
         self._bf16_mm = c.bf16_matmul
+        self._short_conv = c.short_conv_bf16
         self.has_int8_head = bool(c.int8_head_available())  # every build (VNNI, AVX2, NEON, C)
         self.has_q4 = bool(c.q4_available())  # needs AVX512-BF16
         self.has_bf16_gemm = bool(c.bf16_gemm_available())  # needs AVX512-BF16
@@ -414,6 +415,27 @@ class Kernels:
             raise ValueError("silu_mul kernel needs contiguous bf16 [gate | up] rows")
         out = torch.empty(rows, ff2 // 2, dtype=torch.bfloat16)
         self._silu(gu.data_ptr(), rows, ff2 // 2, out.data_ptr())
+        return out
+
+    def short_conv(self, bcx: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor,
+                   new: torch.Tensor, reads: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """LFM2's short convolution of one layer (csrc/short_conv.c; model/short_conv.py's
+        arithmetic): the in-projection's bf16 rows bcx [T, 3 e], the layer's input rows in the
+        window part ck, cv [n_cells, e / 2] (written at the cells `new` [T]), the cells each
+        output reads [T * L] (-1: before position 0), the kernel w [e, L] f32 -> [T, e]."""
+        rows, e3 = bcx.shape
+        e, L = w.shape
+        ok = (bcx.dtype == ck.dtype == cv.dtype == torch.bfloat16 and w.dtype == torch.float32
+              and e3 == 3 * e and e % 2 == 0 and ck.shape == cv.shape and ck.shape[1] == e // 2
+              and all(t.is_contiguous() for t in (bcx, ck, cv, w))
+              and new.dtype == reads.dtype == torch.int64 and new.numel() == rows
+              and reads.numel() == rows * L)
+        if not ok:
+            raise ValueError("short_conv kernel needs contiguous bf16 rows and caches, an f32 "
+                             "kernel [e, L] and int64 cells")
+        out = torch.empty(rows, e, dtype=torch.bfloat16)
+        self._short_conv(bcx.data_ptr(), rows, e, L, ck.data_ptr(), cv.data_ptr(),
+                         new.data_ptr(), reads.data_ptr(), w.data_ptr(), out.data_ptr())
         return out
 
     def int8_head(self, q8: torch.Tensor, rowsum: torch.Tensor, scale: torch.Tensor,

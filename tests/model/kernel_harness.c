@@ -53,6 +53,9 @@ void silu_mul_bf16(const uint16_t *gu, int64_t rows, int64_t ff, uint16_t *out);
 void post_norm_add_bf16(float *x, int64_t xs, const uint16_t *y, const float *wp,
                         const float *wn, int64_t rows, int d, float eps, uint16_t *out);
 void gelu_mul_bf16(const uint16_t *gu, int64_t rows, int64_t ff, uint16_t *out);
+void short_conv_bf16(const uint16_t *bcx, int64_t T, int e, int L, uint16_t *ck, uint16_t *cv,
+                     const int64_t *new_cells, const int64_t *reads, const float *w,
+                     uint16_t *out);
 int q4_available(void);
 int bf16_gemm_available(void);
 int int8_head_available(void);
@@ -295,6 +298,23 @@ static void rowwise(void) {
     free(x), free(w), free(wn), free(y), free(out), free(gu);
 }
 
+/* 20 tokens (the threaded path) of width 96, kernel length 3, over 40 cells: each token's
+ * row into its own cell, each output reading earlier cells, the step's own ones, or none (-1) */
+static void short_conv(void) {
+    const int64_t T = 20, e = 96, L = 3, n_cells = 40;
+    uint16_t *bcx = bf16s(T * 3 * e, 3.f), *ck = bf16s(n_cells * e / 2, 2.f);
+    uint16_t *cv = bf16s(n_cells * e / 2, 2.f), *out = alloc(sizeof(uint16_t) * (size_t)(T * e));
+    float *w = f32s(e * L, -1.f, 1.f);
+    int64_t *cells = alloc(sizeof(int64_t) * (size_t)T), *reads = alloc(sizeof(int64_t) * (size_t)(T * L));
+    for (int64_t t = 0; t < T; t++) cells[t] = n_cells - T + t;
+    for (int64_t i = 0; i < T * L; i++) reads[i] = (int64_t)(next() % (n_cells + 1)) - 1;
+    short_conv_bf16(bcx, T, (int)e, (int)L, ck, cv, cells, reads, w, out);
+    emit("short_conv", out, sizeof(uint16_t) * (size_t)(T * e));
+    emit("short_conv", ck, sizeof(uint16_t) * (size_t)(n_cells * e / 2));
+    emit("short_conv", cv, sizeof(uint16_t) * (size_t)(n_cells * e / 2));
+    free(bcx), free(ck), free(cv), free(out), free(w), free(cells), free(reads);
+}
+
 int main(void) {
     int64_t avail = q4_available() * 100 + bf16_gemm_available() * 10 + int8_head_available();
     emit("available q4 bf16_gemm int8_head", &avail, 8);
@@ -302,5 +322,6 @@ int main(void) {
     head();
     attention();
     rowwise();
+    short_conv();
     return fflush(stdout) != 0;
 }

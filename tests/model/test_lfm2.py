@@ -19,6 +19,8 @@ from radixserve.engine.batch import BatchSeq, forward, model_pool
 from radixserve.memory.pool.conv import ConvPool, ShiftRefused
 from radixserve.model.hparams import UnsupportedModelError
 from radixserve.model.loader import Model, load_model
+from radixserve.model.short_conv import ShortConv
+from tests.model.kernel_variants import kern, threads  # noqa: F401 (fixtures)
 from tests.lfm2_hf import hf_lfm2_from_gguf
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -161,3 +163,34 @@ def test_lfm2moe_is_refused_by_name(tmp_path: Path):
     moe = rewrite(src, tmp_path / "moe.gguf", arch="lfm2moe")
     with pytest.raises(UnsupportedModelError, match="unsupported model architecture 'lfm2moe'"):
         load_model(moe, "f32")
+
+
+@pytest.mark.parametrize("n_tok", [1, 20])
+def test_the_c_conv_step_gives_the_torch_paths_bits(kern, threads, n_tok: int) -> None:
+    """csrc/short_conv.c against model/short_conv.py's torch ops on the same plan, every x86
+    variant, 1 and 2 threads, one token (decode) and 20 (the threaded path): the stored input
+    rows and the output bit for bit. Reads name earlier cells, the step's own new cells and
+    positions before 0 (-1)."""
+    g = torch.Generator().manual_seed(n_tok)
+    e, L, n_cells, n_conv = 96, 3, 48, 2
+    hp = type("HP", (), {"n_embd": e, "l_cache": L})()
+    k0 = torch.randn(n_conv, 1, n_cells, e // 2, generator=g).bfloat16()
+    v0 = torch.randn(n_conv, 1, n_cells, e // 2, generator=g).bfloat16()
+    new = torch.arange(n_cells - n_tok, n_cells)
+    reads = torch.randint(-1, n_cells, (n_tok * L,), generator=g)
+    reads[-1] = new[-1]  # the last output reads its own row
+    w = torch.randn(e, L, generator=g)
+    bcx = (torch.randn(n_tok, 3 * e, generator=g) * 3).bfloat16()
+    got = []
+    for kernels in (None, kern):
+        k, v = k0.clone(), v0.clone()
+        step = ShortConv(hp, k, v, new, reads, kernels)
+        assert (step.kern is None) == (kernels is None)
+        got.append((step.run(1, w, bcx), k, v))
+    (a, ka, va), (b, kb, vb) = got
+    assert torch.equal(ka, kb) and torch.equal(va, vb) and not torch.equal(ka, k0)
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="short_conv kernel"):
+        kern.short_conv(bcx.float(), k0[1, 0], v0[1, 0], new, reads, w)
+    with pytest.raises(ValueError, match="short_conv kernel"):
+        kern.short_conv(bcx, k0[1, 0], v0[1, 0], new.int(), reads, w)

@@ -107,7 +107,7 @@ def test_every_kernel_ran_and_returned_success(runs):
     for prefix in ("qmm_bf16", "qmm_rows_f32", "qmm_head_dots", "qmm_codes", "int8_head ",
                    "int8_head_bound", "head_candidates", "f32_head_dots", "attn_causal",
                    "attn_step", "attn_head_norm", "add_rms_norm", "post_norm_add", "silu_mul",
-                   "gelu_mul"):
+                   "gelu_mul", "short_conv"):
         assert any(n.startswith(prefix) for n in names), prefix
     for run in ("neon", "generic"):
         recs = runs[run]
