@@ -33,7 +33,6 @@ from radixserve.engine.slot import Slot
 from radixserve.memory.seq_kv import SlotKV
 from radixserve.memory.pool.draft import attach_draft
 from radixserve.memory.pool.pool import KVPool, OutOfCells
-from radixserve.memory.pool.swa import SWAPool
 from radixserve.model.default_model import resolve_model_path
 from radixserve.memory.pool import kv_types
 from radixserve.model.forward import SeqStep
@@ -64,13 +63,17 @@ def load_draft(cfg: ServerConfig, target: Model) -> Model | None:
 
 def check_draft(target: Model, draft: Model, path: str = "") -> None:
     """ValueError unless `draft` can draft for `target` (draft-simple): its rows live beside
-    the target's in the same cells, so neither may keep a window (sliding attention, a
-    recurrent state), and it must share the target's vocabulary."""
+    the target's in the same cells, so neither may keep a sliding window; a recurrent draft
+    (its conv rows kept a cell, never rotated) needs a target that refuses context shifts (a
+    recurrent one); and it must share the target's vocabulary."""
     for m in (target, draft):
-        if any(m.hp.swa_layers) or m.hp.recurrent:
-            kind = "recurrent (short-convolution)" if m.hp.recurrent else "sliding-window"
-            raise ValueError(f"draft-simple: models with {kind} layers (as target or draft) "
-                             "are not supported; use ngram-simple or ngram-mod")
+        if any(m.hp.swa_layers):
+            raise ValueError("draft-simple: models with sliding-window layers (as target or "
+                             "draft) are not supported; use ngram-simple or ngram-mod")
+    if draft.hp.recurrent and not target.hp.recurrent:
+        raise ValueError("draft-simple: a draft model with recurrent (short-convolution) "
+                         "layers needs a recurrent target: its state cannot follow the "
+                         "target's context shift; use ngram-simple or ngram-mod")
     a, b = target.tokenizer, draft.tokenizer
     if a.vocab.tokens != b.vocab.tokens or (a.bos_id, a.eos_id) != (b.bos_id, b.eos_id):
         raise ValueError(f"draft model {path or draft.path}: its vocabulary differs from the "
@@ -96,11 +99,13 @@ class Speculator:
         self.cfg, self.pool, self.n_budget = cfg, pool, n_budget
         self.draft = draft
         if draft is not None:
-            assert not isinstance(pool, SWAPool)
             hp = draft.hp
-            attach_draft(pool, hp.n_layer, hp.n_head_kv, hp.head_dim, draft.dtype,
-                         draft.rope.rotate, hp.arch,
-                         kv_types.resolve(cfg.cache_type_k, cfg.cache_type_v, draft.dtype))
+            rows = attach_draft(pool, hp.n_layer - hp.n_layer_conv, hp.n_head_kv, hp.head_dim,
+                                draft.dtype, draft.rope.rotate, hp.arch,
+                                kv_types.resolve(cfg.cache_type_k, cfg.cache_type_v,
+                                                 draft.dtype))
+            if hp.n_layer_conv:
+                rows.add_conv(hp.n_layer_conv, hp.n_embd, hp.arch)
         self.mod = NgramMod(cfg.ngram_mod_n_match, cfg.ngram_mod_n_min, cfg.ngram_mod_n_max,
                             n_seq) if "ngram-mod" in cfg.types else None
 
@@ -230,9 +235,15 @@ class Speculator:
         return int(top.indices[0]), float(p[0])
 
     def _hidden(self, steps: list[SeqStep]) -> torch.Tensor:
-        assert self.draft is not None and self.pool.draft is not None
-        return self.draft.transformer.hidden(self.pool.draft.k, self.pool.draft.v, steps,
-                                             types=self.pool.draft.types)
+        """The draft's forward over `steps` (the target's cells and views); a recurrent
+        draft's conv layers read their rows in the same cells, so each step's window is its
+        own view of the sequence."""
+        d = self.pool.draft
+        assert self.draft is not None and d is not None
+        if d.conv is None:
+            return self.draft.transformer.hidden(d.k, d.v, steps, types=d.types)
+        own = [dataclasses.replace(b, swa=dataclasses.replace(b, swa=None)) for b in steps]
+        return self.draft.transformer.hidden(d.k, d.v, own, d.conv.k, d.conv.v, types=d.types)
 
     # -- keeping the draft rows in step --------------------------------------------------------
     def follow(self, steps: list[tuple[SlotKV, SeqStep]]) -> None:

@@ -27,6 +27,18 @@ if TYPE_CHECKING:
     from radixserve.model.forward import SeqStep
 
 
+def _positions_to_cells(w: SeqStep, n: int) -> dict[int, int]:
+    """The cell of each of the last `n` positions of the view `w` (kv_positions, kv_cells)."""
+    positions, cells = w.kv_positions, w.kv_cells
+    k0 = max(0, len(positions) - n)
+    if isinstance(cells, slice):
+        start = (cells.start or 0) + k0
+        tail: list[int] = list(range(start, start + len(positions) - k0))
+    else:
+        tail = cells[k0:].tolist()
+    return dict(zip(positions[k0:], tail))
+
+
 class ShortConv:
     """One step's short-convolution plan, shared by every conv layer of the step."""
 
@@ -36,11 +48,12 @@ class ShortConv:
         self.k, self.v = k, v  # [n_layer_conv, 1, n_cells, n_embd / 2]
         self.new = new  # [T] the cells the step's input rows go to
         self.reads = reads  # [T * L] the cells each output row reads, j = 0..L-1 in order
-        # the C step where it applies (bf16 rows), else the torch ops below
+        # the C step where it applies (bf16 rows), else the torch ops of `run`
         self.kern = kern if kern is not None and k.dtype == torch.bfloat16 \
             and k.is_contiguous() and v.is_contiguous() else None
-        self.valid = (reads >= 0).view(-1, hp.l_cache, 1)  # False: a position before 0
-        self.cells = reads.clamp(min=0)
+        if self.kern is None:
+            self.valid = (reads >= 0).view(-1, hp.l_cache, 1)  # False: a position before 0
+            self.cells = reads.clamp(min=0)
 
     @classmethod
     def plan(cls, hp: HParams, batch: list[SeqStep], k: torch.Tensor | None,
@@ -57,13 +70,14 @@ class ShortConv:
         for b in batch:
             w = b.swa
             assert w is not None
-            cells = w.kv_cells
-            cell_list = (list(range(cells.start, cells.stop)) if isinstance(cells, slice)
-                         else cells.tolist())
-            at = dict(zip(w.kv_positions, cell_list))
             new.extend(w.cells)
+            # the rows read are the view's last ones where its positions run in order (a
+            # window; a draft's view of the whole sequence), else found in the whole view
+            at = _positions_to_cells(w, len(b.tokens) + L - 1)
             for p in range(b.pos0, b.pos0 + len(b.tokens)):
                 for q in range(p - L + 1, p + 1):
+                    if q >= 0 and q not in at and len(at) < len(w.kv_positions):
+                        at = _positions_to_cells(w, len(w.kv_positions))
                     if q < 0:
                         reads.append(-1)
                     elif q in at:
@@ -81,7 +95,7 @@ class ShortConv:
         """Conv layer `ci` (its row in the window part) on the in-projection's rows bcx
         [T, 3 n_embd]; returns C * conv(B * x) [T, n_embd] in bcx's dtype (the out-projection's
         input)."""
-        if self.kern is not None and bcx.dtype == torch.bfloat16:
+        if self.kern is not None:
             return self.kern.short_conv(bcx.contiguous(), self.k[ci, 0], self.v[ci, 0],
                                         self.new, self.reads, kernel)
         e, h, L = self.n_embd, self.n_embd // 2, self.l_cache

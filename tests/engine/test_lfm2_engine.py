@@ -162,35 +162,155 @@ def test_ngram_speculation_with_rejections_equals_no_speculation(
 
 # -- 2. a draft model ------------------------------------------------------------------------
 
-RECURRENT = r"(?i)recurrent|short.conv"
-
-
 @pytest.fixture(scope="module")
 def plain(tiny_path: str) -> Model:
-    """A tiny llama with the same (default) vocabulary: a draft-simple partner in principle."""
+    """A tiny llama with the same (default) vocabulary: an attention-only draft."""
     return load_model(tiny_path, "bf16", deterministic="on")
 
 
+@pytest.fixture(scope="module")
+def lfm2_draft(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """Another tiny LFM2 (4 layers, attention at 1, other weights): a poor recurrent draft."""
+    path = write_tiny_gguf(str(tmp_path_factory.mktemp("lfm2-draft") / "draft.gguf"),
+                           arch="lfm2", n_layer=4, n_head=4, n_head_kv=2, seed=12,
+                           attn_layers=(1,), l_cache=3)
+    return load_model(path, "bf16", deterministic="on")
+
+
 @pytest.mark.parametrize("via", ["load_draft", "settings", "handed"])
-@pytest.mark.parametrize("pair", ["lfm2->lfm2", "lfm2->llama", "llama->lfm2"])
-def test_draft_model_with_lfm2_is_refused_at_build(model: Model, plain: Model, pair: str,
-                                                   via: str) -> None:
-    """draft-simple keeps the draft's K/V in the target's cells: a short convolution's state
-    has no place there (as a target, the pool is a ConvPool; as a draft, its conv layers
-    would need a window part of their own). So an LFM2 target (`pair` target->draft) or draft
-    is refused when the server is built, with a ValueError naming the recurrent
-    (short-convolution) layers, as sliding-window models are refused - whether the draft is
-    loaded from the settings (`load_draft`, or `build_scheduler` without `draft=`) or handed
-    over (`build_scheduler(draft=)`) - rather than an AssertionError or every request
-    failing later with a compute error."""
-    target, draft = ((model if a == "lfm2" else plain) for a in pair.split("->"))
+def test_a_recurrent_draft_for_an_attention_target_is_refused(model: Model, plain: Model,
+                                                              via: str) -> None:
+    """A recurrent draft's conv rows are never rotated, so its target must refuse context
+    shifts as a recurrent one does: an LFM2 drafting for a llama is refused when the server is
+    built, naming the recurrent layers, whether the draft is loaded from the settings or
+    handed over."""
     cfg = ServerConfig(ctx_size=512, n_parallel=1, cache_ram_mib=0,
-                       spec=SpecConfig(types=["draft-simple"], draft_model=draft.path, n_max=3))
-    with pytest.raises(ValueError, match=RECURRENT):
+                       spec=SpecConfig(types=["draft-simple"], draft_model=model.path, n_max=3))
+    with pytest.raises(ValueError, match=r"recurrent \(short-convolution\).*recurrent target"):
         if via == "load_draft":
-            load_draft(cfg, target)
+            load_draft(cfg, plain)
         else:
-            build_scheduler(target, cfg, ServerMetrics(), draft=draft if via == "handed" else None)
+            build_scheduler(plain, cfg, ServerMetrics(), draft=model if via == "handed" else None)
+
+
+DRAFTS = {"self": dict(n_max=4), "lfm2": dict(n_max=3, n_min=2, p_min=0.5),
+          "llama": dict(n_max=3)}
+SPEC_TIERS = {  # as tests/engine/test_speculative.py's TIERS
+    "in-slot": (dict(cache_ram_mib=0, n_parallel=2), {Source.OWN}),
+    "legacy": (dict(cache_ram_mib=256, cache_radix_prompt=False, n_parallel=1), {Source.HOST}),
+    # (a finished slot's window has moved past the document's end, so the tree serves it)
+    "radix-shared": (dict(cache_ram_mib=256, n_parallel=4, kv_unified=True), {Source.HOST}),
+}
+
+
+def spec_prompts() -> list[list[int]]:
+    """Two documents, two requests each (the second reuses its document from some tier)."""
+    rng = random.Random(44)
+    out = []
+    for _ in range(2):
+        doc = rand_tokens(rng, 70)
+        out += [doc + rand_tokens(rng, 6) for _ in range(2)]
+    return out
+
+
+def draft_task(p: list[int], **kw: Any) -> CompletionTask:
+    """A chat-like request: a user message (so a checkpoint) starts after the document."""
+    t = CompletionTask(list(p), SamplingParams(temperature=0), **({"n_predict": 24} | kw),
+                       ignore_eos=True)
+    t.user_starts = (0, 70)
+    return t
+
+
+def spec_engine(model: Model, draft: Model, name: str, **kw: Any) -> Scheduler:
+    spec = SpecConfig(types=["draft-simple"], draft_model=draft.path, **DRAFTS[name])
+    return build_scheduler(model, ServerConfig(**(dict(ctx_size=2048) | kw), spec=spec),
+                           ServerMetrics(), draft=draft)
+
+
+def all_draft_rows(s: Scheduler, seq: int, n: int) -> list[torch.Tensor]:
+    """Every group of the draft's rows of a sequence's first n positions (conv rows too)."""
+    assert s.pool.draft is not None
+    return s.pool.draft.gather(torch.tensor(s.pool.cells_at(seq, list(range(n)))))
+
+
+def check_all_draft_rows(s: Scheduler, model: Model, draft: Model, name: str) -> None:
+    """Each slot's draft rows, attention and conv alike, equal the draft's own computation
+    of the slot's tokens, bit for bit."""
+    for slot in s.slots:
+        n = len(slot.kv)
+        if not n:
+            continue
+        assert slot.kv.n_draft == n
+        alone = spec_engine(model, draft, name, cache_ram_mib=0, n_parallel=1)
+        drive(alone, [draft_task(slot.kv.tokens, cache_prompt=False, n_predict=0)])
+        want = all_draft_rows(alone, 0, n)
+        got = all_draft_rows(s, slot.id, n)
+        assert len(got) == (4 if draft.hp.recurrent else 2)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"slot {slot.id}"
+
+
+@pytest.fixture(scope="module")
+def spec_reference(ref: Ref) -> dict[tuple[int, ...], list[int]]:
+    return {tuple(p): drive(ref.sched, [draft_task(p, cache_prompt=False)])[0]
+            for p in spec_prompts()}
+
+
+@pytest.mark.parametrize("tier", list(SPEC_TIERS))
+@pytest.mark.parametrize("name", list(DRAFTS))
+def test_a_draft_model_gives_the_answers_without_speculation(
+        model: Model, lfm2_draft: Model, plain: Model, spec_reference, monkeypatch,
+        name: str, tier: str) -> None:
+    """An LFM2 target with draft-simple: drafting for itself (every draft accepted: a draft
+    row out of step with its token would be rejected), a random tiny LFM2 (a recurrent draft:
+    its conv rows a cell beside the target's; mostly rejected) and an attention-only llama.
+    On every tier the answers are the prompts' alone without speculation or cache, and the
+    draft rows every slot holds (restored from a tier or computed, rolled back past rejected
+    tokens) are the draft's own computation of its tokens, bit for bit."""
+    draft = {"self": model, "lfm2": lfm2_draft, "llama": plain}[name]
+    kw, sources = SPEC_TIERS[tier]
+    rec = Recorder(monkeypatch)
+    s = spec_engine(model, draft, name, **kw)
+    prompts = spec_prompts()
+    outs = []
+    for pair in ((0, 2), (1, 3)):
+        outs += drive(s, [draft_task(prompts[i]) for i in pair])
+        s.check()
+    assert outs == [spec_reference[tuple(prompts[i])] for i in (0, 2, 1, 3)]
+    used = {p.source for p in rec.plans if p.n_prefix}
+    assert sources <= used, f"{tier}: prefixes came from {used}"
+    m = s.metrics
+    assert m.n_drafts_total > 0 and m.n_draft_tokens_total > 0, "nothing was drafted"
+    if name == "self":
+        assert m.n_draft_accepted_total == m.n_draft_tokens_total
+    else:
+        assert m.n_draft_accepted_total < m.n_draft_tokens_total, "no draft token rejected"
+    check_all_draft_rows(s, model, draft, name)
+
+
+def test_a_slot_file_carries_the_recurrent_drafts_rows(model: Model, lfm2_draft: Model,
+                                                        spec_reference, tmp_path: Path) -> None:
+    """The slot file's draft appendix (SDFT) holds both groups of a recurrent draft's rows; a
+    restore brings them back bit for bit; a file whose draft part is cut short keeps the
+    target's state and computes the draft rows again, and the answer stays right."""
+    kw = dict(cache_ram_mib=0, n_parallel=1, slot_save_path=str(tmp_path))
+    s = spec_engine(model, lfm2_draft, "lfm2", **kw)
+    p = spec_prompts()[1]
+    assert drive(s, [draft_task(p)])[0] == spec_reference[tuple(p)]
+    n = len(s.slots[0].kv)
+    s.mem.slot_action(0, "save", "a.bin")
+    want = all_draft_rows(s, 0, n)
+    s.mem.slot_action(0, "erase", None)
+    assert s.mem.slot_action(0, "restore", "a.bin")["n_restored"] == n
+    assert s.slots[0].kv.n_draft == n
+    assert all(torch.equal(a, b) for a, b in zip(all_draft_rows(s, 0, n), want))
+    raw = (tmp_path / "a.bin").read_bytes()
+    at = raw.rindex(b"SDFT")
+    (tmp_path / "cut.bin").write_bytes(raw[: at + (len(raw) - at) * 3 // 4])
+    assert s.mem.slot_action(0, "restore", "cut.bin")["n_restored"] == n
+    assert s.slots[0].kv.n_draft == 0 and len(s.slots[0].kv) == n
+    assert drive(s, [draft_task(p)])[0] == spec_reference[tuple(p)]
+    assert s.slots[0].n_cached > 0
+    check_all_draft_rows(s, model, lfm2_draft, "lfm2")
 
 
 # -- 3. n_cmpl children ----------------------------------------------------------------------

@@ -7,6 +7,13 @@ llama.cpp does by hand for its second context at every call site): a shared pref
 draft rows (`seq_cp` in unified KV), a copy or a shift copies or re-rotates them (`KVPool` calls
 `copy_cells` / `rotate_cells`), a removed cell takes them with it. What cannot follow for free -
 whether the draft rows of a slot's tokens have been computed at all - `SlotKV.n_draft` tracks.
+
+A draft model with short-convolution layers (LFM2) keeps their input rows here too, one a cell
+(`conv`: a second group of one head of width n_embd / 2 for each half of a row, in the compute
+dtype), not only a window's: its state at any position a sequence holds is then its rows there,
+so a rolled-back draft, a restored prefix or a checkpoint restore of the target needs nothing
+else. These rows are never rotated: a context shift is refused for such a draft (its target
+must be recurrent too, and a recurrent target refuses the shift).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import torch
 
 from radixserve.memory.pool.pool import KVPool, KVTypes, Rotate, cell_bytes, rotate_rows, typed_rows
 from radixserve.memory.pool.state import Fingerprint
-from radixserve.memory.pool.kv_types import types_name
+from radixserve.memory.pool.kv_types import of_dtype, types_name
 from radixserve.memory.pool.rows import stored
 
 
@@ -31,19 +38,42 @@ class DraftRows:
         # a draft state of another draft model never loads (":draft": never a target's either)
         self.fp = Fingerprint(arch + ":draft", n_layer, n_head_kv, head_dim,
                               types_name(*self.types))
+        self.conv: DraftRows | None = None  # a recurrent draft's conv input rows (`add_conv`)
+
+    def add_conv(self, n_layer_conv: int, n_embd: int, arch: str) -> None:
+        """The conv input rows of a draft with `n_layer_conv` short-convolution layers of
+        width `n_embd`, exact (the compute dtype, whatever -ctkd / -ctvd say)."""
+        exact = (of_dtype(self.dtype), of_dtype(self.dtype))
+        self.conv = DraftRows(n_layer_conv, 1, n_embd // 2, self.k.shape[2], self.dtype,
+                              self.rotate, arch + ":conv", self.device, exact)
+
+    def parts(self) -> list[DraftRows]:
+        """The groups of rows a cell has: the attention layers', then the conv layers'."""
+        return [self] if self.conv is None else [self, self.conv]
 
     @property
     def bytes_per_cell(self) -> int:
-        return cell_bytes(self.n_layer, self.n_head_kv, self.head_dim, self.types)
+        return sum(cell_bytes(d.n_layer, d.n_head_kv, d.head_dim, d.types) for d in self.parts())
 
-    def write(self, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Draft rows [n_layer, n_head_kv, n, width] into cells `idx`."""
-        self.k[:, :, idx] = stored(k, self.k, self.device)
-        self.v[:, :, idx] = stored(v, self.v, self.device)
+    def gather(self, idx: torch.Tensor) -> list[torch.Tensor]:
+        """Every group's K and V rows of cells `idx` (new tensors), in `parts` order."""
+        return [t[:, :, idx] for d in self.parts() for t in (d.k, d.v)]
+
+    def write(self, idx: torch.Tensor, *rows: torch.Tensor) -> None:
+        """Rows [n_layer, n_head_kv, n, width] of every group (`gather`'s order) into cells
+        `idx`."""
+        parts = self.parts()
+        if len(rows) != 2 * len(parts):
+            raise ValueError(f"draft rows of {len(rows) // 2} groups for a draft of "
+                             f"{len(parts)}")
+        for i, d in enumerate(parts):
+            d.k[:, :, idx] = stored(rows[2 * i], d.k, d.device)
+            d.v[:, :, idx] = stored(rows[2 * i + 1], d.v, d.device)
 
     def copy_cells(self, si: torch.Tensor, di: torch.Tensor) -> None:
-        self.k[:, :, di] = self.k[:, :, si]
-        self.v[:, :, di] = self.v[:, :, si]
+        for d in self.parts():
+            d.k[:, :, di] = d.k[:, :, si]
+            d.v[:, :, di] = d.v[:, :, si]
 
     def rotate_cells(self, idx: torch.Tensor, delta: torch.Tensor) -> None:
         """Re-rotate K of cells whose position moved by `delta` (the draft's own RoPE)."""

@@ -142,8 +142,7 @@ class KVPool:
         draft model's, each as its cache type stores it (a float type unnamed)."""
         parts = [(self._row_layers(), self.n_head_kv, self.head_dim, self.types)]
         if self.draft is not None:
-            d = self.draft
-            parts.append((d.n_layer, d.n_head_kv, d.head_dim, d.types))
+            parts += [(d.n_layer, d.n_head_kv, d.head_dim, d.types) for d in self.draft.parts()]
         return [RowSpec(layers, heads, t.width(dim), t.storage, t.name if t.quantized else "")
                 for layers, heads, dim, types in parts for t in types]
 
@@ -203,7 +202,7 @@ class KVPool:
         idx = torch.tensor(self.cells_at(seq, positions), dtype=torch.long, device=self.device)
         rows = [t.contiguous() for t in self._gather(seq, positions, idx)]
         if self.draft is not None:
-            rows += [self.draft.k[:, :, idx], self.draft.v[:, :, idx]]
+            rows += self.draft.gather(idx)
         if self.device.type == "cpu":
             return rows  # advanced indexing already made fresh tensors
         # off a device pool the rows come to pageable host memory. Not pinned one allocation a
@@ -223,7 +222,7 @@ class KVPool:
         k, v, wk, wv, draft = self._split(rows)
         return Segment(list(range(pos0, pos0 + n)), k[:, :, :n], v[:, :, :n],
                        self._window(pos0, wk, wv, n, window_from),
-                       (draft[0][:, :, :n], draft[1][:, :, :n]) if draft else None)
+                       tuple(d[:, :, :n] for d in draft) if draft else None)
 
     def _window(self, pos0: int, k: torch.Tensor, v: torch.Tensor, n: int,
                 window_from: int) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:

@@ -38,13 +38,14 @@ class Segment:
     """K/V rows of one run of positions, in the pool's layout: `k`/`v` [n_layer, n_head_kv, n,
     head_dim] of the pool's own layers (a sliding-window pool's global ones) at `positions`;
     `swa` a sliding-window pool's sliding layers as (positions, k, v), only the window's
-    positions; `draft` a draft model's (k, v) at `positions`."""
+    positions; `draft` a draft model's rows at `positions`: (k, v) of each of its groups
+    (memory/pool/draft.py: its attention layers', then a recurrent draft's conv rows)."""
 
     positions: list[int]
     k: torch.Tensor
     v: torch.Tensor
     swa: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
-    draft: tuple[torch.Tensor, torch.Tensor] | None = None
+    draft: tuple[torch.Tensor, ...] | None = None
 
 
 def stored(rows: torch.Tensor, into: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -99,7 +99,8 @@ def draft_state_size(pool: KVPool, seq: int) -> int:
     if pool.draft is None:
         return 0
     n = pool.seq_len(seq)
-    return 4 + 4 + len(pool.draft.fp.pack()) + 4 + 4 * n + n * pool.draft.bytes_per_cell
+    return sum(4 + 4 + len(d.fp.pack()) + 4 + 4 * n for d in pool.draft.parts()) \
+        + n * pool.draft.bytes_per_cell
 
 
 def _rows_bytes(t: torch.Tensor) -> bytes:
@@ -121,9 +122,10 @@ def get_swa_state(pool: SWAPool, seq: int, fp: Fingerprint) -> bytes:
 
 
 def get_draft_state(pool: KVPool, seq: int) -> bytes:
-    """The draft model's rows of `seq`'s cells (memory/pool/draft.py), as a state of its own."""
+    """The draft model's rows of `seq`'s cells (memory/pool/draft.py), as a state of its own:
+    a block a group of rows (a recurrent draft's conv rows second)."""
     assert pool.draft is not None
-    return _get_block(pool, seq, pool.draft.fp, pool.draft)
+    return b"".join(_get_block(pool, seq, d.fp, d) for d in pool.draft.parts())
 
 
 def _get_block(pool: KVPool, seq: int, fp: Fingerprint, rows: Any = None,
@@ -257,37 +259,37 @@ def set_swa_state(pool: SWAPool, seq: int, data: bytes | memoryview, fp: Fingerp
     pool.swa.write_rows(seq, st.positions, st.k, st.v)
 
 
-def parse_draft_state(pool: KVPool, seq: int, data: bytes | memoryview) -> ParsedState:
-    """A draft state, checked against the draft rows' shape and against the cells `seq` holds
-    now (StateError unless it has rows for exactly their positions); touches nothing."""
-    return parse_draft_rows(pool, data, pool.seq_positions(seq))
-
-
-def parse_draft_rows(pool: KVPool, data: bytes | memoryview, positions: list[int]) -> ParsedState:
-    """A draft state, checked against the draft rows' shape and against the (ascending)
-    `positions` it must have rows for exactly (StateError); touches nothing."""
+def parse_draft_rows(pool: KVPool, data: bytes | memoryview,
+                     positions: list[int]) -> tuple[torch.Tensor, ...]:
+    """A draft state's rows (K and V of each of the draft's groups), checked against the
+    draft rows' shapes and against the (ascending) `positions` each group must have rows for
+    exactly (StateError); touches nothing."""
     assert pool.draft is not None
     r = _Reader(data)
-    st = _parse_block(r, pool.draft.fp, pool.draft.types)
+    rows: list[torch.Tensor] = []
+    for d in pool.draft.parts():
+        st = _parse_block(r, d.fp, d.types)
+        if st.positions != positions:
+            raise StateError(f"draft state of {len(st.positions)} positions does not fit the "
+                             f"sequence's {len(positions)}")
+        rows += [st.k, st.v]
     if r.off != len(r.data):
         raise StateError(f"draft state has {len(r.data) - r.off} trailing bytes")
-    if st.positions != positions:
-        raise StateError(f"draft state of {len(st.positions)} positions does not fit the "
-                         f"sequence's {len(positions)}")
-    return st
+    return tuple(rows)
+
+
+def parse_draft_state(pool: KVPool, seq: int,
+                      data: bytes | memoryview) -> tuple[torch.Tensor, ...]:
+    """A draft state's rows, checked as `parse_draft_rows` against the cells `seq` holds now
+    (StateError unless it has rows for exactly their positions); touches nothing."""
+    return parse_draft_rows(pool, data, pool.seq_positions(seq))
 
 
 def set_draft_state(pool: KVPool, seq: int, data: bytes | memoryview) -> None:
     """Write a draft state into the draft rows of `seq`'s cells (all checks first)."""
-    st = parse_draft_state(pool, seq, data)
-    write_draft_rows(pool, seq, st.positions, st.k, st.v)
-
-
-def write_draft_rows(pool: KVPool, seq: int, positions: list[int], k: torch.Tensor,
-                     v: torch.Tensor) -> None:
-    """Draft rows [n_layer, n_head_kv, n, head_dim] into the cells `seq` holds at `positions`."""
-    if not positions:
-        return
-    assert pool.draft is not None
-    idx = torch.tensor(pool.cells_at(seq, positions), dtype=torch.long, device=pool.device)
-    pool.draft.write(idx, k, v)
+    positions = pool.seq_positions(seq)
+    rows = parse_draft_rows(pool, data, positions)
+    if positions:
+        assert pool.draft is not None
+        idx = torch.tensor(pool.cells_at(seq, positions), dtype=torch.long, device=pool.device)
+        pool.draft.write(idx, *rows)

@@ -219,8 +219,7 @@ class LegacyPromptCache:
         """The entry's rows: one segment, its draft part with it or neither (StateError)."""
         draft = None
         if pool.draft is not None:
-            d = parse_draft_rows(pool, e.draft, sorted(st.positions))
-            draft = (d.k, d.v)
+            draft = parse_draft_rows(pool, e.draft, sorted(st.positions))
         swa = None if st.swa is None else (st.swa.positions, st.swa.k, st.swa.v)
         yield Segment(st.positions, st.k, st.v, swa, draft)
 
