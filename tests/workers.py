@@ -37,7 +37,7 @@ HEAVY: dict[str, float] = {
     "tests/http/test_api.py": 43,
     "tests/router/test_router_e2e.py": 43,
     "tests/engine/test_speculative.py": 39,
-    "tests/engine/test_lfm2_engine.py": 32,  # estimated from a quiet 2-core run of the file
+    "tests/engine/test_lfm2_engine.py": 34,  # a quiet 2-core run of the file alone
     "tests/model/test_lfm2.py": 30,  # estimated likewise
     "tests/engine/test_swa.py": 30,  # estimated: its tests run on a tiny LFM2 too
     "tests/http/test_radix_http.py": 34,

@@ -195,7 +195,7 @@ def test_a_recurrent_draft_for_an_attention_target_is_refused(model: Model, plai
 
 DRAFTS = {"self": dict(n_max=4), "lfm2": dict(n_max=3, n_min=2, p_min=0.5),
           "llama": dict(n_max=3)}
-SPEC_TIERS = {  # as tests/engine/test_speculative.py's TIERS
+DRAFT_TIERS = {  # as tests/engine/test_speculative.py's TIERS
     "in-slot": (dict(cache_ram_mib=0, n_parallel=2), {Source.OWN}),
     "legacy": (dict(cache_ram_mib=256, cache_radix_prompt=False, n_parallel=1), {Source.HOST}),
     # (a finished slot's window has moved past the document's end, so the tree serves it)
@@ -255,7 +255,7 @@ def spec_reference(ref: Ref) -> dict[tuple[int, ...], list[int]]:
             for p in spec_prompts()}
 
 
-@pytest.mark.parametrize("tier", list(SPEC_TIERS))
+@pytest.mark.parametrize("tier", list(DRAFT_TIERS))
 @pytest.mark.parametrize("name", list(DRAFTS))
 def test_a_draft_model_gives_the_answers_without_speculation(
         model: Model, lfm2_draft: Model, plain: Model, spec_reference, monkeypatch,
@@ -267,7 +267,7 @@ def test_a_draft_model_gives_the_answers_without_speculation(
     draft rows every slot holds (restored from a tier or computed, rolled back past rejected
     tokens) are the draft's own computation of its tokens, bit for bit."""
     draft = {"self": model, "lfm2": lfm2_draft, "llama": plain}[name]
-    kw, sources = SPEC_TIERS[tier]
+    kw, sources = DRAFT_TIERS[tier]
     rec = Recorder(monkeypatch)
     s = spec_engine(model, draft, name, **kw)
     prompts = spec_prompts()
