@@ -37,6 +37,7 @@ from radixserve.memory.tiers.disk_block import MAGIC, SUFFIX
 from radixserve.model.loader import Model, load_model
 from radixserve.sampling.chain import SamplingParams
 from tests.engine.test_deterministic import N_PREDICT, Recorder, drive, greedy, run_to_end
+from tests.engine.test_speculative import draft_rows, slot_file_round_trip
 from tests.engine.test_swa import DOCS, QS, P, Ref, edit, kv_rows, sched
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -227,13 +228,7 @@ def spec_engine(model: Model, draft: Model, name: str, **kw: Any) -> Scheduler:
                            ServerMetrics(), draft=draft)
 
 
-def all_draft_rows(s: Scheduler, seq: int, n: int) -> list[torch.Tensor]:
-    """Every group of the draft's rows of a sequence's first n positions (conv rows too)."""
-    assert s.pool.draft is not None
-    return s.pool.draft.gather(torch.tensor(s.pool.cells_at(seq, list(range(n)))))
-
-
-def check_all_draft_rows(s: Scheduler, model: Model, draft: Model, name: str) -> None:
+def check_draft_rows(s: Scheduler, model: Model, draft: Model, name: str) -> None:
     """Each slot's draft rows, attention and conv alike, equal the draft's own computation
     of the slot's tokens, bit for bit."""
     for slot in s.slots:
@@ -243,8 +238,8 @@ def check_all_draft_rows(s: Scheduler, model: Model, draft: Model, name: str) ->
         assert slot.kv.n_draft == n
         alone = spec_engine(model, draft, name, cache_ram_mib=0, n_parallel=1)
         drive(alone, [draft_task(slot.kv.tokens, cache_prompt=False, n_predict=0)])
-        want = all_draft_rows(alone, 0, n)
-        got = all_draft_rows(s, slot.id, n)
+        want = draft_rows(alone, 0, n)
+        got = draft_rows(s, slot.id, n)
         assert len(got) == (4 if draft.hp.recurrent else 2)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), f"slot {slot.id}"
 
@@ -284,7 +279,7 @@ def test_a_draft_model_gives_the_answers_without_speculation(
         assert m.n_draft_accepted_total == m.n_draft_tokens_total
     else:
         assert m.n_draft_accepted_total < m.n_draft_tokens_total, "no draft token rejected"
-    check_all_draft_rows(s, model, draft, name)
+    check_draft_rows(s, model, draft, name)
 
 
 def test_a_slot_file_carries_the_recurrent_drafts_rows(model: Model, lfm2_draft: Model,
@@ -296,13 +291,8 @@ def test_a_slot_file_carries_the_recurrent_drafts_rows(model: Model, lfm2_draft:
     s = spec_engine(model, lfm2_draft, "lfm2", **kw)
     p = spec_prompts()[1]
     assert drive(s, [draft_task(p)])[0] == spec_reference[tuple(p)]
-    n = len(s.slots[0].kv)
-    s.mem.slot_action(0, "save", "a.bin")
-    want = all_draft_rows(s, 0, n)
-    s.mem.slot_action(0, "erase", None)
-    assert s.mem.slot_action(0, "restore", "a.bin")["n_restored"] == n
-    assert s.slots[0].kv.n_draft == n
-    assert all(torch.equal(a, b) for a, b in zip(all_draft_rows(s, 0, n), want))
+    n = slot_file_round_trip(s)
+    assert len(draft_rows(s, 0, n)) == 4  # attention K/V, conv rows
     raw = (tmp_path / "a.bin").read_bytes()
     at = raw.rindex(b"SDFT")
     (tmp_path / "cut.bin").write_bytes(raw[: at + (len(raw) - at) * 3 // 4])
@@ -310,7 +300,7 @@ def test_a_slot_file_carries_the_recurrent_drafts_rows(model: Model, lfm2_draft:
     assert s.slots[0].kv.n_draft == 0 and len(s.slots[0].kv) == n
     assert drive(s, [draft_task(p)])[0] == spec_reference[tuple(p)]
     assert s.slots[0].n_cached > 0
-    check_all_draft_rows(s, model, lfm2_draft, "lfm2")
+    check_draft_rows(s, model, lfm2_draft, "lfm2")
 
 
 # -- 3. n_cmpl children ----------------------------------------------------------------------

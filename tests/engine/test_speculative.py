@@ -103,10 +103,24 @@ def draft_of(name: str | None, model: Model, tiny_draft: Model) -> Model | None:
     return {None: None, "self": model, "tiny": tiny_draft}[name]
 
 
-def draft_rows(s: Scheduler, seq: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_rows(s: Scheduler, seq: int, n: int) -> list[torch.Tensor]:
+    """Every group of the draft's rows of a sequence's first n positions (K and V; a
+    recurrent draft's conv rows after them)."""
     assert s.pool.draft is not None
-    idx = torch.tensor(s.pool.cells_at(seq, list(range(n))))
-    return s.pool.draft.k[:, :, idx], s.pool.draft.v[:, :, idx]
+    return s.pool.draft.gather(torch.tensor(s.pool.cells_at(seq, list(range(n)))))
+
+
+def slot_file_round_trip(s: Scheduler) -> int:
+    """Slot 0 saved to a file (a.bin in the slot save path), erased and restored: its draft
+    rows come back bit for bit, all of them marked computed. Returns the slot's length."""
+    n = len(s.slots[0].kv)
+    s.mem.slot_action(0, "save", "a.bin")
+    want = draft_rows(s, 0, n)
+    s.mem.slot_action(0, "erase", None)
+    assert s.mem.slot_action(0, "restore", "a.bin")["n_restored"] == n
+    assert s.slots[0].kv.n_draft == n
+    assert all(torch.equal(a, b) for a, b in zip(draft_rows(s, 0, n), want))
+    return n
 
 
 def fresh_draft_rows(model: Model, draft: Model, tokens: list[int]
@@ -208,13 +222,7 @@ def test_slot_file_sdft_round_trip_and_bad_appendix(model, tiny_draft, prompts, 
     s = spec_sched(model, model, spec, **kw)
     p = prompts[1]
     assert drive(s, [task(p)])[0] == reference[tuple(p)]
-    n = len(s.slots[0].kv)
-    s.mem.slot_action(0, "save", "a.bin")
-    want_rows = draft_rows(s, 0, n)
-    s.mem.slot_action(0, "erase", None)
-    assert s.mem.slot_action(0, "restore", "a.bin")["n_restored"] == n
-    assert s.slots[0].kv.n_draft == n
-    assert all(torch.equal(a, b) for a, b in zip(draft_rows(s, 0, n), want_rows))
+    n = slot_file_round_trip(s)
     # a truncated SDFT: the main part and its tokens stay, the draft rows are dropped
     raw = (tmp_path / "a.bin").read_bytes()
     at = raw.rindex(b"SDFT")
