@@ -194,3 +194,26 @@ def test_the_c_conv_step_gives_the_torch_paths_bits(kern, threads, n_tok: int) -
         kern.short_conv(bcx.float(), k0[1, 0], v0[1, 0], new, reads, w)
     with pytest.raises(ValueError, match="short_conv kernel"):
         kern.short_conv(bcx, k0[1, 0], v0[1, 0], new.int(), reads, w)
+
+
+def test_a_plan_reads_the_cells_of_the_positions_before_each_token() -> None:
+    """ShortConv.plan looks for a step's rows among the view's last positions first (a window,
+    or a draft's view of the whole sequence) and in the whole view when they are not there
+    (cells held past the new tokens): either way each output reads the cells of positions
+    p - L + 1 .. p, -1 before position 0; a position the view lacks is an error."""
+    from types import SimpleNamespace as NS
+
+    hp = NS(n_embd=8, l_cache=3)
+    k = v = torch.zeros(1, 1, 32, 4, dtype=torch.bfloat16)
+    cells = torch.tensor([20 + p for p in range(10)])  # positions 0..9 at cells 20..29
+
+    def step(pos0: int, n: int, view: slice | torch.Tensor, positions: list[int]) -> NS:
+        return NS(pos0=pos0, tokens=[0] * n, swa=NS(cells=[20 + pos0 + i for i in range(n)],
+                                                      kv_cells=view, kv_positions=positions))
+
+    at_end = ShortConv.plan(hp, [step(8, 2, cells, list(range(10)))], k, v)
+    assert at_end.reads.tolist() == [26, 27, 28, 27, 28, 29] and at_end.new.tolist() == [28, 29]
+    inside = ShortConv.plan(hp, [step(1, 2, slice(20, 30), list(range(10)))], k, v)
+    assert inside.reads.tolist() == [-1, 20, 21, 20, 21, 22]
+    with pytest.raises(ValueError, match="holds no input row at position 3"):
+        ShortConv.plan(hp, [step(5, 1, cells[5:], list(range(5, 10)))], k, v)

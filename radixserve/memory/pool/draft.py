@@ -43,6 +43,8 @@ class DraftRows:
     def add_conv(self, n_layer_conv: int, n_embd: int, arch: str) -> None:
         """The conv input rows of a draft with `n_layer_conv` short-convolution layers of
         width `n_embd`, exact (the compute dtype, whatever -ctkd / -ctvd say)."""
+        if n_embd % 2:
+            raise ValueError(f"a short convolution of odd width {n_embd}")
         exact = (of_dtype(self.dtype), of_dtype(self.dtype))
         self.conv = DraftRows(n_layer_conv, 1, n_embd // 2, self.k.shape[2], self.dtype,
                               self.rotate, arch + ":conv", self.device, exact)
