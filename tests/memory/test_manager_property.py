@@ -1,7 +1,7 @@
 """Random admit / compute / release / fail / restore sequences through the memory manager alone
 (hypothesis, stateful), for every host backend (none, legacy, radix, radix over a disk tier) and
-every layout (full attention, sliding window, full attention with a draft model's rows), in
-unified and partitioned KV.
+every layout (full attention, sliding window, full attention with a recurrent draft model's
+rows: its K/V and its conv input rows), in unified and partitioned KV.
 
 No model runs: the "forward" writes into each reserved cell rows that name their token and
 position (`row_of`), as a model's K/V are a function of the tokens up to there. So after every
@@ -117,9 +117,10 @@ def sync_draft(kv: SlotKV) -> None:
     n = len(kv)
     positions = list(range(kv.n_draft, n))
     for c, p in zip(pool.cells_at(kv.seq, positions), positions):
-        for layer in range(pool.draft.n_layer):
-            pool.draft.k[layer, :, c] = row_of(kv.tokens[p], p, layer, draft=True)
-            pool.draft.v[layer, :, c] = -row_of(kv.tokens[p], p, layer, draft=True)
+        for tag, d in enumerate(pool.draft.parts()):  # its K/V, then its conv rows
+            for layer in range(d.n_layer):
+                d.k[layer, :, c] = row_of(kv.tokens[p], p, layer + 100 * tag, draft=True)
+                d.v[layer, :, c] = -row_of(kv.tokens[p], p, layer + 100 * tag, draft=True)
     kv.n_draft = n
 
 
@@ -140,7 +141,8 @@ class MemoryMachine(RuleBasedStateMachine):
         pool = make_pool(N_LAYER, swa, N_SWA, False, HEADS, DIM, 192, N_SLOTS, unified,
                          torch.float32, no_rotate, no_rotate, 16)
         if layout == "draft":
-            attach_draft(pool, 1, HEADS, DIM, torch.float32, no_rotate, "fake")
+            attach_draft(pool, 1, HEADS, DIM, torch.float32, no_rotate, "fake").add_conv(
+                2, 2 * DIM, "fake")
         fp = fingerprint_of(pool, "llama")
         n_ckpt = 3 if layout == "sliding" else 0
         n_ctx = 192 if unified else 192 // N_SLOTS
@@ -332,8 +334,13 @@ class MemoryMachine(RuleBasedStateMachine):
             if pool.draft is not None and not s.is_processing:
                 n = min(s.kv.n_draft, len(toks))
                 cells = pool.cells_at(seq, list(range(n)))
-                want = torch.tensor([row_of(toks[p], p, 0, draft=True) for p in range(n)])
-                assert torch.equal(pool.draft.k[0, 0, cells, 0] if n else want, want)
+                for tag, d in enumerate(pool.draft.parts()):
+                    assert len(pool.draft.parts()) == 2  # K/V and conv rows
+                    for layer in range(d.n_layer):
+                        want = torch.tensor([row_of(toks[p], p, layer + 100 * tag, draft=True)
+                                             for p in range(n)])
+                        assert torch.equal(d.k[layer, 0, cells, 0] if n else want, want)
+                        assert torch.equal(d.v[layer, 0, cells, 0] if n else want, -want)
 
 
 @pytest.mark.parametrize("backend", ["none", "legacy", "radix", "radix-disk"])
