@@ -37,7 +37,8 @@ from radixserve.memory.tiers.disk_block import MAGIC, SUFFIX
 from radixserve.model.loader import Model, load_model
 from radixserve.sampling.chain import SamplingParams
 from tests.engine.test_deterministic import N_PREDICT, Recorder, drive, greedy, run_to_end
-from tests.engine.test_speculative import draft_rows, slot_file_round_trip
+from tests.engine.test_speculative import (TIERS, check_draft_kv, draft_rows,
+                                           slot_file_round_trip, spec_sched)
 from tests.engine.test_swa import DOCS, QS, P, Ref, edit, kv_rows, sched
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -196,13 +197,9 @@ def test_a_recurrent_draft_for_an_attention_target_is_refused(model: Model, plai
 
 DRAFTS = {"self": dict(n_max=4), "lfm2": dict(n_max=3, n_min=2, p_min=0.5),
           "llama": dict(n_max=3)}
-DRAFT_TIERS = {  # as tests/engine/test_speculative.py's TIERS
-    "in-slot": (dict(cache_ram_mib=0, n_parallel=2), {Source.OWN}),
-    "legacy": (dict(cache_ram_mib=256, cache_radix_prompt=False, n_parallel=1), {Source.HOST}),
-    # (a finished slot's window has moved past the document's end, so the tree serves it)
-    "radix-shared": (dict(cache_ram_mib=256, n_parallel=4, kv_unified=True), {Source.HOST}),
-}
-
+# as tests/engine/test_speculative.py's, but a finished slot's window has moved past the
+# document's end, so the tree serves it where the attention model shares another slot's cells
+DRAFT_TIERS = TIERS | {"radix-shared": (TIERS["radix-shared"][0], {Source.HOST})}
 
 def spec_prompts() -> list[list[int]]:
     """Two documents, two requests each (the second reuses its document from some tier)."""
@@ -223,25 +220,8 @@ def draft_task(p: list[int], **kw: Any) -> CompletionTask:
 
 
 def spec_engine(model: Model, draft: Model, name: str, **kw: Any) -> Scheduler:
-    spec = SpecConfig(types=["draft-simple"], draft_model=draft.path, **DRAFTS[name])
-    return build_scheduler(model, ServerConfig(**(dict(ctx_size=2048) | kw), spec=spec),
-                           ServerMetrics(), draft=draft)
-
-
-def check_draft_rows(s: Scheduler, model: Model, draft: Model, name: str) -> None:
-    """Each slot's draft rows, attention and conv alike, equal the draft's own computation
-    of the slot's tokens, bit for bit."""
-    for slot in s.slots:
-        n = len(slot.kv)
-        if not n:
-            continue
-        assert slot.kv.n_draft == n
-        alone = spec_engine(model, draft, name, cache_ram_mib=0, n_parallel=1)
-        drive(alone, [draft_task(slot.kv.tokens, cache_prompt=False, n_predict=0)])
-        want = draft_rows(alone, 0, n)
-        got = draft_rows(s, slot.id, n)
-        assert len(got) == (4 if draft.hp.recurrent else 2)
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"slot {slot.id}"
+    return spec_sched(model, draft, dict(types=["draft-simple"], draft_model=draft.path,
+                                         **DRAFTS[name]), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +250,8 @@ def test_a_draft_model_gives_the_answers_without_speculation(
     for i in (1, 3):  # each document again, its prefix from a tier: the rows checked at once
         s.check()
         outs += drive(s, [draft_task(prompts[i])])
-        check_draft_rows(s, model, draft, name)
+        check_draft_kv(s, model, draft)
+    assert len(s.pool.draft.parts()) == (2 if draft.hp.recurrent else 1)  # conv rows too
     assert outs == [spec_reference[tuple(prompts[i])] for i in (0, 2, 1, 3)]
     used = {p.source for p in rec.plans if p.n_prefix}
     assert sources <= used, f"{tier}: prefixes came from {used}"
@@ -300,7 +281,7 @@ def test_a_slot_file_carries_the_recurrent_drafts_rows(model: Model, lfm2_draft:
     assert s.slots[0].kv.n_draft == 0 and len(s.slots[0].kv) == n
     assert drive(s, [draft_task(p)])[0] == spec_reference[tuple(p)]
     assert s.slots[0].n_cached > 0
-    check_draft_rows(s, model, lfm2_draft, "lfm2")
+    check_draft_kv(s, model, lfm2_draft)
 
 
 # -- 3. n_cmpl children ----------------------------------------------------------------------

@@ -127,8 +127,7 @@ def slot_file_round_trip(s: Scheduler) -> int:
     return n
 
 
-def fresh_draft_rows(model: Model, draft: Model, tokens: list[int]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def fresh_draft_rows(model: Model, draft: Model, tokens: list[int]) -> list[torch.Tensor]:
     """The draft model's rows of `tokens` computed alone (a prompt, nothing generated)."""
     s = spec_sched(model, draft, SPECS["draft-self"][0], cache_ram_mib=0, n_parallel=1)
     drive(s, [CompletionTask(list(tokens), SamplingParams(temperature=0), n_predict=0,
