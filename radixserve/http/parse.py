@@ -88,6 +88,9 @@ class ParsedRequest:
     chat_output: OutputFormat | None = None
     # the server's speculative settings: what `params` reports for a task whose `spec` is None
     server_spec: SpecConfig = field(default_factory=SpecConfig)
+    # what an API other than llama-server's and OpenAI chat's keeps from its request for its
+    # answers (an Anthropic message's model name, a stored response's conversation)
+    origin: Any = None
 
     def __post_init__(self) -> None:
         if not self.tasks:

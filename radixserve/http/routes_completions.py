@@ -8,6 +8,7 @@ Parsing and tokenizing run in a worker thread (long prompts must not stall the e
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -24,33 +25,48 @@ from radixserve.http.responses import (
     random_id,
     text_completion_json,
 )
-from radixserve.http.sse import ChatStream, NativeStream, TextStream
+from radixserve.http.sse import ChatStream, NativeStream, StreamFormatter, TextStream
 from radixserve.http.state import AppState
 from radixserve.http.streaming import collect_all, stream_all
 
-# endpoint kind -> (parser, non-stream body, stream formatter, id prefix)
-_KINDS: dict[str, tuple[Callable, Callable, type, str]] = {
-    "native": (parse_completion, completion_json, NativeStream, ""),
-    "text": (parse_completion, text_completion_json, TextStream, "cmpl-"),
-    "chat": (parse_chat, chat_completion_json, ChatStream, "chatcmpl-"),
+Parser = Callable[[Any, ParseContext], ParsedRequest]
+
+
+@dataclass(frozen=True, slots=True)
+class ApiShape:
+    """One completion API: how its body becomes tasks (`parse`), its non-streamed answer
+    (`build(final, req, ctx)`), its stream (`stream(req, ctx)`, a formatter) and its ids'
+    prefix. llama-server's and OpenAI's are `KINDS`; other APIs bring their own."""
+
+    parse: Parser
+    build: Callable[..., Any]
+    stream: Callable[..., StreamFormatter]
+    prefix: str
+
+
+KINDS: dict[str, ApiShape] = {
+    "native": ApiShape(parse_completion, completion_json, NativeStream, ""),
+    "text": ApiShape(parse_completion, text_completion_json, TextStream, "cmpl-"),
+    "chat": ApiShape(parse_chat, chat_completion_json, ChatStream, "chatcmpl-"),
 }
 
-
-Parser = Callable[[Any, ParseContext], ParsedRequest]
-Completer = Callable[[Request, str, Parser | None], Awaitable[Response]]
+Completer = Callable[[Request, "str | ApiShape", Parser | None], Awaitable[Response]]
 
 
 def completion_handler(state: AppState) -> Completer:
-    """`complete(request, kind, parse=None)`: a completion of `kind` (native, text, chat),
-    its body parsed by `parse` (None: the kind's parser; /infill brings its own)."""
+    """`complete(request, kind, parse=None)`: a completion of `kind` (native, text, chat, or
+    an `ApiShape`), its body parsed by `parse` (None: the kind's parser; /infill brings its
+    own)."""
     def ping_s(req: ParsedRequest) -> int:
         """Seconds of silence before an SSE ping: the request's, else --sse-ping-interval."""
         return state.cfg.sse_ping_interval if req.sse_ping_interval is None \
             else req.sse_ping_interval
 
-    async def complete(request: Request, kind: str, parse: Parser | None = None) -> Response:
-        default_parse, build, formatter, prefix = _KINDS[kind]
-        parse = parse or default_parse
+    async def complete(request: Request, kind: str | ApiShape,
+                       parse: Parser | None = None) -> Response:
+        api = KINDS[kind] if isinstance(kind, str) else kind
+        build, formatter, prefix = api.build, api.stream, api.prefix
+        parse = parse or api.parse
         body = await read_json(request)
         req = await run_in_threadpool(parse, body, state.parse_ctx)  # tokenizing off the loop
         e = state.eng

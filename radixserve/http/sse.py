@@ -66,9 +66,18 @@ def sse_error(err: TaskError) -> bytes:
 
 
 class StreamFormatter:
-    """Base: track what was sent; subclasses shape chunks. `done` ends OpenAI streams."""
+    """Base: track what was sent; subclasses shape chunks. `done` ends OpenAI streams.
+    `frame` and `error` write the wire form: llama-server's `data:` events here; an API with
+    named events (Anthropic's, OpenAI Responses') frames its own."""
 
     done: bytes | None = None
+
+    def frame(self, chunk: dict[str, Any]) -> bytes:
+        return sse_event(chunk)
+
+    def error(self, err: TaskError) -> bytes:
+        """An error after the stream started, as this API sends one."""
+        return sse_error(err)
 
     def __init__(self, req: ParsedRequest, ctx: ResponseContext) -> None:
         self.req, self.ctx = req, ctx
@@ -84,7 +93,7 @@ class StreamFormatter:
     def partial_bytes(self, p: PartialResult) -> bytes:
         """The SSE events of `partial(p)`, framed; plain text chunks from the template."""
         if p.probs or p.timings is not None or not self._plain():
-            return b"".join(sse_event(c) for c in self.partial(p))
+            return b"".join(self.frame(c) for c in self.partial(p))
         self.n_tokens += len(p.tokens)
         if not p.text:
             return b""

@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 from radixserve.engine.task import FinalResult, PartialResult
 from radixserve.errors import TaskError
 from radixserve.http.errors import ClientDisconnected
-from radixserve.http.sse import StreamFormatter, sse_error, sse_event
+from radixserve.http.sse import StreamFormatter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -207,16 +207,16 @@ async def stream_all(request: Request, streams: Sequence[TaskStreamLike],
             while True:
                 i, res = item
                 if isinstance(res, TaskError):
-                    yield sse_error(res)
+                    yield fmts[0].error(res)
                     return
                 fmt = fmts[i]
                 head = b""
                 if i not in started:
                     started.add(i)
-                    head = _events(fmt.start())
+                    head = _events(fmt, fmt.start())
                 if isinstance(res, FinalResult):
                     n_final += 1
-                    body = _events(fmt.final(res))
+                    body = _events(fmt, fmt.final(res))
                 else:
                     body = fmt.partial_bytes(res)
                 if n_final == len(fmts):
@@ -229,15 +229,15 @@ async def stream_all(request: Request, streams: Sequence[TaskStreamLike],
                 item = got
         except Exception as e:  # noqa: BLE001 - never leave tasks running or hang up silently
             log.exception("streaming failed")
-            yield sse_error(TaskError(500, "server_error", f"{type(e).__name__}: {e}"))
+            yield fmts[0].error(TaskError(500, "server_error", f"{type(e).__name__}: {e}"))
         finally:
             gs.close()
 
     return GuardedStreamingResponse(events(), gs)
 
 
-def _events(chunks: list[dict[str, Any]]) -> bytes:
-    return b"".join(sse_event(c) for c in chunks)
+def _events(fmt: StreamFormatter, chunks: list[dict[str, Any]]) -> bytes:
+    return b"".join(fmt.frame(c) for c in chunks)
 
 
 async def _stream_one(request: Request, stream: TaskStreamLike, fmt: StreamFormatter,
@@ -252,7 +252,7 @@ async def _stream_one(request: Request, stream: TaskStreamLike, fmt: StreamForma
 
     async def events() -> AsyncIterator[bytes]:
         try:
-            head, res = _events(fmt.start()), first
+            head, res = _events(fmt, fmt.start()), first
             while not isinstance(res, FinalResult):
                 body = head + fmt.partial_bytes(res)
                 if body:
@@ -261,12 +261,12 @@ async def _stream_one(request: Request, stream: TaskStreamLike, fmt: StreamForma
                 while (got := await _next_or_ping(g.next, ping_s)) is None:
                     yield SSE_PING  # --sse-ping-interval: a ping per silence that long
                 res = got
-            yield head + _events(fmt.final(res)) + (fmt.done or b"")
+            yield head + _events(fmt, fmt.final(res)) + (fmt.done or b"")
         except TaskError as e:
-            yield sse_error(e)
+            yield fmt.error(e)
         except Exception as e:  # noqa: BLE001 - never leave the task running or hang up silently
             log.exception("streaming failed")
-            yield sse_error(TaskError(500, "server_error", f"{type(e).__name__}: {e}"))
+            yield fmt.error(TaskError(500, "server_error", f"{type(e).__name__}: {e}"))
         finally:
             g.close()
 
