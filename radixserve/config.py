@@ -98,6 +98,8 @@ class ServerConfig:
     batch_size: int = 2048
     ubatch_size: int = 512
     slot_prompt_similarity: float = 0.10
+    # --sleep-idle-seconds: idle seconds before the model and device KV are released (-1: never)
+    sleep_idle_seconds: int = -1
     cache_reuse: int = 0
     cache_prompt: bool = True
     slots_endpoint: bool = True
@@ -222,6 +224,8 @@ class ServerConfig:
         if not 1 <= self.cache_disk_block <= 8192:
             raise ValueError(f"--cache-disk-block must be within [1, 8192], got "
                              f"{self.cache_disk_block}")
+        if self.sleep_idle_seconds == 0 or self.sleep_idle_seconds < -1:
+            raise ValueError("--sleep-idle-seconds: invalid value: cannot be 0 or less than -1")
         if self.timeout < 1:
             raise ValueError(f"--timeout must be >= 1 second, got {self.timeout}")
         if self.max_body_mib < 1:
@@ -233,9 +237,12 @@ class ServerConfig:
                 raise ValueError(f"SSL file not found: {path!r}")
         if self.static_path and not os.path.isdir(self.static_path):
             raise ValueError(f"--path: not a directory: {self.static_path!r}")
-        if not 1 <= self.port <= 65535 and not all(
-                h.strip().endswith(".sock") for h in self.host.split(",")):
-            raise ValueError(f"--port must be within 1..65535, got {self.port}")
+        tcp_hosts = [h for h in self.host.split(",") if h.strip() and
+                     not h.strip().endswith(".sock")]
+        if not 0 <= self.port <= 65535 and tcp_hosts:  # 0: a free port (llama-server)
+            raise ValueError(f"--port must be within 0..65535, got {self.port}")
+        if self.port == 0 and len(tcp_hosts) > 1:
+            raise ValueError("--port 0 is not supported with multiple TCP addresses")
         self.spec.validate()
         if self.cache_ram_mib < -1:
             raise ValueError("--cache-ram must be -1 (no limit), 0 (off) or a size in MiB")
@@ -275,6 +282,7 @@ class RequestDefaults:
     skip_chat_parsing: bool  # --skip-chat-parsing: replies stay plain content
     spec: SpecConfig  # --spec-*: speculative decoding
     can_pin: bool  # `prompt_cache_retention` other than in_memory can be honored
+    verbose: bool  # -v (verbosity above 9, as llama-server): answers carry `__verbose`
 
     @classmethod
     def from_config(cls, cfg: ServerConfig | None = None) -> RequestDefaults:
@@ -296,5 +304,6 @@ class RequestDefaults:
             skip_chat_parsing=cfg.skip_chat_parsing,
             spec=cfg.spec,
             can_pin=cfg.can_pin,
+            verbose=cfg.log_verbosity > 9,
         )
 

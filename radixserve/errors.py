@@ -4,6 +4,7 @@ the memory's slot files) and turned into the response by http/errors.py."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -21,6 +22,19 @@ class TaskError(Exception):
 
 def invalid_request(message: str) -> TaskError:
     return TaskError(400, "invalid_request_error", message)
+
+
+def bad_field(where: str, message: str) -> TaskError:
+    """A 400 naming the field: `Field 'where': message`."""
+    return invalid_request(f"Field '{where}': {message}")
+
+
+def show(v: Any) -> str:
+    """A value as an error message quotes it: its JSON (else its repr), cut short."""
+    try:
+        return json.dumps(v)[:80]
+    except (TypeError, ValueError):
+        return repr(v)[:80]
 
 
 def not_supported(message: str) -> TaskError:

@@ -36,6 +36,7 @@ SLOW_FILES: dict[str, str] = {
     "tests/engine/test_reuse.py": "default-model generation",
     "tests/engine/test_swa.py": "Gemma 3 generation",
     "tests/http/test_api.py": "server processes",
+    "tests/http/test_port_zero_wire.py": "a server process",
     "tests/http/test_cache_salt_http.py": "default-model generation",
     "tests/http/test_constrained.py": "server processes",
     "tests/http/test_embeddings.py": "default-model embeddings (its forward) and HF's",
@@ -90,6 +91,31 @@ SLOW_TESTS: dict[str, str] = {
         "transformers' reference of each architecture (~10 s each)",
     "tests/model/test_i8_tiles.py::test_loader_runs_them_packed_only_with_avx512bf16":
         "loads Gemma 3 (~11 s)",
+    # a module's shared server process (started by a session fixture: the guard's hook
+    # `pytest_runtest_setup` catches those too)
+    **{f"tests/http/test_errors.py::{name}": "a server process" for name in (
+        "test_api_key", "test_bad_requests", "test_bodies_json_decodes_badly_are_400",
+        "test_huge_max_tokens_stops_at_the_context",
+        "test_prompt_longer_than_context_names_both_numbers",
+        "test_server_still_serves_after_errors",
+        "test_surrogate_pairs_and_moderate_nesting_are_fine", "test_unknown_route_is_404")},
+    **{f"tests/http/test_tools.py::{name}": "the default model's server process" for name in (
+        "test_agent_loop", "test_bad_requests_leave_the_server_serving",
+        "test_hermes_template_call", "test_reasoning_split",
+        "test_streamed_call_equals_the_non_streamed_one",
+        "test_tool_choice_none_named_and_parallel")},
+    # the official SDKs against a real server (the module's shared one)
+    **{f"tests/http/test_messages.py::{name}": "a server process" for name in (
+        "test_a_message_streamed_and_not", "test_a_forced_tool_call_its_result_and_the_answer",
+        "test_stop_sequences", "test_count_tokens_is_the_completion_s_prompt",
+        "test_cache_fields_are_the_server_s_timings",
+        "test_a_cache_control_pin_survives_an_eviction_that_takes_an_unpinned_prefix",
+        "test_bad_requests_in_anthropic_s_shape")},
+    **{f"tests/http/test_responses_api.py::{name}": "a server process" for name in (
+        "test_create_streamed_and_not", "test_input_tokens_counts_the_prompt",
+        "test_forced_function_call_then_its_output", "test_json_schema_text_format",
+        "test_previous_response_chain_computes_only_new_tokens",
+        "test_retrieve_delete_and_namespaces", "test_bad_input_is_a_400_in_openai_shape")},
 }
 
 # `radixserve` sub-commands that run a model however they are called (`serve` and `cluster`
@@ -111,6 +137,7 @@ def slow_reason(item: pytest.Item) -> str | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _guard_shared_servers()
     config.addinivalue_line(
         "markers", "slow: needs a server process, Ray, a browser or a default-model generation "
         "loop, or takes minutes (tests/tiers.py); left out of `./scripts/test.sh fast`")
@@ -142,6 +169,37 @@ def _running_argv(args: Any) -> str | None:
     if any("playwright" in a for a in argv):
         return "a browser (Playwright's driver)"
     return None
+
+
+_SETTING_UP_FAST: list[bool] = [False]  # a fast-tier test is being set up or run
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before any of the test's fixtures: a server a session- or module-scoped fixture starts
+    for it is started on its account (the guard below patches too late for those)."""
+    _SETTING_UP_FAST[0] = item.get_closest_marker("slow") is None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    _SETTING_UP_FAST[0] = False  # a shared server stopping at the session's end is no test's
+
+
+def _guard_shared_servers() -> None:
+    from radixserve.server_proc import ServerProcess
+
+    enter = ServerProcess.__enter__
+    if getattr(enter, "tier_guarded", False):
+        return
+
+    def guarded(self: ServerProcess) -> ServerProcess:
+        if _SETTING_UP_FAST[0]:
+            _refuse(f"a `radixserve {self.command[0]}` server process (a shared fixture's)")
+        return enter(self)
+
+    guarded.tier_guarded = True  # type: ignore[attr-defined]
+    ServerProcess.__enter__ = guarded  # type: ignore[method-assign]
 
 
 @pytest.fixture(autouse=True)

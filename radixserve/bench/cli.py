@@ -25,7 +25,7 @@ from pathlib import Path
 from radixserve.bench.modes import DEFAULT_MODES, MODES, Mode, external_modes, parse_modes
 from radixserve.bench.report import write_report
 from radixserve.bench.runner import BenchOptions, check_restart, run_all
-from radixserve.bench.scenarios import load_scenario, scenario_names
+from radixserve.bench.scenarios import APIS, load_scenario, scenario_names
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "generated rather than the reply re-tokenized (they differ for "
                          "random-weight models); a counting run: the whole distribution each "
                          "token costs decode time")
+    ap.add_argument("--api", choices=APIS, default=None,
+                    help="send every request through this API: chat (OpenAI chat "
+                         "completions, the default), messages (Anthropic's /v1/messages) or "
+                         "responses (OpenAI's /v1/responses, later turns chained by "
+                         "previous_response_id)")
     return ap
 
 
@@ -109,6 +114,8 @@ def main(argv: list[str]) -> int:
                        extra_server_args=unknown + forwarded)
     try:
         scenarios = [load_scenario(n) for n in names]
+        if a.api is not None:
+            scenarios = [dataclasses.replace(s, api=a.api) for s in scenarios]
         if a.reply_ids:
             scenarios = [dataclasses.replace(s, request_fields={**s.request_fields,
                                                                 "logprobs": True})

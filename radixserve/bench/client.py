@@ -1,9 +1,12 @@
-"""The benchmark client: closed-loop workers streaming OpenAI chat completions over HTTP.
+"""The benchmark client: closed-loop workers streaming completions over HTTP.
 
-It speaks only the OpenAI API (plus llama-server's optional `cache_prompt`/`ignore_eos` body
-fields and `timings` in the last chunk), so the same client measures radixserve and any other
-OpenAI-compatible server. TTFT is measured here, on the client: request sent -> first chunk that
-carries generated text (the chat role chunk does not count: servers send it before prefill).
+It speaks OpenAI chat completions (plus llama-server's optional `cache_prompt`/`ignore_eos`
+body fields and `timings` in the last chunk), so the same client measures radixserve and any
+other OpenAI-compatible server; or, as a scenario's `api` says, Anthropic's messages API or
+OpenAI's responses API, each conversation's later turns chained by `previous_response_id`
+(sending only the new message). TTFT is measured here, on the client: request sent -> first
+event that carries generated text (a chat role chunk does not count: servers send it before
+prefill).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class RequestOptions:
     cache_prompt: bool = True  # false: the server must not reuse any prompt KV (strict no-cache)
     model: str = "bench"
     fields: dict[str, Any] = field(default_factory=dict)  # the scenario's request_fields
+    api: str = "chat"  # scenarios.APIS
 
 
 def chat_body(messages: list[dict[str, str]], opt: RequestOptions) -> dict[str, Any]:
@@ -104,20 +108,113 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     return "".join(text)
 
 
+async def _events(r: httpx.Response) -> Any:
+    """(event name, data) of a named-event SSE stream (Anthropic's, OpenAI responses')."""
+    name = ""
+    async for line in r.aiter_lines():
+        if line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            yield name, json.loads(line[5:].strip())
+
+
+def _text_piece(rec: RequestRecord, text: list[str], piece: Any, t0: float) -> None:
+    if isinstance(piece, str) and piece:
+        if rec.ttft_s is None:
+            rec.ttft_s = time.perf_counter() - t0
+        text.append(piece)
+
+
+def _fail(rec: RequestRecord, r: httpx.Response, body: bytes) -> None:
+    rec.error = f"HTTP {r.status_code}: {body.decode(errors='replace')[:200]}"
+
+
+async def stream_messages(client: httpx.AsyncClient, url: str, messages: Messages,
+                          opt: RequestOptions, rec: RequestRecord, t0: float) -> str:
+    """One streamed Anthropic message: the system prompt apart, the counts from `usage`
+    (input_tokens excludes what a cache read or wrote, as Anthropic counts)."""
+    system = "".join(m["content"] for m in messages if m["role"] == "system")
+    body = {"model": opt.model, "max_tokens": opt.n_predict, "temperature": 0.0, "stream": True,
+            "messages": [m for m in messages if m["role"] != "system"], **opt.fields}
+    if system:
+        body["system"] = system
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    async with client.stream("POST", url + "/v1/messages", json=body) as r:
+        if r.status_code != 200:
+            _fail(rec, r, await r.aread())
+            return ""
+        async for name, data in _events(r):
+            if name == "error":
+                rec.error = str(data.get("error"))[:200]
+                break
+            if name == "message_start":
+                usage.update(data["message"].get("usage") or {})
+            elif name == "message_delta":
+                usage.update(data.get("usage") or {})
+            elif name == "content_block_delta":
+                _text_piece(rec, text, data["delta"].get("text"), t0)
+    read, made = usage.get("cache_read_input_tokens") or 0, usage.get("cache_creation_input_tokens")
+    rec.cache_n = read
+    rec.prompt_n = (usage.get("input_tokens") or 0) + (made or 0)
+    rec.predicted_n = usage.get("output_tokens")
+    return "".join(text)
+
+
+async def stream_response(client: httpx.AsyncClient, url: str, messages: Messages,
+                          prev_id: str | None, opt: RequestOptions, rec: RequestRecord,
+                          t0: float) -> tuple[str, str | None]:
+    """One streamed OpenAI response: after the first turn only the new message, chained to
+    the conversation the server stored by `previous_response_id`. Returns (text, its id)."""
+    body: dict[str, Any] = {"model": opt.model, "max_output_tokens": opt.n_predict,
+                            "temperature": 0.0, "stream": True, **opt.fields}
+    if prev_id is None:
+        body["input"] = messages
+    else:
+        body["input"], body["previous_response_id"] = messages[-1:], prev_id
+    text: list[str] = []
+    done: dict[str, Any] = {}
+    async with client.stream("POST", url + "/v1/responses", json=body) as r:
+        if r.status_code != 200:
+            _fail(rec, r, await r.aread())
+            return "", None
+        async for name, data in _events(r):
+            if name in ("error", "response.failed"):
+                rec.error = str(data)[:200]
+                break
+            if name == "response.output_text.delta":
+                _text_piece(rec, text, data.get("delta"), t0)
+            elif name == "response.completed":
+                done = data["response"]
+    usage = done.get("usage") or {}
+    cached = (usage.get("input_tokens_details") or {}).get("cached_tokens") or 0
+    if isinstance(usage.get("input_tokens"), int):
+        rec.cache_n, rec.prompt_n = cached, usage["input_tokens"] - cached
+    rec.predicted_n = usage.get("output_tokens")
+    return "".join(text), done.get("id")
+
+
 async def _run_turn(client: httpx.AsyncClient, url: str, s: Session, turn: int,
-                    messages: Messages, opt: RequestOptions,
-                    phase_t0: float) -> tuple[RequestRecord, str]:
+                    messages: Messages, opt: RequestOptions, phase_t0: float,
+                    prev_id: str | None = None) -> tuple[RequestRecord, str, str | None]:
+    """One request through `opt.api`: its record, the reply and (responses) its id."""
     t0 = time.perf_counter()
     rec = RequestRecord(s.id, s.group, turn, t0 - phase_t0, 0.0)
+    new_id = None
     try:
-        reply = await stream_chat(client, url, chat_body(messages, opt), rec, t0)
+        if opt.api == "messages":
+            reply = await stream_messages(client, url, messages, opt, rec, t0)
+        elif opt.api == "responses":
+            reply, new_id = await stream_response(client, url, messages, prev_id, opt, rec, t0)
+        else:
+            reply = await stream_chat(client, url, chat_body(messages, opt), rec, t0)
     except Exception as e:  # any failure is one failed request, never a stuck benchmark
         rec.error, reply = f"{type(e).__name__}: {e}"[:200], ""
     rec.reply = reply
     rec.latency_s = time.perf_counter() - t0
     if rec.ttft_s is None and rec.error is None:
         rec.ttft_s = rec.latency_s  # nothing streamed (all text in the last chunk)
-    return rec, reply
+    return rec, reply, new_id
 
 
 async def run_sessions(url: str, sessions: list[Session], concurrency: int, opt: RequestOptions,
@@ -130,9 +227,9 @@ async def run_sessions(url: str, sessions: list[Session], concurrency: int, opt:
     A session's next turn goes to the back of the queue when its reply arrives, so many
     conversations interleave turn by turn (and outnumber the slots) as with real chat users.
     """
-    queue: asyncio.Queue[tuple[Session, int, Messages]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[Session, int, Messages, str | None]] = asyncio.Queue()
     for s in sessions:
-        queue.put_nowait((s, 0, [{"role": "system", "content": s.system}]))
+        queue.put_nowait((s, 0, [{"role": "system", "content": s.system}], None))
     records: list[RequestRecord] = []
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     t0 = time.perf_counter()
@@ -140,10 +237,11 @@ async def run_sessions(url: str, sessions: list[Session], concurrency: int, opt:
 
         async def worker() -> None:
             while True:
-                s, turn, history = await queue.get()
+                s, turn, history, prev_id = await queue.get()
                 try:
                     messages = history + [{"role": "user", "content": s.user_turns[turn]}]
-                    rec, reply = await _run_turn(client, url, s, turn, messages, opt, t0)
+                    rec, reply, prev_id = await _run_turn(client, url, s, turn, messages, opt,
+                                                          t0, prev_id)
                     records.append(rec)
                     if sent is not None:
                         sent.append((rec, messages))
@@ -152,7 +250,7 @@ async def run_sessions(url: str, sessions: list[Session], concurrency: int, opt:
                     if turn + 1 < len(s.user_turns) and rec.error is None:
                         history = history + [{"role": "user", "content": s.user_turns[turn]},
                                              {"role": "assistant", "content": reply}]
-                        queue.put_nowait((s, turn + 1, history))
+                        queue.put_nowait((s, turn + 1, history, prev_id))
                 finally:
                     queue.task_done()
 

@@ -165,7 +165,7 @@ async def _measure(url: str, s: Scenario, mode: Mode, pid: int | None,
                    on_done: Callable[[RequestRecord], None], sessions: list[Session]) -> Part:
     """Phases 1-4 of the module docstring on one server, measuring `sessions`."""
     opt = RequestOptions(s.n_predict, mode.cache_prompt and s.cache_prompt,
-                         await _model_id(url))
+                         await _model_id(url), api=s.api)
     warm = warmup_sessions(s)
     if warm:
         await run_sessions(url, warm, min(s.concurrency, len(warm)), opt)

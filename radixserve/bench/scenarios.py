@@ -34,6 +34,7 @@ AGENT_INSTRUCTION = "you are an agent. call one of the tools below, or answer wh
 # shared-prefix request orders: questions spread out at random, one per document in turn, or
 # each document's questions together (a burst of traffic on one hot document at a time)
 ORDERS = ("shuffle", "round-robin", "grouped")
+APIS = ("chat", "messages", "responses")  # Scenario.api
 # kind -> the size parameters its JSON must give
 KIND_PARAMS: dict[str, tuple[str, ...]] = {
     "shared-prefix": ("n_docs", "doc_tokens", "n_questions", "question_tokens"),
@@ -80,6 +81,9 @@ class Scenario:
     # restart the server after this many measured requests (or HALFWAY); None: never.
     # Only servers the benchmark starts can be restarted (not --url)
     restart_after: int | str | None = None
+    # the API the requests go through (bench/client.py APIS): OpenAI chat completions,
+    # Anthropic messages, or OpenAI responses chained by `previous_response_id`
+    api: str = "chat"
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Scenario:
@@ -99,6 +103,8 @@ class Scenario:
             raise ValueError(f"scenario {obj.get('name')!r}: concurrency, n_predict and "
                              f"sizes must be >= 1 {bad or ''}")
         s = cls(kind=kind, params=params, **obj)
+        if s.api not in APIS:
+            raise ValueError(f"scenario api must be one of {', '.join(APIS)}, got {s.api!r}")
         if kind == "rag-quote":
             _check_documents(s)
         if s.restart_after is not None:

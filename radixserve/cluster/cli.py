@@ -89,6 +89,9 @@ def main(argv: list[str]) -> int:
         return _fail(str(e))
     if cfg.host.endswith(".sock") or "," in cfg.host:
         return _fail("--host: the Ray Serve ingress listens on one address, not a socket")
+    if cfg.port == 0:
+        return _fail("--port 0 (a free port) is for `radixserve serve`; the Ray Serve ingress "
+                     "needs a port given")
     if cfg.threads < 1:  # Ray would give each replica OMP_NUM_THREADS = its CPUs, silently
         share = _cores() // a.replicas if a.address is None else math.floor(a.replica_cpus)
         serve_argv = [*serve_argv, "-t", str(max(1, share))]

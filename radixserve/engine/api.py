@@ -70,3 +70,25 @@ class EngineAPI(Protocol):
         ...
 
     def stop(self) -> None: ...
+
+
+class SleepingEngineAPI(EngineAPI, Protocol):
+    """An engine that can sleep (--sleep-idle-seconds; `Engine` is one, test doubles need not
+    be): http/sleep.py uses these where the engine has them."""
+
+    @property
+    def sleeping(self) -> bool: ...
+
+    @property
+    def can_sleep(self) -> bool:
+        """Whether it knows how to load its model again."""
+        ...
+
+    async def sleep(self) -> bool:
+        """Release the model's weights and the device KV, keeping the host cache tiers;
+        False (nothing released) while a task runs or waits."""
+        ...
+
+    async def wake(self) -> None:
+        """Load the model again (raises what loading raised; the engine stays asleep)."""
+        ...

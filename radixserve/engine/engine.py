@@ -16,9 +16,12 @@ docs/PERFORMANCE.md), as slow as with one thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import gc
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -30,6 +33,7 @@ from radixserve.config import ServerConfig
 from radixserve.memory.cache_view import CacheView
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.build import build_scheduler
+from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.task import CompletionTask, FinalResult
 from radixserve.errors import TaskError
 from radixserve.model.loader import Model
@@ -56,9 +60,11 @@ class Cancel:
 
 @dataclass(slots=True, frozen=True)
 class Call:
-    """Run `run` on the engine thread (it delivers its own result)."""
+    """Run `run` on the engine thread (it delivers its own result). `wakes`: a sleeping
+    engine reloads its model first (every query but sleep and wake themselves)."""
 
     run: Callable[[], None]
+    wakes: bool = True
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,6 +73,18 @@ class Wake:
 
 
 Message = Submit | Cancel | Call | Wake
+
+
+@dataclass(slots=True, frozen=True)
+class Asleep:
+    """What a sleeping engine keeps (--sleep-idle-seconds): the host cache (RAM tier and the
+    disk tier under it) and the figures the HTTP side reads; the model's weights, the KV pool,
+    the slots and the draft model are gone with the scheduler."""
+
+    cache: PromptCache
+    n_ctx_slot: int
+    n_slots: int
+    misses: int  # the host tier's miss count, carried into the next one
 
 
 class TaskStream:
@@ -116,6 +134,8 @@ class Engine:
         self._outbox: list[tuple[TaskStream, Any]] = []  # results not yet handed to the loop
         self._thread = threading.Thread(target=self._run, name="radixserve-engine", daemon=True)
         self._stopping = False
+        self._load: Callable[[], Model] | None = None  # set by boot: what sleep reloads with
+        self._asleep: Asleep | None = None
 
     @property
     def alive(self) -> bool:
@@ -136,6 +156,7 @@ class Engine:
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 ready.put(e)
                 return
+            engine._load = load
             engine._thread = threading.current_thread()
             ready.put(engine)
             engine._run()
@@ -154,7 +175,10 @@ class Engine:
         self._stopping = True
         self._post(Wake())
         self._thread.join(timeout=10)
-        self.scheduler.mem.close()
+        if self._asleep is None:
+            self.scheduler.mem.close()
+        elif (disk := self._asleep.cache.disk_tier()) is not None:
+            disk.close()
 
     def submit(self, task: CompletionTask) -> TaskStream:
         stream = TaskStream(self, task, asyncio.get_running_loop())
@@ -162,7 +186,7 @@ class Engine:
         self._post(Submit(task, stream))
         return stream
 
-    async def call(self, fn: Callable[[], T]) -> T:
+    async def call(self, fn: Callable[[], T], wakes: bool = True) -> T:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
 
@@ -174,7 +198,7 @@ class Engine:
             else:
                 loop.call_soon_threadsafe(_set_res, fut, res)
 
-        self._post(Call(run))
+        self._post(Call(run, wakes))
         return await fut
 
     def _post(self, msg: Message) -> None:
@@ -182,9 +206,9 @@ class Engine:
 
     # -- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        sched = self.scheduler
         while not self._stopping:
-            block = not sched.has_active()
+            # no local keeps the scheduler between turns: sleep frees it while this waits
+            block = self.scheduler is None or not self.scheduler.has_active()
             msg: Message | None
             try:
                 msg = self._q.get(block=block)
@@ -197,13 +221,17 @@ class Engine:
                 except queue.Empty:
                     msg = None
             self._flush()
+            sched = self.scheduler  # None while asleep (a message may wake it)
             try:
-                if sched.has_active():
+                if sched is None:
+                    pass  # asleep: nothing runs until a message wakes it
+                elif sched.has_active():
                     sched.step()  # polls the disk tier first
                 else:
                     sched.poll_io()
             except Exception:  # never let one bad step kill the engine
                 log.exception("engine step failed")
+            sched = None
             self._flush()
         self._flush()
 
@@ -227,6 +255,18 @@ class Engine:
                 log.debug("dropped %d results for a closed event loop", len(items))
 
     def _handle(self, msg: Message) -> None:
+        if self._asleep is not None and (isinstance(msg, Submit) or
+                                         (isinstance(msg, Call) and msg.wakes)):
+            try:
+                self._wake()
+            except Exception as e:
+                log.exception("failed to reload the model after sleeping")
+                if isinstance(msg, Submit):
+                    msg.stream.emit(TaskError(500, "server_error",
+                                              f"failed to reload the model: {e}"))
+                    return
+        if isinstance(msg, Cancel) and self._asleep is not None:
+            return  # no task lives in a sleeping engine
         try:
             if isinstance(msg, Submit):
                 self.scheduler.submit(msg.task, msg.stream.emit)
@@ -237,14 +277,70 @@ class Engine:
         except Exception:
             log.exception("engine failed to handle %s", type(msg).__name__)
 
+    # -- sleep (--sleep-idle-seconds): engine thread ------------------------------------------
+    def _sleep(self) -> bool:
+        """Release the model's weights and the device KV (pool, slots, draft: the scheduler),
+        keeping the host cache: every slot's KV is offered to it first, so what they held is
+        reused after waking. False (nothing released) while a task runs or waits."""
+        sched = self.scheduler
+        if self._asleep is not None:
+            return True
+        if self._load is None or sched.has_active() or sched.deferred:
+            return False
+        self._asleep = _keep_host_cache(sched)
+        # the tokenizer and template stay (the HTTP side holds them); the weights go
+        self.model = dataclasses.replace(self.model, transformer=None)  # type: ignore[arg-type]
+        self.scheduler = None  # type: ignore[assignment]
+        del sched  # the last reference to the pool, slots and weights: freed now
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        log.info("server is entering sleeping state (model and KV released; the host cache "
+                 "keeps %d tokens)", int(self._asleep.cache.stats().get("unique_tokens", 0)))
+        return True
+
+    def _wake(self) -> None:
+        """Load the model again and build a scheduler over the kept host cache."""
+        a = self._asleep
+        if a is None:
+            return
+        assert self._load is not None
+        log.info("server is exiting sleeping state")
+        t0 = time.perf_counter()
+        loaded = self._load()
+        model = dataclasses.replace(loaded, tokenizer=self.model.tokenizer,
+                                    chat_template=self.model.chat_template)
+        sched = build_scheduler(model, self.cfg, self.metrics, a.cache)
+        sched.mem.host.misses = a.misses
+        sched.mem.set_disk_wake(lambda: self._post(Wake()))
+        self.model, self.scheduler, self._asleep = model, sched, None
+        log.info("model reloaded after sleeping in %.2f s", time.perf_counter() - t0)
+
+    @property
+    def sleeping(self) -> bool:
+        return self._asleep is not None
+
+    @property
+    def can_sleep(self) -> bool:
+        """Whether it can reload what sleep releases (an engine `boot` started)."""
+        return self._load is not None
+
+    async def sleep(self) -> bool:
+        """Release the model and the device KV if no task runs or waits (True: asleep)."""
+        return await self.call(self._sleep, wakes=False)
+
+    async def wake(self) -> None:
+        """Reload what sleep released (raises what loading raised; the engine stays asleep)."""
+        await self.call(self._wake, wakes=False)
+
     # -- EngineAPI: each runs on the engine thread ---------------------------------------------
     @property
     def n_ctx_slot(self) -> int:
-        return self.scheduler.n_ctx_slot
+        return self.scheduler.n_ctx_slot if self._asleep is None else self._asleep.n_ctx_slot
 
     @property
     def n_slots(self) -> int:
-        return len(self.scheduler.slots)
+        return len(self.scheduler.slots) if self._asleep is None else self._asleep.n_slots
 
     async def slots_json(self) -> list[dict[str, Any]]:
         return await self.call(lambda: [s.to_json() for s in self.scheduler.slots])
@@ -274,6 +370,17 @@ class Engine:
     async def slot_action(self, id_slot: int, action: str, filename: str | None) -> dict[str, Any]:
         """POST /slots/{id}?action=save|restore|erase (disk tier)."""
         return await self.call(lambda: self.scheduler.mem.slot_action(id_slot, action, filename))
+
+
+def _keep_host_cache(sched: Scheduler) -> Asleep:
+    """Before the scheduler goes: every slot's KV offered to the host cache (what it does not
+    already hold, within --cache-ram), then what a sleeping engine keeps."""
+    mem = sched.mem
+    for slot in sched.slots:
+        if len(slot.kv):
+            mem.host.offer(slot)
+    mem.host.cache.update()
+    return Asleep(mem.host.cache, sched.n_ctx_slot, len(sched.slots), mem.host.misses)
 
 
 def _deliver(items: list[tuple[TaskStream, Any]]) -> None:  # event loop

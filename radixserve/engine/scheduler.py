@@ -139,6 +139,7 @@ class Scheduler:
         if plan.checkpoint is not None:
             self.metrics.checkpoints_restored_total += 1
         slot.start(task, sampler, emit, plan.todo, plan.n_reused, why)
+        slot.report_progress()  # what the caches served: llama-server's first, at 0 computed
         if self.spec is not None:
             slot.speculative = bool(self.spec.spec_of(slot).types)
             self.spec.begin(slot)
@@ -317,6 +318,7 @@ class Scheduler:
                 if s.task.pooling:  # an embedding keeps its chunk's rows
                     s.keep_rows(hidden[row - b.n_logits + 1 : row + 1])
                 s.n_prompt_processed += len(b.tokens)
+                s.report_progress()
                 p0, p1 = s.todo[0]
                 s.todo[0] = (p0 + len(b.tokens), p1)
                 if s.todo[0][0] == p1:

@@ -18,8 +18,8 @@ import torch
 
 from radixserve.config import SpecConfig
 from radixserve.memory.seq_kv import SlotKV
-from radixserve.engine.task import (CompletionTask, FinalResult, PartialResult, Reuse, Timings,
-                                   TokenProbs)
+from radixserve.engine.task import (CompletionTask, FinalResult, PartialResult, Progress, Reuse,
+                                   Timings, TokenProbs)
 from radixserve.sampling.chain import Sampler
 from radixserve.text.tokenizer import Tokenizer
 
@@ -228,6 +228,13 @@ class Slot:
         self.n_tokens_sent = len(self.generated)
         timings = self.timings(time.perf_counter()) if self.task.timings_per_token else None
         return PartialResult(text, tokens, new_probs, timings)
+
+    def report_progress(self) -> None:
+        """A `return_progress` task's prompt progress event, now."""
+        if self.task.return_progress:
+            ms = int((time.perf_counter() - self.t_start) * 1e3)
+            self.send(PartialResult("", [], progress=Progress(
+                len(self.prompt), self.n_cached, self.n_cached + self.n_prompt_processed, ms)))
 
     def timings(self, now: float) -> Timings:
         t_first = self.t_first or now

@@ -38,9 +38,15 @@ class CompletionTask:
     # OpenAI's `prompt_cache_retention`: seconds the prompt's nodes stay pinned in the radix
     # tree after the task (0: in_memory, plain LRU)
     pin_s: float = 0.0
+    # how much of the prompt a pin keeps: its first `pin_n` tokens (-1: all of it; Anthropic's
+    # `cache_control` breakpoints pin the prefix up to the last one)
+    pin_n: int = -1
     ignore_eos: bool = False
     special: bool = False  # -sp: special tokens (EOS, <|im_end|>...) appear in the text
     timings_per_token: bool = False  # every partial result carries the timings so far
+    # a streamed task's prompt progress: a partial result (`progress`) when its slot starts and
+    # after each prompt chunk, as llama-server's `return_progress`
+    return_progress: bool = False
     n_probs: int = 0
     # partial results per token; off for a non-streamed request, whose consumer only reads the
     # final result (each partial wakes the HTTP thread: ~10% of decode speed on 2 cores)
@@ -75,6 +81,11 @@ class CompletionTask:
     def __post_init__(self) -> None:
         self.key = PromptKey(self.cache_salt, self.prompt_tokens)
 
+    @property
+    def pin_key(self) -> PromptKey:
+        """What a pin (`pin_s`) keeps: the prompt, or its first `pin_n` tokens."""
+        return self.key if self.pin_n < 0 else self.key.prefix(self.pin_n)
+
 
 @dataclass(slots=True)
 class TokenProbs:
@@ -99,7 +110,8 @@ class Timings:
     reuse: Reuse | None = None  # why the prompt's prefix was (not) reused
 
     def to_json(self) -> dict[str, Any]:
-        """llama-server's timings; generation rates use n-1 steps (the first token is free)."""
+        """llama-server's timings, numbers only (clients check that every value is a finite
+        number); generation rates use n-1 steps (the first token is free)."""
         steps = self.predicted_n - 1
         draft = ({} if self.draft_n is None else
                  {"draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted})
@@ -116,8 +128,15 @@ class Timings:
             if steps > 0 and self.predicted_ms > 0
             else 0.0,
             **draft,
-            **({} if self.reuse is None else {"reuse": self.reuse.to_json()}),
         }
+
+    def fields(self) -> dict[str, Any]:
+        """What a completion carries about its run: `timings` and, beside it, the `reuse`
+        report when there is one."""
+        out: dict[str, Any] = {"timings": self.to_json()}
+        if self.reuse is not None:
+            out["reuse"] = self.reuse.to_json()
+        return out
 
 
 @dataclass(slots=True)
@@ -128,6 +147,22 @@ class PartialResult:
     tokens: list[int]
     probs: list[TokenProbs] = field(default_factory=list)
     timings: Timings | None = None  # with timings_per_token
+    progress: Progress | None = None  # return_progress: a prompt progress event (no text)
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Where a prompt's processing stands (llama-server's `prompt_progress`): its tokens, those
+    a cache served, those the slot holds so far (served + computed), ms since it started."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: int
+
+    def to_json(self) -> dict[str, int]:
+        return {"total": self.total, "cache": self.cache, "processed": self.processed,
+                "time_ms": self.time_ms}
 
 
 @dataclass(slots=True)

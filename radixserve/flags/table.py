@@ -27,6 +27,7 @@ from radixserve.flags.spec import (
     parse_bool,
 )
 from radixserve.sampling import chain as sampling
+from radixserve.text.builtin_templates import BUILTIN_NAMES
 
 GPU = "the whole model and its KV pool sit on one device (--device, -ngl 0 or all)"
 PLACEMENT = "threads are placed by the OS and PyTorch"
@@ -211,16 +212,20 @@ def _grammar(p: Parsed, v: str, kind: str) -> None:
 
 
 def _chat_template(p: Parsed, v: str) -> None:
-    from radixserve.text.chat_template import CHATML_TEMPLATE, ChatTemplate
+    """A Jinja text, or a name of llama.cpp's built-in templates (its Jinja text here,
+    text/builtin_templates.py); anything else is refused with llama-server's message (its
+    common_params_parse: "the supplied chat template is not supported: X")."""
+    from radixserve.text.builtin_templates import builtin_template
+    from radixserve.text.chat_template import ChatTemplate
 
     if "{{" in v or "{%" in v:
         ChatTemplate(v)  # ValueError (-> exit 1) naming the syntax error, before loading
         p.cfg.chat_template = v
-    elif v == "chatml":
-        p.cfg.chat_template = CHATML_TEMPLATE
+    elif (text := builtin_template(v)) is not None:
+        p.cfg.chat_template = text
     else:
-        raise FlagError(f"built-in chat template {v!r} is not available here: give a Jinja "
-                        "template (or 'chatml'), or --chat-template-file")
+        raise FlagError(f"the supplied chat template is not supported: {v} (neither a Jinja "
+                        "template nor a built-in name; see --help)")
 
 
 def _json_object(v: str) -> dict[str, Any]:
@@ -295,6 +300,14 @@ def _spec_default(p: Parsed, on: bool) -> None:
     s.ngram_mod_n_match, s.ngram_mod_n_min, s.ngram_mod_n_max = 24, 48, 64
 
 
+def _sleep_idle(v: str) -> int:
+    """llama-server's check: "invalid value: cannot be 0 or less than -1"."""
+    n = _int(v)
+    if n == 0 or n < -1:
+        raise FlagError("invalid value: cannot be 0 or less than -1")
+    return n
+
+
 def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
     """An integer within [lo, hi] (llama.cpp's range checks of the --spec-* sizes)."""
 
@@ -316,7 +329,7 @@ def _probability(v: str) -> float:
 
 
 def _verbose(p: Parsed, on: bool) -> None:
-    p.cfg.log_verbosity = 5
+    p.cfg.log_verbosity = 2**31 - 1  # llama.cpp's "infinity" (INT_MAX)
 
 
 def _escape(p: Parsed, on: bool) -> None:
@@ -492,7 +505,7 @@ SERVE_FLAGS: list[Flag] = [
          neg="--no-log-jsonl", env="LLAMA_ARG_LOG_JSONL"),
     flag("--log-colors [on|off|auto]", NA, "logs are never coloured",
          check(_choice("on", "off", "auto")), env="LLAMA_ARG_LOG_COLORS"),
-    flag("-v, --verbose, --log-verbose", H, "log everything (verbosity 5)", _verbose),
+    flag("-v, --verbose, --log-verbose", H, "log everything (verbosity infinity); answers carry `__verbose`", _verbose),
     flag("--offline", H, "no network access (radixserve never downloads)", _no_op,
          env="LLAMA_ARG_OFFLINE"),
     flag("-lv, --verbosity, --log-verbosity N", H, "0 output .. 1 errors .. 3 info .. 5 debug",
@@ -705,7 +718,8 @@ SERVE_FLAGS: list[Flag] = [
          "absolute (int16 range), 2 euclidean, >2 p-norm", set_("embd_normalize", I)),
     flag("--host HOST", H, "addresses to listen on, comma separated; a path ending in .sock "
          "is a UNIX socket", set_("host"), env="LLAMA_ARG_HOST"),
-    flag("--port PORT", H, "port to listen on", set_("port", I), env="LLAMA_ARG_PORT"),
+    flag("--port PORT", H, "port to listen on; 0: a free one, which the log names",
+         set_("port", I), env="LLAMA_ARG_PORT"),
     flag("--reuse-port", H, "let several servers bind the same port (SO_REUSEPORT)",
          set_("reuse_port", bool), env="LLAMA_ARG_REUSE_PORT"),
     flag("--path PATH", H, "serve static files from this directory at / instead of the page",
@@ -805,9 +819,11 @@ SERVE_FLAGS: list[Flag] = [
          env="LLAMA_ARG_THINK_BUDGET_MESSAGE"),
     flag("--reasoning-preserve", NA, "the template renders the history it is given",
          neg="--no-reasoning-preserve", env="LLAMA_ARG_REASONING_PRESERVE"),
-    flag("--chat-template JINJA_TEMPLATE", H, "a Jinja chat template (or 'chatml') instead of "
-         "the model's", _chat_template, env="LLAMA_ARG_CHAT_TEMPLATE"),
-    flag("--chat-template-file JINJA_TEMPLATE_FILE", H, "read the chat template from a file",
+    flag("--chat-template JINJA_TEMPLATE", H, "a Jinja chat template, or the name of a "
+         "built-in one, instead of the model's; built-in: " + ", ".join(BUILTIN_NAMES),
+         _chat_template, env="LLAMA_ARG_CHAT_TEMPLATE"),
+    flag("--chat-template-file JINJA_TEMPLATE_FILE", H, "read the chat template (Jinja, or a "
+         "built-in name) from a file",
          lambda p, v: _chat_template(p, _read_text(v)), env="LLAMA_ARG_CHAT_TEMPLATE_FILE"),
     flag("--skip-chat-parsing", H, "replies stay pure content: no tool calls or reasoning "
          "parsed out of them", set_("skip_chat_parsing", bool), neg="--no-skip-chat-parsing",
@@ -818,7 +834,9 @@ SERVE_FLAGS: list[Flag] = [
     flag("-sps, --slot-prompt-similarity SIMILARITY", H, "reuse an idle slot whose prompt "
          "shares more than this fraction, 0 = off", set_("slot_prompt_similarity", F)),
     flag("--lora-init-without-apply", NA, "there are no LoRA adapters"),
-    flag("--sleep-idle-seconds SECONDS", NA, "the model stays loaded", check(I)),
+    flag("--sleep-idle-seconds SECONDS", H, "after this many idle seconds release the model "
+         "and its device KV (the host cache tiers stay); the next request reloads it; -1 = "
+         "never", set_("sleep_idle_seconds", _sleep_idle)),
     flag("--log-prompts-dir PATH", NO, "logging prompts to a directory is not implemented"),
     *(flag(f"--{name}", NO, "preset models are downloaded from the internet: not available "
            "(give a local GGUF with -m)") for name in (

@@ -16,14 +16,16 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
-from starlette.middleware.cors import CORSMiddleware
 
 from radixserve.config import ServerConfig
 from radixserve.engine.api import EngineAPI
 from radixserve.http import (openapi, routes_completions, routes_embeddings, routes_infill,
-                             routes_info, routes_rerank, routes_slots, routes_tokenize, webui)
+                             routes_info, routes_messages, routes_rerank, routes_responses,
+                             routes_slots, routes_tokenize, webui)
+from radixserve.http.cors import CorsMiddleware
 from radixserve.http.errors import GuardedRoute, install_error_handlers
 from radixserve.http.middleware import BodyGuard, GateMiddleware
+from radixserve.http.sleep import IdleSleep, SleepMiddleware
 from radixserve.http.state import AppState
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,8 @@ def create_app(
     which runs in a thread at startup; the app stops an engine it built when it shuts down."""
     cfg = cfg or getattr(engine_or_factory, "cfg", None) or ServerConfig()
     state = AppState(cfg, ui_paths=webui.public_paths(cfg))
+    # --sleep-idle-seconds: release the model when idle, reload it for the next request
+    sleeper = IdleSleep(state, cfg.sleep_idle_seconds) if cfg.sleep_idle_seconds > 0 else None
     factory: Callable[[], EngineAPI] | None = None
     if _is_engine(engine_or_factory):
         state.set_engine(engine_or_factory)  # type: ignore[arg-type]
@@ -51,7 +55,11 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         loader = asyncio.create_task(_load(state, factory)) if factory else None
+        clock = asyncio.create_task(sleeper.run()) if sleeper is not None else None
         yield
+        if clock is not None:
+            clock.cancel()
+            await asyncio.gather(clock, return_exceptions=True)
         if loader is not None:
             await asyncio.gather(loader, return_exceptions=True)  # never mid-load on exit
             if state.engine is not None:
@@ -63,37 +71,19 @@ def create_app(
     app.state.radixserve = state
     install_error_handlers(app)
     app.add_middleware(BodyGuard, max_bytes=cfg.max_body_mib << 20, timeout_s=cfg.timeout)
+    app.add_middleware(SleepMiddleware, sleeper=sleeper)  # inside the gate: 401s never wake
     app.add_middleware(GateMiddleware, state=state)
-    app.add_middleware(CORSMiddleware, **cors_options(cfg))
+    app.add_middleware(CorsMiddleware, cfg=cfg)  # outermost: preflights skip the gate
     # every API route is in the OpenAPI document (`app.openapi()`, bodies from openapi.py); it
     # is not served (`openapi_url=None`: llama-server has no such route)
     router = APIRouter(route_class=GuardedRoute, responses=openapi.ERROR_RESPONSES)
-    for family in (routes_info, routes_slots, routes_completions, routes_infill,
-                   routes_embeddings, routes_rerank, routes_tokenize, webui):
+    for family in (routes_info, routes_slots, routes_completions, routes_messages,
+                   routes_responses, routes_infill, routes_embeddings, routes_rerank,
+                   routes_tokenize, webui):
         family.add_routes(router, state)
     app.include_router(router, prefix=cfg.api_prefix)
     webui.mount_page(app, cfg)  # after the API: --path's files answer what the API does not
     return app
-
-
-LOCAL_ORIGIN = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
-
-
-def cors_options(cfg: ServerConfig) -> dict[str, Any]:
-    """llama-server's CORS flags: '*' with credentials echoes the request's Origin; 'localhost'
-    echoes local origins only; otherwise the listed origins."""
-    origins = [o.strip() for o in cfg.cors_origins.split(",") if o.strip()]
-    opts: dict[str, Any] = {
-        "allow_methods": [m.strip() for m in cfg.cors_methods.split(",") if m.strip()],
-        "allow_headers": [h.strip() for h in cfg.cors_headers.split(",") if h.strip()],
-        "allow_credentials": cfg.cors_credentials,
-    }
-    if origins == ["localhost"]:
-        return {**opts, "allow_origin_regex": LOCAL_ORIGIN}
-    if "*" in origins:
-        return {**opts, "allow_origin_regex": ".*"} if cfg.cors_credentials else {
-            **opts, "allow_origins": ["*"]}
-    return {**opts, "allow_origins": origins}
 
 
 async def _load(state: AppState, factory: Callable[[], EngineAPI]) -> None:

@@ -94,7 +94,10 @@ Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 
 
 class GuardedRoute(APIRoute):
-    """An APIRoute whose handler never lets an exception escape as a bare 500 page."""
+    """An APIRoute whose handler never lets an exception escape as a bare 500 page; its errors
+    in OpenAI's shape (`error_shape`: another API's routes answer in their own)."""
+
+    error_shape: Callable[[TaskError], Response] = staticmethod(task_error_response)
 
     def get_route_handler(self) -> Handler:
         handler = super().get_route_handler()
@@ -105,7 +108,7 @@ class GuardedRoute(APIRoute):
             except TaskError as e:
                 if e.status >= 500:
                     log.error("%s %s: %s", request.method, request.url.path, e.message)
-                return task_error_response(e)
+                return self.error_shape(e)
             except (ClientDisconnected, ClientDisconnect):  # ours, or starlette's mid-body
                 log.info("%s %s: client disconnected", request.method, request.url.path)
                 return Response(status_code=499)
@@ -113,9 +116,51 @@ class GuardedRoute(APIRoute):
                 raise  # shaped by the exception handlers below
             except Exception as e:
                 log.exception("%s %s failed", request.method, request.url.path)
-                return error_response(500, f"{type(e).__name__}: {e}")
+                return self.error_shape(TaskError(500, "server_error", f"{type(e).__name__}: {e}"))
 
         return guarded
+
+
+# Anthropic's error types (its Messages API: /v1/messages), by status; others by class
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+
+
+def anthropic_error_json(e: TaskError) -> dict[str, Any]:
+    """`{"type": "error", "error": {"type", "message"}}`, Anthropic's shape of `e`."""
+    type_ = ANTHROPIC_ERROR_TYPES.get(
+        e.status, "api_error" if e.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": type_, "message": e.message}}
+
+
+def anthropic_error_response(e: TaskError) -> Response:
+    return JSONResponse(anthropic_error_json(e), status_code=e.status)
+
+
+class AnthropicRoute(GuardedRoute):
+    """A GuardedRoute answering its errors in Anthropic's shape (routes_messages.py)."""
+
+    error_shape = staticmethod(anthropic_error_response)
+
+
+def error_for_path(path: str, status: int, message: str, type_: str | None = None) -> Response:
+    """An error before (or outside) routing, in the shape of the API the request's `path`
+    belongs to (under any --api-prefix): Anthropic's for its routes, else OpenAI's."""
+    if path.endswith(ANTHROPIC_PATHS):
+        return anthropic_error_response(TaskError(status, type_ or "", message))
+    return error_response(status, message, type_)
 
 
 def _validation_message(e: RequestValidationError) -> str:
@@ -128,9 +173,9 @@ def install_error_handlers(app: FastAPI) -> None:
     """Unknown routes, wrong methods and parameter errors in the OpenAI error shape."""
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> Response:
+    async def _http(request: Request, e: StarletteHTTPException) -> Response:
         message = "File Not Found" if e.status_code == 404 else str(e.detail)
-        return error_response(e.status_code, message)
+        return error_for_path(request.url.path, e.status_code, message)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> Response:

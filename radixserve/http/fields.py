@@ -31,12 +31,9 @@ _UNIMPLEMENTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "reasoning_budget_end_tags": (([],), "reasoning budgets"),
     "reasoning_budget_end_tag": (("",), "reasoning budgets"),
     "reasoning_budget_message": (("",), "reasoning budgets"),
-    "continue_final_message": ((False,), "continuing the final message"),
     "echo": ((False,), "echoing the prompt"),
     "image_data": (([],), "multimodal input"),
     "multimodal_data": (([],), "multimodal input"),
-    "return_progress": ((False,), "prompt progress events"),
-    "verbose": ((False,), "the __verbose debug field"),
 }
 
 

@@ -16,7 +16,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixserve.errors import TaskError
-from radixserve.http.errors import error_response
+from radixserve.http.errors import error_for_path, error_response
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +62,9 @@ class GateMiddleware:
             return
         if state.engine is None:  # every other route, /health included, as llama-server
             if state.load_error is not None:
-                resp = error_response(500, f"Failed to load model: {state.load_error}")
+                resp = error_for_path(path, 500, f"Failed to load model: {state.load_error}")
             else:
-                resp = error_response(503, "Loading model")
+                resp = error_for_path(path, 503, "Loading model")
             await resp(scope, receive, send)
             return
         guarded = scope["method"] != "OPTIONS" and path not in PUBLIC_PATHS
@@ -73,7 +73,7 @@ class GateMiddleware:
             and guarded
             and not key_ok(request_api_key(Headers(scope=scope)), state.api_keys)
         ):
-            await error_response(401, "Invalid API Key")(scope, receive, send)
+            await error_for_path(path, 401, "Invalid API Key")(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -93,7 +93,8 @@ class BodyGuard:
             return
         length = Headers(scope=scope).get("content-length", "")
         if length.isdigit() and int(length) > self.max_bytes:
-            await too_large(self.max_bytes)(scope, receive, send)
+            await error_for_path(scope["path"], 413, too_large_message(self.max_bytes),
+                                 "invalid_request_error")(scope, receive, send)
             return
         seen, done = 0, False
 

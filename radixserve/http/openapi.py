@@ -18,6 +18,7 @@ from fastapi import Path
 from pydantic import BaseModel
 
 from radixserve.http.fields import _UNIMPLEMENTED
+from radixserve.http.oai_responses import ResponsesRequest
 from radixserve.http.parse import INT32_MAX, MAX_CACHE_SALT, MAX_N_PROBS
 from radixserve.http.schemas import (
     CHAT_ROLES,
@@ -144,6 +145,10 @@ GENERATION_FIELDS: dict[str, Schema] = {
     ]},
     "parallel_tool_calls": {"type": "boolean"},
     "reasoning_format": {"enum": list(REASONING_FORMATS)},
+    "continue_final_message": {
+        "description": "chat: continue the final assistant message (with "
+                       "add_generation_prompt false); reasoning_content is refused",
+        "anyOf": [{"type": "boolean"}, {"enum": ["content", "reasoning_content"]}]},
     # not implemented: only the values that ask for nothing (fields.py); others are a 400
     **{name: {"enum": list(harmless), "description": f"not implemented ({feature}): any "
               "other value is refused"} if harmless else
@@ -326,3 +331,177 @@ SLOT_ACTION: Schema = {
 # the path's slot id: read as a string by the route (400 "Invalid slot ID" when not an integer,
 # as llama-server), documented as what it must be
 SLOT_ID = Path(json_schema_extra={"type": "integer", "minimum": 0})
+
+# ---- Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens: anthropic.py) ----
+_CACHE_CONTROL: Schema = {
+    "type": "object", "required": ["type"],
+    "description": "a cache breakpoint: the prompt up to this block is pinned for the ttl",
+    "properties": {"type": {"enum": ["ephemeral"]}, "ttl": {"enum": ["5m", "1h"]}},
+}
+_A_TEXT: Schema = {
+    "type": "object", "required": ["type", "text"],
+    "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"},
+                   "cache_control": _CACHE_CONTROL},
+}
+_A_BLOCKS: Schema = {"type": "array", "items": {"anyOf": [
+    _A_TEXT,
+    {"type": "object", "required": ["type", "id", "name", "input"],
+     "description": "assistant messages only",
+     "properties": {"type": {"enum": ["tool_use"]}, "id": {"type": "string", "minLength": 1},
+                    "name": {"type": "string", "minLength": 1}, "input": _OBJECT,
+                    "cache_control": _CACHE_CONTROL}},
+    {"type": "object", "required": ["type", "tool_use_id"],
+     "description": "user messages only; answers a tool_use of the message before",
+     "properties": {"type": {"enum": ["tool_result"]}, "tool_use_id": {"type": "string"},
+                    "content": {"anyOf": [{"type": "string"},
+                                          {"type": "array", "items": _A_TEXT}]},
+                    "is_error": {"type": "boolean"}, "cache_control": _CACHE_CONTROL}},
+    {"type": "object", "required": ["type", "thinking"],
+     "description": "assistant messages only",
+     "properties": {"type": {"enum": ["thinking"]}, "thinking": {"type": "string"},
+                    "signature": {"type": "string"}}},
+]}}
+_A_TOOL: Schema = {
+    "type": "object", "required": ["name", "input_schema"],
+    "properties": {"name": {"type": "string", "minLength": 1},
+                   "description": {"type": "string"}, "input_schema": _OBJECT,
+                   "cache_control": _CACHE_CONTROL},
+}
+_A_PROMPT: dict[str, Schema] = {
+    "model": {"type": "string", "description": "echoed in the answer (one model per server)"},
+    "messages": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["role", "content"],
+        "properties": {"role": {"enum": ["user", "assistant"]},
+                       "content": {"anyOf": [{"type": "string"}, _A_BLOCKS]}}}},
+    "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": _A_TEXT}]},
+    "tools": {"type": "array", "items": _A_TOOL},
+    "tool_choice": {
+        "type": "object", "required": ["type"],
+        "description": "auto, any (a call is required), tool (that one: name), none",
+        "properties": {"type": {"enum": ["auto", "any", "tool", "none"]},
+                       "name": {"type": "string"},
+                       "disable_parallel_tool_use": {"type": "boolean"}}},
+    "thinking": {
+        "type": "object", "required": ["type"],
+        "description": "the template's enable_thinking; budget_tokens is not enforced",
+        "properties": {"type": {"enum": ["enabled", "disabled"]},
+                       "budget_tokens": _int(1)}},
+    "chat_template_kwargs": _OBJECT,
+}
+_A_MESSAGES: Schema = {
+    "type": "object", "required": ["max_tokens", "messages"],
+    "properties": {
+        **_A_PROMPT,
+        "max_tokens": _int(1, doc="tokens to generate at most (the server's --n-predict "
+                                  "caps it)"),
+        "stop_sequences": _STRINGS,
+        "stream": {"type": "boolean"},
+        "temperature": {"type": "number", "minimum": 0},
+        "top_p": _num(0.0, 1.0),
+        "top_k": _int(0),
+        "metadata": {"type": "object", "description": "accepted, not used"},
+    },
+}
+MESSAGES: Schema = {**_request_body(_A_MESSAGES), "responses": {"200": {
+    "description": "A message, or with `stream: true` Anthropic's named server-sent events",
+    "content": {"application/json": {"schema": _OBJECT},
+                "text/event-stream": {"schema": {"type": "string"}}}}}}
+COUNT_TOKENS: Schema = {
+    **_request_body({"type": "object", "required": ["messages"], "properties": _A_PROMPT}),
+    "responses": {"200": {"description": "The prompt's tokens", "content": {
+        "application/json": {"schema": {"type": "object", "required": ["input_tokens"],
+                                        "properties": {"input_tokens": {"type": "integer"}}}}}}},
+}
+ANTHROPIC_ERROR: Schema = {
+    "type": "object", "required": ["type", "error"],
+    "properties": {"type": {"enum": ["error"]}, "error": {
+        "type": "object", "required": ["type", "message"],
+        "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
+}
+ANTHROPIC_ERROR_RESPONSES: dict[int | str, Any] = {
+    "default": {"description": "An error, in Anthropic's shape (errors.py AnthropicRoute)",
+                "content": {"application/json": {"schema": ANTHROPIC_ERROR}}},
+}
+
+# /v1/responses: OpenAI's Responses body (oai_responses.py), plus the generation fields of a
+# chat request, passed through as llama-server passes them
+_RESP_TEXT_PART: Schema = {"type": "object", "required": ["type", "text"],
+                           "properties": {"type": {"enum": ["input_text"]},
+                                          "text": {"type": "string"}}}
+_RESP_OUT_PART: Schema = {"type": "object", "required": ["type", "text"],
+                          "properties": {"type": {"enum": ["output_text", "input_text"]},
+                                         "text": {"type": "string"}}}
+_RESP_ITEM: Schema = {"anyOf": [
+    {"type": "object", "required": ["role", "content"], "description": "a message",
+     "properties": {"type": {"enum": ["message"]},
+                    "role": {"enum": ["user", "system", "developer"]},
+                    "content": {"anyOf": [{"type": "string"},
+                                          {"type": "array", "items": _RESP_TEXT_PART}]}}},
+    {"type": "object", "required": ["role", "content"], "description": "an earlier reply",
+     "properties": {"type": {"enum": ["message"]}, "role": {"enum": ["assistant"]},
+                    "content": {"anyOf": [{"type": "string"},
+                                          {"type": "array", "items": _RESP_OUT_PART}]}}},
+    {"type": "object", "required": ["type", "call_id", "name", "arguments"],
+     "description": "a function call of an earlier reply",
+     "properties": {"type": {"enum": ["function_call"]},
+                    "call_id": {"type": "string", "minLength": 1},
+                    "name": {"type": "string", "minLength": 1},
+                    "arguments": {"type": "string"}}},
+    {"type": "object", "required": ["type", "call_id", "output"],
+     "description": "a call's result: its call_id names a function_call before it",
+     "properties": {"type": {"enum": ["function_call_output"]}, "call_id": {"type": "string"},
+                    "output": {"anyOf": [{"type": "string"},
+                                         {"type": "array", "items": _RESP_TEXT_PART}]}}},
+    {"type": "object", "required": ["type", "summary"], "description": "an earlier reasoning",
+     "properties": {"type": {"enum": ["reasoning"]}, "summary": {"type": "array"},
+                    "content": {"type": "array", "items": {
+                        "type": "object", "required": ["type", "text"],
+                        "properties": {"type": {"enum": ["reasoning_text"]},
+                                       "text": {"type": "string"}}}}}},
+]}
+_RESP_TOOL: Schema = {
+    "type": "object", "required": ["type", "name"],
+    "properties": {"type": {"enum": ["function"]}, "name": {"type": "string", "minLength": 1},
+                   "description": {"type": "string"}, "parameters": _OBJECT,
+                   "strict": {"type": "boolean"}},
+}
+RESPONSES_FIELDS: dict[str, Schema] = {
+    "input": {"description": "a user message's text, or the conversation's items",
+              "anyOf": [{"type": "string"}, {"type": "array", "items": _RESP_ITEM}]},
+    "instructions": {"type": "string", "description": "a system message before the input "
+                     "(not carried over by previous_response_id)"},
+    "tools": {"type": "array", "items": _RESP_TOOL},
+    "tool_choice": {"anyOf": [
+        {"enum": list(TOOL_CHOICES)},
+        {"type": "object", "required": ["type", "name"],
+         "properties": {"type": {"enum": ["function"]}, "name": {"type": "string"}}}]},
+    "max_output_tokens": _int(-1, doc="tokens to generate (the server's --n-predict caps it)"),
+    "text": {"type": "object", "properties": {"format": {"anyOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text"]}}},
+        {"type": "object", "required": ["type"],
+         "properties": {"type": {"enum": ["json_object"]}}},
+        {"type": "object", "required": ["type", "schema"],
+         "properties": {"type": {"enum": ["json_schema"]}, "name": {"type": "string"},
+                        "schema": _OBJECT, "strict": {"type": "boolean"}}}]}}},
+    "reasoning": {"type": "object", "properties": {
+        "effort": {"type": "string", "description": "the template's reasoning_effort; none: "
+                   "thinking off"},
+        "summary": {"type": "string"}}},
+    "previous_response_id": {"type": "string", "description": "a stored response (in this "
+                             "request's cache_salt namespace) whose conversation this one "
+                             "continues"},
+    "store": {"type": "boolean", "description": "keep the response (default true): in memory, "
+              "bounded, least recently used first out"},
+    "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+    "include": {"type": "array", "items": {"type": "string", "not": {
+        "enum": ["message.output_text.logprobs"]}}},
+    "truncation": {"enum": ["disabled"]},
+    "background": {"enum": [False], "description": "not supported: only false"},
+    "top_logprobs": {"enum": [0], "description": "logprobs are not supported here"},
+    "conversation": {"type": "null", "description": "not supported"},
+    "prompt": {"type": "null", "description": "not supported"},
+    "messages": {"type": "null", "description": "chat's field: use input"},
+}
+_RESP_BODY = body_schema(ResponsesRequest, {**GENERATION_FIELDS, **RESPONSES_FIELDS}, ("input",))
+RESPONSES: Schema = {**_request_body(_RESP_BODY), "responses": _SSE}
+RESPONSES_INPUT_TOKENS: Schema = _request_body(_RESP_BODY)

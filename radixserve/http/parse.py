@@ -88,6 +88,9 @@ class ParsedRequest:
     chat_output: OutputFormat | None = None
     # the server's speculative settings: what `params` reports for a task whose `spec` is None
     server_spec: SpecConfig = field(default_factory=SpecConfig)
+    # `verbose` (or -v): OpenAI answers carry `__verbose`, the native result (rendered prompt,
+    # raw text)
+    verbose: bool = False
     # what an API other than llama-server's and OpenAI chat's keeps from its request for its
     # answers (an Anthropic message's model name, a stored response's conversation)
     origin: Any = None
@@ -474,6 +477,7 @@ def build_task(
         ignore_eos=d.ignore_eos if req.ignore_eos is None else req.ignore_eos,
         special=d.special,
         timings_per_token=bool(req.timings_per_token),
+        return_progress=bool(req.return_progress) and bool(req.stream),
         n_probs=n_probs_value,
         stream=bool(req.stream),
         n_keep=n_keep,
@@ -504,6 +508,7 @@ def build_task(
         sse_ping_interval=None if req.sse_ping_interval is None
         else _limit(req, "sse_ping_interval", -1, -1, INT32_MAX),
         server_spec=d.spec,
+        verbose=d.verbose if req.verbose is None else bool(req.verbose),
     )
 
 
@@ -546,10 +551,10 @@ def chat_plan(req: ChatRequest, template: ChatTemplate, tok: Tokenizer,
         if m.get("content") is None and not (m["role"] == "assistant" and m.get("tool_calls")):
             raise invalid_request(f"Field 'messages[{i}].content' is required")
     add_gen = True if req.add_generation_prompt is None else req.add_generation_prompt
-    prefill = ""
     d = ctx.defaults if ctx is not None else None
-    if add_gen and msgs[-1]["role"] == "assistant" and (d is None or d.prefill_assistant):
-        prefill = flatten_content(msgs.pop()["content"])
+    prefill = ""
+    if _continues(req, msgs, add_gen, d is None or d.prefill_assistant):
+        prefill, add_gen = flatten_content(msgs.pop()["content"]), True
     extra = {**(d.chat_template_kwargs if d else {}), **(req.chat_template_kwargs or {})}
     for name in RESERVED_TEMPLATE_VARS:
         if name in extra:
@@ -572,6 +577,38 @@ def chat_plan(req: ChatRequest, template: ChatTemplate, tok: Tokenizer,
         raise invalid_request(str(e)) from None
 
 
+def _continues(req: ChatRequest, msgs: list[dict[str, Any]], add_gen: bool,
+               prefill_assistant: bool) -> bool:
+    """Whether the reply continues the final assistant message (llama-server's rules): asked
+    by `continue_final_message` (vLLM's field: true or "content"; with
+    `add_generation_prompt: false`), or implied by a final assistant message (assistant
+    prefill, unless --no-prefill-assistant). Contradictions are 400s with its messages."""
+    value, last = req.continue_final_message, msgs[-1]
+    if value is True or value == "content":
+        asked = True
+    elif value == "reasoning_content":
+        raise invalid_request("Field 'continue_final_message': continuing the reasoning is not "
+                              'supported by this server (true or "content" continue the content)')
+    else:  # llama.cpp: any other value asks for nothing
+        asked = False
+    if not asked and prefill_assistant and last["role"] == "assistant":
+        if len(msgs) >= 2 and msgs[-2]["role"] == "assistant":
+            raise invalid_request("Cannot have 2 or more assistant messages at the end of the "
+                                  "list.")
+        asked, add_gen = True, False
+    if not asked:
+        return False
+    if add_gen:
+        raise invalid_request("Cannot set both add_generation_prompt and "
+                              "continue_final_message to true.")
+    if last["role"] != "assistant":
+        raise invalid_request("Field 'continue_final_message': the last message must be the "
+                              "assistant's to continue")
+    if last.get("tool_calls"):
+        raise invalid_request("Cannot continue an assistant message that contains tool calls.")
+    return True
+
+
 def render_chat(req: ChatRequest, template: ChatTemplate, tok: Tokenizer,
                 ctx: ParseContext | None = None) -> str:
     """The prompt text of a chat request (/apply-template shows it)."""
@@ -587,12 +624,17 @@ def chat_n_probs(req: ChatRequest) -> tuple[str, int]:
     return "n_probs", req.n_probs or 0
 
 
+def chat_tokens(req: ChatRequest, ctx: ParseContext) -> tuple[ChatPlan, list[int]]:
+    """A chat request's plan and its prompt's tokens."""
+    plan = chat_plan(req, ctx.chat_template, ctx.tokenizer, ctx)
+    return plan, ctx.tokenizer.encode(plan.prompt, add_special=True, parse_special=True)
+
+
 def parse_chat(body: Any, ctx: ParseContext) -> ParsedRequest:
     """/chat/completions and /v1/chat/completions bodies."""
     req = validate_body(ChatRequest, body)
     n_probs = chat_n_probs(req)
-    plan = chat_plan(req, ctx.chat_template, ctx.tokenizer, ctx)
-    tokens = ctx.tokenizer.encode(plan.prompt, add_special=True, parse_special=True)
+    plan, tokens = chat_tokens(req, ctx)
     if plan.grammar is None:
         grammar = request_grammar(req, ctx, chat=True)
     else:  # the tools' grammar (a request's own grammar or schema is part of it, or refused)

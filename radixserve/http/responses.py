@@ -7,6 +7,7 @@ Streaming chunks are built in `sse.py` from the same helpers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import secrets
@@ -47,10 +48,24 @@ class ResponseContext:
     fingerprint: str = BUILD_INFO
 
 
+def ended_by_itself(final: FinalResult) -> bool:
+    """Whether the reply ended by itself (EOS, a stop word), not at a limit (n_predict, the
+    context): chat's finish_reason "stop", Anthropic's end_turn, a completed Response."""
+    return final.stop_type in ("eos", "word")
+
+
+def parse_reply(final: FinalResult, req: ParsedRequest) -> ParsedMessage:
+    """The final reply as a message: parsed into reasoning, content and tool calls by the
+    request's parser (tools, reasoning), else its text as the content."""
+    if req.chat_output is None:
+        return ParsedMessage(content=final.content)
+    return req.chat_output.parser().parse(final.content)
+
+
 def finish_reason(final: FinalResult, msg: ParsedMessage | None = None) -> str:
     """llama-server: "stop" for EOS or a stop word ("tool_calls" when the parsed message
     `msg` has calls), else (n_predict, context) "length"."""
-    if final.stop_type not in ("eos", "word"):
+    if not ended_by_itself(final):
         return "length"
     return "tool_calls" if msg is not None and msg.tool_calls else "stop"
 
@@ -169,7 +184,7 @@ def completion_json(
         "stop_type": final.stop_type,
         "stopping_word": final.stopping_word,
         "tokens_cached": final.n_tokens_cached,
-        "timings": final.timings.to_json(),
+        **final.timings.fields(),
     }
     if task.n_probs > 0 and not streamed:
         out["completion_probabilities"] = probs_json(
@@ -192,6 +207,16 @@ def select_fields(obj: dict[str, Any], paths: list[str]) -> dict[str, Any]:
         else:
             out[path] = cur
     return out
+
+
+def verbose_json(final: FinalResult, req: ParsedRequest, ctx: ResponseContext
+                 ) -> dict[str, Any]:
+    """`__verbose` for a `verbose` request: the native result, i.e. the prompt as rendered and
+    the raw text (llama-server's to_json_non_oaicompat); nothing otherwise."""
+    if not req.verbose:
+        return {}
+    return {"__verbose": completion_json(final, dataclasses.replace(req, response_fields=[]),
+                                         ctx)}
 
 
 def oai_logprobs(
@@ -221,7 +246,8 @@ def text_completion_json(
         "object": "text_completion",
         "usage": usage_json(final),
         "id": ctx.id,
-        "timings": final.timings.to_json(),
+        **verbose_json(final, req, ctx),
+        **final.timings.fields(),
     }
 
 
@@ -230,11 +256,11 @@ def chat_completion_json(
 ) -> dict[str, Any]:
     """/v1/chat/completions, stream false (chat_nonstream.json); with tools or reasoning the
     text is parsed into content, reasoning_content and tool_calls."""
-    msg = None if req.chat_output is None else req.chat_output.parser().parse(final.content)
+    msg = parse_reply(final, req)
     choice: dict[str, Any] = {
         "finish_reason": finish_reason(final, msg),
         "index": req.task.index,
-        "message": {"role": "assistant", "content": final.content} if msg is None
+        "message": {"role": "assistant", "content": final.content} if req.chat_output is None
         else message_json(msg),
     }
     logprobs = oai_logprobs(final.probs, req, ctx.tokenizer)
@@ -248,5 +274,6 @@ def chat_completion_json(
         "object": "chat.completion",
         "usage": usage_json(final),
         "id": ctx.id,
-        "timings": final.timings.to_json(),
+        **verbose_json(final, req, ctx),
+        **final.timings.fields(),
     }

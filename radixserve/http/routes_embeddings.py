@@ -55,6 +55,31 @@ def _b64(vec: list[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode("ascii")
 
 
+_MEDIA_PARTS = {"image_url": "image", "input_audio": "audio", "input_video": "video",
+                "video_url": "video"}
+
+
+def _part_text(entry: Any) -> Any:
+    """An input given as OpenAI content parts, `{"content": [{"type": "text", "text": ...},
+    ...]}` (llama-server's shape) or one part alone, as the text of its parts (so it embeds
+    as that text does); any other input as it is. No model here reads media."""
+    if not isinstance(entry, dict) or not ("content" in entry or "type" in entry):
+        return entry
+    parts = entry["content"] if "content" in entry else [entry]
+    if not isinstance(parts, list):
+        raise invalid_request('"content" must be an array')
+    text = ""
+    for part in parts:
+        kind = part.get("type", "") if isinstance(part, dict) else None
+        if kind in _MEDIA_PARTS:
+            raise invalid_request(f"{_MEDIA_PARTS[kind]} input is not supported (this server's "
+                                  "models read text only)")
+        if kind != "text" or not isinstance(part.get("text", ""), str):
+            raise invalid_request("unsupported content[].type")
+        text += part.get("text", "")
+    return text
+
+
 class EmbeddingPlan:
     """A validated request: its tasks and how the results are shaped."""
 
@@ -90,7 +115,9 @@ class EmbeddingPlan:
                                   f"{self.normalize}")
         if isinstance(prompt, list) and not prompt:
             raise invalid_request('"input" must not be empty')
-        prompts = prompt_list(prompt, model.tokenizer)
+        if isinstance(prompt, list):
+            prompt = [_part_text(p) for p in prompt]
+        prompts = prompt_list(_part_text(prompt), model.tokenizer)
         if any(not p for p in prompts):
             raise invalid_request("Input content cannot be empty")
         reuse = self.pooling == "last" and state.defaults.cache_prompt

@@ -1,4 +1,5 @@
-"""POST /tokenize, /detokenize and /apply-template (llama-server's tokenizer endpoints)."""
+"""POST /tokenize, /detokenize, /apply-template and /chat/completions/input_tokens
+(llama-server's tokenizer endpoints)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from radixserve.errors import invalid_request
 from radixserve.http import openapi
 from radixserve.http.errors import read_json
-from radixserve.http.parse import render_chat, tokenize_mixed
+from radixserve.http.parse import ParseContext, chat_tokens, render_chat, tokenize_mixed
 from radixserve.http.schemas import ChatRequest, DetokenizeRequest, TokenizeRequest, validate_body
 from radixserve.http.state import AppState
 from radixserve.text.tokenizer import Tokenizer
@@ -57,6 +58,12 @@ def detokenize(body: Any, tok: Tokenizer) -> dict[str, str]:
     return {"content": tok.decode(tokens)}
 
 
+def chat_input_tokens(body: Any, ctx: ParseContext) -> dict[str, int]:
+    """A chat request's prompt tokens, counted as the completion would tokenize them, without
+    running it (llama-server's post_chat_completions_tok: no context-size check)."""
+    return {"input_tokens": len(chat_tokens(validate_body(ChatRequest, body), ctx)[1])}
+
+
 def add_routes(r: APIRouter, state: AppState) -> None:
     @r.post("/tokenize", openapi_extra=openapi.TOKENIZE)
     async def tokenize_route(request: Request) -> Response:
@@ -75,3 +82,9 @@ def add_routes(r: APIRouter, state: AppState) -> None:
         prompt = await run_in_threadpool(render_chat, req, m.chat_template, m.tokenizer,
                                          state.parse_ctx)
         return JSONResponse({"prompt": prompt})
+
+    @r.post("/chat/completions/input_tokens", openapi_extra=openapi.CHAT)
+    @r.post("/v1/chat/completions/input_tokens", openapi_extra=openapi.CHAT)
+    async def chat_input_tokens_route(request: Request) -> Response:
+        body = await read_json(request)
+        return JSONResponse(await run_in_threadpool(chat_input_tokens, body, state.parse_ctx))

@@ -16,6 +16,7 @@ import uvicorn
 from radixserve.config import ServerConfig
 from radixserve.engine.engine import Engine
 from radixserve.http.app import create_app
+from radixserve.http.wire import http_protocol
 from radixserve.model.loader import Model, load_model
 from radixserve.text.chat_template import ChatTemplate
 
@@ -38,7 +39,8 @@ def build_engine(cfg: ServerConfig) -> Engine:
 
 def bind(cfg: ServerConfig) -> list[socket.socket]:
     """llama-server's --host: comma-separated addresses, a path ending in .sock being a UNIX
-    socket; an IPv6 address binds IPv6 only; --reuse-port sets SO_REUSEPORT."""
+    socket; an IPv6 address binds IPv6 only; --reuse-port sets SO_REUSEPORT; --port 0 binds a
+    free port (one TCP address only), which becomes `cfg.port` (the log says it)."""
     socks: list[socket.socket] = []
     for host in [h.strip() for h in cfg.host.split(",") if h.strip()]:
         if host.endswith(".sock"):
@@ -55,6 +57,8 @@ def bind(cfg: ServerConfig) -> list[socket.socket]:
             if family == socket.AF_INET6:
                 s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             s.bind((host.strip("[]"), cfg.port))
+            if cfg.port == 0:  # llama-server's --port 0: a free port, logged as the port
+                cfg.port = s.getsockname()[1]
         s.listen(2048)
         s.set_inheritable(True)
         socks.append(s)
@@ -99,7 +103,7 @@ def http_server(cfg: ServerConfig, app: Any) -> uvicorn.Server:
     """uvicorn as the server and the router run it: its own logs off, TLS from --ssl-*."""
     return uvicorn.Server(uvicorn.Config(
         app, log_level="warning", access_log=False, ssl_keyfile=cfg.ssl_key_file,
-        ssl_certfile=cfg.ssl_cert_file))
+        ssl_certfile=cfg.ssl_cert_file, http=http_protocol()))  # names spelled as llama-server
 
 
 def run_server(cfg: ServerConfig, server: uvicorn.Server, socks: list[socket.socket]) -> None:

@@ -8,7 +8,6 @@ prompt itself are checked in `parse.py`, which turns these models into a `Comple
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from typing import Annotated, Any, TypeVar
@@ -22,19 +21,12 @@ from pydantic import (
     field_validator,
 )
 
-from radixserve.errors import TaskError, invalid_request
+from radixserve.errors import TaskError, invalid_request, show
 from radixserve.text.chat_template import flatten_content
 
 log = logging.getLogger(__name__)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
-def _show(v: Any) -> str:
-    try:
-        return json.dumps(v)[:80]
-    except (TypeError, ValueError):
-        return repr(v)[:80]
 
 
 def _int(v: Any) -> int:
@@ -44,25 +36,25 @@ def _int(v: Any) -> int:
     if isinstance(v, float) and v.is_integer():
         return int(v)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"Value must be an integer, but got {_show(v)}")
+        raise ValueError(f"Value must be an integer, but got {show(v)}")
     return v
 
 
 def _float(v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"Value must be a finite number, but got {_show(v)}")
+        raise ValueError(f"Value must be a finite number, but got {show(v)}")
     return float(v)
 
 
 def _bool(v: Any) -> bool:
     if not isinstance(v, bool):
-        raise ValueError(f"Value must be a boolean, but got {_show(v)}")
+        raise ValueError(f"Value must be a boolean, but got {show(v)}")
     return v
 
 
 def _str(v: Any) -> str:
     if not isinstance(v, str):
-        raise ValueError(f"Value must be a string, but got {_show(v)}")
+        raise ValueError(f"Value must be a string, but got {show(v)}")
     return v
 
 
@@ -70,7 +62,7 @@ def _stop(v: Any) -> list[str]:
     """`stop`: a string or a list of strings; empty strings dropped (they would match at once)."""
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise ValueError(f"Value must be a string or a list of strings, but got {_show(v)}")
+        raise ValueError(f"Value must be a string or a list of strings, but got {show(v)}")
     return [s for s in items if s]
 
 
@@ -247,11 +239,11 @@ class ChatMessage(_Body):
             return calls
         if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
             raise ValueError(f"Value must be an array of tool call objects, but got "
-                             f"{_show(calls)}")
+                             f"{show(calls)}")
         for c in calls:
             if c.get("function") is not None and not isinstance(c["function"], dict):
                 raise ValueError(f"a tool call's 'function' must be an object, but got "
-                                 f"{_show(c['function'])}")
+                                 f"{show(c['function'])}")
         return calls
 
     def to_template(self) -> dict[str, Any]:
@@ -309,14 +301,14 @@ def validation_message(e: ValidationError) -> str:
         return f"Field '{field}' is required"
     msg = str(err["msg"]).removeprefix("Value error, ")
     if err["type"] in ("model_type", "model_attributes_type", "dict_type", "list_type"):
-        msg = f"{msg}, but got {_show(err.get('input'))}"
+        msg = f"{msg}, but got {show(err.get('input'))}"
     return f"Field '{field}': {msg}" if field else msg
 
 
 def validate_body(model: type[M], body: Any) -> M:
     """`body` (decoded JSON) as `model`, or TaskError 400 naming the first bad field."""
     if not isinstance(body, dict):
-        raise invalid_request(f"request body must be a JSON object, got {_show(body)}")
+        raise invalid_request(f"request body must be a JSON object, got {show(body)}")
     try:
         return model.model_validate(body)
     except ValidationError as e:

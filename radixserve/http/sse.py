@@ -18,7 +18,7 @@ import json
 import logging
 from typing import Any
 
-from radixserve.engine.task import FinalResult, PartialResult, TokenProbs
+from radixserve.engine.task import FinalResult, PartialResult, Progress, TokenProbs
 from radixserve.errors import TaskError
 from radixserve.http.parse import ParsedRequest
 from radixserve.http.responses import (
@@ -28,6 +28,7 @@ from radixserve.http.responses import (
     oai_logprobs,
     probs_json,
     usage_json,
+    verbose_json,
 )
 from radixserve.text.chat_parse import ParsedMessage, message_deltas
 
@@ -39,6 +40,12 @@ SSE_DONE = b"data: [DONE]\n\n"
 def sse_event(obj: Any) -> bytes:
     """`data: <compact json>\\n\\n` (llama-server framing)."""
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_named(event: str, data: Any) -> bytes:
+    """`event: <event>\\ndata: <compact json>\\n\\n`: a named event (the Responses and
+    Anthropic Messages framing)."""
+    return b"event: " + event.encode() + b"\n" + sse_event(data)
 
 
 _MARK = "\x00radixserve-field-{}\x00"  # a string no chunk field holds: cut points
@@ -92,6 +99,8 @@ class StreamFormatter:
 
     def partial_bytes(self, p: PartialResult) -> bytes:
         """The SSE events of `partial(p)`, framed; plain text chunks from the template."""
+        if p.progress is not None:
+            return self.frame(self.progress(p.progress))
         if p.probs or p.timings is not None or not self._plain():
             return b"".join(self.frame(c) for c in self.partial(p))
         self.n_tokens += len(p.tokens)
@@ -99,6 +108,10 @@ class StreamFormatter:
             return b""
         self.text_sent += p.text
         return self._text_event(p.text, p.tokens)
+
+    def progress(self, pr: Progress) -> dict[str, Any]:
+        """A `return_progress` event: an empty chunk with `prompt_progress`."""
+        return self._chunk("", [], []) | {"prompt_progress": pr.to_json()}
 
     def _plain(self) -> bool:
         """Whether text chunks are plain (the template applies)."""
@@ -197,11 +210,12 @@ class _OAIStream(StreamFormatter):
         return tpl[0] + _text_json(text) + tpl[1]
 
     def _close(self, f: FinalResult) -> list[dict[str, Any]]:
-        """Finish chunk; with include_usage a usage chunk (empty choices) carries the timings."""
-        last = self._envelope([self._finish_choice(f)])
+        """Finish chunk (with `__verbose` when asked); with include_usage a usage chunk (empty
+        choices) carries the timings."""
+        last = self._envelope([self._finish_choice(f)]) | verbose_json(f, self.req, self.ctx)
         if not self.req.include_usage:
-            return [last | {"timings": f.timings.to_json()}]
-        usage = self._envelope([]) | {"usage": usage_json(f), "timings": f.timings.to_json()}
+            return [last | f.timings.fields()]
+        usage = self._envelope([]) | {"usage": usage_json(f), **f.timings.fields()}
         return [last, usage]
 
     def _finish_choice(self, f: FinalResult) -> dict[str, Any]:
@@ -269,6 +283,10 @@ class ChatStream(_OAIStream):
         role = {"role": "assistant", "content": None}
         choice = {"finish_reason": None, "index": self.req.task.index, "delta": role}
         return [self._envelope([choice])]
+
+    def progress(self, pr: Progress) -> dict[str, Any]:
+        """As llama-server: the role delta again, with `prompt_progress`."""
+        return self.start()[0] | {"prompt_progress": pr.to_json()}
 
     def _chunk(self, text: str, tokens: list[int], probs: list[TokenProbs]) -> dict[str, Any]:
         choice: dict[str, Any] = {"finish_reason": None, "index": self.req.task.index,

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
@@ -47,19 +47,37 @@ def ui_files() -> dict[str, Path]:
     return files
 
 
+# llama-server's answer to a service worker's update check where its page is not served
+# (server-http.cpp, verbatim): a browser that used llama.cpp's page at this address keeps its
+# worker, which shows that page from its cache until it is told to remove itself. This server
+# never serves llama.cpp's page, so /sw.js is always this (or --path's own sw.js).
+SW_REMOVE_JS = """
+self.addEventListener('install', () => self.skipWaiting());
+self.addEventListener('activate', (e) => e.waitUntil((async () => {
+    await self.registration.unregister();
+    for (const key of await caches.keys()) await caches.delete(key);
+    for (const c of await self.clients.matchAll({ type: 'window' })) c.navigate(c.url);
+})()));
+"""
+
+
 def public_paths(cfg: ServerConfig) -> frozenset[str]:
     """Paths the API key does not guard: the page's files (llama-server's frontend paths),
-    whether the packaged page or --path's directory is served at those names."""
+    whether the packaged page or --path's directory is served at those names, and /sw.js
+    (public in llama-server, --no-ui included: its page's service worker is one of them)."""
     # "": PREFIX itself, which redirects to PREFIX/ (--api-prefix)
-    return frozenset([*ui_files(), ""]) if cfg.webui else frozenset()
+    return frozenset([*ui_files(), "", "/sw.js"]) if cfg.webui else frozenset({"/sw.js"})
 
 
 def mount_page(app: FastAPI, cfg: ServerConfig) -> None:
     """The page's own files (and --path's directory): static files, not API routes, so they
     stay out of the OpenAPI document; `GET /cache` is an API route (add_routes)."""
+    prefix = cfg.api_prefix
+    # a static file, not an API route; before --path's mount, which takes every path
+    app.add_route(prefix + "/sw.js", _service_worker(cfg), methods=["GET", "HEAD"],
+                  include_in_schema=False)
     if not cfg.webui:
         return
-    prefix = cfg.api_prefix
     if prefix:  # the page's URLs are relative: it must be loaded from "PREFIX/"
         app.add_api_route(prefix, lambda: RedirectResponse(prefix + "/", 308),
                           methods=["GET"], include_in_schema=False)
@@ -69,6 +87,20 @@ def mount_page(app: FastAPI, cfg: ServerConfig) -> None:
     for path, file in ui_files().items():
         app.add_api_route(prefix + path, _serve(file), methods=["GET", "HEAD"],
                           include_in_schema=False)
+
+
+def _service_worker(cfg: ServerConfig) -> Any:
+    """--path's sw.js where it has one (llama-server serves the directory first), else the
+    worker that removes itself."""
+    own = Path(cfg.static_path) / "sw.js" if cfg.webui and cfg.static_path else None
+
+    async def serve(_: Request) -> Response:
+        if own is not None and own.is_file():
+            return FileResponse(own, media_type=MEDIA_TYPES[".js"])
+        return Response(SW_REMOVE_JS, media_type="application/javascript",
+                        headers={"Cache-Control": "no-cache"})
+
+    return serve
 
 
 def _serve(file: Path) -> Any:

@@ -26,6 +26,11 @@ class Request(Protocol):
         """The prompt and its cache namespace: KV of another namespace never serves it."""
         ...
 
+    @property
+    def pin_key(self) -> PromptKey:
+        """What a pin keeps: `key`, or a prefix of it (Anthropic's cache breakpoints)."""
+        ...
+
 
 class Holder(Protocol):
     kv: SlotKV

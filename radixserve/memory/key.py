@@ -19,3 +19,7 @@ class PromptKey:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def prefix(self, n: int) -> PromptKey:
+        """The key of the first `n` tokens, in the same namespace (itself when n covers all)."""
+        return self if n >= len(self.tokens) else PromptKey(self.ns, self.tokens[:n])

@@ -234,8 +234,8 @@ class MemoryManager:
     def release(self, slot: Holder, task: Request, answered: bool) -> None:
         """The slot's task ended (`answered`: not cancelled): its KV stays in the slot (the
         slot-level prompt cache), is written through to disk when there is a disk tier, and its
-        prompt is pinned in the tree for the task's `pin_s` seconds when asked; shifted or flushed KV is
-        dropped, never reused."""
+        prompt (or the prefix `pin_key` names) is pinned in the tree for the task's `pin_s`
+        seconds when asked; shifted or flushed KV is dropped, never reused."""
         kv, pin_s = slot.kv, task.pin_s
         kv.truncate(len(kv))  # cancelled mid-prompt: drop KV past the contiguous prefix
         if not kv.reusable:
@@ -244,10 +244,10 @@ class MemoryManager:
             # on disk now, not only when the slot is reused: a restart; pinned: in the tree
             self.host.cache.update()
         if pin_s and answered and kv.reusable and not self.host.cache.pin(
-                task.key, pin_s):
+                task.pin_key, pin_s):
             log.warning("slot %d: task %d's prompt (%d tokens) not pinned: over "
                         "--cache-pin-mib, or not kept by the host cache", slot.id, task.id,
-                        len(task.key))
+                        len(task.pin_key))
 
     def drop(self, slot: Holder) -> None:
         """The slot's task failed: its KV may be half-written, so none of it is kept."""

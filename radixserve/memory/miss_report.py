@@ -1,5 +1,5 @@
-"""Why a prompt missed: the `reuse` report of every completion (`timings.reuse`, the log at info
-level, the last one per slot in `/slots`).
+"""Why a prompt missed: the `reuse` report of every completion (beside its `timings`), the log
+at info level, the last one per slot in `/slots`.
 
 A user whose agent recomputes its whole history at every step cannot see why from `cache_n`
 alone. The report names the tier that served the prefix (`slot`: the slot's own KV, with
@@ -35,7 +35,7 @@ EXCERPT_TOKENS = 16  # tokens of each text shown from the first difference on
 @dataclass(slots=True, frozen=True)
 class Reuse:
     """Where a prompt's reused prefix came from and, when less than the cache held or nothing
-    was reused, why: `timings.reuse`, the log and `/slots`."""
+    was reused, why: a completion's `reuse`, the log and `/slots`."""
 
     tier: str  # slot, slot_share, ram, disk or none
     n_tokens: int  # prompt tokens it gave (timings.cache_n)

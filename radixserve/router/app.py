@@ -25,11 +25,10 @@ from typing import Any
 import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
 from radixserve.config import ServerConfig
-from radixserve.http.app import cors_options
+from radixserve.http.cors import CorsMiddleware
 from radixserve.http.errors import GuardedRoute, error_response, install_error_handlers, read_json
 from radixserve.http.middleware import BodyGuard, GateMiddleware
 from radixserve.router.registry import ModelEntry, Models, RouterError, Spawn
@@ -43,7 +42,7 @@ PROXY_POST = ("/completion", "/completions", "/v1/completions", "/chat/completio
               "/v1/embeddings", "/rerank", "/reranking", "/v1/rerank", "/v1/reranking",
               "/tokenize", "/detokenize", "/apply-template", "/props", "/lora-adapters",
               "/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
-              "/slots/{id_slot}")
+              "/responses/input_tokens", "/v1/responses/input_tokens", "/slots/{id_slot}")
 PROXY_GET = ("/metrics", "/slots", "/lora-adapters", "/cache")
 HOP_HEADERS = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"upgrade",
                          b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
@@ -138,7 +137,7 @@ def create_router_app(cfg: ServerConfig, models: Models,
     install_error_handlers(app)
     app.add_middleware(BodyGuard, max_bytes=cfg.max_body_mib << 20, timeout_s=cfg.timeout)
     app.add_middleware(GateMiddleware, state=RouterGate(cfg))
-    app.add_middleware(CORSMiddleware, **cors_options(cfg))
+    app.add_middleware(CorsMiddleware, cfg=cfg)
     router = APIRouter(route_class=GuardedRoute)
 
     def fail(e: RouterError) -> Response:

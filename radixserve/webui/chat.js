@@ -132,7 +132,8 @@ export function createChat({ onFinished = () => {} } = {}) {
   function figuresText(f) {
     const parts = [];
     if (f.prompt_n != null || f.cache_n != null) {
-      parts.push('prompt: ' + fmt.format(f.prompt_n ?? 0) + ' computed, ' + fmt.format(f.cache_n ?? 0) + ' reused');
+      const from = f.cache_n && f.tier ? ' from ' + f.tier : '';  // the `reuse` report's tier
+      parts.push('prompt: ' + fmt.format(f.prompt_n ?? 0) + ' computed, ' + fmt.format(f.cache_n ?? 0) + ' reused' + from);
     }
     if (f.ttft_ms != null) parts.push('TTFT ' + fmt.format(f.ttft_ms) + ' ms');
     if (f.tps != null) parts.push(f.tps.toFixed(1) + ' tok/s');
@@ -162,7 +163,7 @@ export function createChat({ onFinished = () => {} } = {}) {
         const f = turn.figures;
         const p = document.createElement('p');
         p.className = 'figures';
-        const attrs = { 'data-prompt-n': f.prompt_n, 'data-cache-n': f.cache_n, 'data-ttft-ms': f.ttft_ms, 'data-tps': f.tps };
+        const attrs = { 'data-prompt-n': f.prompt_n, 'data-cache-n': f.cache_n, 'data-ttft-ms': f.ttft_ms, 'data-tps': f.tps, 'data-tier': f.tier };
         for (const [k, v] of Object.entries(attrs)) if (v != null) p.setAttribute(k, String(v));
         p.textContent = figuresText(f);
         li.append(p);
@@ -232,6 +233,7 @@ export function createChat({ onFinished = () => {} } = {}) {
     const t0 = performance.now();
     let ttft = null;
     let timings = null;
+    let reuse = null;
     try {
       await streamChat(body, {
         signal: ctrl.signal,
@@ -246,6 +248,7 @@ export function createChat({ onFinished = () => {} } = {}) {
             scrollDown(stick);
           }
           if (chunk && isObj(chunk.timings)) timings = chunk.timings;
+          if (chunk && isObj(chunk.reuse)) reuse = chunk.reuse;  // beside timings, last chunk
         },
       });
       answer.state = 'done';
@@ -255,6 +258,7 @@ export function createChat({ onFinished = () => {} } = {}) {
         cache_n: timings ? num(timings.cache_n) : null,
         ttft_ms: ttft,
         tps: timings ? num(timings.predicted_per_second) : null,
+        tier: reuse && typeof reuse.tier === 'string' ? reuse.tier : null,
       };
     } catch (err) {
       if (ctrl.signal.aborted) {

@@ -28,13 +28,72 @@ _real_client = httpx.AsyncClient
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, handler, sessions: list[Session],
-         concurrency: int = 1):
+         concurrency: int = 1, api: str = "chat"):
     def patched(**kw):  # the client under test, over an in-process transport
         return _real_client(transport=httpx.MockTransport(handler), **kw)
 
     monkeypatch.setattr(bench_client.httpx, "AsyncClient", patched)
     return asyncio.run(run_sessions("http://x", sessions, concurrency,
-                                    RequestOptions(n_predict=4)))
+                                    RequestOptions(n_predict=4, api=api)))
+
+
+def _named(*events: tuple[str, dict]) -> bytes:
+    return b"".join(f"event: {n}\ndata: {json.dumps(d)}\n\n".encode() for n, d in events)
+
+
+def test_messages_api_turns_and_cache_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anthropic's stream: the system prompt apart, text from text deltas, computed = input +
+    cache creation, reused = cache read."""
+    seen: list[dict] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        assert req.url.path == "/v1/messages"
+        seen.append(json.loads(req.content))
+        usage = {"input_tokens": 2, "cache_read_input_tokens": 10 * len(seen),
+                 "cache_creation_input_tokens": 5, "output_tokens": 0}
+        return httpx.Response(200, content=_named(
+            ("message_start", {"type": "message_start", "message": {"usage": usage}}),
+            ("content_block_start", {"type": "content_block_start", "index": 0,
+                                     "content_block": {"type": "text", "text": ""}}),
+            ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                     "delta": {"type": "text_delta", "text": f"r{len(seen)}"}}),
+            ("message_delta", {"type": "message_delta", "usage": {"output_tokens": 3}}),
+            ("message_stop", {"type": "message_stop"})))
+
+    recs, _ = _run(monkeypatch, handler, [Session("c", "chat", "sys", ("u1", "u2"))],
+                   api="messages")
+    assert seen[1]["system"] == "sys" and seen[1]["messages"] == [
+        {"role": "user", "content": "u1"}, {"role": "assistant", "content": "r1"},
+        {"role": "user", "content": "u2"}]
+    assert (recs[1].cache_n, recs[1].prompt_n, recs[1].predicted_n) == (20, 7, 3)
+    assert recs[1].reply == "r2" and recs[1].ttft_s is not None
+
+
+def test_responses_api_chains_previous_response_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenAI responses: the first turn sends the conversation, later ones only the new
+    message and the previous response's id; cached tokens from usage."""
+    seen: list[dict] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        assert req.url.path == "/v1/responses"
+        seen.append(json.loads(req.content))
+        n = len(seen)
+        usage = {"input_tokens": 30 * n, "input_tokens_details": {"cached_tokens": 20 * n},
+                 "output_tokens": 4}
+        return httpx.Response(200, content=_named(
+            ("response.created", {"type": "response.created", "response": {"id": f"resp_{n}"}}),
+            ("response.output_text.delta", {"type": "response.output_text.delta",
+                                            "delta": f"r{n}"}),
+            ("response.completed", {"type": "response.completed",
+                                    "response": {"id": f"resp_{n}", "usage": usage}})))
+
+    recs, _ = _run(monkeypatch, handler, [Session("c", "chat", "sys", ("u1", "u2", "u3"))],
+                   api="responses")
+    assert "previous_response_id" not in seen[0] and seen[0]["input"][0]["role"] == "system"
+    assert [b.get("previous_response_id") for b in seen[1:]] == ["resp_1", "resp_2"]
+    assert seen[2]["input"] == [{"role": "user", "content": "u3"}]
+    assert (recs[2].cache_n, recs[2].prompt_n, recs[2].predicted_n) == (60, 30, 4)
+    assert [r.reply for r in recs] == ["r1", "r2", "r3"]
 
 
 def test_timings_and_history(monkeypatch: pytest.MonkeyPatch) -> None:

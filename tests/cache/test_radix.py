@@ -365,6 +365,51 @@ def test_pins_survive_eviction_lapse_on_time_and_fit_their_budget() -> None:
     cache.check()
 
 
+def test_a_prefix_pin_keeps_exactly_that_prefix_through_eviction() -> None:
+    """A pin whose key ends inside a stored edge splits the edge there: the prefix stays (its
+    bytes are those tokens' rows, prorated as the split makes them), what follows it goes."""
+    pool = fake_pool()
+    cache = RadixPromptCache(limit_bytes=8 * BPT, pin_limit_bytes=6 * BPT)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    fill(pool, 0, prompt)
+    assert cache.save(pool, 0, PromptKey("", prompt))
+    assert cache.pin(PromptKey("", prompt[:4]), 100.0)
+    assert [p.end.tokens for p in cache.pins] == [[1, 2, 3, 4]]
+    assert cache.stats()["pinned_bytes"] == 4 * BPT
+    cache.check()
+    for p in ([8, 8, 8], [9, 9, 9]):  # 7 + 3 + 3 tokens > 8: the unpinned tail goes
+        fill(pool, 0, p)
+        assert cache.save(pool, 0, PromptKey("", p))
+        cache.check()
+    assert cache.tree.match(prompt).length == 4
+    assert (1, 2, 3, 4) in stored_prompts(cache.tree)
+    assert tuple(prompt) not in stored_prompts(cache.tree)
+    assert match_rows(cache.tree, prompt) == prefix_hashes(prompt)[:4]
+
+
+def test_a_pin_too_big_alone_changes_nothing() -> None:
+    """A pin larger than the pin budget by itself is refused before anything changes: the
+    other pins stay (none lapses for it) and the edge it ends inside is not split. One that
+    fits exactly (its prefix's bytes, prorated) is taken, the older pins lapsing for it."""
+    pool = fake_pool()
+    cache = RadixPromptCache(limit_bytes=32 * BPT, pin_limit_bytes=6 * BPT)
+    for p in ([1, 1, 1, 1], [2] * 8):
+        fill(pool, 0, p)
+        assert cache.save(pool, 0, PromptKey("", p))
+    assert cache.pin(PromptKey("", [1, 1, 1, 1]), 100.0)
+    before = snapshot(cache.tree)
+    for n in (7, 8):  # inside the edge [2] * 8, and the whole of it: 7, 8 tokens > 6
+        assert not cache.pin(PromptKey("", [2] * n), 100.0)
+        assert snapshot(cache.tree) == before
+        assert [p.end.tokens for p in cache.pins] == [[1, 1, 1, 1]] and cache.pins_lapsed == 0
+        assert cache.stats()["pinned_bytes"] == 4 * BPT
+        cache.check()
+    assert cache.pin(PromptKey("", [2] * 6), 100.0)  # 6 tokens' bytes: the budget exactly
+    assert [p.end.tokens for p in cache.pins] == [[2] * 6] and cache.pins_lapsed == 1
+    assert cache.stats()["pinned_bytes"] == 6 * BPT
+    cache.check()
+
+
 def test_partitioned_pool_round_trip() -> None:
     pool = fake_pool(n_cells=16, n_seq=2, unified=False)
     cache = RadixPromptCache(-1)

@@ -105,12 +105,17 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 
 def check_error_shape(response: Any) -> None:
-    """A 4xx is OpenAI's error object, its code the status (response_schema_conformance checks
-    the shape too, from the document; this does not depend on the document)."""
+    """A 4xx is OpenAI's error object, its code the status, or on Anthropic's routes its
+    `{"type": "error", "error": {type, message}}` (response_schema_conformance checks the
+    shape too, from the document; this does not depend on the document)."""
     if 400 <= response.status_code < 500:
         body = response.json()
         err = body.get("error") if isinstance(body, dict) else None
         assert isinstance(err, dict), body
+        if body.get("type") == "error":  # Anthropic's shape (/v1/messages): no code
+            assert isinstance(err.get("message"), str) and err["message"], body
+            assert isinstance(err.get("type"), str) and err["type"], body
+            return
         assert err.get("code") == response.status_code, body
         assert isinstance(err.get("message"), str) and err["message"], body
         assert isinstance(err.get("type"), str) and err["type"], body
@@ -189,7 +194,10 @@ def test_every_route_is_documented(api_prefix: str) -> None:
     assert set(bodies) == {"/completion", "/completions", "/v1/completions", "/chat/completions",
                            "/v1/chat/completions", "/tokenize", "/detokenize", "/apply-template",
                            "/slots/{id_slot}", "/embedding", "/embeddings", "/v1/embeddings",
-                           "/infill"}
+                           "/infill", "/v1/responses", "/responses", "/v1/responses/input_tokens",
+                           "/responses/input_tokens", "/v1/messages",
+                           "/v1/messages/count_tokens", "/chat/completions/input_tokens",
+                           "/v1/chat/completions/input_tokens"}
     fields = {p: set(s["properties"]) for p, s in bodies.items()}
     assert {"prompt", "n_predict", "max_tokens", "temperature", "stream", "cache_salt", "id_slot",
             "speculative.n_max", "logit_bias"} <= fields["/completion"]

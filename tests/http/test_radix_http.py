@@ -3,6 +3,8 @@ once, concurrent restores of one prefix, and restore faults that fall back clean
 
 from __future__ import annotations
 
+import json
+import math
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -123,27 +125,50 @@ def test_restore_fault_falls_back_and_the_tree_stays_usable(tiny_path, tmp_path)
     assert health.status_code == 200
 
 
+def assert_numeric_timings(body: dict) -> None:
+    """llama-server's `timings` holds numbers only (clients check each value is finite)."""
+    t = body["timings"]
+    assert t and all(isinstance(v, (int, float)) and math.isfinite(v) for v in t.values()), t
+
+
 def test_every_completion_says_where_its_prefix_came_from(default_np2_server):
-    """`timings.reuse` on /completion (plain and streamed), on the chat endpoint, and the
-    slot's last report in /slots (the fields' meaning: tests/engine/test_reuse.py). On the
+    """`reuse` beside `timings` (which stays numbers only, as llama-server's) on /completion
+    (plain and streamed), on the chat endpoint (plain and streamed) and on /v1/completions, and
+    the slot's last report in /slots (the fields' meaning: tests/engine/test_reuse.py). On the
     session's shared server: prompts of their own, read per slot."""
     url = default_np2_server.url
     rng = random.Random(36)
     doc = [rng.randrange(1000, 40000) for _ in range(120)]
-    first = complete(url, doc + [7])["timings"]["reuse"]
-    assert (first["tier"], first["n_tokens"]) == ("none", 0)
-    r = complete(url, doc + [9])["timings"]
-    assert r["reuse"]["tier"] == "slot" and r["reuse"]["n_tokens"] == r["cache_n"] == 120
+    first = complete(url, doc + [7])
+    assert_numeric_timings(first)
+    assert (first["reuse"]["tier"], first["reuse"]["n_tokens"]) == ("none", 0)
+    r = complete(url, doc + [9])
+    assert_numeric_timings(r)
+    assert r["reuse"]["tier"] == "slot" and r["reuse"]["n_tokens"] == r["timings"]["cache_n"] == 120
     assert r["reuse"]["n_held"] == r["reuse"]["first_diff"] == 120 and r["reuse"]["prompt_text"]
     body = {"prompt": doc + [11], "n_predict": 4, "temperature": 0, "stream": True}
     with httpx.stream("POST", url + "/completion", json=body, timeout=120) as s:
         chunks = [line for line in s.iter_lines() if line.startswith("data: ")]
-    last = httpx.Response(200, content=chunks[-1][6:]).json()
-    assert last["stop"] and last["timings"]["reuse"]["n_tokens"] == 120
+    last = json.loads(chunks[-1][6:])
+    assert_numeric_timings(last)
+    assert last["stop"] and last["reuse"]["n_tokens"] == 120
     slots = httpx.get(url + "/slots", timeout=60).json()
-    assert slots[last["id_slot"]]["reuse"] == last["timings"]["reuse"]
+    assert slots[last["id_slot"]]["reuse"] == last["reuse"]
+    text = httpx.post(url + "/v1/completions", json={"prompt": doc + [13], "max_tokens": 2},
+                      timeout=120).json()
+    assert_numeric_timings(text)
+    assert text["reuse"]["n_tokens"] == text["timings"]["cache_n"] == 120
     chat = {"messages": [{"role": "user", "content": f"hi {rng.random()}"}], "max_tokens": 3}
     for _ in range(2):
         c = httpx.post(url + "/v1/chat/completions", json=chat, timeout=120).json()
-    assert c["timings"]["reuse"]["tier"] == "slot"
-    assert c["timings"]["reuse"]["n_tokens"] == c["timings"]["cache_n"] > 0
+    assert_numeric_timings(c)
+    assert c["reuse"]["tier"] == "slot"
+    assert c["reuse"]["n_tokens"] == c["timings"]["cache_n"] > 0
+    with httpx.stream("POST", url + "/v1/chat/completions", json=chat | {"stream": True},
+                      timeout=120) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    closing = [e for e in events if "timings" in e]
+    assert len(closing) == 1 and closing[0] is events[-1]
+    assert_numeric_timings(closing[0])
+    assert closing[0]["reuse"]["n_tokens"] == closing[0]["timings"]["cache_n"] > 0

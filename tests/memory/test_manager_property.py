@@ -60,6 +60,10 @@ class FakeTask:
     cache_prompt: bool = True
     pin_s: float = 0.0
 
+    @property
+    def pin_key(self) -> PromptKey:
+        return self.key
+
 
 @dataclass
 class FakeSlot:

@@ -142,6 +142,9 @@ def chat_two_turns_then_a_new_chat(page: Any, server: ServerProcess, output_dir:
     first_prompt = answers[0]["prompt-n"] + answers[0]["cache-n"]
     assert answers[0]["cache-n"] == 0
     assert answers[1]["cache-n"] >= first_prompt  # the whole first turn was reused
+    # the `reuse` report beside the timings names the tier that served it: the slot's own KV
+    second = page.locator("#messages .figures").last
+    assert second.get_attribute("data-tier") == "slot" and "reused from slot" in second.inner_text()
     assert all(f["ttft-ms"] > 0 and f["tps"] > 0 for f in answers)
 
     # only the page has used the server so far: the cache view's figures, once a poll saw the

@@ -214,14 +214,18 @@ class RadixPromptCache:
         """Keep the nodes holding `key` (stored whole: save them first) from LRU eviction for
         `seconds`; a pin of the same nodes is extended. Pins hold at most `pin_limit_bytes`
         (shared nodes counted once): the oldest lapse first to make room, and a prompt larger
-        than the budget alone is not pinned (False)."""
+        than the budget alone is not pinned (False: the tree and the other pins as they were).
+        A key ending inside a stored edge (a prompt's prefix) splits it there: the pin keeps
+        that prefix, not what follows."""
         now = time.monotonic() if now is None else now
         self.expire_pins(now)
         tokens = key.tokens
         match = self.tree.match(tokens, key.ns)
         if not match.path or match.length < len(tokens):
             return False
-        end = match.path[-1]
+        if self._path_bytes(match.path, len(tokens)) > self.pin_limit_bytes:
+            return False  # too big alone: no split made, no other pin lapsed for it
+        end = self.tree.cut(match.path[-1], len(tokens))
         old = next((p for p in self.pins if p.end is end), None)
         if old is not None:
             self.pins.remove(old)
@@ -234,6 +238,14 @@ class RadixPromptCache:
             self._unpin(self.pins[0])
             self.pins_lapsed += 1
         return any(p.end is end for p in self.pins)
+
+    @staticmethod
+    def _path_bytes(path: list[RadixNode], depth: int) -> int:
+        """The bytes of the nodes a pin ending `depth` tokens deep on `path` would hold: the
+        last edge's up to that depth (as `tree.cut` would split it: rows are per token)."""
+        *above, last = path
+        n = depth - (last.depth - len(last.tokens))
+        return sum(p.nbytes for p in above) + last.nbytes * n // len(last.tokens)
 
     def expire_pins(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now

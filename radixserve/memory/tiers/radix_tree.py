@@ -150,6 +150,14 @@ class RadixTree:
             n = n.parent
         self._push_if_evictable(node)
 
+    def cut(self, node: RadixNode, depth: int) -> RadixNode:
+        """The node ending `depth` tokens from the root on the way to `node`, whose edge spans
+        that depth: `node` itself, or the upper part of its edge, split there (a pin of a
+        prompt's prefix keeps that much only)."""
+        if depth >= node.depth:
+            return node
+        return self._split(node, depth - (node.depth - len(node.tokens)))
+
     def lock(self, node: RadixNode) -> None:
         """Pin `node` and its ancestors: eviction skips them until `unlock`."""
         self.version += 1
