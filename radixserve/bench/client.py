@@ -38,18 +38,19 @@ class RequestOptions:
     api: str = "chat"  # scenarios.APIS
 
 
+def _llama_fields(opt: RequestOptions) -> dict[str, Any]:
+    """Greedy, fixed length (`ignore_eos`) so every mode and API generates the same number of
+    tokens; streamed."""
+    return {"model": opt.model, "temperature": 0.0, "seed": 0, "stream": True,
+            "ignore_eos": True, "cache_prompt": opt.cache_prompt}
+
+
 def chat_body(messages: list[dict[str, str]], opt: RequestOptions) -> dict[str, Any]:
-    """Greedy, fixed length (`ignore_eos`) so every mode generates the same number of tokens."""
     return {
-        "model": opt.model,
+        **_llama_fields(opt),
         "messages": messages,
         "max_tokens": opt.n_predict,
-        "temperature": 0.0,
-        "seed": 0,
-        "stream": True,
         "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-        "cache_prompt": opt.cache_prompt,
         **opt.fields,
     }
 
@@ -134,7 +135,7 @@ async def stream_messages(client: httpx.AsyncClient, url: str, messages: Message
     """One streamed Anthropic message: the system prompt apart, the counts from `usage`
     (input_tokens excludes what a cache read or wrote, as Anthropic counts)."""
     system = "".join(m["content"] for m in messages if m["role"] == "system")
-    body = {"model": opt.model, "max_tokens": opt.n_predict, "temperature": 0.0, "stream": True,
+    body = {**_llama_fields(opt), "max_tokens": opt.n_predict,
             "messages": [m for m in messages if m["role"] != "system"], **opt.fields}
     if system:
         body["system"] = system
@@ -166,8 +167,8 @@ async def stream_response(client: httpx.AsyncClient, url: str, messages: Message
                           t0: float) -> tuple[str, str | None]:
     """One streamed OpenAI response: after the first turn only the new message, chained to
     the conversation the server stored by `previous_response_id`. Returns (text, its id)."""
-    body: dict[str, Any] = {"model": opt.model, "max_output_tokens": opt.n_predict,
-                            "temperature": 0.0, "stream": True, **opt.fields}
+    body: dict[str, Any] = {**_llama_fields(opt), "max_output_tokens": opt.n_predict,
+                            **opt.fields}
     if prev_id is None:
         body["input"] = messages
     else:
@@ -184,8 +185,8 @@ async def stream_response(client: httpx.AsyncClient, url: str, messages: Message
                 break
             if name == "response.output_text.delta":
                 _text_piece(rec, text, data.get("delta"), t0)
-            elif name == "response.completed":
-                done = data["response"]
+            elif name in ("response.completed", "response.incomplete"):
+                done = data["response"]  # incomplete: stopped at max_output_tokens
     usage = done.get("usage") or {}
     cached = (usage.get("input_tokens_details") or {}).get("cached_tokens") or 0
     if isinstance(usage.get("input_tokens"), int):

@@ -367,7 +367,11 @@ def _last_block(messages: list[dict[str, Any]], ttl: float) -> Breakpoint:
     return Breakpoint("text", ttl, msg=i, part=len(m["content"]) - 1)
 
 
-PASSED = ("temperature", "top_p", "top_k", "stream", "chat_template_kwargs")  # as llama-server
+# as llama-server; then, beyond it, the llama.cpp request fields an Anthropic body has no
+# word for and a client of this server may want (its cache namespace, a fixed reply length
+# for benchmarks, the seed); every other unknown field is ignored, as llama-server ignores it
+PASSED = ("temperature", "top_p", "top_k", "stream", "chat_template_kwargs",
+          "cache_prompt", "cache_salt", "ignore_eos", "seed", "id_slot")
 
 
 def to_chat(body: Any, count: bool = False) -> Translated:
@@ -493,6 +497,7 @@ def parse_messages(body: Any, ctx: ParseContext) -> ParsedRequest:
     breakpoint when the server can pin; `origin` is the request's model name."""
     tr = to_chat(body)
     req = parse_chat(tr.chat, ctx)
+    req.prefill = ""  # Anthropic answers a prefilled turn with its continuation only
     req.origin = tr.model
     for t in req.tasks:
         t.timings_per_token = req.stream  # message_start reports the cache fields

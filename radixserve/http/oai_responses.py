@@ -420,6 +420,7 @@ def parse_responses(body: Any, ctx: ParseContext, store: ResponseStore) -> Parse
     """A /v1/responses body -> the chat task(s), with the `Origin` its answer needs."""
     chat, origin = to_chat(body, store)
     parsed = parse_chat(chat, ctx)
+    parsed.prefill = ""  # a response's output is what the model wrote, not the input's text
     if len(parsed.tasks) > 1:
         raise bad_field("n", "a response has one output: n must be 1")
     params = parsed.task.params

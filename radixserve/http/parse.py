@@ -88,6 +88,11 @@ class ParsedRequest:
     chat_output: OutputFormat | None = None
     # the server's speculative settings: what `params` reports for a task whose `spec` is None
     server_spec: SpecConfig = field(default_factory=SpecConfig)
+    # chat: the assistant message the reply continues; as llama-server, the answer's message
+    # starts with it, and a stream sends it first unless `continue_final_message` asked for
+    # the continuation (`stream_prefill` false)
+    prefill: str = ""
+    stream_prefill: bool = False
     # `verbose` (or -v): OpenAI answers carry `__verbose`, the native result (rendered prompt,
     # raw text)
     verbose: bool = False
@@ -644,6 +649,9 @@ def parse_chat(body: Any, ctx: ParseContext) -> ParsedRequest:
             raise invalid_request(f"Field 'tools': {e}") from None
     parsed = build_task(req, tokens, n_probs, ctx, grammar=grammar)
     parsed.chat_output = plan.output
+    parsed.prefill = plan.prefill
+    parsed.stream_prefill = not (req.continue_final_message is True
+                                 or req.continue_final_message == "content")
     starts = user_starts(tokens, ctx.chat_template, ctx.tokenizer)
     for t in parsed.tasks:
         t.user_starts = starts

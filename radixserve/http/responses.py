@@ -56,10 +56,13 @@ def ended_by_itself(final: FinalResult) -> bool:
 
 def parse_reply(final: FinalResult, req: ParsedRequest) -> ParsedMessage:
     """The final reply as a message: parsed into reasoning, content and tool calls by the
-    request's parser (tools, reasoning), else its text as the content."""
+    request's parser (tools, reasoning), else its text as the content; after the assistant
+    message it continues, if any (`req.prefill`)."""
     if req.chat_output is None:
-        return ParsedMessage(content=final.content)
-    return req.chat_output.parser().parse(final.content)
+        return ParsedMessage(content=req.prefill + final.content)
+    msg = req.chat_output.parser().parse(final.content)
+    msg.content = req.prefill + msg.content
+    return msg
 
 
 def finish_reason(final: FinalResult, msg: ParsedMessage | None = None) -> str:
@@ -260,7 +263,7 @@ def chat_completion_json(
     choice: dict[str, Any] = {
         "finish_reason": finish_reason(final, msg),
         "index": req.task.index,
-        "message": {"role": "assistant", "content": final.content} if req.chat_output is None
+        "message": {"role": "assistant", "content": msg.content} if req.chat_output is None
         else message_json(msg),
     }
     logprobs = oai_logprobs(final.probs, req, ctx.tokenizer)

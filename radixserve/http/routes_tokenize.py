@@ -58,10 +58,12 @@ def detokenize(body: Any, tok: Tokenizer) -> dict[str, str]:
     return {"content": tok.decode(tokens)}
 
 
-def chat_input_tokens(body: Any, ctx: ParseContext) -> dict[str, int]:
+def chat_input_tokens(body: Any, ctx: ParseContext) -> dict[str, Any]:
     """A chat request's prompt tokens, counted as the completion would tokenize them, without
-    running it (llama-server's post_chat_completions_tok: no context-size check)."""
-    return {"input_tokens": len(chat_tokens(validate_body(ChatRequest, body), ctx)[1])}
+    running it (llama-server's post_chat_completions_tok: no context-size check; its answer
+    names the object as its /v1/responses/input_tokens does)."""
+    n = len(chat_tokens(validate_body(ChatRequest, body), ctx)[1])
+    return {"input_tokens": n, "object": "response.input_tokens"}
 
 
 def add_routes(r: APIRouter, state: AppState) -> None:

@@ -280,13 +280,19 @@ class ChatStream(_OAIStream):
         return chunks
 
     def start(self) -> list[dict[str, Any]]:
+        """The role chunk; then the continued assistant message's text, as llama-server
+        sends it (not counted as sent text: the replies' parses do not hold it)."""
         role = {"role": "assistant", "content": None}
         choice = {"finish_reason": None, "index": self.req.task.index, "delta": role}
-        return [self._envelope([choice])]
+        out = [self._envelope([choice])]
+        if self.req.prefill and self.req.stream_prefill:
+            out.append(self._envelope([{"finish_reason": None, "index": self.req.task.index,
+                                        "delta": {"content": self.req.prefill}}]))
+        return out
 
     def progress(self, pr: Progress) -> dict[str, Any]:
         """As llama-server: the role delta again, with `prompt_progress`."""
-        return self.start()[0] | {"prompt_progress": pr.to_json()}
+        return ChatStream.start(self)[0] | {"prompt_progress": pr.to_json()}
 
     def _chunk(self, text: str, tokens: list[int], probs: list[TokenProbs]) -> dict[str, Any]:
         choice: dict[str, Any] = {"finish_reason": None, "index": self.req.task.index,

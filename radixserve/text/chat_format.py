@@ -62,6 +62,7 @@ class ChatPlan:
     prompt: str
     grammar: str | None = None  # llguidance grammar text, not yet checked against a vocabulary
     output: OutputFormat | None = None  # None: the reply is plain content
+    prefill: str = ""  # the text of the assistant message the reply continues
 
 
 def parse_tools(value: Any) -> list[dict[str, Any]]:
@@ -162,7 +163,7 @@ def plan_chat(t: ChatTemplate, inp: ChatInputs) -> ChatPlan:
     output = None
     if inp.parse_output and (use_tools or mode != "none"):
         output = OutputFormat(kind, mode, thinking_open, kind == "generic" and parallel)
-    return ChatPlan(text, grammar, output)
+    return ChatPlan(text, grammar, output, inp.prefill)
 
 
 def _prompt(t: ChatTemplate, caps: TemplateCaps, inp: ChatInputs, kind: str,

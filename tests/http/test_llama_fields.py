@@ -109,6 +109,21 @@ def test_a_final_assistant_message_is_continued(c: TestClient) -> None:
         assert prompt_of(c, asked | {"continue_final_message": value}) == head + "Red, green"
     assert prompt_of(c, asked) == head + "Red, green"  # prefill whatever add_generation_prompt
 
+    # the answer's message starts with the continued text (llama-server's chat parser reads
+    # the prompt's tail); a stream sends it first, unless continue_final_message asked
+    body = {"messages": prefill, "max_tokens": 3, "temperature": 0}
+    done = c.post("/v1/chat/completions", json=body).json()
+    text = done["choices"][0]["message"]["content"]
+    assert text.startswith("Red, green") and len(text) > len("Red, green")
+
+    def streamed(extra: dict[str, Any]) -> str:
+        return "".join(e["choices"][0]["delta"].get("content") or "" for e in events(
+            c, "/v1/chat/completions", body | extra) if e.get("choices"))
+
+    assert streamed({}) == text
+    assert streamed({"continue_final_message": True, "add_generation_prompt": False}) == \
+        text[len("Red, green"):]
+
     def refused(body: dict[str, Any], message: str) -> None:
         r = c.post("/v1/chat/completions", json=body | {"max_tokens": 1})
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
@@ -160,7 +175,8 @@ def test_chat_input_tokens_count_what_the_completion_reports(c: TestClient) -> N
                                 {"role": "user", "content": "More?"}]}
     for path in ("/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"):
         n = c.post(path, json=body).json()
-        assert n == {"input_tokens": n["input_tokens"]} and n["input_tokens"] > 10
+        assert n == {"input_tokens": n["input_tokens"], "object": "response.input_tokens"}
+        assert n["input_tokens"] > 10
     done = c.post("/v1/chat/completions", json=body | {"max_tokens": 1}).json()
     assert done["usage"]["prompt_tokens"] == n["input_tokens"]
     bad = c.post("/v1/chat/completions/input_tokens", json={"messages": []})

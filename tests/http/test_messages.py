@@ -279,10 +279,11 @@ def test_the_translation(model: Model) -> None:
     """system blocks joined into one system message (llama-server); an assistant turn's
     thinking, text and tool_use blocks as one message; a user turn's blocks in order: tool
     results as tool messages, text as user messages (llama-server puts the text first);
-    tools and tool_choice as OpenAI's; unknown fields ignored (as llama-server)."""
+    tools and tool_choice as OpenAI's; unknown fields ignored (as llama-server), llama.cpp's
+    cache and length fields passed on (beyond llama-server)."""
     body = {
         "model": "m", "max_tokens": 8, "temperature": 0.5, "top_k": 3, "stream": True,
-        "metadata": {"user_id": "u"}, "service_tier": "auto", "stop_sequences": ["END"],
+        "metadata": {"user_id": "u"}, "service_tier": "auto", "ignore_eos": True, "n_probs": 3, "stop_sequences": ["END"],
         "system": [{"type": "text", "text": "A. "}, {"type": "text", "text": "B."}],
         "tools": [WEATHER], "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
         "thinking": {"type": "enabled", "budget_tokens": 2048},
@@ -320,7 +321,7 @@ def test_the_translation(model: Model) -> None:
             "parameters": WEATHER["input_schema"]}}],
         "tool_choice": "required", "parallel_tool_calls": False, "stop": ["END"],
         "max_tokens": 8, "temperature": 0.5, "top_k": 3, "stream": True,
-        "chat_template_kwargs": {"enable_thinking": True},
+        "chat_template_kwargs": {"enable_thinking": True}, "ignore_eos": True,
     }
     assert to_chat({**body, "tool_choice": {"type": "tool", "name": "get_time"}}).chat[
         "tool_choice"] == {"type": "function", "function": {"name": "get_time"}}
