@@ -65,6 +65,7 @@ class Call:
 
     run: Callable[[], None]
     wakes: bool = True
+    fail: Callable[[BaseException], None] | None = None  # delivers an error instead of running
 
 
 @dataclass(slots=True, frozen=True)
@@ -190,15 +191,18 @@ class Engine:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
 
+        def fail(e: BaseException) -> None:
+            loop.call_soon_threadsafe(_set_exc, fut, e)
+
         def run() -> None:
             try:
                 res = fn()
             except BaseException as e:  # noqa: BLE001 - delivered to the awaiting handler
-                loop.call_soon_threadsafe(_set_exc, fut, e)
+                fail(e)
             else:
                 loop.call_soon_threadsafe(_set_res, fut, res)
 
-        self._post(Call(run, wakes))
+        self._post(Call(run, wakes, fail))
         return await fut
 
     def _post(self, msg: Message) -> None:
@@ -261,10 +265,12 @@ class Engine:
                 self._wake()
             except Exception as e:
                 log.exception("failed to reload the model after sleeping")
+                err = TaskError(500, "server_error", f"failed to reload the model: {e}")
                 if isinstance(msg, Submit):
-                    msg.stream.emit(TaskError(500, "server_error",
-                                              f"failed to reload the model: {e}"))
-                    return
+                    msg.stream.emit(err)
+                elif msg.fail is not None:  # type: ignore[union-attr]
+                    msg.fail(err)  # type: ignore[union-attr]
+                return
         if isinstance(msg, Cancel) and self._asleep is not None:
             return  # no task lives in a sleeping engine
         try:

@@ -6,7 +6,9 @@
   (--cors-methods) and `Access-Control-Allow-Headers` (--cors-headers), and
   `Access-Control-Allow-Origin` when the origin is allowed. An origin that is not allowed gets
   no Allow-Origin (the browser then refuses the request), not an error status.
-- Every other response carries `Access-Control-Allow-Origin` for an allowed origin.
+- Every other response carries `Access-Control-Allow-Origin` for an allowed origin, and no
+  `Access-Control-Allow-Credentials` (llama-server says it on preflights only: a page cannot
+  read a credentialed answer).
 - Allowed: --cors-origins '*' (the default) with --cors-credentials (the default) echoes the
   request's Origin; '*' without credentials answers '*'; 'localhost' echoes local origins only
   (http(s)://localhost, 127.0.0.1 or [::1], any port); a list echoes the origins it names.
@@ -15,8 +17,7 @@ Where radixserve answers more than llama-server (each makes a browser allow what
 flags say is allowed): a listed origin is echoed alone (llama-server sends the whole list,
 which a browser matches against one origin only); `--cors-headers '*'` with credentials answers
 a preflight with the headers it asks for (browsers do not expand '*' for credentialed
-requests); an echoed origin's responses say `Access-Control-Allow-Credentials: true` when
-credentials are allowed (llama-server says it on preflights only) and `Vary: Origin`.
+requests); an echoed origin's responses say `Vary: Origin`.
 
 Header names go out as llama-server spells them (http/wire.py).
 """
@@ -76,8 +77,6 @@ class CorsMiddleware:
                     h[ALLOW_ORIGIN] = allow
                     if allow != "*":
                         h.add_vary_header("Origin")
-                        if self.credentials:
-                            h[ALLOW_CREDENTIALS] = "true"
             await send(msg)
 
         await self.app(scope, receive, send_with_cors)

@@ -27,9 +27,10 @@ import logging
 import time
 from typing import Any
 
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from radixserve.http.errors import error_response
+from radixserve.http.errors import error_for_path
 from radixserve.http.state import AppState
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class IdleSleep:
         self._settled = asyncio.Event()  # set unless a transition is under way
         self._settled.set()
         self.sleeps = self.wakes = 0
+        self.failures = 0  # reloads that failed; every request waiting on one gets its error
+        self.wake_error = ""
 
     @property
     def tick_s(self) -> float:
@@ -68,7 +71,7 @@ class IdleSleep:
         while True:
             await asyncio.sleep(self.tick_s)
             eng = self.state.engine
-            if (eng is None or self.state.load_error is not None
+            if (eng is None or self.state.load_error is not None or self.phase is Phase.ASLEEP
                     or not getattr(eng, "can_sleep", False)):
                 continue  # loading, failed, or an engine that cannot reload (test doubles)
             now = time.monotonic()
@@ -86,10 +89,13 @@ class IdleSleep:
             snaps = await self._snapshots()
             # a request that came meanwhile (it waits) keeps the model: no sleep to undo
             if self.last_activity == since:
-                asleep = await eng.sleep()  # False while a task runs or waits (a client left)
+                # False while a task runs or waits (a client left); shielded: a cancelled
+                # transition still ends with the engine's state known
+                asleep = await asyncio.shield(eng.sleep())
         except Exception:
             log.exception("could not enter the sleeping state")
         finally:
+            asleep = asleep or bool(getattr(eng, "sleeping", False))
             if asleep:
                 self.snapshots, self.phase = snaps, Phase.ASLEEP
                 self.sleeps += 1
@@ -97,28 +103,32 @@ class IdleSleep:
                 self.phase, self.last_activity = Phase.AWAKE, time.monotonic()
             self._settled.set()
 
-    async def wake(self) -> bool:
-        """Until the engine is awake (reloading it if it sleeps); False if reloading failed."""
+    async def wake(self) -> str | None:
+        """Until the engine is awake (reloading it if it sleeps): None, or the error of the
+        reload this request made or waited for (the next request tries again)."""
+        failures = self.failures
         while True:
             if self.phase is Phase.AWAKE:
-                return True
+                return None
             if self.phase is Phase.ASLEEP:
+                if self.failures != failures:
+                    return self.wake_error
                 self.phase = Phase.WAKING
                 self._settled.clear()
+                eng = self.state.eng
                 try:
-                    await self.state.eng.wake()
+                    await asyncio.shield(eng.wake())  # a cancelled request: the reload goes on
                 except Exception as e:
                     log.exception("failed to reload the model after sleeping")
-                    self.state.load_error = f"{type(e).__name__}: {e}"
-                    return False
+                    self.failures += 1
+                    self.wake_error = f"{type(e).__name__}: {e}"
+                    return self.wake_error
                 else:
-                    self.phase, self.snapshots = Phase.AWAKE, {}
-                    self.last_activity = time.monotonic()
+                    self.snapshots, self.last_activity = {}, time.monotonic()
                     self.wakes += 1
-                    return True
-                finally:
-                    if self.phase is Phase.WAKING:  # failed or cancelled: still asleep
-                        self.phase = Phase.ASLEEP
+                    return None
+                finally:  # the engine says where it is (a failed or cancelled reload)
+                    self.phase = Phase.ASLEEP if getattr(eng, "sleeping", False) else Phase.AWAKE
                     self._settled.set()
             await self._settled.wait()
 
@@ -186,8 +196,10 @@ class SleepMiddleware:
             return
         if z.app_obj is None:
             z.app_obj = scope.get("app")
-        path = scope["path"].removeprefix(z.state.api_prefix)
-        if path in LIVE_WHILE_ASLEEP or path in z.state.ui_paths or scope["method"] == "OPTIONS":
+        prefix, raw = z.state.api_prefix, scope["path"]
+        path = raw[len(prefix):] if raw.startswith(prefix) else ""  # "": not under the prefix
+        if (path in LIVE_WHILE_ASLEEP or path in z.state.ui_paths or scope["method"] == "OPTIONS"
+                or not _routed(scope)):  # a 404 (a scanner, a probe) never wakes the model
             await self._inside(scope, receive, send, activity=False)
             return
         snapshot = scope["method"] == "GET" and path in SNAPSHOT_PATHS
@@ -203,8 +215,9 @@ class SleepMiddleware:
                 await self._inside(scope, receive, send, activity=False)
                 return
         z.last_activity = time.monotonic()
-        if not await z.wake():
-            await error_response(500, f"Failed to load model: {z.state.load_error}")(
+        error = await z.wake()
+        if error is not None:
+            await error_for_path(raw, 500, f"Failed to load model: {error}", "server_error")(
                 scope, receive, send)
             return
         await self._inside(scope, receive, send, activity=True)
@@ -219,6 +232,15 @@ class SleepMiddleware:
             z.in_flight -= 1
             if activity:
                 z.last_activity = time.monotonic()
+
+
+def _routed(scope: Scope) -> bool:
+    """Whether a route of the app answers this path (a request no route takes is a 404 that
+    needs no model)."""
+    router = getattr(scope.get("app"), "router", None)
+    if router is None:
+        return True
+    return any(r.matches(scope)[0] is not Match.NONE for r in router.routes)
 
 
 async def _replay(snap: tuple[int, list[tuple[bytes, bytes]], bytes], send: Send) -> None:

@@ -31,6 +31,9 @@ def test_cors_default_echoes_the_origin_with_credentials(model: Model) -> None:
     assert r.headers["access-control-allow-credentials"] == "true"
     r = c.get("/health", headers={"Origin": "http://app.example"})
     assert r.headers["access-control-allow-origin"] == "http://app.example"
+    # as llama-server, credentials are allowed on the preflight only: no page reads a
+    # credentialed answer (server-http.cpp's pre-routing handler)
+    assert "access-control-allow-credentials" not in r.headers
 
 
 def test_cors_localhost_and_lists(model: Model) -> None:

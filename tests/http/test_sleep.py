@@ -136,7 +136,19 @@ def test_a_request_without_the_key_never_wakes_it_and_a_failed_reload_is_a_500(
         assert c.post("/completion", json={"prompt": "hi", "n_predict": 1}).status_code == 401
         assert c.get("/slots").status_code == 401
         assert eng.sleeping
+        # a path no route takes is a 404 that needs no model: it does not wake it
+        assert c.get("/api/tags", headers=key).status_code == 404 and eng.sleeping
         fail.set()
         r = c.post("/completion", json={"prompt": "hi", "n_predict": 1}, headers=key)
         assert r.status_code == 500 and "model file gone" in r.json()["error"]["message"]
         assert eng.sleeping
+        r = c.post("/v1/messages", headers=key, json={"model": "m", "max_tokens": 1,
+                                                      "messages": [{"role": "user",
+                                                                    "content": "hi"}]})
+        assert r.status_code == 500 and r.json()["type"] == "error"  # in its API's shape
+        # the next request tries again; once loaded, the server sleeps again when idle
+        fail.clear()
+        assert c.post("/completion", json={"prompt": "hi", "n_predict": 1},
+                      headers=key).status_code == 200
+        assert not eng.sleeping
+        until(lambda: eng.sleeping)
