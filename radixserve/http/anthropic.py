@@ -38,9 +38,9 @@ from radixserve.http.errors import anthropic_error_json
 from radixserve.http.parse import ParseContext, ParsedRequest, chat_tokens, parse_chat, render_chat
 from radixserve.http.responses import ResponseContext, ended_by_itself, parse_reply
 from radixserve.http.schemas import ChatRequest, validate_body
-from radixserve.http.sse import StreamFormatter, sse_named
+from radixserve.http.sse import ChatStream, sse_named
 from radixserve.memory.tiers.prefix import common_prefix
-from radixserve.text.chat_parse import ParsedMessage, message_deltas
+from radixserve.text.chat_parse import ParsedMessage
 
 log = logging.getLogger(__name__)
 
@@ -544,6 +544,11 @@ def stop_reason(final: FinalResult, msg: ParsedMessage | None) -> str:
     return "stop_sequence" if final.stop_type == "word" else "end_turn"
 
 
+def _deltas(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The message deltas of chat chunks (a closing chunk's delta is empty)."""
+    return [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
+
+
 def _tool_input(arguments: str) -> Any:
     try:
         value = json.loads(arguments)
@@ -572,18 +577,17 @@ def message_json(final: FinalResult, req: ParsedRequest, ctx: ResponseContext
     }
 
 
-class MessageStream(StreamFormatter):
+class MessageStream(ChatStream):
     """Anthropic's named events: message_start (at the first result: its usage has the cache
     fields), each content block's start, deltas and stop in turn, message_delta (stop reason,
-    usage), message_stop. Tool calls and reasoning are parsed as ChatStream does
-    (`message_deltas` of successive parses); each kind of delta goes to its block, and a
-    delta of another kind than the open block's closes it and opens the next."""
+    usage), message_stop. The reply is parsed and diffed as chat completions stream it (this
+    is a ChatStream); each chat delta goes to its block, and a delta of another kind than the
+    open block's closes it and opens the next."""
+
+    done = None  # message_stop ends it, no [DONE]
 
     def __init__(self, req: ParsedRequest, ctx: ResponseContext) -> None:
         super().__init__(req, ctx)
-        self.parser = None if req.chat_output is None else req.chat_output.parser()
-        self.sent = ParsedMessage()  # what the client has
-        self.raw = ""  # the reply's text so far (parsed replies)
         self.started = False
         self.blocks: dict[Any, int] = {}  # ("text"|"thinking", n) or ("tool", i) -> index
         self.open: Any = None  # the key of the open block
@@ -594,6 +598,12 @@ class MessageStream(StreamFormatter):
 
     def error(self, err: TaskError) -> bytes:
         return self.frame(anthropic_error_json(err))
+
+    def start(self) -> list[dict[str, Any]]:
+        return []  # message_start waits for the first result's timings
+
+    def _plain(self) -> bool:
+        return False  # never chat's pre-cut text chunk
 
     def _begin(self, timings: Timings | None) -> list[dict[str, Any]]:
         if self.started:
@@ -607,29 +617,11 @@ class MessageStream(StreamFormatter):
         return [{"type": "message_start", "message": message}]
 
     def partial(self, p: PartialResult) -> list[dict[str, Any]]:
-        out = self._begin(p.timings)
-        self.n_tokens += len(p.tokens)
-        if not p.text:
-            return out
-        if self.parser is None:
-            self.sent.content += p.text
-            return out + self._blocks([{"content": p.text}])
-        self.raw += p.text
-        return out + self._blocks(message_deltas(self.sent, self.parser.parse(self.raw, True)))
+        return self._begin(p.timings) + self._blocks(_deltas(super().partial(p)))
 
     def final(self, f: FinalResult) -> list[dict[str, Any]]:
-        out = self._begin(f.timings)
-        self.n_tokens = len(f.tokens)
-        if self.parser is None:
-            msg = ParsedMessage(content=f.content)
-            sent = self.sent.content
-            rest = f.content[len(sent) :] if f.content.startswith(sent) else ""
-            out += self._blocks([{"content": rest}] if rest else [])
-        else:
-            msg = self.parser.parse(f.content)
-            out += self._blocks(message_deltas(self.sent, msg))
-        out += self._close()
-        reason = stop_reason(f, msg)
+        out = self._begin(f.timings) + self._blocks(_deltas(super().final(f))) + self._end_block()
+        reason = stop_reason(f, self.msg or parse_reply(f, self.req))
         usage = usage_json(f.timings, self.req.task, f.n_prompt_tokens, len(f.tokens))
         return out + [
             {"type": "message_delta",
@@ -639,7 +631,7 @@ class MessageStream(StreamFormatter):
             {"type": "message_stop"},
         ]
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _end_block(self) -> list[dict[str, Any]]:
         if self.open is None:
             return []
         key, self.open = self.open, None
@@ -651,7 +643,7 @@ class MessageStream(StreamFormatter):
         return out + [{"type": "content_block_stop", "index": index}]
 
     def _open(self, key: Any, block: dict[str, Any]) -> list[dict[str, Any]]:
-        out = self._close()
+        out = self._end_block()
         self.blocks[key] = len(self.blocks)
         self.open = key
         return out + [{"type": "content_block_start", "index": self.blocks[key],

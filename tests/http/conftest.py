@@ -53,6 +53,13 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory
 DEFAULT_NP2 = ["-np", "2", "-c", "4096", "--deterministic", "on"]
 
 
+# The tiny model as the SDK tests run it (test_messages.py, test_responses_api.py: one process
+# when they share a worker): one slot, a 2 MiB host tier a few long prompts overflow (the
+# cache_control pin test evicts through it) and a 1 MiB pin budget.
+TINY_SDK = ["--dtype", "f32", "--weights", "native", "-np", "1", "-c", "2048", "--cache-ram", "2",
+            "--cache-pin-mib", "1"]
+
+
 @pytest.fixture(scope="session")
 def default_np2_server(shared_server: Callable[[list[str]], ServerProcess]
                            ) -> ServerProcess:

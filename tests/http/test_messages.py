@@ -39,14 +39,13 @@ from radixserve.memory.tiers.radix import RadixPromptCache
 from radixserve.model.loader import Model
 from radixserve.text.chat_template import ChatTemplate
 from tests.cache.test_radix import BPT, fake_pool, fill, stored_prompts
+from tests.http.conftest import TINY_SDK
 from tests.http.harness import ServerProcess
 from tests.http.test_app import ScriptedEngine
 from tests.text import chat_templates as T
 
 # one slot; a radix host tier of 2 MiB (4096 tokens of the tiny f32 model's 512 bytes each), of
 # which pins may hold 1 MiB; packed weights, f32: a cached prefix gives the bits a computed one does
-ARGS = ["--dtype", "f32", "--weights", "native", "-np", "1", "-c", "2048", "--cache-ram", "2",
-        "--cache-pin-mib", "1"]
 POEM = [{"role": "user", "content": "Write a poem about the sea"}]  # greedy: varied text
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {"name": "get_weather", "description": "Current weather in a city",
@@ -58,7 +57,7 @@ TIME = {"name": "get_time", "description": "Local time in a city",
 
 @pytest.fixture(scope="module")
 def srv(shared_server: Callable[[list[str]], ServerProcess], tiny_path: str) -> ServerProcess:
-    return shared_server(["-m", tiny_path, *ARGS])
+    return shared_server(["-m", tiny_path, *TINY_SDK])
 
 
 @pytest.fixture(scope="module")

@@ -34,11 +34,11 @@ from pydantic import TypeAdapter
 from radixserve.errors import TaskError
 from radixserve.http.response_store import ResponseStore
 from radixserve.text.chat_template import ChatTemplate
+from tests.http.conftest import TINY_SDK
 from tests.http.test_tools import client as scripted_client
 from tests.http.test_tools import scripted
 from tests.text.chat_templates import QWEN3
 
-SERVER_ARGS = ["--dtype", "f32", "--weights", "native", "-np", "2", "-c", "2048"]
 NO_NEWLINE = {"logit_bias": {"198": False}}  # the tiny model's greedy reply is "\n" otherwise
 INSTRUCTIONS = "Answer briefly."
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather",
@@ -49,7 +49,7 @@ EVENTS = TypeAdapter(ResponseStreamEvent)
 
 @pytest.fixture(scope="module")
 def server(shared_server, tiny_path):
-    return shared_server(["-m", tiny_path, *SERVER_ARGS])
+    return shared_server(["-m", tiny_path, *TINY_SDK])
 
 
 @pytest.fixture(scope="module")
