@@ -159,7 +159,30 @@ def print_routes(model_path: str, dtype: str, weights: str) -> int:
     print(f"kernel build: {build} (RADIXSERVE_KERNELS; compute {model.dtype}, "
           f"{model.weights} weights{dense})")
     print(table_text(build))
-    print(f"{model.name}:")
-    for name, routes in model.transformer.w.routes().items():
-        print(f"  {name:<10} " + ", ".join(f"{r} x{n}" for r, n in routes.items()))
+    print(f"{model.name}:  (held: the bytes the layers' matrices take in memory; file: in the GGUF)")
+    w = model.transformer.w
+    held, file = w.route_bytes(), layer_file_bytes(model_path)
+    for name, routes in w.routes().items():
+        size = f"held {held[name] / 2**20:.1f} MiB, file {file.get(name, 0) / 2**20:.1f} MiB"
+        print(f"  {name:<10} " + ", ".join(f"{r} x{n}" for r, n in routes.items()) + f"  {size}")
     return 0
+
+
+# the GGUF tensors each layer matrix is made of (a fused one of several)
+_PARTS = {"wqkv": ("attn_q", "attn_k", "attn_v", "attn_qkv", "shortconv.in_proj"),
+          "wo": ("attn_output", "shortconv.out_proj"),
+          "w_gate_up": ("ffn_gate", "ffn_up"), "w_down": ("ffn_down",)}
+
+
+def layer_file_bytes(model_path: str) -> dict[str, int]:
+    """Bytes each layer matrix takes in the GGUF over all layers, {matrix: bytes}."""
+    import gguf
+
+    out: dict[str, int] = {}
+    for t in gguf.GGUFReader(model_path).tensors:
+        parts = t.name.split(".")
+        if len(parts) >= 4 and parts[0] == "blk" and parts[-1] == "weight":
+            for name, kinds in _PARTS.items():
+                if ".".join(parts[2:-1]) in kinds:
+                    out[name] = out.get(name, 0) + int(t.n_bytes)
+    return out

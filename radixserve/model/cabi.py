@@ -49,11 +49,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     # f32_head.c
     "f32_head_dot": (F32, [P, P, I64]),
     "f32_head_dots": (I32, [P, I64, I64, P, I64, P, I64, P]),
-    # q4_gemv.c
-    "q4_available": (I32, []),
-    "q4_matmul_bf16": (I32, [P, P, I64, I64, I64, P]),
-    "i8_matmul_bf16": (I32, [I32, P, P, I64, I64, I64, P]),
-    "q4_dequant_t_bf16": (I32, [P, I64, I64, P]),
+    # i8act.c
+    "i8a_matmul": (I32, [I32, P, P, I64, I64, I64, P]),
     # bf16_gemm.c
     "bf16_gemm_available": (I32, []),
     "bf16_matmul": (I32, [P, P, I64, I64, I64, P]),

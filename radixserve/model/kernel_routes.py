@@ -9,7 +9,9 @@ tests/model/test_routes.py runs each one.
 
 A row's `few` and `many` say what runs a decode step (up to 4 rows) and a prefill chunk: every
 route runs one kernel for both except torch's int4 layout, whose prefill chunks (96 rows and
-more, outside deterministic mode) run a bf16 GEMM on weights unpacked for the call.
+more, outside deterministic mode) run a bf16 GEMM on weights unpacked for the call. Every build
+of our kernels runs the quantized types on the tiles with 8-bit activations (csrc/i8act.c);
+the file's own blocks (qmm.c) take what the tiles cannot hold.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ Q = gguf.GGMLQuantizationType
 Q4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)  # one affine map a group of 4-bit codes: the 4-bit tiles
 I8_TYPES = (Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q5_K, Q.Q6_K)  # int8 codes and f32 scales: 8-bit tiles
 FLOAT_TYPES = (Q.F16, Q.BF16, Q.F32)
-TILE_ROWS = 16  # the tiles' rows (q4_gemv.c): a matrix whose rows are not a multiple runs dense
+TILE_ROWS = 16  # the tiles' rows (i8act.c): a matrix whose rows are not a multiple falls back
 
 
 @dataclass(frozen=True)
@@ -35,9 +37,11 @@ class Route:
 
 
 ROUTES = {r.name: r for r in (
-    Route("q4-tiles", "q4_gemv.c 4-bit tiles", "q4_gemv.c 4-bit tiles",
+    Route("q4-tiles", "i8act.c 4-bit tiles, 8-bit activations",
+          "i8act.c 4-bit tiles, 8-bit activations",
           "4-bit codes in 16-row tiles, f16 scale and offset a group"),
-    Route("i8-tiles", "q4_gemv.c 8-bit tiles", "q4_gemv.c 8-bit tiles",
+    Route("i8-tiles", "i8act.c 8-bit tiles, 8-bit activations",
+          "i8act.c 8-bit tiles, 8-bit activations",
           "int8 codes in 16-row tiles, f32 scales (and offsets) a group"),
     Route("bf16-panels", "bf16_gemm.c", "bf16_gemm.c", "bf16 in 32-row panels"),
     Route("qmm-int", "qmm.c integer dots, groups decoded in registers",
@@ -52,15 +56,16 @@ ROUTES = {r.name: r for r in (
 
 # the kernel builds (model/kernels.py's VARIANTS), and "none": no kernels of ours
 # (RADIXSERVE_KERNELS=0, no compiler) or a compute dtype they do not take (f16, f32)
-BUILDS = ("avx512bf16", "avx512", "avx2", "neon", "generic", "none")
+BUILDS = ("avx512bf16", "avx512", "avxvnni", "avx2", "neon", "generic", "none")
 KINDS = ("4-bit", "5-8-bit", "float", "other")
-_QMM = {"4-bit": "qmm-int", "5-8-bit": "qmm-int", "float": "qmm-f32", "other": "torch-dense"}
+_TILES = {"4-bit": "q4-tiles", "5-8-bit": "i8-tiles", "float": "qmm-f32", "other": "torch-dense"}
 TABLE: dict[tuple[str, str], str] = {
     ("avx512bf16", "4-bit"): "q4-tiles",
     ("avx512bf16", "5-8-bit"): "i8-tiles",
     ("avx512bf16", "float"): "bf16-panels",
     ("avx512bf16", "other"): "bf16-panels",  # dequantized at load
-    **{(b, kind): r for b in ("avx512", "avx2", "neon", "generic") for kind, r in _QMM.items()},
+    **{(b, kind): r for b in ("avx512", "avxvnni", "avx2", "neon", "generic")
+       for kind, r in _TILES.items()},
     ("none", "4-bit"): "torch-int4",
     ("none", "5-8-bit"): "torch-dense",
     ("none", "float"): "torch-dense",
@@ -68,8 +73,8 @@ TABLE: dict[tuple[str, str], str] = {
 }
 # where a matrix cannot take its row's route, what it takes instead, and why
 FALLBACK = {
-    "q4-tiles": ("bf16-panels", f"rows not a multiple of {TILE_ROWS}"),
-    "i8-tiles": ("bf16-panels", f"rows not a multiple of {TILE_ROWS}"),
+    "q4-tiles": ("qmm-int", f"rows not a multiple of {TILE_ROWS}"),
+    "i8-tiles": ("qmm-int", f"rows not a multiple of {TILE_ROWS}"),
     "torch-int4": ("torch-dense", f"rows not a multiple of {TILE_ROWS}"),
 }
 

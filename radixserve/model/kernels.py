@@ -5,15 +5,19 @@ takes a few seconds. Each build is a *variant*: the same sources with fixed flag
 is reproducible (the same bits on any machine with the same compiler) and every variant can be
 built and tested on one machine that runs them all:
 
-    avx512bf16  -march=x86-64-v4 -mavx512bf16 -mavx512vnni  (every kernel: the 4-bit and bf16
-                matmuls, the VNNI head pass, the AVX-512 attention path)
-    avx512      -march=x86-64-v4 -mavx512vnni  (no BF16: qmm.c takes every matmul in the
-                GGUF's own blocks; the head's int8 pass on VNNI)
-    avx2        -march=x86-64-v3  (AVX2, FMA, F16C, BMI: the plain-C paths, auto-vectorized,
-                and AVX2 intrinsics in the head's int8 pass and qmm's byte widening)
-    neon        -march=armv8.2-a+dotprod on aarch64 (NEON intrinsics: qmm's integer dot
-                products, the head's int8 pass on sdot, attention's dot products in 4-lane
-                f32 vectors); cross-compiled and run under qemu-user by the tests
+    avx512bf16  -march=x86-64-v4 -mavx512bf16 -mavx512vnni  (every kernel: the tiles' 8-bit
+                products on 512-bit vpdpbusd, the bf16 GEMM of the float types, the VNNI head
+                pass, the AVX-512 attention path)
+    avx512      -march=x86-64-v4 -mavx512vnni  (no BF16: the tiles as above; the float types
+                in qmm.c, on the GGUF's own blocks; the head's int8 pass on VNNI)
+    avxvnni     -march=x86-64-v3 -mavxvnni  (AVX2 and AVX-VNNI's 256-bit vpdpbusd, what Intel's
+                client cores since 2021 have: the tiles on vpdpbusd, the rest as avx2)
+    avx2        -march=x86-64-v3  (AVX2, FMA, F16C, BMI: the tiles on vpmaddubsw, the plain-C
+                paths auto-vectorized, AVX2 intrinsics in the head's int8 pass and qmm's byte
+                widening)
+    neon        -march=armv8.2-a+dotprod on aarch64 (NEON intrinsics: the tiles and the head's
+                int8 pass on sdot, qmm's integer dot products, attention's dot products in
+                4-lane f32 vectors); cross-compiled and run under qemu-user by the tests
                 (tests/model/test_neon.py), its speed on real ARM hardware not measured
     generic     -march=x86-64 (SSE2), or no -march off x86: plain C, correct everywhere
 
@@ -68,9 +72,9 @@ _COMMON = ("-O3", "-fopenmp", "-fPIC", "-fno-math-errno")
 # and, except for the sources in _STRICT_FP, sums the compiler may reorder (vectorize)
 _REASSOC = ("-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
 # sources whose floating-point sums must run exactly as written (no reassociation)
-_STRICT_FP = frozenset({"qmm.c", "kv_rows.c", "short_conv.c"})
+_STRICT_FP = frozenset({"qmm.c", "i8act.c", "kv_rows.c", "short_conv.c"})
 # and, of those, the sources whose roundings are exactly as written: no fused multiply-adds
-_NO_CONTRACT = frozenset({"kv_rows.c", "short_conv.c"})
+_NO_CONTRACT = frozenset({"i8act.c", "kv_rows.c", "short_conv.c"})
 _LINK = ("-shared", "-fopenmp")
 
 
@@ -105,6 +109,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
             (*_V4, "avx512_vnni", "avx512_bf16"), "x86-64-v4 + AVX512-VNNI + AVX512-BF16 build"),
     Variant("avx512", "x86_64", ("-march=x86-64-v4", "-mavx512vnni"), (*_V4, "avx512_vnni"),
             "x86-64-v4 + AVX512-VNNI build"),
+    # AVX2 with AVX-VNNI's 256-bit vpdpbusd: Intel's client cores since 2021 (Alder Lake on),
+    # which have no AVX-512
+    Variant("avxvnni", "x86_64", ("-march=x86-64-v3", "-mavxvnni"), (*_V3, "avx_vnni"),
+            "x86-64-v3 + AVX-VNNI build"),
     Variant("avx2", "x86_64", ("-march=x86-64-v3",), _V3, "x86-64-v3 build"),
     # asimddp: the dot-product instructions (sdot), ARMv8.2's optional, in every v8.4 core
     Variant("neon", "aarch64", ("-march=armv8.2-a+dotprod",), ("asimd", "asimddp"),
@@ -321,8 +329,8 @@ def pool_args(k: torch.Tensor, v: torch.Tensor, n_head: int, d: int,
 
 
 class Kernels:
-    """The bf16 kernels (csrc/): the 4-bit matmul and its unpack, the row-invariant bf16
-    matmul, causal attention reading K/V in place from the pool in fixed blocks (alone, or fused
+    """The bf16 kernels (csrc/): the tiles' products with 8-bit activations, the row-invariant
+    bf16 matmul, causal attention reading K/V in place from the pool in fixed blocks (alone, or fused
     with RoPE and the K/V store for a whole step of decode tokens and prefill chunks),
     the residual add fused with RMSNorm-to-bf16, the SiLU gate, the head's int8 pass and its
     exact f32 dot products.
@@ -338,12 +346,10 @@ class Kernels:
         self._attn, self._work_floats = c.attn_causal_win_bf16, c.attn_work_floats
         self._norm, self._silu = c.add_rms_norm_bf16, c.silu_mul_bf16
         self._int8_head, self._dots = c.int8_head, c.f32_head_dots
-        self._q4, self._q4_dequant = c.q4_matmul_bf16, c.q4_dequant_t_bf16
-        self._i8 = c.i8_matmul_bf16  # the 8-bit tiles: Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K
+        self._tiles = c.i8a_matmul  # the 4- and 8-bit tiles' products, 8-bit activations
         self._bf16_mm = c.bf16_matmul
         self._short_conv = c.short_conv_bf16
         self.has_int8_head = bool(c.int8_head_available())  # every build (VNNI, AVX2, NEON, C)
-        self.has_q4 = bool(c.q4_available())  # needs AVX512-BF16
         self.has_bf16_gemm = bool(c.bf16_gemm_available())  # needs AVX512-BF16
         self._work = torch.empty(0)
 
@@ -478,23 +484,15 @@ class Kernels:
             raise IndexError("head_dots: token id outside the head")
         return out
 
-    def q4(self, tiles: torch.Tensor, n: int, k: int) -> Q4Matrix:
-        """The 4-bit matrix W [n, k] held in q4_gemv.c's tiles (uint8 [n / 16, k / 32, 320],
-        quant.py's pack_q4), checked once here so each product only checks its input."""
-        if not (self.has_q4 and tiles.dtype == torch.uint8 and tiles.is_contiguous()
-                and n % 16 == 0 and k % 32 == 0 and tiles.shape == (n // 16, k // 32, 320)):
-            raise ValueError("q4 kernels need uint8 tiles [n / 16, k / 32, 320]")
-        return Q4Matrix(self, tiles, n, k)
-
-    def i8(self, tiles: torch.Tensor, fmt: int, n: int, k: int) -> Q4Matrix:
-        """The 8-bit matrix W [n, k] in q4_gemv.c's tile format `fmt` (I8_BLOCK_BYTES: uint8
-        [n / 16, k / 32, block bytes], quant.py's pack_i8), checked once here."""
-        size = I8_BLOCK_BYTES.get(fmt)
-        if not (self.has_q4 and size is not None and tiles.dtype == torch.uint8
-                and tiles.is_contiguous() and n % 16 == 0 and k % 32 == 0
-                and tiles.shape == (n // 16, k // 32, size)):
-            raise ValueError("8-bit tile kernels need uint8 tiles [n / 16, k / 32, block]")
-        return Q4Matrix(self, tiles, n, k, fmt)
+    def tiles(self, tiles: torch.Tensor, fmt: int, n: int, k: int) -> TileMatrix:
+        """The matrix W [n, k] held in csrc/i8act.c's tile format `fmt` (TILE_BLOCK_BYTES:
+        uint8 [n / 16, k / 32, block bytes], quant.py's pack_q4 and pack_i8), checked once here
+        so each product only checks its input."""
+        size = TILE_BLOCK_BYTES.get(fmt)
+        if not (size is not None and tiles.dtype == torch.uint8 and tiles.is_contiguous()
+                and n % 16 == 0 and k % 32 == 0 and tiles.shape == (n // 16, k // 32, size)):
+            raise ValueError(f"tile kernels need uint8 tiles [n / 16, k / 32, {size}]")
+        return TileMatrix(self, tiles, n, k, fmt)
 
     def bf16(self, panels: torch.Tensor, n: int, k: int) -> Bf16Matrix:
         """The bf16 matrix W [n, k] held in bf16_gemm.c's panels (bf16 [ceil(n / 32),
@@ -507,8 +505,8 @@ class Kernels:
         return Bf16Matrix(self, panels, n, k)
 
 
-# q4_gemv.c's 8-bit tile formats (its F_I8*) -> bytes per (tile, group)
-I8_BLOCK_BYTES = {1: 576, 2: 640, 3: 640}
+# csrc/i8act.c's tile formats (its F_Q4, F_I8*) -> bytes per (tile, group)
+TILE_BLOCK_BYTES = {0: 320, 1: 576, 2: 640, 3: 640}
 
 
 class _KernelMatrix:
@@ -521,7 +519,7 @@ class _KernelMatrix:
     k: int
     _ptr: int
     _mm: Any
-    _name: str  # for the errors: "q4", "bf16"
+    _name: str  # for the errors: "tile", "bf16"
     _oom: str  # what the kernel allocates per call
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -538,30 +536,15 @@ class _KernelMatrix:
         return y
 
 
-class Q4Matrix(_KernelMatrix):
-    """A matrix in q4_gemv.c's tiles, 4-bit (fmt 0) or 8-bit (I8_BLOCK_BYTES): products with
-    bf16 rows, and the 4-bit one's bf16 unpack."""
+class TileMatrix(_KernelMatrix):
+    """A matrix in csrc/i8act.c's 16-row tiles, 4-bit (format 0) or 8-bit: products with bf16
+    rows through 8-bit activations."""
 
-    _name, _oom = "q4", "the group sums"
+    _name, _oom = "tile", "the activation codes"
 
-    def __init__(self, kern: Kernels, tiles: torch.Tensor, n: int, k: int, fmt: int = 0) -> None:
+    def __init__(self, kern: Kernels, tiles: torch.Tensor, n: int, k: int, fmt: int) -> None:
         self.tiles, self.n, self.k, self.fmt = tiles, n, k, fmt
-        self._ptr, self._unpack = tiles.data_ptr(), kern._q4_dequant
-        self._mm = kern._q4 if fmt == 0 else functools.partial(kern._i8, fmt)
-
-    def weight(self) -> torch.Tensor:
-        """bf16 W [n, k]: a transposed view of a [k, n] buffer, the layout the unpack writes
-        fastest (8-bit tiles: the product with the identity, exactly bf16(d c + m))."""
-        if self.fmt:  # in slices of the identity: a whole one is k^2 bf16
-            w = torch.empty(self.n, self.k, dtype=torch.bfloat16)
-            eye = torch.eye(self.k, dtype=torch.bfloat16)
-            for c in range(0, self.k, 1024):
-                w[:, c : c + 1024] = self.matmul(eye[c : c + 1024].contiguous()).t()
-            return w
-        wt = torch.empty(self.k, self.n, dtype=torch.bfloat16)
-        if self._unpack(self._ptr, self.n, self.k, wt.data_ptr()) != 0:
-            raise ValueError("q4 unpack kernel refused the shape")
-        return wt.t()
+        self._ptr, self._mm = tiles.data_ptr(), functools.partial(kern._tiles, fmt)
 
 
 BF16_PANEL = 32  # output rows per panel of bf16_gemm.c's layout

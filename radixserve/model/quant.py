@@ -9,23 +9,24 @@ decode a 32-weight group as an affine map of 4-bit codes, w = scale q + offset:
     Q4_K: w = d sc q - dmin mn   -> scale = d sc,   offset = -dmin mn   (per 32 sub-block)
 
 Two executions of that form, picked at load (`packed_linear`):
-- Q4Linear, our kernel (csrc/q4_gemv.c, needs AVX512-BF16): f16 scale and offset, so Q4_0 and
-  Q4_1 weights are exactly the file's; ~2x torch's int4 kernel (docs/PERFORMANCE.md).
+- Q4Linear, our tiles (csrc/i8act.c, every build of our kernels): f16 scale and offset, so
+  Q4_0 and Q4_1 weights are exactly the file's, multiplied with 8-bit activations.
 - Int4Linear, torch's CPU int4 weight-only kernel (`aten._weight_int4pack_mm_for_cpu`, group 32,
   w = (q - 8) scale' + zero, so zero = offset + 8 scale) with scale and zero rounded to the
   activation dtype: the path without our kernels. Its bf16 path is the fast one; its f32 path is
   exact but ~10x slower than a dense f32 matmul (cpu-perf-notes.md), so `--weights auto` packs
   only for bf16/f16 compute.
-On the kernel variants without AVX512-BF16 (avx512, avx2, generic), every common GGUF type
-(Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, F16, BF16, F32) runs QuantLinear: csrc/qmm.c
-reads the file's own blocks, so a matrix costs its bytes per weight in the file, each row's bits
-are the same at any row count, and times the identity it gives gguf-py's dequantized weights.
-With AVX512-BF16 the 5- to 8-bit types run I8Linear instead: int8 codes in q4_gemv.c's 16-row
-tiles with f32 scales (1.125-1.25 bytes a weight, where the dense bf16 they ran before took 2;
-qmm's one-weight-row-at-a-time design lost to that GEMM from 4 rows on), the 4-bit tiles' dot
-products, gguf-py's weights exactly; F16/BF16/F32 stay dense bf16 there. Without our kernels,
-or with f16/f32 compute, they stay dense in the compute dtype (torch's int8 kernel takes one scale per row: re-quantizing the blocks to it would
-change the weights); dense bf16 runs our row-invariant kernel (csrc/bf16_gemm.c, DenseLinear).
+The 5- to 8-bit types (Q5_0, Q5_1, Q8_0, Q5_K, Q6_K) run I8Linear: int8 codes in the same
+kernel's 16-row tiles with f32 scales (1.125-1.25 bytes a weight), gguf-py's weights exactly.
+Both multiply as llama.cpp's CPU kernels do, by 8-bit integer dot products on activations
+quantized a group of 32 at a time (i8act.c's header: the arithmetic, and why its bits never
+depend on the rows or threads sharing a call). Where the tiles cannot hold a matrix (rows not a
+multiple of 16), QuantLinear runs it from the file's own blocks (csrc/qmm.c, 16-bit
+activations), as it runs the float types F16/BF16/F32 on the builds without AVX512-BF16; with
+it, those are dense bf16 in our row-invariant kernel (csrc/bf16_gemm.c, DenseLinear). Without our
+kernels, or with f16/f32 compute, the 5- to 8-bit and float types stay dense in the compute
+dtype (torch's int8 kernel takes one scale per row: re-quantizing the blocks to it would change
+the weights).
 """
 
 from __future__ import annotations
@@ -50,12 +51,11 @@ PACKED_TYPES = Q4_TYPES
 QMM_ROW_TYPES = (*Q4_TYPES, *I8_TYPES, *FLOAT_TYPES)
 # torch's int4 kernel: chunks of this many rows or more run as a dense bf16 matmul on weights
 # unpacked for that call, as it is compute-bound there and loses to a bf16 GEMM (except in
-# deterministic mode: other bits). Our Q4 kernel keeps up with the GEMM at every size
-# (docs/PERFORMANCE.md, "packed vs dense by batch size") and never switches.
+# deterministic mode: other bits). Our tiles outrun the GEMM at every size and never switch.
 DENSE_FROM_ROWS = 96
-TILE = 16  # Q4Linear: rows per tile (q4_gemv.c)
-# I8Linear (AVX512-BF16): q4_gemv.c's 8-bit tile format of each type (its F_I8, F_I8H, F_I8M:
-# a scale a group, a scale a half group for Q6_K's sub-blocks of 16, a scale and an offset)
+TILE = 16  # rows per tile (csrc/i8act.c)
+# I8Linear: i8act.c's 8-bit tile format of each type (its F_I8, F_I8H, F_I8M: a scale a group,
+# a scale a half group for Q6_K's sub-blocks of 16, a scale and an offset)
 I8_FORMATS = {Q.Q8_0: 1, Q.Q5_0: 1, Q.Q6_K: 2, Q.Q5_1: 3, Q.Q5_K: 3}
 F16_MAX = float(np.finfo(np.float16).max)
 
@@ -130,7 +130,8 @@ class Linear:
         raise NotImplementedError
 
     def weight(self) -> torch.Tensor:
-        """W [N, K] as the matmul sees it (prefill chunks of packed weights, tests)."""
+        """W [N, K] in the compute dtype: the weights the matmul multiplies, rounded to it
+        (torch's int4 layout's prefill chunks, moving a model to another device, tests)."""
         raise NotImplementedError
 
     @property
@@ -282,7 +283,9 @@ class ConcatLinear(Linear):
 
 
 def pack_q4(codes: Codes) -> torch.Tensor:
-    """Codes -> q4_gemv.c's tiles [N / 16, K / 32, 320] uint8 (its header has the layout)."""
+    """Codes -> csrc/i8act.c's 4-bit tiles [N / 16, K / 32, 320] uint8: per (tile, group) 4
+    chunks of 64 bytes, 16-bit word j of chunk c holding four codes of row j / 2 (nibble i: the
+    weight at 8 c + 2 i + (j & 1)), then the 16 rows' f16 scales and f16 offsets."""
     n, k = codes.q.shape
     q = codes.q.reshape(n // TILE, TILE, k // GROUP, 4, 4, 2).astype(np.uint16)
     # [tile, row, group, chunk, nibble, pair half] -> words [tile, group, chunk, row, half]
@@ -299,23 +302,23 @@ def pack_q4(codes: Codes) -> torch.Tensor:
 
 
 class Q4Linear(PackedLinear):
-    """4-bit codes in our kernel's tiles (csrc/q4_gemv.c) with f16 scale and offset, for bf16
-    activations; each row's bits are the same at any row count, and it is as fast as the
-    unpack + GEMM path at 512 rows (faster below), so it never switches."""
+    """4-bit codes in our tiles (csrc/i8act.c) with f16 scale and offset, multiplied with 8-bit
+    activations; each row's bits are the same at any row count, and it outruns the unpack +
+    GEMM path at every row count, so it never switches."""
 
     dense_from = None
     route = "q4-tiles"
 
     def __init__(self, codes: Codes, bias: torch.Tensor | None, kern: Kernels) -> None:
         self.n_out, self.n_in = codes.q.shape
-        self.mat, self.bias = kern.q4(pack_q4(codes), self.n_out, self.n_in), bias
+        self.mat, self.bias = kern.tiles(pack_q4(codes), 0, self.n_out, self.n_in), bias
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         return self.mat.matmul(x.contiguous())
 
     def weight(self) -> torch.Tensor:
         """bf16(scale q + offset) [N, K], evaluated in f32."""
-        return self.mat.weight()
+        return tile_weights(self.mat.tiles, 0).to(torch.bfloat16)
 
     @property
     def nbytes(self) -> int:
@@ -343,14 +346,21 @@ def raw_rows(t: gguf.ReaderTensor) -> np.ndarray:
     return np.asarray(t.data).view(np.uint8).reshape(n, -1)
 
 
+# The tiles' order of each 8 weights of a group (csrc/i8act.c): position p holds weight PERM[p],
+# the 4-bit tiles' nibble order, which the activation codes take too
+PERM = np.array([0, 4, 1, 5, 2, 6, 3, 7])
+
+
 def pack_i8(c: np.ndarray, d: np.ndarray, m: np.ndarray, fmt: int) -> torch.Tensor:
-    """int8 codes c [N, K], scales d [N, K / 16], offsets m [N, K / 32] (qmm.codes) -> q4_gemv.c's
-    8-bit tiles [N / 16, K / 32, block] uint8: per (tile, group) 16 pairs of 32 bytes (row j's
-    weights 2p, 2p + 1 at bytes 2j, 2j + 1 of pair p), then the 16 rows' f32 scales (format 2:
-    half 0's, then half 1's; format 3: then the offsets)."""
+    """int8 codes c [N, K], scales d [N, K / 16], offsets m [N, K / 32] (qmm.codes) -> csrc/
+    i8act.c's 8-bit tiles [N / 16, K / 32, block] uint8: per (tile, group) 8 operands of 64
+    bytes (operand t: each of the 16 rows' codes at positions 4t..4t+3 of the group in the tiles'
+    order, a row's 4 bytes together), then the 16 rows' f32 scales (format 2: half 0's, then
+    half 1's; format 3: then the offsets)."""
     n, k = c.shape
     tiles, groups = n // TILE, k // GROUP
-    q = c.reshape(tiles, TILE, groups, 16, 2).transpose(0, 2, 3, 1, 4).reshape(tiles, groups, 512)
+    q = c.reshape(tiles, TILE, groups, 4, 8)[..., PERM]
+    q = q.reshape(tiles, TILE, groups, 8, 4).transpose(0, 2, 3, 1, 4).reshape(tiles, groups, 512)
 
     def per_tile(a: np.ndarray) -> np.ndarray:  # [N, K / 32] -> f32 bytes [tile, group, 64]
         a = a.astype(np.float32).reshape(tiles, TILE, groups).transpose(0, 2, 1)
@@ -367,6 +377,47 @@ def pack_i8(c: np.ndarray, d: np.ndarray, m: np.ndarray, fmt: int) -> torch.Tens
     elif m.any():
         raise ValueError("tile format without offsets, given offsets")
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)))
+
+
+def tile_codes(tiles: np.ndarray, fmt: int) -> np.ndarray:
+    """The codes of tiles (pack_q4's or pack_i8's) as [N, K] in the weights' order: the 4-bit
+    ones unsigned (0..15), the 8-bit ones signed."""
+    t, groups = tiles.shape[:2]
+    if fmt == 0:  # chunk c's byte 4j + i: row j's weights 8c + PERM[i] (low), PERM[i + 4] (high)
+        b = tiles[..., :256].reshape(t, groups, 4, TILE, 4)
+        pos = np.concatenate([b & 15, b >> 4], axis=-1)  # [t, g, chunk, row, 8 positions]
+    else:  # operand 2c + h: positions 4h..4h+3 of chunk c
+        b = tiles[..., :512].view(np.int8).reshape(t, groups, 4, 2, TILE, 4)
+        pos = b.transpose(0, 1, 2, 4, 3, 5).reshape(t, groups, 4, TILE, 8)
+    q = np.empty_like(pos)
+    q[..., PERM] = pos
+    return q.transpose(0, 3, 1, 2, 4).reshape(t * TILE, groups * GROUP)
+
+
+def tile_weights(tiles: torch.Tensor, fmt: int) -> torch.Tensor:
+    """W [N, K] f32 from tiles: d c + m evaluated in f32 (pack_q4's f16 scales and offsets as
+    they are held)."""
+    b = tiles.numpy()
+    t, groups = b.shape[:2]
+    q = tile_codes(b, fmt).astype(np.float32).reshape(t * TILE, groups, 2, 16)
+
+    def per_row(at: int, dt: type) -> np.ndarray:  # [tile, group, 16 rows] -> [N, K / 32]
+        width = 16 * np.dtype(dt).itemsize
+        a = np.ascontiguousarray(b[..., at:at + width]).view(dt).astype(np.float32)
+        return a.transpose(0, 2, 1).reshape(t * TILE, groups)
+
+    if fmt == 0:
+        d0 = d1 = per_row(256, np.float16)
+        m = per_row(288, np.float16)
+    else:
+        d0 = d1 = per_row(512, np.float32)
+        m = np.zeros_like(d0)
+        if fmt == 2:
+            d1 = per_row(576, np.float32)
+        if fmt == 3:
+            m = per_row(576, np.float32)
+    w = q * np.stack([d0, d1], axis=-1)[..., None] + m[..., None, None]
+    return torch.from_numpy(w.reshape(t * TILE, groups * GROUP))
 
 
 class QuantLinear(Linear):
@@ -399,10 +450,8 @@ class QuantLinear(Linear):
 
 class I8Linear(QuantLinear):
     """Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K weights as int8 codes in 16-row tiles with f32 scales
-    (csrc/q4_gemv.c's i8_matmul_bf16, AVX512-BF16): 1.125-1.25 bytes a weight where the dense
-    bf16 they ran before took 2, dot products as the 4-bit tiles' (one vdpbf16ps per 32
-    multiply-adds at every row count, so prefill keeps the GEMM's pace), each row's bits the
-    same at any row count; times the identity it gives gguf-py's dequantization bit for bit.
+    (csrc/i8act.c, 8-bit activations): 1.125-1.25 bytes a weight, d c + m gguf-py's weights
+    bit for bit, each row's bits the same at any row count.
 
     `parts`: the row blocks (type, raw rows) of one matrix, in order. Types of one tile format
     share one matrix (Gemma 3's Q5_0 q/k and Q8_0 v: one call a step, not three and a cat):
@@ -417,12 +466,12 @@ class I8Linear(QuantLinear):
         codes = [qmm.codes(kern.lib, int(t), raw, k) for t, raw in parts]
         c, d, m = (np.concatenate([cd[i] for cd in codes]) for i in range(3))
         self.n_out, self.n_in, self.bias = c.shape[0], k, bias
-        self.mat = kern.i8(pack_i8(c, d, m, fmt), fmt, self.n_out, k)
+        self.mat = kern.tiles(pack_i8(c, d, m, fmt), fmt, self.n_out, k)
         self.route = "i8-tiles"
 
     def weight(self) -> torch.Tensor:
-        """bf16 W [N, K]: bf16(d c + m), the product with the identity."""
-        return self.mat.weight()
+        """bf16 W [N, K]: bf16(d c + m), evaluated in f32."""
+        return tile_weights(self.mat.tiles, self.mat.fmt).to(torch.bfloat16)
 
     @property
     def nbytes(self) -> int:

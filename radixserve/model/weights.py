@@ -95,6 +95,11 @@ class ModelWeights:
                 out[name][r] = out[name].get(r, 0) + 1
         return out
 
+    def route_bytes(self) -> dict[str, int]:
+        """Bytes each layer matrix holds in memory over all layers, {matrix: bytes}."""
+        return {name: sum(getattr(lw, name).nbytes for lw in self.layers)
+                for name in ("wqkv", "wo", "w_gate_up", "w_down")}
+
     @property
     def nbytes(self) -> int:
         """Bytes the weights hold in memory."""

@@ -56,7 +56,8 @@ void gelu_mul_bf16(const uint16_t *gu, int64_t rows, int64_t ff, uint16_t *out);
 void short_conv_bf16(const uint16_t *bcx, int64_t T, int e, int L, uint16_t *ck, uint16_t *cv,
                      const int64_t *new_cells, const int64_t *reads, const float *w,
                      uint16_t *out);
-int q4_available(void);
+int i8a_matmul(int f, const uint8_t *w, const uint16_t *x, int64_t rows, int64_t n, int64_t k,
+               uint16_t *y);
 int bf16_gemm_available(void);
 int int8_head_available(void);
 
@@ -297,6 +298,35 @@ static void rowwise(void) {
     emit("gelu_mul", out, sizeof(uint16_t) * (size_t)(rows * ff));
     free(x), free(w), free(wn), free(y), free(out), free(gu);
 }
+/* The tiles with 8-bit activations, each format (i8act.c: 0 4-bit, f16 scales and offsets;
+ * 1-3 8-bit, f32 scales, offsets in 3): random code bytes, valid scales, 3 tiles of 7 groups. */
+static void tiles(void) {
+    const int64_t n = 48, k = 224, rows[] = {1, 3, 5, 9, 130}, blocks = n / 16 * (k / 32);
+    const int64_t size[] = {320, 576, 640, 640};
+    char name[64];
+    for (int f = 0; f < 4; f++) {
+        uint8_t *w = alloc((size_t)(blocks * size[f]));
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *p = w + b * size[f];
+            int64_t codes = f ? 512 : 256;
+            for (int64_t i = 0; i < codes; i++) p[i] = (uint8_t)next();
+            for (int64_t i = codes; i < size[f]; i += f ? 4 : 2) {
+                float v = unif() * 0.05f;
+                if (f) memcpy(p + i, &v, 4);
+                else put16(p + i, half());
+            }
+        }
+        for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++) {
+            uint16_t *x = bf16s(rows[ri] * k, 2.f);
+            uint16_t *y = alloc(sizeof(uint16_t) * (size_t)(rows[ri] * n));
+            snprintf(name, sizeof name, "i8a_matmul f%d rows%d", f, (int)rows[ri]);
+            emit_rc(name, i8a_matmul(f, w, x, rows[ri], n, k, y));
+            emit(name, y, sizeof(uint16_t) * (size_t)(rows[ri] * n));
+            free(x), free(y);
+        }
+        free(w);
+    }
+}
 
 /* 20 tokens (the threaded path) of width 96, kernel length 3, over 40 cells: each token's
  * row into its own cell, each output reading earlier cells, the step's own ones, or none (-1) */
@@ -316,12 +346,13 @@ static void short_conv(void) {
 }
 
 int main(void) {
-    int64_t avail = q4_available() * 100 + bf16_gemm_available() * 10 + int8_head_available();
-    emit("available q4 bf16_gemm int8_head", &avail, 8);
+    int64_t avail = bf16_gemm_available() * 10 + int8_head_available();
+    emit("available bf16_gemm int8_head", &avail, 8);
     qmm();
     head();
     attention();
     rowwise();
     short_conv();
+    tiles(); /* last: the earlier kernels' inputs stay the stream's first values */
     return fflush(stdout) != 0;
 }

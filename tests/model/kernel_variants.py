@@ -1,7 +1,9 @@
 """Every x86 variant of our C kernels (model/kernels.py's VARIANTS), for the tests that check
-the kernels: this project's machines run all four (AVX512-BF16), so a variant this CPU cannot
-run fails the test that asks for it, naming the missing flags; it never skips. The aarch64
-variant (neon) is built and run under qemu-user by tests/model/test_neon.py."""
+the kernels: this project's machines run all five (AVX512-BF16 and AVX-VNNI), so a variant this
+CPU cannot run fails the test that asks for it, naming the missing flags; it never skips. The
+aarch64 variant (neon) is built and run under qemu-user by tests/model/test_neon.py. And what
+the tests of products through 8-bit activations (csrc/i8act.c's tiles) compare with:
+act8_tolerance, the error those activations may cost."""
 
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ import torch
 
 from radixserve.model import kernels as K
 
-VARIANTS = ["avx512bf16", "avx512", "avx2", "generic"]
-# (has_q4, has_bf16_gemm, has_int8_head) of each variant's build: the 4-bit and bf16 matmuls
-# need AVX512-BF16; the head's int8 pass runs in every build (VNNI, AVX2 or plain C)
-HAS = {"avx512bf16": (True, True, True), "avx512": (False, False, True),
-       "avx2": (False, False, True), "generic": (False, False, True)}
+VARIANTS = ["avx512bf16", "avx512", "avxvnni", "avx2", "generic"]
+# (has_bf16_gemm, has_int8_head) of each variant's build: the bf16 matmul needs AVX512-BF16;
+# the head's int8 pass runs in every build (VNNI, AVX2 or plain C), as do the 4- and 8-bit
+# tiles (csrc/i8act.c, no flag: every build has them)
+HAS = {"avx512bf16": (True, True), "avx512": (False, True), "avxvnni": (False, True),
+       "avx2": (False, True), "generic": (False, True)}
 
 
 def variant_kernels(variant: str) -> K.Kernels:
@@ -28,7 +31,7 @@ def variant_kernels(variant: str) -> K.Kernels:
     kern = K.load_kernels(variant)
     assert kern is not None, f"the {variant} kernels did not build (is a C compiler installed?)"
     assert kern.variant == variant and kern.build_key.startswith(variant + "-")
-    assert (kern.has_q4, kern.has_bf16_gemm, kern.has_int8_head) == HAS[variant], variant
+    assert (kern.has_bf16_gemm, kern.has_int8_head) == HAS[variant], variant
     return kern
 
 
@@ -57,3 +60,30 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(before)
+
+
+def act8_tolerance(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x W^T in f64, what a product through 8-bit activations may differ from it by) for bf16
+    rows x [rows, k] and weights w [n, k], a bound that holds for any input: csrc/i8act.c
+    quantizes each row's half group of 16 to d a with d = amax / 127 and a = rint(x / d), so an
+    activation moves by at most d / 2 = amax / 254, within its group of 32's amax / 254 (1.01:
+    the f32 roundings of d and 1 / d), and an output by that times the group's |w| summed over
+    the groups; then the bf16 output
+    rounding (2^-8 of the value) and the f32 steps (the integer sums are exact; at most 6
+    roundings a group, each within 2^-24 of the products' magnitudes: outputs near 0). A weight
+    in the wrong lane, or the wrong group's scale, errs by the size of the weights themselves,
+    far beyond it (the tests that use it show so)."""
+    rows, k = x.shape
+    xd, wd = x.double(), w.double()
+    amax = xd.abs().view(rows, k // 32, 32).amax(-1)
+    ref = xd @ wd.T
+    quant = (amax * (1.01 / 254)).repeat_interleave(32, 1) @ wd.abs().T
+    f32 = (xd.abs() @ wd.abs().T) * ((6 * (k // 32) + 2) * 1.01 * 2.0**-24)
+    return ref, quant + ref.abs() * 2.0**-8 + f32
+
+
+def permuted_lanes(w: torch.Tensor) -> torch.Tensor:
+    """w [n, k] with each 8 weights of a row in the tiles' stored order (0 4 1 5 2 6 3 7,
+    quant.PERM): a layout slip that must fail act8_tolerance."""
+    n, k = w.shape
+    return w.view(n, k // 8, 8)[..., [0, 4, 1, 5, 2, 6, 3, 7]].reshape(n, k)

@@ -105,19 +105,21 @@ def f32_step_logits(ref: Transformer, seq: list[int]) -> torch.Tensor:
 def test_native_bf16_greedy_matches_hf(default_path: str, default_tr: Transformer,
                                        hf_reference, kernels: bool, monkeypatch):
     """Packed Q4_1 weights, bf16 activations, shortlist head, with our kernels (model/csrc/:
-    Q4 matmuls, step glue, head) or with torch's int4 kernel and ops: the same 32 greedy
-    tokens as the f32 reference, up to a measured near-tie. Every prompt must agree until a
-    step where the f32 reference itself has our token within NEAR_TIE of its choice, and from
-    then on nothing is compared (the continuations differ). Measured: both paths match all 3
-    prompts in full (before the Q4 kernel, with torch's int4 matmuls under our step kernels,
-    prompt 3 split at step 5, where the reference's top three are 31.294, 31.284 and 31.267)."""
+    tiles with 8-bit activations, step glue, head) or with torch's int4 kernel and ops (bf16
+    activations): the same 32 greedy tokens as the f32 reference, up to a measured near-tie.
+    Every prompt must agree until a step where the f32 reference itself has our token within
+    NEAR_TIE of its choice, and from then on nothing is compared (the continuations differ).
+    Measured: both paths match prompts 1 and 2 in full and split prompt 3 at step 5, where the
+    reference's top three are 31.294, 31.284 and 31.267 (a gap of 0.011)."""
     tr = load_native(default_path, kernels, monkeypatch)
     full = 0
     for ids, (expect, gen) in zip(PROMPTS, hf_reference):
-        # bf16 activations: close, not equal. Measured max 1.04 (prompt 3, position 50), the
-        # same bits whether the prompt runs as one chunk or token by token as decode steps
+        # close, not equal. Measured max 0.77 / 0.77 / 1.77 with the tiles' 8-bit activations
+        # (mean 0.10-0.17; the KL divergence from f32 below llama-server's: docs/PERFORMANCE.md),
+        # 0.75 / 0.37 / 0.73 with torch's bf16 ones; the same bits whether the prompt runs as one
+        # chunk or token by token as decode steps
         got = our_logits(tr, ids)
-        assert (got - expect).abs().max().item() < 1.25
+        assert (got - expect).abs().max().item() < 2.25
         ours = greedy(tr, ids, 32)
         split = next((i for i, (a, b) in enumerate(zip(ours, gen)) if a != b), None)
         if split is None:

@@ -28,7 +28,9 @@ from tests.tiny_gguf import write_tiny_gguf
 Step = Callable[[list[int], int, int], torch.Tensor]
 
 N_NEW = 20  # greedy tokens per prompt
-NEAR_TIE = 0.05  # reference logits this close are a coin flip for bf16 activations
+# reference logits this close are a coin flip for 8-bit activations (whose logits stray up to
+# ~0.5 from the reference here, test_gemma3_bf16_greedy_close_to_f32)
+NEAR_TIE = 0.1
 CHUNK = 256  # prefill chunk (the server's default ubatch is 512; smaller crosses more edges)
 
 _SUBJECTS = ["the old fisherman", "a young teacher", "the mayor", "my grandmother",
@@ -339,10 +341,11 @@ def test_gemma3_bf16_greedy_close_to_f32(gemma_path: str, prompts, hf_reference)
     tokens (HF's, equal to ours in f32) up to a measured near-tie, as test_forward checks
     the default model. Every prompt must agree until a step where the reference itself has
     our token within NEAR_TIE of its choice, and from then on nothing is compared; before it,
-    logits stay within 0.5 of the reference's and 0.05 on average. Measured with the 8-bit tiles
-    (its Q5_0 / Q6_K / Q8_0 weights exact, as the file's): 2 prompts agree in full, 2 split at
-    ties of 0.014 and 0.007, logits within 0.20 and 0.022-0.027 on average; with those weights
-    rounded to bf16 (the dense path before them) all 4 agreed, within 0.25 and 0.026-0.043."""
+    logits stay within 0.6 of the reference's and 0.1 on average. Measured with the tiles'
+    8-bit activations (i8act.c): 2 prompts agree in full, 2 split at ties of 0.014 and 0.079,
+    logits within 0.43-0.48 and 0.061-0.079 on average (the KL divergence from f32 transformers
+    is below llama-server's: docs/PERFORMANCE.md); with bf16 activations on the same weights,
+    within 0.20 and 0.022-0.027, splits at 0.014 and 0.007."""
     m = load_model(gemma_path, "bf16")
     tr = m.transformer
     assert tr.own_attention and tr.deterministic
@@ -351,7 +354,7 @@ def test_gemma3_bf16_greedy_close_to_f32(gemma_path: str, prompts, hf_reference)
         ours, logits = greedy(full_cache(tr, len(ids) + N_NEW), ids, N_NEW, hf_reference.eos)
         split = next((i for i, (a, b) in enumerate(zip(ours, gen)) if a != b), N_NEW)
         diff = (logits[:split] - expect[:split]).abs()
-        assert diff.max().item() < 0.5 and diff.mean().item() < 0.05, len(ids)
+        assert diff.max().item() < 0.6 and diff.mean().item() < 0.1, len(ids)
         if split == N_NEW:
             full += 1
             continue

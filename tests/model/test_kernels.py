@@ -1,7 +1,8 @@
 """Our C step kernels (model/csrc/) against torch's own ops on the same inputs, in every
-variant (avx512bf16, avx512, avx2, generic: the same sources built with other flags), their
-input checks (they take raw pointers), their build cache and the choice of variant
-(RADIXSERVE_KERNELS)."""
+variant (avx512bf16, avx512, avxvnni, avx2, generic: the same sources built with other flags),
+their input checks (they take raw pointers), their build cache and the choice of variant
+(RADIXSERVE_KERNELS). The tiles' products (csrc/i8act.c) are checked bit for bit on every
+variant by tests/model/test_i8act.py; here their input checks and Q4Linear's rows."""
 
 from __future__ import annotations
 
@@ -16,7 +17,15 @@ from radixserve.model import kernels as K
 from radixserve.model.hparams import HParams
 from radixserve.model.rope import Rope
 from radixserve.model.step import plain_step
-from tests.model.kernel_variants import HAS, VARIANTS, kern, threads, variant_kernels  # noqa: F401
+from tests.model.kernel_variants import (  # noqa: F401 (fixtures)
+    HAS,
+    VARIANTS,
+    act8_tolerance,
+    kern,
+    permuted_lanes,
+    threads,
+    variant_kernels,
+)
 
 BF = torch.bfloat16
 
@@ -455,32 +464,47 @@ def test_kernels_refuse_what_they_cannot_read(kern):
         kern.add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8, dtype=BF), torch.ones(8), 1e-5)
     with pytest.raises(ValueError):
         kern.silu_mul(torch.zeros(2, 7, dtype=BF))
-    tiles = torch.zeros(2, 3, 320, dtype=torch.uint8)  # a 32 x 96 Q4 matrix
-    if not kern.has_q4:  # no AVX512-BF16 in this build: no 4-bit (or bf16) matrix at all
-        with pytest.raises(ValueError):
-            kern.q4(tiles, 32, 96)
-        with pytest.raises(ValueError):
+    if not HAS[kern.variant][0]:  # no AVX512-BF16 in this build: no bf16 panels
+        with pytest.raises(ValueError, match="bf16 kernel needs"):
             kern.bf16(torch.zeros(1, 16, 32, 2, dtype=BF), 32, 32)
-        return
-    mat = kern.q4(tiles, 32, 96)
-    with pytest.raises(ValueError):
+    # the tiles (csrc/i8act.c) are in every build
+    tiles = torch.zeros(2, 3, 320, dtype=torch.uint8)  # a 32 x 96 matrix of 4-bit tiles
+    mat = kern.tiles(tiles, 0, 32, 96)
+    # the matrix multiplies good rows: what is refused below is refused for what it is
+    assert mat.matmul(torch.ones(2, 96, dtype=BF)).shape == (2, 32)
+    with pytest.raises(ValueError, match="tile matmul needs"):
         mat.matmul(torch.zeros(1, 96))  # f32 rows
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="tile matmul needs"):
         mat.matmul(torch.zeros(1, 64, dtype=BF))  # k does not match the tiles
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="tile matmul needs"):
         mat.matmul(torch.zeros(4, 192, dtype=BF)[:, ::2])  # not contiguous
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="tile matmul needs"):
         mat.matmul(torch.zeros(96, dtype=BF))  # not rows
-    with pytest.raises(ValueError):
-        kern.q4(tiles[:, :2], 32, 96)  # tiles not of that shape
-    with pytest.raises(ValueError):
-        kern.q4(tiles.to(torch.int16), 32, 96)
+    assert K.TILE_BLOCK_BYTES == {0: 320, 1: 576, 2: 640, 3: 640}  # i8act.c's BLOCK(f)
+    for fmt, size in K.TILE_BLOCK_BYTES.items():  # each format's block size is taken
+        assert kern.tiles(torch.zeros(2, 3, size, dtype=torch.uint8), fmt, 32, 96).fmt == fmt
+    refused = [
+        (tiles[:, :2], 0, 32, 96),  # tiles not of that shape
+        (tiles.to(torch.int16), 0, 32, 96),  # not bytes
+        (torch.zeros(2, 3, 640, dtype=torch.uint8)[..., :320], 0, 32, 96),  # not contiguous
+        (tiles, 1, 32, 96),  # the 4-bit block size given as an 8-bit format's (576)
+        (torch.zeros(2, 3, 576, dtype=torch.uint8), 2, 32, 96),  # 576 given as 640
+        (torch.zeros(2, 3, 640, dtype=torch.uint8), 1, 32, 96),  # 640 given as 576
+        (tiles, 4, 32, 96),  # no such format
+        (tiles, -1, 32, 96),
+        (tiles[:1].contiguous(), 0, 24, 96),  # rows not a multiple of 16
+        (torch.zeros(2, 3, 320, dtype=torch.uint8), 0, 32, 80),  # k not a multiple of 32
+    ]
+    for args in refused:
+        with pytest.raises(ValueError, match="tile kernels need"):
+            kern.tiles(*args)
 
 
-def test_q4_matmul_rows_are_independent_of_the_batch(kern, threads):
-    """Each row's product is the same alone or among others (the kernel works rows in groups
-    of four: 1..9 rows cover every remainder), and equals an f64 product with the kernel's own
-    weights to the bf16 output rounding."""
+def test_q4_linear_rows_are_independent_of_the_batch(kern, threads):
+    """Through Q4Linear (quant.py's packing of 4-bit codes, f16 scales and offsets): each row's
+    product is the same bits alone or among others (1..9 rows: with and without the few-row
+    prefetch), on 1 and 2 threads, and within 8-bit activations' error of an f64 product with
+    the layer's own weights (csrc/i8act.c's arithmetic itself: tests/model/test_i8act.py)."""
     from radixserve.model.quant import Codes, Q4Linear
 
     g = torch.Generator().manual_seed(0)
@@ -488,22 +512,18 @@ def test_q4_matmul_rows_are_independent_of_the_batch(kern, threads):
     codes = Codes(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8).numpy(),
                   (torch.rand(n, k // 32, generator=g) * 0.01).half().float().numpy(),
                   (torch.randn(n, k // 32, generator=g) * 0.05).half().float().numpy())
-    assert kern.has_q4 == HAS[kern.variant][0]
-    if not kern.has_q4:  # the build has no 4-bit kernel: the layout is refused, not misread
-        with pytest.raises(ValueError, match="q4 kernels need"):
-            Q4Linear(codes, None, kern)
-        return
     lin = Q4Linear(codes, None, kern)
-    w = torch.from_numpy(codes.dequantize()).double()
+    assert lin.route == "q4-tiles" and lin.dense_from is None and lin.row_invariant
+    w = torch.from_numpy(codes.dequantize()).double()  # exact: the scales are f16 already
     x = torch.randn(9, k, generator=g).to(BF)
     alone = torch.cat([lin(x[i : i + 1]) for i in range(9)])
     for rows in range(1, 10):
         y = lin(x[:rows])
-        assert torch.equal(y, alone[:rows])
-    ref = x.double() @ w.T
-    # bf16 output rounding, plus f32 sums relative to the products' magnitudes (outputs near 0)
-    mag = x.double().abs() @ w.abs().T
-    assert ((alone.double() - ref).abs() <= ref.abs() * 2.0**-8 + mag * 2.0**-16).all()
+        assert torch.equal(y.view(torch.int16), alone[:rows].view(torch.int16)), rows
+    ref, tol = act8_tolerance(x, w)
+    assert ((alone.double() - ref).abs() <= tol).all()
+    wrong, _ = act8_tolerance(x, permuted_lanes(w))  # the tolerance tells a lane slip apart
+    assert ((alone.double() - wrong).abs() > tol).any()
 
 
 def test_build_is_cached_and_degrades_without_a_compiler(tmp_path, monkeypatch):
@@ -572,6 +592,8 @@ def test_auto_takes_the_best_variant_the_cpu_runs():
         K.cpu_flags(flags)
     assert K.select_variant("auto", flags, "x86_64") == "avx512"
     assert K.select_variant("auto", f"flags : {HASWELL}", "x86_64") == "avx2"
+    # AVX-VNNI without AVX-512 (Alder Lake on)
+    assert K.select_variant("auto", f"flags : {HASWELL} avx_vnni", "x86_64") == "avxvnni"
     # LZCNT listed under its own name rather than "abm"
     assert K.select_variant("auto", f"flags : {HASWELL.replace('abm', 'lzcnt')}",
                             "x86_64") == "avx2"
@@ -597,7 +619,7 @@ def test_a_variant_the_cpu_cannot_run_or_an_unknown_value_is_an_error(monkeypatc
     msg = str(e.value)
     assert "RADIXSERVE_KERNELS=avx512bf16" in msg and "lacks avx512_bf16" in msg
     assert "avx512_vnni" not in msg.split("lacks")[1].split(";")[0]  # only what is missing
-    assert "auto, avx512bf16, avx512, avx2, generic, 0" in msg
+    assert "auto, avx512bf16, avx512, avxvnni, avx2, generic, 0" in msg
     with pytest.raises(K.KernelsError, match=r"lacks avx512f avx512bw avx512dq avx512vl "
                                              r"avx512cd avx512_vnni;.* runs avx2, generic"):
         K.select_variant("avx512", f"flags : {HASWELL}", "x86_64")

@@ -104,15 +104,16 @@ def test_neon_is_auto_on_aarch64_with_dot_products():
 def test_every_kernel_ran_and_returned_success(runs):
     recs = runs["neon"]
     names = {n for n, _ in recs}
-    for prefix in ("qmm_bf16", "qmm_rows_f32", "qmm_head_dots", "qmm_codes", "int8_head ",
+    for prefix in ("qmm_bf16", "i8a_matmul", "qmm_rows_f32", "qmm_head_dots", "qmm_codes",
+                   "int8_head ",
                    "int8_head_bound", "head_candidates", "f32_head_dots", "attn_causal",
                    "attn_step", "attn_head_norm", "add_rms_norm", "post_norm_add", "silu_mul",
                    "gelu_mul", "short_conv"):
         assert any(n.startswith(prefix) for n in names), prefix
     for run in ("neon", "generic"):
         recs = runs[run]
-        avail = dict(recs)["available q4 bf16_gemm int8_head"]
-        assert struct.unpack("<q", avail)[0] == 1  # x86's tiles absent, the int8 head present
+        avail = dict(recs)["available bf16_gemm int8_head"]
+        assert struct.unpack("<q", avail)[0] == 1  # x86's bf16 GEMM absent, the int8 head present
         for name, b in recs:
             if name.endswith(" rc"):
                 rc = struct.unpack("<q", b)[0]

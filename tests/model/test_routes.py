@@ -4,6 +4,8 @@ reached, and each route's matrix multiplies as gguf-py's dequantized weights do,
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -101,8 +103,9 @@ def test_dequant_weights_run_every_type_dense(build: str):
 
 def test_perf_routes_prints_the_table_and_the_models_routes(tiny_path, capsys, monkeypatch):
     """`radixserve perf --routes`: this build's rows of the table, then each layer matrix's
-    route as the loaded model took it (the tiny model's Q4_1 q/k/gate, Q8_0 v/o/up and f32
-    down on the avx2 build: the file's blocks)."""
+    route as the loaded model took it, with the bytes it holds beside the file's (the tiny
+    model's Q4_1 q/k/gate, Q8_0 v/o/up and f32 down on the avx2 build: the tiles and the file's
+    blocks)."""
     from radixserve.cli import main
 
     monkeypatch.setenv(K.ENV, "avx2")
@@ -113,7 +116,10 @@ def test_perf_routes_prints_the_table_and_the_models_routes(tiny_path, capsys, m
         K.kernels.cache_clear()
     out = capsys.readouterr().out
     assert out.startswith("kernel build: avx2")
-    assert "avx2        Q4_0 Q4_1 Q4_K" in out and "qmm-int" in out
+    assert "avx2        Q4_0 Q4_1 Q4_K" in out and "q4-tiles" in out
     assert "avx512bf16" not in out  # only this build's rows
-    # q/k (Q4_1) and v (Q8_0) are two runs of the file's blocks, one a type; down is f32
-    assert "  wqkv       qmm-int+qmm-int x2" in out and "  w_down     qmm-f32 x2" in out
+    # q/k (Q4_1) and v (Q8_0) are two runs, 4- and 8-bit tiles; down is f32 in the file's blocks
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith("  w")}
+    assert " q4-tiles+i8-tiles x2 " in lines["wqkv"] and " qmm-f32 x2 " in lines["w_down"]
+    # f32 in its blocks holds the file's bytes; Q4_1's tiles 0.625 bytes a weight (the file's)
+    assert re.search(r"held ([\d.]+) MiB, file \1 MiB", lines["w_down"])

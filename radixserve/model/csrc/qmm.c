@@ -18,8 +18,9 @@
  * keeps this order. That f32 loop runs the float types (F16, BF16, F32) and decodes rows for the
  * head and the embedding (qmm_head_dots, qmm_rows_f32); the quantized types take integer dot
  * products on 16-bit activations (qmm_int below), with the same properties: row-invariant bits,
- * the file's weights times the identity. Which matrices run here is quant.py's route table: the
- * CPUs without AVX512-BF16 (where that has it, q4_gemv.c's tiles run them).
+ * the file's weights times the identity. Which matrices run here is the route table's
+ * (kernel_routes.py): the float types on the builds without AVX512-BF16, and the quantized
+ * matrices the 16-row tiles of i8act.c cannot hold.
  */
 #include <math.h>
 #include <omp.h>
@@ -904,8 +905,8 @@ int qmm_bf16(int t, const uint8_t *w, int64_t row_bytes, const uint16_t *x, int6
     return 0;
 }
 
-/* A Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K matrix as int8 codes and f32 maps, w = d c + m (the 8-bit
- * tiles of q4_gemv.c's i8_matmul_bf16, packed by quant.py's pack_i8): c [n, k]; d [n, k / 16]
+/* A Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K matrix as int8 codes and f32 maps, w = d c + m (i8act.c's
+ * 8-bit tiles, packed by quant.py's pack_i8): c [n, k]; d [n, k / 16]
  * (one a half group of 16: equal halves except Q6_K's sub-blocks); m [n, k / 32] (zero for the
  * symmetric types, whose codes are centred: Q8_0's own, Q5_0's q - 16, Q6_K's q - 32). d and m
  * are computed as group() computes them, so d c + m is gguf-py's weight. Returns 1 for another

@@ -1,0 +1,506 @@
+/* y = x W^T with 8-bit activations: every quantized weight matrix's product, many rows
+ * (prefill) and one row (decode) alike, on the 16-column tiles quant.py packs at load.
+ *
+ * Why 8 bits: an 8-bit integer dot product multiplies 4 pairs a 32-bit lane (vpdpbusd on
+ * AVX512-VNNI and AVX-VNNI, vpmaddubsw + vpmaddwd on AVX2, sdot on NEON), twice the products an
+ * instruction of 16-bit activations (pmaddwd, vdpbf16ps), which is what a prefill chunk is
+ * bound by. llama.cpp's CPU kernels multiply the same way (its Q8_0 / Q8_K activation blocks).
+ *
+ * The activations: each half group of 16 of a row (bf16) is quantized on its own, as llama.cpp's
+ * quantize_row_q8_0 quantizes a block of 32: d = amax / 127, a = rint(x (1 / d)) in
+ * [-127, 127]; a group keeps its halves' d0 and d1, d0 (sum a) + d1 (sum a) of its halves, and
+ * each half's sum of a times 128. Halves rather than llama.cpp's 32 (or 256, its Q8_K for the
+ * K-quants): the activations are bf16 here, rounded once more than llama.cpp's f32 rows, and
+ * the finer scale more than makes up for it (docs/PERFORMANCE.md: the KL divergence from f32
+ * transformers, below llama-server's); the two scales cost one conversion and three f32 operations
+ * a row and group, and Q6_K's sub-blocks of 16 take them anyway. A row's codes depend on that
+ * row only. A half of zeros has d = 0; a group holding an infinity or a NaN has d0 = d1 = NaN,
+ * so every output it reaches is NaN. The codes of each 8 activations are stored in the order
+ * 0 4 1 5 2 6 3 7, the order of the 4-bit tiles' nibbles (below), so that both tile kinds take 4
+ * of them as one 32-bit operand.
+ *
+ * The tiles (quant.py's pack_q4, pack_i8): rows of W in tiles of 16 (an output column a 32-bit
+ * lane); per (tile, group of 32 weights) a block of 8 weight operands of 64 bytes, operand t
+ * holding the 4 codes of each column that meet activation codes 4t..4t+3 (in the stored order):
+ *   F_Q4 (Q4_0, Q4_1, Q4_K): 4 chunks of 64 bytes, chunk c's low nibbles operand 2c, high
+ *        nibbles 2c + 1 (column j's 4 bytes at 4j: weights 8c + 0 4 1 5 low, 2 6 3 7
+ *        high), then 16 f16 scales d
+ *        and 16 f16 offsets m: w = d q + m, q in 0..15;
+ *   F_I8 (Q8_0, Q5_0), F_I8H (Q6_K), F_I8M (Q5_1, Q5_K): 8 operands of signed codes c, then
+ *        16 f32 scales (F_I8H: those of the first half group, then the second's; F_I8M: then
+ *        16 f32 offsets m): w = d_h c (+ m).
+ *
+ * The arithmetic of one output (row r, column j), the same sequence in every path and at any
+ * row or thread count, so a row's bits never depend on what shares its call: per group, in
+ * order, the exact integer sums of its halves (operands 0-3 and 4-7), then
+ *     out = out + float(sum_0) * (d_0 s_0)
+ *     out = out + float(sum_1) * (d_1 s_1)  (d_h the weights' scale: equal but for F_I8H)
+ *     out = out + m (s_0 sum a_0 + s_1 sum a_1)      (the types with offsets)
+ * each operation rounded in f32 as written (this file is built without contraction), then the
+ * bf16 rounding. The integer sums are exact in every build (|c a| sums stay far inside 32 bits
+ * and inside vpmaddubsw's 16-bit pairs: |c| <= 128, |a| <= 127), so every build computes the
+ * same bits; tests/model/test_i8act.py checks each against numpy's replay of this sequence.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define ISA_VNNI512 1
+#include <immintrin.h>
+#elif defined(__AVXVNNI__)
+#define ISA_AVXVNNI 1
+#include <immintrin.h>
+#elif defined(__AVX2__)
+#define ISA_AVX2 1
+#include <immintrin.h>
+#endif
+
+enum { F_Q4 = 0, F_I8 = 1, F_I8H = 2, F_I8M = 3 };
+#define BLOCK(f) ((f) == F_Q4 ? 320 : (f) == F_I8 ? 576 : 640)
+/* few rows: tiles ahead whose groups are prefetched into L2 (a decode step's matrices are small,
+ * and the stream prefetcher is still ramping up when one ends) */
+#define PF_TILES 4
+/* rows a thread keeps hot while it walks its tiles: about RB_BYTES of activation codes (L2),
+ * and at most RB_MAX, so the block's f32 outputs of a tile (RB_MAX * 64 bytes) stay in L1 */
+#define RB_BYTES (256 * 1024)
+#define RB_MAX 128
+
+/* A row's group: its halves' scales d0, d1, d0 (sum a_0) + d1 (sum a_1), and 128 (sum a) of
+ * each half (the VNNI builds' signed codes go in as c + 128, so the products gain 128 a, taken
+ * back out exactly). */
+typedef struct {
+    float s0, s1, ssum;
+    int32_t h0, h1;
+} gmeta;
+
+/* --- Each build's 16 lanes (columns): the integer step += 4 codes x 4 activation codes, and
+ * the f32 operations after it. ---
+ * wv: one 64-byte weight operand as the build holds it; iv: 16 int32 lanes; fv: 16 floats in
+ * the build's registers (GCC's generic 16-float vectors go through memory on AVX2). dpu takes
+ * the 4-bit tiles' unsigned codes, dps the signed ones (VNNI: c + 128, corrected by fix). */
+#if defined(ISA_VNNI512)
+typedef __m512i wv;
+typedef __m512i iv;
+static inline iv izero(void) { return _mm512_setzero_si512(); }
+/* the activations as an embedded-broadcast operand: gcc 12 adds a vpbroadcastd for the
+ * intrinsic (the same bits: the broadcast is a copy) */
+static inline iv dpu(iv acc, wv w, const int8_t *a) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)a));
+    return acc;
+}
+static inline iv dps(iv acc, wv w, const int8_t *a) { return dpu(acc, w, a); }
+static inline iv fix(iv acc, int32_t h) { return _mm512_sub_epi32(acc, _mm512_set1_epi32(h)); }
+typedef __m512 fv;
+static inline fv tof(iv a) { return _mm512_cvtepi32_ps(a); }
+static inline fv fadd(fv a, fv b) { return _mm512_add_ps(a, b); }
+static inline fv fmul(fv a, fv b) { return _mm512_mul_ps(a, b); }
+static inline fv fscale(fv a, float s) { return _mm512_mul_ps(a, _mm512_set1_ps(s)); }
+static inline fv fzero(void) { return _mm512_setzero_ps(); }
+static inline fv fload(const void *p) { return _mm512_loadu_ps(p); }
+static inline void fstore(float *p, fv a) { _mm512_storeu_ps(p, a); }
+static inline fv fhalves(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline void unpack_q4(const uint8_t *blk, wv w[8]) {
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int c = 0; c < 4; c++) {
+        __m512i v = _mm512_loadu_si512(blk + 64 * c);
+        w[2 * c] = _mm512_and_si512(v, low);
+        w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+}
+static inline void unpack_i8(const uint8_t *blk, wv w[8]) {
+    const __m512i top = _mm512_set1_epi8((char)0x80);
+    for (int t = 0; t < 8; t++) w[t] = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * t), top);
+}
+#elif defined(ISA_AVXVNNI) || defined(ISA_AVX2)
+/* two ymm halves: columns 0-7 and 8-15; AVX2 keeps the signed codes' magnitudes in v and the
+ * codes themselves in s (vpmaddubsw's unsigned operand, and the signs it moves to a) */
+typedef struct {
+    __m256i v[2];
+#if defined(ISA_AVX2)
+    __m256i s[2];
+#endif
+} wv;
+typedef struct {
+    __m256i v[2];
+} iv;
+static inline iv izero(void) { return (iv){{_mm256_setzero_si256(), _mm256_setzero_si256()}}; }
+static inline __m256i bcast(const int8_t *a) {
+    int32_t x;
+    memcpy(&x, a, 4);
+    return _mm256_set1_epi32(x);
+}
+#if defined(ISA_AVXVNNI)
+static inline iv dpu(iv acc, wv w, const int8_t *a) {
+    __m256i x = bcast(a);
+    return (iv){{_mm256_dpbusd_avx_epi32(acc.v[0], w.v[0], x),
+                 _mm256_dpbusd_avx_epi32(acc.v[1], w.v[1], x)}};
+}
+static inline iv dps(iv acc, wv w, const int8_t *a) { return dpu(acc, w, a); }
+static inline iv fix(iv acc, int32_t h) {
+    __m256i x = _mm256_set1_epi32(h);
+    return (iv){{_mm256_sub_epi32(acc.v[0], x), _mm256_sub_epi32(acc.v[1], x)}};
+}
+#else
+static inline iv dpu(iv acc, wv w, const int8_t *a) {
+    const __m256i one = _mm256_set1_epi16(1);
+    __m256i x = bcast(a);
+    for (int i = 0; i < 2; i++)
+        acc.v[i] = _mm256_add_epi32(
+            acc.v[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w.v[i], x), one));
+    return acc;
+}
+static inline iv dps(iv acc, wv w, const int8_t *a) {
+    const __m256i one = _mm256_set1_epi16(1);
+    __m256i x = bcast(a);
+    for (int i = 0; i < 2; i++)
+        acc.v[i] = _mm256_add_epi32(
+            acc.v[i],
+            _mm256_madd_epi16(_mm256_maddubs_epi16(w.v[i], _mm256_sign_epi8(x, w.s[i])), one));
+    return acc;
+}
+static inline iv fix(iv acc, int32_t h) {
+    (void)h;
+    return acc;
+}
+#endif
+typedef struct {
+    __m256 v[2];
+} fv;
+static inline fv tof(iv a) { return (fv){{_mm256_cvtepi32_ps(a.v[0]), _mm256_cvtepi32_ps(a.v[1])}}; }
+static inline fv fadd(fv a, fv b) {
+    return (fv){{_mm256_add_ps(a.v[0], b.v[0]), _mm256_add_ps(a.v[1], b.v[1])}};
+}
+static inline fv fmul(fv a, fv b) {
+    return (fv){{_mm256_mul_ps(a.v[0], b.v[0]), _mm256_mul_ps(a.v[1], b.v[1])}};
+}
+static inline fv fscale(fv a, float s) {
+    __m256 x = _mm256_set1_ps(s);
+    return (fv){{_mm256_mul_ps(a.v[0], x), _mm256_mul_ps(a.v[1], x)}};
+}
+static inline fv fzero(void) { return (fv){{_mm256_setzero_ps(), _mm256_setzero_ps()}}; }
+static inline fv fload(const void *p) {
+    return (fv){{_mm256_loadu_ps(p), _mm256_loadu_ps((const float *)p + 8)}};
+}
+static inline void fstore(float *p, fv a) {
+    _mm256_storeu_ps(p, a.v[0]);
+    _mm256_storeu_ps(p + 8, a.v[1]);
+}
+static inline fv fhalves(const uint8_t *p) {
+    return (fv){{_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
+                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))}};
+}
+static inline void unpack_q4(const uint8_t *blk, wv w[8]) {
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int c = 0; c < 4; c++)
+        for (int i = 0; i < 2; i++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32 * i));
+            w[2 * c].v[i] = _mm256_and_si256(v, low);
+            w[2 * c + 1].v[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+}
+static inline void unpack_i8(const uint8_t *blk, wv w[8]) {
+    for (int t = 0; t < 8; t++)
+        for (int i = 0; i < 2; i++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * t + 32 * i));
+#if defined(ISA_AVXVNNI)
+            w[t].v[i] = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+#else
+            w[t].v[i] = _mm256_abs_epi8(v);
+            w[t].s[i] = v;
+#endif
+        }
+}
+#elif defined(RS_NEON)
+/* four q registers of 4 columns; sdot multiplies signed bytes, and the 4-bit codes (<= 15)
+ * are signed bytes as they are */
+typedef struct {
+    int8x16_t v[4];
+} wv;
+typedef struct {
+    int32x4_t v[4];
+} iv;
+static inline iv izero(void) {
+    return (iv){{vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)}};
+}
+static inline iv dpu(iv acc, wv w, const int8_t *a) {
+    int32_t x;
+    memcpy(&x, a, 4);
+    int8x16_t b = vreinterpretq_s8_s32(vdupq_n_s32(x));
+    for (int i = 0; i < 4; i++) acc.v[i] = vdotq_s32(acc.v[i], w.v[i], b);
+    return acc;
+}
+static inline iv dps(iv acc, wv w, const int8_t *a) { return dpu(acc, w, a); }
+static inline iv fix(iv acc, int32_t h) {
+    (void)h;
+    return acc;
+}
+typedef struct {
+    float32x4_t v[4];
+} fv;
+static inline fv tof(iv a) {
+    fv f;
+    for (int i = 0; i < 4; i++) f.v[i] = vcvtq_f32_s32(a.v[i]);
+    return f;
+}
+static inline fv fadd(fv a, fv b) {
+    for (int i = 0; i < 4; i++) a.v[i] = vaddq_f32(a.v[i], b.v[i]);
+    return a;
+}
+static inline fv fmul(fv a, fv b) {
+    for (int i = 0; i < 4; i++) a.v[i] = vmulq_f32(a.v[i], b.v[i]);
+    return a;
+}
+static inline fv fscale(fv a, float s) {
+    for (int i = 0; i < 4; i++) a.v[i] = vmulq_n_f32(a.v[i], s);
+    return a;
+}
+static inline fv fzero(void) {
+    fv f;
+    for (int i = 0; i < 4; i++) f.v[i] = vdupq_n_f32(0.f);
+    return f;
+}
+static inline fv fload(const void *p) {
+    fv f;
+    for (int i = 0; i < 4; i++) f.v[i] = vld1q_f32((const float *)p + 4 * i);
+    return f;
+}
+static inline void fstore(float *p, fv a) {
+    for (int i = 0; i < 4; i++) vst1q_f32(p + 4 * i, a.v[i]);
+}
+static inline fv fhalves(const uint8_t *p) {
+    fv f;
+    for (int i = 0; i < 4; i++) f.v[i] = vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(p + 8 * i)));
+    return f;
+}
+static inline void unpack_q4(const uint8_t *blk, wv w[8]) {
+    const uint8x16_t low = vdupq_n_u8(15);
+    for (int c = 0; c < 4; c++)
+        for (int i = 0; i < 4; i++) {
+            uint8x16_t v = vld1q_u8(blk + 64 * c + 16 * i);
+            w[2 * c].v[i] = vreinterpretq_s8_u8(vandq_u8(v, low));
+            w[2 * c + 1].v[i] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+        }
+}
+static inline void unpack_i8(const uint8_t *blk, wv w[8]) {
+    for (int t = 0; t < 8; t++)
+        for (int i = 0; i < 4; i++) w[t].v[i] = vld1q_s8((const int8_t *)blk + 64 * t + 16 * i);
+}
+#else
+/* plain C: the reference every build must equal */
+typedef struct {
+    int8_t v[64];
+} wv;
+typedef struct {
+    int32_t v[16];
+} iv;
+static inline iv izero(void) { return (iv){{0}}; }
+static inline iv dpu(iv acc, wv w, const int8_t *a) {
+    for (int j = 0; j < 16; j++)
+        for (int i = 0; i < 4; i++) acc.v[j] += (int32_t)w.v[4 * j + i] * a[i];
+    return acc;
+}
+static inline iv dps(iv acc, wv w, const int8_t *a) { return dpu(acc, w, a); }
+static inline iv fix(iv acc, int32_t h) {
+    (void)h;
+    return acc;
+}
+typedef struct {
+    float v[16];
+} fv;
+static inline fv tof(iv a) {
+    fv f;
+    for (int j = 0; j < 16; j++) f.v[j] = (float)a.v[j];
+    return f;
+}
+static inline fv fadd(fv a, fv b) {
+    for (int j = 0; j < 16; j++) a.v[j] += b.v[j];
+    return a;
+}
+static inline fv fmul(fv a, fv b) {
+    for (int j = 0; j < 16; j++) a.v[j] *= b.v[j];
+    return a;
+}
+static inline fv fscale(fv a, float s) {
+    for (int j = 0; j < 16; j++) a.v[j] *= s;
+    return a;
+}
+static inline fv fzero(void) { return (fv){{0}}; }
+static inline fv fload(const void *p) {
+    fv f;
+    memcpy(&f, p, sizeof f);
+    return f;
+}
+static inline void fstore(float *p, fv a) { memcpy(p, &a, sizeof a); }
+static inline fv fhalves(const uint8_t *p) {
+    fv f;
+    for (int j = 0; j < 16; j++) {
+        _Float16 h;
+        memcpy(&h, p + 2 * j, 2);
+        f.v[j] = (float)h;
+    }
+    return f;
+}
+static inline void unpack_q4(const uint8_t *blk, wv w[8]) {
+    for (int c = 0; c < 4; c++)
+        for (int b = 0; b < 64; b++) {
+            w[2 * c].v[b] = (int8_t)(blk[64 * c + b] & 15);
+            w[2 * c + 1].v[b] = (int8_t)(blk[64 * c + b] >> 4);
+        }
+}
+static inline void unpack_i8(const uint8_t *blk, wv w[8]) { memcpy(w, blk, 512); }
+#endif
+
+/* A (tile, group)'s block decoded for its rows: the weight operands, d0 and d1 (the halves'
+ * scales; equal but for F_I8H) and m (zero for F_I8, F_I8H). */
+typedef struct {
+    wv w[8];
+    fv d0, d1, m;
+} tgroup;
+
+static inline __attribute__((always_inline)) void load_group(const int f, const uint8_t *blk,
+                                                             tgroup *g) {
+    if (f == F_Q4) {
+        unpack_q4(blk, g->w);
+        g->d0 = g->d1 = fhalves(blk + 256);
+        g->m = fhalves(blk + 288);
+        return;
+    }
+    unpack_i8(blk, g->w);
+    g->d0 = g->d1 = fload(blk + 512);
+    g->m = fzero();
+    if (f == F_I8H) g->d1 = fload(blk + 576);
+    if (f == F_I8M) g->m = fload(blk + 576);
+}
+
+/* One row's share of a (tile, group): a its 32 codes, gm its group's scales; the sequence
+ * every output runs (the header). */
+static inline __attribute__((always_inline)) fv group_row(const int f, const tgroup *g,
+                                                          const int8_t *a, const gmeta *gm,
+                                                          fv out) {
+    iv lo = izero(), hi = izero();
+    for (int t = 0; t < 4; t++) {
+        lo = f == F_Q4 ? dpu(lo, g->w[t], a + 4 * t) : dps(lo, g->w[t], a + 4 * t);
+        hi = f == F_Q4 ? dpu(hi, g->w[t + 4], a + 16 + 4 * t) : dps(hi, g->w[t + 4], a + 16 + 4 * t);
+    }
+    if (f != F_Q4) {
+        lo = fix(lo, gm->h0);
+        hi = fix(hi, gm->h1);
+    }
+    out = fadd(out, fmul(tof(lo), fscale(g->d0, gm->s0)));
+    out = fadd(out, fmul(tof(hi), fscale(g->d1, gm->s1)));
+    if (f == F_Q4 || f == F_I8M) out = fadd(out, fscale(g->m, gm->ssum));
+    return out;
+}
+
+/* The activations x [rows, k] as codes (in the tiles' order) and gmeta, group-major: group g
+ * of row r at a + 32 (g rows + r) and gm[g rows + r]. */
+static const int PERM[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+static void quant_groups(const uint16_t *x, int64_t rows, int64_t ng, int8_t *a, gmeta *gm) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < rows * ng; i++) {
+        const int64_t at = (i % ng) * rows + i / ng;
+        const uint16_t *xg = x + 32 * i;
+        int8_t *ag = a + 32 * at;
+        float xf[32], mx[2] = {0.f, 0.f};
+        for (int j = 0; j < 32; j++) {
+            xf[j] = bf16_to_f32(xg[j]);
+            float v = __builtin_fabsf(xf[j]), m = mx[j / 16];
+            mx[j / 16] = v > m || v != v ? v : m;
+        }
+        if (!(mx[0] <= 3.4028234663852886e38f && mx[1] <= 3.4028234663852886e38f)) {
+            memset(ag, 0, 32);
+            float nan = __builtin_nanf("");
+            gm[at] = (gmeta){nan, nan, nan, 0, 0};
+            continue;
+        }
+        int32_t q[32], sum[2] = {0, 0};
+        float d[2];
+        for (int h = 0; h < 2; h++) {
+            d[h] = mx[h] / 127.f;
+            float id = d[h] > 0.f ? 1.f / d[h] : 0.f;
+            for (int j = 16 * h; j < 16 * h + 16; j++) {
+                q[j] = (int32_t)__builtin_rintf(xf[j] * id);
+                sum[h] += q[j];
+            }
+        }
+        for (int c = 0; c < 4; c++)
+            for (int p = 0; p < 8; p++) ag[8 * c + p] = (int8_t)q[8 * c + PERM[p]];
+        gm[at] = (gmeta){d[0], d[1], d[0] * (float)sum[0] + d[1] * (float)sum[1], 128 * sum[0],
+                         128 * sum[1]};
+    }
+}
+
+/* One tile (16 output columns) for nr rows (group g of row r: codes a + 32 (g rows + r), gmeta
+ * gm[g rows + r], rows the call's row count, so a group's rows lie together): each
+ * (tile, group) decoded once, the rows streamed through it, their f32 outputs in o [nr, 16]
+ * (L1) across the groups. pf: the same tile PF_TILES ahead, its groups prefetched (few rows). */
+static inline __attribute__((always_inline)) void tile_rows(
+    const int f, const uint8_t *w, int64_t ng, const int8_t *a, const gmeta *gm, int64_t rows,
+    int64_t nr, uint16_t *y, int64_t n, float *o, const uint8_t *pf) {
+    memset(o, 0, sizeof(float) * 16 * (size_t)nr);
+    for (int64_t g = 0; g < ng; g++) {
+        if (pf)
+            for (int c = 0; c < BLOCK(f); c += 64) __builtin_prefetch(pf + g * BLOCK(f) + c, 0, 2);
+        tgroup tg;
+        load_group(f, w + g * BLOCK(f), &tg);
+        for (int64_t r = 0; r < nr; r++)
+            fstore(o + 16 * r, group_row(f, &tg, a + 32 * (g * rows + r), gm + g * rows + r,
+                                         fload(o + 16 * r)));
+    }
+    for (int64_t r = 0; r < nr; r++)
+        for (int j = 0; j < 16; j++) y[r * n + j] = f32_to_bf16(o[16 * r + j]);
+}
+
+static inline __attribute__((always_inline)) void run(const int f, const uint8_t *w,
+                                                      const int8_t *a, const gmeta *gm,
+                                                      int64_t rows, int64_t n, int64_t k,
+                                                      uint16_t *y) {
+    const int64_t ng = k / 32, tiles = n / 16;
+    int64_t rb = RB_BYTES / k;
+    rb = rb > RB_MAX ? RB_MAX : (rb < 1 ? 1 : rb);
+    float o[RB_MAX * 16] __attribute__((aligned(64)));
+    for (int64_t r0 = 0; r0 < rows; r0 += rb) {
+        int64_t nr = rows - r0 < rb ? rows - r0 : rb;
+        /* the same tiles for each thread every block: static schedule, no barrier needed */
+#pragma omp for schedule(static) nowait
+        for (int64_t t = 0; t < tiles; t++) {
+            const uint8_t *wt = w + t * ng * BLOCK(f);
+            const uint8_t *pf = nr <= 4 && t + PF_TILES < tiles ? wt + PF_TILES * ng * BLOCK(f)
+                                                                : NULL;
+            tile_rows(f, wt, ng, a + 32 * r0, gm + r0, rows, nr, y + r0 * n + 16 * t, n, o, pf);
+        }
+    }
+}
+
+/* y [rows, n] bf16 = x [rows, k] bf16 (contiguous) times W [n, k]^T held in tile format f
+ * (the header). Returns 0; 1 for a format or shape the tiles cannot hold, 2 out of memory. */
+int i8a_matmul(int f, const uint8_t *w, const uint16_t *x, int64_t rows, int64_t n, int64_t k,
+               uint16_t *y) {
+    if (f < F_Q4 || f > F_I8M || n < 0 || k <= 0 || n % 16 || k % 32 || rows < 0) return 1;
+    if (rows == 0 || n == 0) return 0;
+    const int64_t ng = k / 32;
+    size_t mbytes = (sizeof(gmeta) * (size_t)(rows * ng) + 63) / 64 * 64;
+    gmeta *gm = aligned_alloc(64, mbytes + ((size_t)(rows * k) + 63) / 64 * 64);
+    if (!gm) return 2;
+    int8_t *a = (int8_t *)((char *)gm + mbytes);
+#pragma omp parallel
+    {
+        quant_groups(x, rows, ng, a, gm); /* its omp for ends in a barrier */
+        switch (f) {
+        case F_Q4: run(F_Q4, w, a, gm, rows, n, k, y); break;
+        case F_I8: run(F_I8, w, a, gm, rows, n, k, y); break;
+        case F_I8H: run(F_I8H, w, a, gm, rows, n, k, y); break;
+        default: run(F_I8M, w, a, gm, rows, n, k, y); break;
+        }
+    }
+    free(gm);
+    return 0;
+}

@@ -1,0 +1,118 @@
+"""csrc/i8act.c on every CPU variant: products of the 4- and 8-bit tiles with 8-bit activations.
+
+Each variant's outputs must equal, bit for bit, numpy's replay of the kernel's arithmetic on
+matrices made here (every tile format, each GGUF type's code range, odd sizes, 1-130 rows): the
+activations quantized a half group of 16 at a time as llama.cpp's quantize_row_q8_0 quantizes a
+block (d = amax / 127, rint(x / d) by the reciprocal), the integer sums exact (numpy's int64),
+then each group's f32 operations in the kernel's order. The integer sums take different instructions in every variant (vpdpbusd on
+zmm and ymm, vpmaddubsw with the signs moved to the activations, plain C), so equal bits say
+each sum is exact; the f32 replay says the rest is the documented sequence. A row's bits do
+not depend on the rows or threads that share its call (1, 2 and 3 threads)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from radixserve.model import quant
+from tests.model.kernel_variants import VARIANTS, variant_kernels
+
+F32 = np.float32
+# (format, code range): the 4-bit tiles (Q4_0, Q4_1, Q4_K: unsigned 0..15, an offset); Q8_0's
+# and Q5_0's signed codes (one scale); Q6_K's (a scale a half group); Q5_1's and Q5_K's
+# (unsigned 0..31 and an offset)
+CASES = {"q4": (0, 0, 16), "q8_0": (1, -128, 128), "q5_0": (1, -16, 16), "q6_k": (2, -32, 32),
+         "q5_k": (3, 0, 32)}
+
+
+def make_tiles(case: str, n: int, k: int, seed: int = 0):
+    """A random matrix of `case` as tiles, with its codes, scales and offsets."""
+    fmt, lo, hi = CASES[case]
+    rng = np.random.default_rng(seed)
+    c = rng.integers(lo, hi, (n, k))
+    d = (rng.uniform(1e-3, 2e-2, (n, k // 16)) * rng.choice([-1, 1], (n, k // 16))).astype(F32)
+    m = rng.uniform(-0.2, 0.2, (n, k // 32)).astype(F32)
+    if fmt == 0:
+        d16, m16 = d[:, ::2].astype(np.float16), m.astype(np.float16)
+        codes = quant.Codes(c.astype(np.uint8), d16.astype(F32), m16.astype(F32))
+        return fmt, quant.pack_q4(codes), c, np.repeat(d16.astype(F32), 2, 1), m16.astype(F32)
+    if fmt != 2:
+        d = np.repeat(d[:, ::2], 2, 1)
+    if fmt != 3:
+        m = np.zeros_like(m)
+    return fmt, quant.pack_i8(c.astype(np.int8), d, m, fmt), c, d, m
+
+
+def replay(x: torch.Tensor, fmt: int, c: np.ndarray, d: np.ndarray, m: np.ndarray) -> torch.Tensor:
+    """The kernel's output for bf16 rows x, computed in numpy step by step (the C header)."""
+    rows, k = x.shape
+    h = x.float().numpy().reshape(rows, k // 16, 16)  # half groups
+    s = np.abs(h).max(-1) / F32(127)
+    inv = np.divide(F32(1), s, out=np.zeros_like(s), where=s > 0)
+    a = np.rint(h * inv[..., None]).astype(np.int64)
+    sums = a.sum(-1).astype(F32)
+    ssum = s[:, 0::2] * sums[:, 0::2] + s[:, 1::2] * sums[:, 1::2]  # [rows, groups]
+    w = c.reshape(-1, k // 16, 16).astype(np.int64)
+    out = np.zeros((rows, w.shape[0]), F32)
+    for j in range(k // 32):
+        for half in (2 * j, 2 * j + 1):
+            dot = np.einsum("ri,ni->rn", a[:, half], w[:, half]).astype(F32)
+            out = out + dot * (d[None, :, half] * s[:, half, None])
+        if fmt in (0, 3):
+            out = out + m[None, :, j] * ssum[:, j, None]
+    return torch.from_numpy(out).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_variant_equals_the_replay(variant: str, case: str) -> None:
+    kern = variant_kernels(variant)
+    n, k = 48, 32 * 7  # three tiles, an odd number of groups
+    fmt, tiles, c, d, m = make_tiles(case, n, k)
+    mat = kern.tiles(tiles, fmt, n, k)
+    x = (torch.randn(130, k, generator=torch.Generator().manual_seed(1)) * 3).to(torch.bfloat16)
+    x[5, :40] = 0  # a group of zeros, and a half of one
+    x[6, 16:32] = 0
+    full = mat.matmul(x)
+    want = replay(x, fmt, c, d, m)
+    diff = full != want
+    assert not diff.any(), f"{int(diff.sum())} of {diff.numel()} outputs differ"
+    for size in (1, 2, 3, 4, 5, 7, 33, 130):
+        parts = torch.cat([mat.matmul(x[i:i + size].contiguous()) for i in range(0, 130, size)])
+        assert torch.equal(parts, full), f"rows of {size} differ"
+    before = torch.get_num_threads()
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(mat.matmul(x), full), f"{t} threads differ"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_unpacked_weights_are_the_codes_times_the_scales() -> None:
+    """tile_codes inverts both packs; tile_weights is d c + m."""
+    for case in CASES:
+        fmt, tiles, c, d, m = make_tiles(case, 32, 64, seed=2)
+        assert np.array_equal(quant.tile_codes(tiles.numpy(), fmt), c)
+        want = c.reshape(32, 4, 16).astype(F32) * d.reshape(32, 4, 1) + np.repeat(m, 2, 1)[..., None]
+        assert np.array_equal(quant.tile_weights(tiles, fmt).numpy(), want.reshape(32, 64))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_non_finite_activations_give_nan_and_refusals(variant: str) -> None:
+    kern = variant_kernels(variant)
+    fmt, tiles, *_ = make_tiles("q8_0", 16, 64)
+    mat = kern.tiles(tiles, fmt, 16, 64)
+    x = torch.ones(3, 64, dtype=torch.bfloat16)
+    x[1, 3] = float("inf")
+    x[2, 40] = float("nan")
+    y = mat.matmul(x)
+    assert y[0].isfinite().all() and y[1:].isnan().all()
+    assert mat.matmul(torch.zeros(0, 64, dtype=torch.bfloat16)).shape == (0, 16)
+    with pytest.raises(ValueError):
+        mat.matmul(torch.zeros(2, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError):
+        kern.tiles(tiles, 2, 16, 64)  # another format's block size
+    with pytest.raises(ValueError):
+        kern.tiles(tiles[:, :1].contiguous(), fmt, 16, 64)
