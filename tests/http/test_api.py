@@ -54,7 +54,10 @@ def complete(srv, prompt, **fields) -> dict:
 def test_openai_client_chat_and_completions(server):
     import openai
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
-    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    # greedy, the default model answers this in one sentence and stops (as llama-server on the
+    # same GGUF, whose 8-bit activations ours match: without "Answer in one word." both say
+    # "L'Étoile, la Marseillaise, ..." until the length runs out)
+    msgs = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
     chat = client.chat.completions.create(model="x", messages=msgs, temperature=0, max_tokens=20)
     assert "Paris" in chat.choices[0].message.content
     assert chat.choices[0].finish_reason == "stop"

@@ -97,15 +97,16 @@ def test_f32_equals_hf_reference(default_f32_dequant: Model, hf_hidden, pooling:
 
 @pytest.mark.parametrize("pooling", POOLINGS)
 def test_default_path_close_to_hf_reference(default_bf16: Model, hf_hidden, pooling: str):
-    """The default path (bf16 activations, Q4 kernels): cosine >= 0.999 to the reference for
-    every vector (measured min 0.9998 per token), max error within 2% of the largest value."""
+    """The default path (the tiles' 8-bit activations, as llama-server's): cosine >= 0.995 to
+    the reference for every vector (measured min 0.9979 per token; 0.9998 with bf16
+    activations), max error within 5% of the largest value (measured 3.5%; 2% with bf16)."""
     with client(default_bf16, pooling=pooling) as c:
         raw = embed(c, TEXTS, embd_normalize=-1)
     for got, ref in zip(raw, hf_hidden):
         want, got_t = pooled(ref, pooling), torch.tensor(got)
         assert got_t.shape == want.shape
-        assert torch.nn.functional.cosine_similarity(got_t, want, dim=1).min().item() > 0.999
-        assert (got_t - want).abs().max().item() < 0.02 * want.abs().max().item()
+        assert torch.nn.functional.cosine_similarity(got_t, want, dim=1).min().item() > 0.995
+        assert (got_t - want).abs().max().item() < 0.05 * want.abs().max().item()
 
 
 @pytest.fixture(scope="module")

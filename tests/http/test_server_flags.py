@@ -228,7 +228,7 @@ def test_deterministic_mode_is_reported_by_props(mode: str, on: bool, kernels: s
     variant = "avx512bf16" if kernels == "auto" else kernels
     assert props["kernels"] == variant
     # each layer matrix's route (model/kernel_routes.py): the default model's Q4_1 layers
-    route = {"avx512bf16": "q4-tiles", "avx2": "qmm-int"}[variant]
+    route = "q4-tiles"  # every kernel build: the tiles with 8-bit activations
     assert props["kernel_routes"] == {m: {route: 30} for m in ("wqkv", "wo", "w_gate_up",
                                                                 "w_down")}
     build = {"avx512bf16": "x86-64-v4 + AVX512-VNNI + AVX512-BF16 build",
@@ -238,7 +238,7 @@ def test_deterministic_mode_is_reported_by_props(mode: str, on: bool, kernels: s
 
 @pytest.mark.parametrize("value, says", [
     ("bogus", ("RADIXSERVE_KERNELS='bogus' is not a kernel variant; allowed values: auto, "
-               "avx512bf16, avx512, avx2, generic, 0")),
+               "avx512bf16, avx512, avxvnni, avx2, generic, 0")),
     ("AVX-512", "RADIXSERVE_KERNELS='AVX-512' is not a kernel variant"),
 ])
 def test_bad_kernel_variant_stops_startup(value: str, says: str) -> None:
