@@ -93,7 +93,7 @@ static inline iv dpu(iv acc, wv w, const int8_t *a) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)a));
     return acc;
 }
-static inline iv dps(iv acc, wv w, const int8_t *a) { return dpu(acc, w, a); }
+#define HAVE_FIX 1 /* signed codes go in as c + 128: their 128 a taken back out */
 static inline iv fix(iv acc, int32_t h) { return _mm512_sub_epi32(acc, _mm512_set1_epi32(h)); }
 typedef __m512 fv;
 static inline fv tof(iv a) { return _mm512_cvtepi32_ps(a); }
@@ -142,7 +142,7 @@ static inline iv dpu(iv acc, wv w, const int8_t *a) {
     return (iv){{_mm256_dpbusd_avx_epi32(acc.v[0], w.v[0], x),
                  _mm256_dpbusd_avx_epi32(acc.v[1], w.v[1], x)}};
 }
-static inline iv dps(iv acc, wv w, const int8_t *a) { return dpu(acc, w, a); }
+#define HAVE_FIX 1
 static inline iv fix(iv acc, int32_t h) {
     __m256i x = _mm256_set1_epi32(h);
     return (iv){{_mm256_sub_epi32(acc.v[0], x), _mm256_sub_epi32(acc.v[1], x)}};
@@ -171,6 +171,7 @@ static inline iv dpu4(const wv *w, const int8_t *a) {
     }
     return acc;
 }
+#define HAVE_DPS 1 /* the signs moved to the activations: vpmaddubsw's first operand is unsigned */
 static inline iv dps(iv acc, wv w, const int8_t *a) {
     const __m256i one = _mm256_set1_epi16(1);
     __m256i x = bcast(a);
@@ -178,10 +179,6 @@ static inline iv dps(iv acc, wv w, const int8_t *a) {
         acc.v[i] = _mm256_add_epi32(
             acc.v[i],
             _mm256_madd_epi16(_mm256_maddubs_epi16(w.v[i], _mm256_sign_epi8(x, w.s[i])), one));
-    return acc;
-}
-static inline iv fix(iv acc, int32_t h) {
-    (void)h;
     return acc;
 }
 #endif
@@ -251,11 +248,6 @@ static inline iv dpu(iv acc, wv w, const int8_t *a) {
     for (int i = 0; i < 4; i++) acc.v[i] = vdotq_s32(acc.v[i], w.v[i], b);
     return acc;
 }
-static inline iv dps(iv acc, wv w, const int8_t *a) { return dpu(acc, w, a); }
-static inline iv fix(iv acc, int32_t h) {
-    (void)h;
-    return acc;
-}
 typedef struct {
     float32x4_t v[4];
 } fv;
@@ -321,11 +313,6 @@ static inline iv dpu(iv acc, wv w, const int8_t *a) {
         for (int i = 0; i < 4; i++) acc.v[j] += (int32_t)w.v[4 * j + i] * a[i];
     return acc;
 }
-static inline iv dps(iv acc, wv w, const int8_t *a) { return dpu(acc, w, a); }
-static inline iv fix(iv acc, int32_t h) {
-    (void)h;
-    return acc;
-}
 typedef struct {
     float v[16];
 } fv;
@@ -370,6 +357,17 @@ static inline void unpack_q4(const uint8_t *blk, wv w[8]) {
         }
 }
 static inline void unpack_i8(const uint8_t *blk, wv w[8]) { memcpy(w, blk, 512); }
+#endif
+
+/* The builds that multiply signed codes as they are (dps = dpu) and need no correction */
+#if !defined(HAVE_DPS)
+static inline iv dps(iv acc, wv w, const int8_t *a) { return dpu(acc, w, a); }
+#endif
+#if !defined(HAVE_FIX)
+static inline iv fix(iv acc, int32_t h) {
+    (void)h;
+    return acc;
+}
 #endif
 
 /* A (tile, group)'s block decoded for its rows: the weight operands, d0 and d1 (the halves'
