@@ -19,8 +19,8 @@ Two executions of that form, picked at load (`packed_linear`):
 The 5- to 8-bit types (Q5_0, Q5_1, Q8_0, Q5_K, Q6_K) run I8Linear: int8 codes in the same
 kernel's 16-row tiles with f32 scales (1.125-1.25 bytes a weight), gguf-py's weights exactly.
 Both multiply as llama.cpp's CPU kernels do, by 8-bit integer dot products on activations
-quantized a group of 32 at a time (i8act.c's header: the arithmetic, and why its bits never
-depend on the rows or threads sharing a call). Where the tiles cannot hold a matrix (rows not a
+quantized a half group of 16 at a time (i8act.c's header: the arithmetic, and why its bits
+never depend on the rows or threads sharing a call). Where the tiles cannot hold a matrix (rows not a
 multiple of 16), QuantLinear runs it from the file's own blocks (csrc/qmm.c, 16-bit
 activations), as it runs the float types F16/BF16/F32 on the builds without AVX512-BF16; with
 it, those are dense bf16 in our row-invariant kernel (csrc/bf16_gemm.c, DenseLinear). Without our

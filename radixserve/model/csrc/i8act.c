@@ -392,8 +392,6 @@ static inline __attribute__((always_inline)) void load_group(const int f, const 
     if (f == F_I8M) g->m = fload(blk + 576);
 }
 
-/* One row's share of a (tile, group): a its 32 codes, gm its group's scales; the sequence
- * every output runs (the header). */
 #if !defined(HAVE_DPU4)
 static inline iv dpu4(const wv *w, const int8_t *a) {
     iv acc = izero();
@@ -402,6 +400,8 @@ static inline iv dpu4(const wv *w, const int8_t *a) {
 }
 #endif
 
+/* One row's share of a (tile, group): a its 32 codes, gm its group's scales; the sequence
+ * every output runs (the header). */
 static inline __attribute__((always_inline)) fv group_row(const int f, const tgroup *g,
                                                           const int8_t *a, const gmeta *gm,
                                                           fv out) {
