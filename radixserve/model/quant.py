@@ -57,6 +57,8 @@ TILE = 16  # rows per tile (csrc/i8act.c)
 # I8Linear: i8act.c's 8-bit tile format of each type (its F_I8, F_I8H, F_I8M: a scale a group,
 # a scale a half group for Q6_K's sub-blocks of 16, a scale and an offset)
 I8_FORMATS = {Q.Q8_0: 1, Q.Q5_0: 1, Q.Q6_K: 2, Q.Q5_1: 3, Q.Q5_K: 3}
+# each 8-bit tile format's code range
+I8_CODES = {1: (-128, 127), 2: (-32, 31), 3: (0, 31)}
 F16_MAX = float(np.finfo(np.float16).max)
 
 
@@ -358,6 +360,9 @@ def pack_i8(c: np.ndarray, d: np.ndarray, m: np.ndarray, fmt: int) -> torch.Tens
     order, a row's 4 bytes together), then the 16 rows' f32 scales (format 2: half 0's, then
     half 1's; format 3: then the offsets)."""
     n, k = c.shape
+    lo, hi = I8_CODES[fmt]  # the kernel's integer sums are exact for codes in these ranges
+    if c.size and (c.min() < lo or c.max() > hi):
+        raise ValueError(f"tile format {fmt} holds codes {lo}..{hi}, given {c.min()}..{c.max()}")
     tiles, groups = n // TILE, k // GROUP
     q = c.reshape(tiles, TILE, groups, 4, 8)[..., PERM]
     q = q.reshape(tiles, TILE, groups, 8, 4).transpose(0, 2, 3, 1, 4).reshape(tiles, groups, 512)

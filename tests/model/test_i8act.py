@@ -36,7 +36,7 @@ def make_tiles(case: str, n: int, k: int, seed: int = 0):
     if fmt == 0:
         d16, m16 = d[:, ::2].astype(np.float16), m.astype(np.float16)
         # f16 subnormals and a negative zero: the generic build converts f16 by hand
-        d16[0, 1], m16[1, 2], m16[2, 3], m16[3, 0] = 2.0**-20, -3e-6, -0.0, 2.0**-24
+        d16[0, 1], m16[1, 0], m16[2, 1], m16[3, 0] = 2.0**-20, -3e-6, -0.0, 2.0**-24
         codes = quant.Codes(c.astype(np.uint8), d16.astype(F32), m16.astype(F32))
         return fmt, quant.pack_q4(codes), c, np.repeat(d16.astype(F32), 2, 1), m16.astype(F32)
     if fmt != 2:

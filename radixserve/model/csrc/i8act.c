@@ -26,9 +26,10 @@
  *        nibbles 2c + 1 (column j's 4 bytes at 4j: weights 8c + 0 4 1 5 low, 2 6 3 7
  *        high), then 16 f16 scales d
  *        and 16 f16 offsets m: w = d q + m, q in 0..15;
- *   F_I8 (Q8_0, Q5_0), F_I8H (Q6_K), F_I8M (Q5_1, Q5_K): 8 operands of signed codes c, then
- *        16 f32 scales (F_I8H: those of the first half group, then the second's; F_I8M: then
- *        16 f32 offsets m): w = d_h c (+ m).
+ *   F_I8 (Q8_0, Q5_0), F_I8H (Q6_K), F_I8M (Q5_1, Q5_K): 8 operands of codes c (F_I8: int8,
+ *        F_I8H: -32..31, F_I8M: 0..31, which the builds rely on), then 16 f32 scales (F_I8H:
+ *        those of the first half group, then the second's; F_I8M: then 16 f32 offsets m):
+ *        w = d_h c (+ m).
  *
  * The arithmetic of one output (row r, column j), the same sequence in every path and at any
  * row or thread count, so a row's bits never depend on what shares its call: per group, in
@@ -114,8 +115,8 @@ static inline void unpack_q4(const uint8_t *blk, wv w[8]) {
         w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
 }
-static inline void unpack_i8(const uint8_t *blk, wv w[8]) {
-    const __m512i top = _mm512_set1_epi8((char)0x80);
+static inline void unpack_i8(const int f, const uint8_t *blk, wv w[8]) {
+    const __m512i top = _mm512_set1_epi8(f == F_I8M ? 0 : (char)0x80);
     for (int t = 0; t < 8; t++) w[t] = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * t), top);
 }
 #elif defined(ISA_AVXVNNI) || defined(ISA_AVX2)
@@ -156,9 +157,9 @@ static inline iv dpu(iv acc, wv w, const int8_t *a) {
             acc.v[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w.v[i], x), one));
     return acc;
 }
-/* The 4-bit tiles' half group (4 steps) at once: vpmaddubsw's pair sums added in 16 bits (codes
- * <= 15, |a| <= 127: at most 4 x 2 x 15 x 127 = 15,240, exact), widened once, where the
- * step-by-step path widens each step. */
+/* The unsigned codes' half group (4 steps) at once: vpmaddubsw's pair sums added in 16 bits
+ * (codes <= 31: the 4-bit tiles' and Q5's, |a| <= 127: at most 4 x 2 x 31 x 127 = 31,496,
+ * exact), widened once, where the step-by-step path widens each step. */
 #define HAVE_DPU4 1
 static inline iv dpu4(const wv *w, const int8_t *a) {
     const __m256i one = _mm256_set1_epi16(1);
@@ -168,6 +169,23 @@ static inline iv dpu4(const wv *w, const int8_t *a) {
         for (int t = 1; t < 4; t++)
             s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[t].v[i], bcast(a + 4 * t)));
         acc.v[i] = _mm256_madd_epi16(s, one);
+    }
+    return acc;
+}
+/* Q6_K's half group: its codes (-32..31) go in as c + 32 (0..63), pairs of steps added in 16
+ * bits (at most 2 x 2 x 63 x 127 = 32,004, exact), the 32 a taken back out (h / 4: h is 128
+ * sum a): half the instructions of the signs moved to the activations, exactly the same sum */
+#define HAVE_DPH 1
+static inline iv dph(const wv *w, const int8_t *a, int32_t h) {
+    const __m256i one = _mm256_set1_epi16(1), fix = _mm256_set1_epi32(h / 4);
+    iv acc;
+    for (int i = 0; i < 2; i++) {
+        __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0].v[i], bcast(a)),
+                                      _mm256_maddubs_epi16(w[1].v[i], bcast(a + 4)));
+        __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2].v[i], bcast(a + 8)),
+                                      _mm256_maddubs_epi16(w[3].v[i], bcast(a + 12)));
+        acc.v[i] = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(s0, one),
+                                                     _mm256_madd_epi16(s1, one)), fix);
     }
     return acc;
 }
@@ -217,13 +235,21 @@ static inline void unpack_q4(const uint8_t *blk, wv w[8]) {
             w[2 * c + 1].v[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         }
 }
-static inline void unpack_i8(const uint8_t *blk, wv w[8]) {
+static inline void unpack_i8(const int f, const uint8_t *blk, wv w[8]) {
     for (int t = 0; t < 8; t++)
         for (int i = 0; i < 2; i++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * t + 32 * i));
+            if (f == F_I8M) {
+                w[t].v[i] = v;
+                continue;
+            }
 #if defined(ISA_AVXVNNI)
             w[t].v[i] = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
 #else
+            if (f == F_I8H) {
+                w[t].v[i] = _mm256_add_epi8(v, _mm256_set1_epi8(32));
+                continue;
+            }
             w[t].v[i] = _mm256_abs_epi8(v);
             w[t].s[i] = v;
 #endif
@@ -295,7 +321,8 @@ static inline void unpack_q4(const uint8_t *blk, wv w[8]) {
             w[2 * c + 1].v[i] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
         }
 }
-static inline void unpack_i8(const uint8_t *blk, wv w[8]) {
+static inline void unpack_i8(const int f, const uint8_t *blk, wv w[8]) {
+    (void)f;
     for (int t = 0; t < 8; t++)
         for (int i = 0; i < 4; i++) w[t].v[i] = vld1q_s8((const int8_t *)blk + 64 * t + 16 * i);
 }
@@ -384,7 +411,8 @@ static inline void unpack_q4(const uint8_t *blk, wv w[8]) {
             }
         }
 }
-static inline void unpack_i8(const uint8_t *blk, wv w[8]) {
+static inline void unpack_i8(const int f, const uint8_t *blk, wv w[8]) {
+    (void)f;
     for (int t = 0; t < 8; t++)
         for (int q = 0; q < 4; q++) {
             i4 x;
@@ -421,13 +449,22 @@ static inline __attribute__((always_inline)) void load_group(const int f, const 
         g->m = fhalves(blk + 288);
         return;
     }
-    unpack_i8(blk, g->w);
+    unpack_i8(f, blk, g->w);
     g->d0 = g->d1 = fload(blk + 512);
     g->m = fzero();
     if (f == F_I8H) g->d1 = fload(blk + 576);
     if (f == F_I8M) g->m = fload(blk + 576);
 }
 
+/* A half group of signed codes (4 operands): the sum, corrected where the build needs it */
+static inline iv dpsfix(const wv *w, const int8_t *a, int32_t h) {
+    iv acc = izero();
+    for (int t = 0; t < 4; t++) acc = dps(acc, w[t], a + 4 * t);
+    return fix(acc, h);
+}
+#if !defined(HAVE_DPH)
+static inline iv dph(const wv *w, const int8_t *a, int32_t h) { return dpsfix(w, a, h); }
+#endif
 #if !defined(HAVE_DPU4)
 static inline iv dpu4(const wv *w, const int8_t *a) {
     iv acc = izero();
@@ -441,19 +478,16 @@ static inline iv dpu4(const wv *w, const int8_t *a) {
 static inline __attribute__((always_inline)) fv group_row(const int f, const tgroup *g,
                                                           const int8_t *a, const gmeta *gm,
                                                           fv out) {
-    iv lo = izero(), hi = izero();
-    if (f == F_Q4) {
+    iv lo, hi;
+    if (f == F_Q4 || f == F_I8M) { /* unsigned codes: 0..15, 0..31 */
         lo = dpu4(g->w, a);
         hi = dpu4(g->w + 4, a + 16);
+    } else if (f == F_I8H) {
+        lo = dph(g->w, a, gm->h0);
+        hi = dph(g->w + 4, a + 16, gm->h1);
     } else {
-        for (int t = 0; t < 4; t++) {
-            lo = dps(lo, g->w[t], a + 4 * t);
-            hi = dps(hi, g->w[t + 4], a + 16 + 4 * t);
-        }
-    }
-    if (f != F_Q4) {
-        lo = fix(lo, gm->h0);
-        hi = fix(hi, gm->h1);
+        lo = dpsfix(g->w, a, gm->h0);
+        hi = dpsfix(g->w + 4, a + 16, gm->h1);
     }
     out = fadd(out, fmul(tof(lo), fscale(g->d0, gm->s0)));
     out = fadd(out, fmul(tof(hi), fscale(g->d1, gm->s1)));
