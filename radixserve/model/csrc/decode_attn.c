@@ -23,9 +23,11 @@
  *
  * With AVX512-BF16 the dot products are bf16 pairs (exact products, f32 sums) for head_dim 64,
  * 128, 192 or 256 (attend_bf16: q.k 16 keys at a time per query head, p.V in 64-dimension
- * slices); the neon variant's dot products run in 4-lane f32 vectors (attend_neon); other
- * head sizes, and other builds, take the plain-C path. Each path is the same for every query,
- * so the guarantees above hold in each.
+ * slices); the other AVX2 builds' (avx512, avxvnni, avx2) in 8-lane f32 vectors with FMA for
+ * head sizes that are multiples of 8 (attend_avx2: 1.5x the plain C at 1B's 32 heads on 8);
+ * the neon variant's in 4-lane f32 vectors (attend_neon); other head sizes, and the generic
+ * build, take the plain-C path. Each path is the same for every query, so the guarantees above
+ * hold in each.
  *
  * Built by radixserve/model/kernels.py with the system C compiler; OpenMP calls resolve to the
  * libgomp torch has already loaded, so the kernel shares torch's thread pool.
@@ -169,6 +171,136 @@ static void attend_neon(const uint16_t *q, const uint16_t *kh, const uint16_t *v
         }
     }
     for (int a = 0; a < g; a++) memcpy(part + a * (2 + d) + 2, acc[a], d * sizeof(float));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512F__) && defined(__AVX512BF16__))
+#define RS_AVX2_ATTN 1
+#include <immintrin.h>
+#define AVX2_KEYS 256 /* keys a call at most: a block (BLOCK below) */
+
+/* 8 bf16 -> 8 f32: the bits shifted into the high halves */
+static inline __m256 bf8(const uint16_t *p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* Lane i = the sum of p[i]'s 8 lanes, for 8 vectors (pairwise adds, then the 128-bit halves) */
+static inline __m256 sum8(const __m256 *p) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(p[4], p[5]), _mm256_hadd_ps(p[6], p[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* exp_clamped on 8 lanes, step for step (the clamp passes a NaN through, as the scalar one) */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), x));
+    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    __m256 n = _mm256_floor_ps(t);
+    __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+                                  23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* attend_share_generic in 8-lane vectors with FMA (the avx512, avxvnni and avx2 builds, d a
+ * multiple of 8): q.k 8 keys at a time, their rows converted to f32 once for the g heads and
+ * each head's 8 sums reduced together (sum8); p.V in 64-dimension slices of the output (8
+ * accumulators in registers), the block's value rows of the slice converted once for the g
+ * heads. Another summation order than the plain C's, within f32 rounding of it, and the same
+ * for every query. */
+static void attend_avx2(const uint16_t *q, const uint16_t *kh, const uint16_t *vh,
+                        const int64_t *cells, int64_t c0, int64_t j0, int64_t j1, int g, int d,
+                        float scale, float *s, int64_t s_stride, float *part) {
+    const int n8 = d / 8;
+    const int64_t n = j1 - j0;
+    __m256 qf[MAXG][MAXD / 8];
+    float kf[8][MAXD] __attribute__((aligned(32)));
+    float vf[AVX2_KEYS][64] __attribute__((aligned(32))); /* a block's V slice (64 KiB) */
+    float m[MAXG];
+    for (int a = 0; a < g; a++) {
+        for (int i = 0; i < n8; i++)
+            qf[a][i] = _mm256_mul_ps(bf8(q + a * d + 8 * i), _mm256_set1_ps(scale));
+        m[a] = -INFINITY;
+    }
+    int64_t j = 0;
+    for (; j < n; j += 8) {
+        const int nk = n - j < 8 ? (int)(n - j) : 8;
+        for (int jj = 0; jj < 8; jj++) {
+            if (jj < nk) {
+                const uint16_t *kr = kh + (cells ? cells[j0 + j + jj] : c0 + j0 + j + jj) * d;
+                for (int i = 0; i < n8; i++) _mm256_store_ps(kf[jj] + 8 * i, bf8(kr + 8 * i));
+            } else {
+                for (int i = 0; i < n8; i++) _mm256_store_ps(kf[jj] + 8 * i, _mm256_setzero_ps());
+            }
+            if (j + jj + GPF < n) {
+                int64_t e = cells ? cells[j0 + j + jj + GPF] : c0 + j0 + j + jj + GPF;
+                for (int c = 0; c < 2 * d; c += 64) {
+                    __builtin_prefetch((const char *)(kh + e * d) + c, 0, 3);
+                    __builtin_prefetch((const char *)(vh + e * d) + c, 0, 2);
+                }
+            }
+        }
+        for (int a = 0; a < g; a++) {
+            __m256 p[8];
+            for (int jj = 0; jj < 8; jj++) p[jj] = _mm256_setzero_ps();
+            for (int i = 0; i < n8; i++)
+                for (int jj = 0; jj < 8; jj++)
+                    p[jj] = _mm256_fmadd_ps(qf[a][i], _mm256_load_ps(kf[jj] + 8 * i), p[jj]);
+            float dots[8];
+            _mm256_storeu_ps(dots, sum8(p));
+            for (int jj = 0; jj < nk; jj++) {
+                s[a * s_stride + j + jj] = dots[jj];
+                m[a] = dots[jj] > m[a] ? dots[jj] : m[a];
+            }
+        }
+    }
+    for (int a = 0; a < g; a++) {
+        float *sa = s + a * s_stride;
+        __m256 vm = _mm256_set1_ps(m[a]), vs = _mm256_setzero_ps();
+        for (j = 0; j + 8 <= n; j += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sa + j), vm));
+            _mm256_storeu_ps(sa + j, e);
+            vs = _mm256_add_ps(vs, e);
+        }
+        float lanes[8], sum = 0.f;
+        _mm256_storeu_ps(lanes, vs);
+        for (int i = 0; i < 8; i++) sum += lanes[i];
+        for (; j < n; j++) {
+            float e = exp_clamped(sa[j] - m[a]);
+            sa[j] = e;
+            sum += e;
+        }
+        part[a * (2 + d)] = m[a];
+        part[a * (2 + d) + 1] = sum;
+    }
+    for (int c = 0; c < d; c += 64) { /* output dimensions c .. c + w - 1 */
+        const int w8 = (d - c < 64 ? d - c : 64) / 8;
+        for (j = 0; j < n; j++) {
+            const uint16_t *vr = vh + (cells ? cells[j0 + j] : c0 + j0 + j) * d + c;
+            for (int i = 0; i < w8; i++) _mm256_store_ps(vf[j] + 8 * i, bf8(vr + 8 * i));
+        }
+        for (int a = 0; a < g; a++) {
+            __m256 acc[8];
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+            const float *sa = s + a * s_stride;
+            for (j = 0; j < n; j++) {
+                __m256 p = _mm256_set1_ps(sa[j]);
+                for (int i = 0; i < w8; i++)
+                    acc[i] = _mm256_fmadd_ps(p, _mm256_load_ps(vf[j] + 8 * i), acc[i]);
+            }
+            float *o = part + a * (2 + d) + 2 + c;
+            for (int i = 0; i < w8; i++) _mm256_storeu_ps(o + 8 * i, acc[i]);
+        }
+    }
 }
 #endif
 
@@ -441,6 +573,12 @@ static void attend_share(const uint16_t *q, const uint8_t *kh, const uint8_t *vh
     (void)pairs, (void)kt, (void)vt, (void)kb, (void)vb;
 #endif
     const uint16_t *k16 = (const uint16_t *)kh, *v16 = (const uint16_t *)vh;
+#if defined(RS_AVX2_ATTN)
+    if (d % 8 == 0 && d <= MAXD && j1 - j0 <= AVX2_KEYS) {
+        attend_avx2(q, k16, v16, cells, c0, j0, j1, g, d, scale, s, s_stride, part);
+        return;
+    }
+#endif
 #if defined(RS_NEON)
     if (d % 4 == 0 && d <= MAXD) {
         attend_neon(q, k16, v16, cells, c0, j0, j1, g, d, scale, s, s_stride, part);
