@@ -75,6 +75,10 @@ _REASSOC = ("-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
 _STRICT_FP = frozenset({"qmm.c", "i8act.c", "kv_rows.c", "short_conv.c"})
 # and, of those, the sources whose roundings are exactly as written: no fused multiply-adds
 _NO_CONTRACT = frozenset({"i8act.c", "kv_rows.c", "short_conv.c"})
+# and sources built without partial redundancy elimination: it translated the gates' division
+# through exp_clamped's clamp into one copy for each arm (5 divisions a vector where 1 does:
+# the SiLU gate 7x slower)
+_NO_PRE = frozenset({"rowwise.c"})
 _LINK = ("-shared", "-fopenmp")
 
 
@@ -211,6 +215,7 @@ def compile_flags(source: str, variant: str, machine: str | None = None) -> list
     """The flags that compile csrc/`source` (a file name) to an object file for `variant`."""
     fp = () if source in _STRICT_FP else _REASSOC
     fp += ("-ffp-contract=off",) if source in _NO_CONTRACT else ()
+    fp += ("-fno-tree-pre",) if source in _NO_PRE else ()
     return [*_COMMON, *fp, *VARIANTS[variant].flags(machine)]
 
 
