@@ -24,7 +24,7 @@
  * With AVX512-BF16 the dot products are bf16 pairs (exact products, f32 sums) for head_dim 64,
  * 128, 192 or 256 (attend_bf16: q.k 16 keys at a time per query head, p.V in 64-dimension
  * slices); the other AVX2 builds' (avx512, avxvnni, avx2) in 8-lane f32 vectors with FMA for
- * head sizes that are multiples of 8 (attend_avx2: 1.5x the plain C at 1B's 32 heads on 8);
+ * head sizes that are multiples of 8 (attend_avx2: 1.4x the plain C at 1B's 32 heads on 8);
  * the neon variant's in 4-lane f32 vectors (attend_neon); other head sizes, and the generic
  * build, take the plain-C path. Each path is the same for every query, so the guarantees above
  * hold in each.
