@@ -77,7 +77,7 @@ _STRICT_FP = frozenset({"qmm.c", "i8act.c", "kv_rows.c", "short_conv.c"})
 _NO_CONTRACT = frozenset({"i8act.c", "kv_rows.c", "short_conv.c"})
 # and sources built without partial redundancy elimination: it translated the gates' division
 # through exp_clamped's clamp into one copy for each arm (5 divisions a vector where 1 does:
-# the SiLU gate 7x slower)
+# the SiLU gate 8x slower)
 _NO_PRE = frozenset({"rowwise.c"})
 _LINK = ("-shared", "-fopenmp")
 

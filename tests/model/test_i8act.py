@@ -92,6 +92,18 @@ def test_every_variant_equals_the_replay(variant: str, case: str) -> None:
         torch.set_num_threads(before)
 
 
+def test_codes_outside_a_formats_range_are_refused() -> None:
+    """The builds' integer sums are exact only for each format's codes (AVX2 takes Q6_K's as
+    c + 32 into vpmaddubsw, and Q5's as unsigned): pack_i8 refuses any other."""
+    d, m = np.ones((16, 2), F32), np.zeros((16, 1), F32)
+    for fmt, bad in ((2, 32), (2, -33), (3, -1), (3, 32)):
+        c = np.zeros((16, 32), np.int8)
+        c[3, 5] = bad
+        with pytest.raises(ValueError, match=f"tile format {fmt} holds codes"):
+            quant.pack_i8(c, d, m if fmt == 3 else np.zeros_like(m), fmt)
+    quant.pack_i8(np.full((16, 32), -32, np.int8), d, np.zeros((16, 1), F32), 2)
+
+
 def test_unpacked_weights_are_the_codes_times_the_scales() -> None:
     """tile_codes inverts both packs; tile_weights is d c + m."""
     for case in CASES:
