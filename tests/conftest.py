@@ -84,7 +84,7 @@ from radixserve.memory.pool.pool import KVPool
 from radixserve.memory.pool.swa import make_pool as swa_make_pool
 from radixserve.model.default_model import default_model_path
 from radixserve.model.forward import Transformer
-from radixserve.model.hparams import HParams
+from radixserve.model.arch import read_hparams
 from radixserve.model.loader import Model, load_model
 from radixserve.model.weights import load_weights
 from radixserve.text.chat_template import ChatTemplate
@@ -128,7 +128,7 @@ gguf.GGUFReader = SharedGGUFReader  # type: ignore[misc]  # what `from gguf impo
 
 def make_transformer(path: str, dtype: torch.dtype = torch.float32) -> Transformer:
     reader = gguf.GGUFReader(path)
-    hp = HParams.from_gguf(reader)
+    hp = read_hparams(reader)
     return Transformer(hp, load_weights(reader, hp, dtype), dtype)
 
 

@@ -1,4 +1,4 @@
-"""One batched forward over several sequences (llama / qwen2 / qwen3 / gemma3 decoder).
+"""One batched forward over several sequences, for every family (model/arch/).
 
 All tokens of the batch go through the dense layers together as one [T, n_embd] matrix;
 attention runs per sequence over that sequence's cells only. Prefill chunks and single decode
@@ -11,12 +11,13 @@ every architecture: q/k norms, sliding windows, post norms and GeGLU plugged in)
 every sequence's new tokens end its cells; the general path (torch_step.py's TorchStep) does
 the same arithmetic with torch's attention where they do not.
 
-Why the layer loop is short: the two paths are step objects with one interface (attend a
-layer's fused q/k/v, then the norms and gates), and what differs between layers is chosen once
-at load: each layer's kind of attention (global or sliding, and its row in a split cache), its
-q/k norms, and its residual block by norm family (llama / qwen: the residual add fused into the
-next norm; gemma3: post norms). Which step runs is chosen per step, as it depends on where the
-batch's new tokens sit in their sequences' cells.
+Why the layer loop is short: the layers are objects the family built at load (model/layers.py:
+a block of a norm, a mixer - attention or a short convolution - and an FFN, with its residual
+adds), and the two paths are step objects with one interface (attend a layer's fused q/k/v, the
+norms and gates) that every layer calls. What differs between layers was chosen at load: each
+layer's kind of memory (global or sliding attention, a convolution's state, and its row in its
+cache), its q/k norms, its block. Which step runs is chosen per step, as it depends on where
+the batch's new tokens sit in their sequences' cells.
 
 Gemma 3 adds sliding-window layers: a query at position p sees keys at p - n_swa < k <= p only
 (llama.cpp's LLAMA_SWA_TYPE_STANDARD), rotated with their own RoPE base. Their K/V live either
@@ -28,7 +29,6 @@ applied by the mask) or in a separate window-sized cache whose cells each step n
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,21 +38,18 @@ from radixserve.model import step as kstep
 from radixserve.model.step import KernelStep, LayerKind
 from radixserve.model.head import RowNeed
 from radixserve.model.hparams import HParams
+from radixserve.model.layers import Run
 from radixserve.model.kernels import KVTypes, kernels
 from radixserve.memory.pool.kv_types import of_dtype
 from radixserve.model.quant import Int4Linear
 from radixserve.model.rope import Rope
 from radixserve.model.short_conv import ShortConv
 from radixserve.model.torch_step import Sliding, TorchStep, rms_norm, sliding
-from radixserve.model.weights import LayerWeights, ModelWeights
+from radixserve.model.weights import ModelWeights
 
 __all__ = ["SeqStep", "SwaStep", "Transformer", "resolve_deterministic", "rms_norm"]
 
 log = logging.getLogger(__name__)
-
-# what a layer's residual block calls: the step's norms and gates
-Glue = KernelStep | TorchStep
-
 
 @dataclass(slots=True)
 class SwaStep:
@@ -97,7 +94,7 @@ def resolve_deterministic(mode: str, dtype: torch.dtype, kernels_built: bool,
     token's bits, depends on how many tokens a call holds."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"--deterministic must be auto, on or off, got {mode!r}")
-    linears = [m for lw in w.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
+    linears = [m for layer in w.layers for m in layer.matrices().values()]
     why = None
     if dtype != torch.bfloat16:
         why = f"--dtype is {str(dtype).removeprefix('torch.')}"
@@ -148,18 +145,21 @@ class Transformer:
         self.attn_scale = hp.attn_scale or None  # None: SDPA's own 1/sqrt(head_dim)
         self.q_dim = hp.n_head * hp.head_dim
         self.kv_dim = hp.n_head_kv * hp.head_dim
-        # chosen once here, per layer: the kind of its attention, as (kind, cache index) with
-        # all layers in one cache (False) or the sliding ones in their own (True); its q/k
-        # norms (qwen3, gemma3) or None; its residual block by norm family
+        # chosen once here, per layer: the kind of its memory, as (kind, cache index) with
+        # all layers in one cache (False) or the sliding ones in their own (True), and its q/k
+        # norms (qwen3, gemma3) or None
         self._checked: dict[tuple[int, int], torch.Tensor] = {}  # the C step's norms, checked
-        kind = [hp.layer_kind(li) for li in range(hp.n_layer)]
+        kind = [layer.mixer.kind for layer in w.layers]
+        if kind != [hp.layer_kind(li) for li in range(hp.n_layer)]:
+            raise ValueError("the layers' mixers do not match the hyperparameters' pattern")
         self.layer_kinds = {split: [(k, hp.cache_index(li, split)) for li, k in enumerate(kind)]
                             for split in (False, True)}
-        self._norm_pairs = [(lw.q_norm, lw.k_norm) for lw in w.layers]
+        self._cache_index = {split: [ci for _, ci in kinds]
+                             for split, kinds in self.layer_kinds.items()}
+        self._norm_pairs = [(getattr(layer.mixer, "q_norm", None),
+                             getattr(layer.mixer, "k_norm", None)) for layer in w.layers]
         self._qk_norms = [None if qn is None or kn is None else (qn, kn)
                           for qn, kn in self._norm_pairs]
-        self._blocks = [_plain_block if lw.post_attn_norm is None else _post_norm_block
-                        for lw in w.layers]
 
     @property
     def own_attention(self) -> bool:
@@ -227,19 +227,13 @@ class Transformer:
         if step is None:
             step = TorchStep(self, batch, cells, tail, cos, sin, swa, split, k_cache, v_cache,
                              k_swa, v_swa, types)
-        act = step.silu if hp.act == "silu" else step.gelu
-        inv = self.deterministic
+        run = Run(step, conv, self._cache_index[split], self.deterministic)
         layers = self.w.layers
         h = step.norm(x, None, layers[0].attn_norm)
-        for li, lw in enumerate(layers):
+        for li, layer in enumerate(layers):
             assert h is not None
-            if lw.conv is None:
-                attn = step.attend(li, lw.wqkv(h, inv))
-            else:
-                assert conv is not None
-                attn = conv.run(self.layer_kinds[split][li][1], lw.conv, lw.wqkv(h, inv))
             nxt = layers[li + 1].attn_norm if li + 1 < len(layers) else None
-            h = self._blocks[li](step, act, lw, x, attn, nxt, inv)
+            h = layer(run, li, x, h, nxt)
         return self._output(x, batch, device)
 
     def _split(self, k_cache: torch.Tensor, batch: list[SeqStep], k_swa: torch.Tensor | None,
@@ -333,28 +327,3 @@ class Transformer:
                                      swa.cells, n_new, swa.cos, swa.sin, types)
         return KernelStep(kern, hp.n_head, hp.n_head_kv, hp.head_dim, kinds, layer_kind,
                          self._norm_pairs, x, hp.rms_eps, hp.n_ff, self._checked)
-
-
-def _plain_block(step: Glue, act: Callable[[torch.Tensor], torch.Tensor], lw: LayerWeights,
-                 x: torch.Tensor, attn: torch.Tensor, nxt: torch.Tensor | None,
-                 inv: bool) -> torch.Tensor | None:
-    """A llama / qwen layer after its attention: each residual add fused into the next norm;
-    returns the next layer's normed input (None after the last layer)."""
-    h = step.norm(x, lw.wo(attn, inv), lw.ffn_norm)
-    add = lw.w_down(act(lw.w_gate_up(h, inv)), inv)
-    if nxt is None:
-        x.add_(add)
-        return None
-    return step.norm(x, add, nxt)
-
-
-def _post_norm_block(step: Glue, act: Callable[[torch.Tensor], torch.Tensor],
-                     lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor,
-                     nxt: torch.Tensor | None, inv: bool) -> torch.Tensor | None:
-    """A gemma3 layer after its attention: each output RMS-normed (in f32) before its residual
-    add; returns the next layer's normed input (None after the last layer)."""
-    assert lw.post_attn_norm is not None and lw.post_ffn_norm is not None
-    hn = step.post_norm(x, lw.wo(attn, inv), lw.post_attn_norm, lw.ffn_norm)
-    assert hn is not None
-    down = lw.w_down(act(lw.w_gate_up(hn, inv)), inv)
-    return step.post_norm(x, down, lw.post_ffn_norm, nxt)

@@ -14,6 +14,7 @@ from radixserve.model.default_model import resolve_model_path
 from radixserve.model.device import DeviceError, device_name, resolve_device
 from radixserve.model.forward import Transformer
 from radixserve.model.gguf_check import read_gguf
+from radixserve.model.arch import read_hparams
 from radixserve.model.hparams import HParams
 from radixserve.model.kernels import torch_ops_only
 from radixserve.model.rope import Rope
@@ -157,7 +158,7 @@ def load_model(path: str | None = "default", dtype: str = "auto", device: str = 
     t0 = time.perf_counter()
     path = resolve_model_path(path)
     reader = read_gguf(path)  # its structure checked (naming a malformed tensor) first
-    hp = HParams.from_gguf(reader)
+    hp = read_hparams(reader)
     dev = resolve_device(device, gpu_layers, hp.n_layer)
     dt = resolve_dtype(dtype, dev)
     mode = resolve_weights(weights, dt, dev)

@@ -46,9 +46,9 @@ def load_native(path: str, kernels: bool, monkeypatch) -> Transformer:
     assert model.weights == "native" and tr.w.packed
     if kernels:
         assert tr.kern is not None, "the kernels did not build (is a C compiler there?)"
-        assert isinstance(tr.w.layers[0].wqkv, Q4Linear), "no AVX512-BF16 here?"
+        assert isinstance(tr.w.layers[0].mixer.wqkv, Q4Linear), "no AVX512-BF16 here?"
     else:
-        assert tr.kern is None and isinstance(tr.w.layers[0].wqkv, Int4Linear)
+        assert tr.kern is None and isinstance(tr.w.layers[0].mixer.wqkv, Int4Linear)
     return tr
 
 

@@ -212,7 +212,7 @@ def test_qwen3_takes_the_step_too(tiny_paths: dict[str, str], monkeypatch):
     bits."""
     m = load_model(tiny_paths["qwen3"], "bf16")
     tr = m.transformer
-    assert tr.w.layers[0].q_norm is not None
+    assert tr.w.layers[0].mixer.q_norm is not None
     ids = [(i * 31) % 250 + 3 for i in range(40)]
     ref = _run(m, False, ids, 40, True, monkeypatch)
     got = _run(m, False, ids, 8, False, monkeypatch)

@@ -1,0 +1,133 @@
+"""What a model family is: the GGUF `general.architecture` names it reads, its hyperparameters
+(with their checks), the tensors it loads and the layer stack it builds from model/layers.py's
+pieces. A family module subclasses `Family` and overrides only what its architecture does
+differently; the registry (model/arch/__init__.py) finds it by the `FAMILIES` list it exports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import gguf
+
+from radixserve.model.hparams import (
+    HParams,
+    UnsupportedModelError,
+    field_value,
+    int_or_none,
+    pooling_name,
+)
+from radixserve.model.layers import Attention, Block, DenseFFN, Mixer
+from radixserve.model.tensors import TensorLoader
+
+# reads `{arch}.key` (default when absent; absent and required: UnsupportedModelError naming it)
+Get = Callable[..., Any]
+
+
+class Family:
+    """The default decoder (llama's): pre-norm blocks of global attention and a SwiGLU FFN."""
+
+    archs: tuple[str, ...] = ()
+    # Q/K rows stored permuted for the interleaved rotation (llama.cpp's converter does this to
+    # llama's only), un-permuted at load
+    permuted_qk = False
+    qk_norm = False  # per-head RMS norms of q and k before RoPE
+    act = "silu"
+    output_norm = "output_norm.weight"
+
+    # -- hyperparameters ------------------------------------------------------------------
+
+    def hparams(self, reader: gguf.GGUFReader, arch: str) -> HParams:
+        """The GGUF's hyperparameters: the keys every family shares, then `extra`'s."""
+
+        def get(key: str, default: Any = None, required: bool = True) -> Any:
+            v = field_value(reader, f"{arch}.{key}", default)
+            if v is None and required:
+                raise UnsupportedModelError(f"GGUF is missing metadata key {arch}.{key}")
+            return v
+
+        n_embd = int(get("embedding_length"))
+        n_head = int(get("attention.head_count"))
+        n_layer = int(get("block_count"))
+        n_head_kv, extra = self.kv_heads(arch, get, n_layer, get("attention.head_count_kv",
+                                                                  n_head))
+        head_dim = int(get("attention.key_length", n_embd // n_head))
+        tokens = field_value(reader, "tokenizer.ggml.tokens")
+        n_vocab = int(get("vocab_size", len(tokens) if tokens is not None else None))
+        scaling_type = get("rope.scaling.type", "none", required=False)
+        factor = float(get("rope.scaling.factor", 1.0, required=False) or 1.0)
+        if scaling_type in (None, "none"):
+            scale = 1.0
+        elif scaling_type == "linear":
+            scale = factor
+        else:
+            raise UnsupportedModelError(f"unsupported rope scaling type {scaling_type!r}")
+        extra.update(self.extra(get, n_layer, n_embd, n_head, head_dim))
+        return HParams(
+            arch=arch,
+            n_layer=n_layer,
+            n_embd=n_embd,
+            n_ff=int(get("feed_forward_length")),
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            head_dim=head_dim,
+            n_vocab=n_vocab,
+            n_ctx_train=int(get("context_length", 2048, required=False)),
+            rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5, required=False)),
+            rope_base=float(get("rope.freq_base", 10000.0, required=False)),
+            rope_neox=True,
+            rope_scale_linear=scale,
+            name=str(field_value(reader, "general.name", arch)),
+            file_type=int_or_none(field_value(reader, "general.file_type")),
+            pooling=pooling_name(get("pooling_type", None, required=False)),
+            act=self.act,
+            **extra,
+        )
+
+    def kv_heads(self, arch: str, get: Get, n_layer: int, raw: Any) -> tuple[int, dict[str, Any]]:
+        """The KV head count from `attention.head_count_kv`, and any fields the family reads
+        from it (LFM2's layer pattern). One count for every layer here."""
+        if isinstance(raw, (list, tuple)):
+            raise UnsupportedModelError(f"{arch}.attention.head_count_kv: a per-layer array "
+                                        f"is not supported for {arch}")
+        return int(raw), {}
+
+    def extra(self, get: Get, n_layer: int, n_embd: int, n_head: int,
+              head_dim: int) -> dict[str, Any]:
+        """The family's own HParams fields (sliding windows, scales, state sizes)."""
+        return {}
+
+    # -- tensors and layers ---------------------------------------------------------------
+
+    def layers(self, ld: TensorLoader, hp: HParams) -> list[Block]:
+        return [self.block(ld, hp, i) for i in range(hp.n_layer)]
+
+    def block(self, ld: TensorLoader, hp: HParams, i: int) -> Block:
+        p = f"blk.{i}."
+        return Block(ld.norm(p + "attn_norm.weight"), self.mixer(ld, hp, i),
+                     ld.norm(p + "ffn_norm.weight"), self.ffn(ld, hp, p))
+
+    def mixer(self, ld: TensorLoader, hp: HParams, i: int) -> Mixer:
+        return self.attention(ld, hp, i)
+
+    def attention(self, ld: TensorLoader, hp: HParams, i: int) -> Attention:
+        """Layer i's attention: q/k/v fused (with their biases when the file has all three:
+        qwen2's), the output projection, the q/k norms where the family has them."""
+        p = f"blk.{i}."
+        biases = [ld.array(p + f"attn_{n}.bias", required=False) for n in "qkv"]
+        if any(b is not None for b in biases) and any(b is None for b in biases):
+            raise UnsupportedModelError(f"layer {i}: only some of the q/k/v biases are present")
+        perm_q, perm_k = (hp.n_head, hp.n_head_kv) if self.permuted_qk else (None, None)
+        return Attention(
+            kind=hp.layer_kind(i),
+            wqkv=ld.linear([p + f"attn_{n}.weight" for n in "qkv"], [perm_q, perm_k, None],
+                           None if biases[0] is None else biases),
+            wo=ld.linear([p + "attn_output.weight"], [None]),
+            q_norm=ld.norm(p + "attn_q_norm.weight") if self.qk_norm else None,
+            k_norm=ld.norm(p + "attn_k_norm.weight") if self.qk_norm else None,
+        )
+
+    def ffn(self, ld: TensorLoader, hp: HParams, p: str) -> DenseFFN:
+        return DenseFFN(ld.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], [None, None]),
+                        ld.linear([p + "ffn_down.weight"], [None]), self.act)

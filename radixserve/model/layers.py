@@ -1,0 +1,159 @@
+"""The layer pieces families compose: a decoder block is a norm, a mixer, a norm and an FFN with
+their residual adds; the mixer is attention (global or sliding) or a short convolution, the FFN
+a gated dense one. A family module (model/arch/) builds each layer from these at load, so the
+forward's loop calls layer objects and never branches on the family.
+
+Every piece runs through the step object it is handed (`Run.step`: step.py's KernelStep or
+torch_step.py's TorchStep), which owns the step's norms, gates and attention: a piece decides
+what runs in which order, the step how it runs, so a token's bits are the same whichever piece
+composes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from radixserve.model.quant import Linear
+
+if TYPE_CHECKING:
+    from radixserve.model.short_conv import ShortConv
+    from radixserve.model.step import KernelStep
+    from radixserve.model.torch_step import TorchStep
+
+# the gate activations a dense FFN takes: SwiGLU's and GeGLU's (tanh-approximated GELU)
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+@dataclass(slots=True)
+class Run:
+    """What every layer of one forward step shares: the step object, the short-convolution
+    plan (None without conv layers), each layer's row in its cache, and whether matmuls must
+    keep a row's bits independent of the batch (deterministic mode)."""
+
+    step: KernelStep | TorchStep
+    conv: ShortConv | None
+    cache_index: list[int]
+    inv: bool
+
+
+class Mixer(Protocol):
+    """The part of a layer that mixes positions. `kind` names the memory it keeps ("global" and
+    "sliding" attention's K/V rows, "conv" a short convolution's input rows): the family's
+    memory layout groups layers by it."""
+
+    kind: str
+
+    def __call__(self, run: Run, li: int, h: torch.Tensor) -> torch.Tensor: ...
+
+    def matrices(self) -> dict[str, Linear]: ...
+
+
+@dataclass(slots=True)
+class Attention:
+    """Self-attention: fused q/k/v projection (biases included where the file has them), the
+    per-head q/k RMS norms where the family has them, RoPE, the K/V store and attention (the
+    step's), the output projection. `kind`: "global" or "sliding" (the step knows its window
+    and RoPE base by the layer's kind)."""
+
+    kind: str
+    wqkv: Linear  # [(n_head + 2 n_head_kv) * head_dim, n_embd]
+    wo: Linear
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+    def __call__(self, run: Run, li: int, h: torch.Tensor) -> torch.Tensor:
+        return self.wo(run.step.attend(li, self.wqkv(h, run.inv)), run.inv)
+
+    def matrices(self) -> dict[str, Linear]:
+        return {"wqkv": self.wqkv, "wo": self.wo}
+
+
+@dataclass(slots=True)
+class ShortConvMixer:
+    """LFM2's short convolution (model/short_conv.py): the in-projection to [B | C | x], the
+    depthwise causal convolution over the pool's input rows, the out-projection. Its matrices
+    are reported in the attention's roles (the mixer's in- and out-projection)."""
+
+    in_proj: Linear  # [3 n_embd, n_embd]
+    kernel: torch.Tensor  # [n_embd, l_cache] f32
+    out_proj: Linear
+    kind: str = "conv"
+
+    def __call__(self, run: Run, li: int, h: torch.Tensor) -> torch.Tensor:
+        assert run.conv is not None
+        mixed = run.conv.run(run.cache_index[li], self.kernel, self.in_proj(h, run.inv))
+        return self.out_proj(mixed, run.inv)
+
+    def matrices(self) -> dict[str, Linear]:
+        return {"wqkv": self.in_proj, "wo": self.out_proj}
+
+
+@dataclass(slots=True)
+class DenseFFN:
+    """act(gate) * up, then down: the fused [gate | up] matrix (one larger matmul beats two on
+    CPU) and the step's gate (SwiGLU or GeGLU)."""
+
+    w_gate_up: Linear  # [2 * n_ff, n_embd]
+    w_down: Linear
+    act: str = "silu"
+
+    def __post_init__(self) -> None:
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"unknown FFN activation {self.act!r}")
+
+    def __call__(self, run: Run, h: torch.Tensor) -> torch.Tensor:
+        gu = self.w_gate_up(h, run.inv)
+        gated = run.step.silu(gu) if self.act == "silu" else run.step.gelu(gu)
+        return self.w_down(gated, run.inv)
+
+    def matrices(self) -> dict[str, Linear]:
+        return {"w_gate_up": self.w_gate_up, "w_down": self.w_down}
+
+
+@dataclass(slots=True)
+class Block:
+    """A pre-norm decoder layer (llama, qwen, LFM2): x += mixer(norm(x)); x += ffn(norm(x)).
+    Each residual add is fused into the next norm, the next layer's included: `__call__` takes
+    this layer's normed input and returns the next layer's (None after the last layer)."""
+
+    attn_norm: torch.Tensor
+    mixer: Mixer
+    ffn_norm: torch.Tensor
+    ffn: DenseFFN
+
+    def __call__(self, run: Run, li: int, x: torch.Tensor, h: torch.Tensor,
+                 nxt: torch.Tensor | None) -> torch.Tensor | None:
+        h = run.step.norm(x, self.mixer(run, li, h), self.ffn_norm)
+        add = self.ffn(run, h)
+        if nxt is None:
+            x.add_(add)
+            return None
+        return run.step.norm(x, add, nxt)
+
+    def norms(self) -> dict[str, torch.Tensor | None]:
+        return {"attn_norm": self.attn_norm, "ffn_norm": self.ffn_norm}
+
+    def matrices(self) -> dict[str, Linear]:
+        return {**self.mixer.matrices(), **self.ffn.matrices()}
+
+
+@dataclass(slots=True)
+class PostNormBlock(Block):
+    """Gemma's sandwich: each sublayer's output RMS-normed (in f32) before its residual add."""
+
+    post_attn_norm: torch.Tensor | None = None
+    post_ffn_norm: torch.Tensor | None = None
+
+    def __call__(self, run: Run, li: int, x: torch.Tensor, h: torch.Tensor,
+                 nxt: torch.Tensor | None) -> torch.Tensor | None:
+        assert self.post_attn_norm is not None and self.post_ffn_norm is not None
+        hn = run.step.post_norm(x, self.mixer(run, li, h), self.post_attn_norm, self.ffn_norm)
+        assert hn is not None
+        return run.step.post_norm(x, self.ffn(run, hn), self.post_ffn_norm, nxt)
+
+    def norms(self) -> dict[str, torch.Tensor | None]:
+        return {**Block.norms(self), "post_attn_norm": self.post_attn_norm,
+                "post_ffn_norm": self.post_ffn_norm}

@@ -1,0 +1,167 @@
+"""GGUF tensors -> what a family's layers hold: packed linears (our 4-bit or 8-bit tiles, the
+file's own blocks, torch's int4 layout) or dense ones, norm vectors, and tables read by rows.
+
+`packed=True` (the native path) keeps quantized matrices packed (model/quant.py): Q4_0 / Q4_1 /
+Q4_K in our 4-bit tiles (AVX512-BF16) or torch's int4 layout (no kernels of ours), every other
+common type, and the Q4 ones on other CPUs, in the file's own blocks (csrc/qmm.c); a type none of
+those runs is dequantized once at load with `gguf.quants` into the compute dtype (the dequant
+path does that for every type). Q/K/V and gate/up are fused into one [out, in] matrix each,
+because on CPU one larger matmul beats several small ones. GGUF `llama` Q/K rows are stored
+permuted for the interleaved rotation; a family that names a head count for a part has its
+rows un-permuted (codes and scales alike), so every architecture uses the half-split (NeoX)
+rotation, exactly as HF transformers does with a GGUF.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+
+from radixserve.model import qmm
+from radixserve.model.hparams import UnsupportedModelError
+from radixserve.model.kernel_routes import current_build, route_for
+from radixserve.model.kernels import kernels
+from radixserve.model.quant import (
+    I8_FORMATS,
+    QMM_ROW_TYPES,
+    Codes,
+    ConcatLinear,
+    DenseLinear,
+    I8Linear,
+    Linear,
+    QuantLinear,
+    packed_linear,
+    raw_rows,
+    split_blocks,
+)
+
+
+def _row_order(rows: int, n_head: int) -> np.ndarray:
+    """Inverse of convert_hf_to_gguf's llama Q/K permutation (interleaved -> half-split)."""
+    return np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(rows)
+
+
+def _dense(t: gguf.ReaderTensor) -> np.ndarray:
+    arr = gguf.quants.dequantize(t.data, t.tensor_type)
+    shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+    return np.array(arr.reshape(shape), dtype=np.float32)  # a writable copy, not the mmap
+
+
+class TensorLoader:
+    """A GGUF's tensors as the engine holds them: dense arrays, tables read by rows, and linears
+    (packed tiles, the file's blocks or dense), each shape checked where a family asks."""
+
+    def __init__(self, reader: gguf.GGUFReader, dtype: torch.dtype, packed: bool) -> None:
+        self.tensors = {t.name: t for t in reader.tensors}
+        self.dtype, self.packed = dtype, packed
+        self.build = current_build(dtype)  # the route table's row for this load
+
+    def tensor(self, name: str, required: bool = True) -> gguf.ReaderTensor | None:
+        t = self.tensors.get(name)
+        if t is None and required:
+            raise UnsupportedModelError(f"GGUF is missing tensor {name!r}")
+        return t
+
+    def expect(self, name: str, shape: tuple[int, ...]) -> None:
+        """UnsupportedModelError naming the tensor when its shape is not what the metadata
+        says (numpy order: rows first)."""
+        t = self.tensor(name)
+        assert t is not None
+        got = tuple(int(x) for x in reversed(t.shape.tolist()))
+        if got != shape:
+            raise UnsupportedModelError(f"tensor {name!r} has shape {list(got)}; the GGUF's "
+                                        f"metadata says {list(shape)}")
+
+    def array(self, name: str, required: bool = True) -> np.ndarray | None:
+        t = self.tensor(name, required)
+        return None if t is None else _dense(t)
+
+    def torch(self, name: str, required: bool = True, f32: bool = False) -> torch.Tensor | None:
+        a = self.array(name, required)
+        if a is None:
+            return None
+        return torch.from_numpy(a).to(torch.float32 if f32 else self.dtype).contiguous()
+
+    def rows(self, name: str, dtype: torch.dtype | None = None
+             ) -> torch.Tensor | qmm.QuantMatrix:
+        """A table read by rows (the token embedding, the output head): in the file's own
+        blocks (csrc/qmm.c decodes the rows a step needs) when the weights are packed and our
+        kernels run its type, else dense in `dtype` (default f32). The head's rows are f32
+        exactly either way; Gemma 3's tied Q8_0 table costs 178 MB held so, 671 MB as f32."""
+        t = self.tensor(name)
+        assert t is not None
+        kern = kernels()
+        qtype = t.tensor_type
+        if (self.packed and kern is not None and qmm.available(kern.lib) and len(t.shape) == 2
+                and qtype in QMM_ROW_TYPES):
+            k = int(t.shape[0])
+            try:
+                qmm.row_bytes(kern.lib, int(qtype), k)
+            except ValueError:  # rows not whole blocks: dense below
+                pass
+            else:
+                raw = torch.from_numpy(np.array(raw_rows(t)))
+                return qmm.QuantMatrix(kern.lib, int(qtype), raw, k)
+        out = self.torch(name, f32=dtype is None)
+        assert out is not None
+        return out if dtype is None else out.to(dtype)
+
+    def _route(self, t: gguf.ReaderTensor) -> str:
+        """The matrix's route (model/kernel_routes.py's table)."""
+        return route_for(self.build, t.tensor_type, int(t.shape[1]), self.packed)
+
+    def _run_key(self, t: gguf.ReaderTensor) -> tuple[str, object]:
+        """Parts with equal keys run as one matrix: 4-bit and dense parts of any type, the
+        file's blocks of one type, 8-bit tiles of one tile format (Q5_0 beside Q8_0)."""
+        route = self._route(t)
+        if route == "i8-tiles":
+            return route, I8_FORMATS[t.tensor_type]
+        return route, t.tensor_type if route.startswith("qmm") else None
+
+    def linear(self, names: list[str], heads: list[int | None],
+               biases: list[np.ndarray] | None = None) -> Linear:
+        """One linear of the row-concatenated matrices `names` (rows un-permuted where `heads`
+        gives a head count): packed 4-bit tiles, 8-bit tiles, the file's own blocks, or dense;
+        parts that cannot share one matrix (_run_key) become a ConcatLinear of runs that can."""
+        ts = [self.tensor(n) for n in names]
+        kinds = [self._run_key(t) for t in ts]
+        if len(set(kinds)) > 1:  # e.g. Q4_K_M: attn_v in Q6_K next to Q4_K q/k
+            runs: list[list[int]] = []
+            for i, kd in enumerate(kinds):
+                if runs and kinds[runs[-1][-1]] == kd:
+                    runs[-1].append(i)
+                else:
+                    runs.append([i])
+            return ConcatLinear([
+                self.linear([names[i] for i in run], [heads[i] for i in run],
+                            None if biases is None else [biases[i] for i in run])
+                for run in runs
+            ])
+        bias = None if biases is None else torch.from_numpy(np.concatenate(biases)).to(self.dtype)
+        route = kinds[0][0]
+        qtype = ts[0].tensor_type
+        if route in ("q4-tiles", "torch-int4"):
+            parts = [split_blocks(t) for t in ts]
+            parts = [c if h is None else c.rows(_row_order(c.q.shape[0], h))
+                     for c, h in zip(parts, heads)]
+            return packed_linear(Codes.concat(parts), bias, self.dtype)
+        if route in ("qmm-int", "qmm-f32", "i8-tiles"):
+            kern = kernels()
+            assert kern is not None and qtype is not None
+            raws = [raw_rows(t) for t in ts]
+            raws = [r if h is None else r[_row_order(r.shape[0], h)] for r, h in zip(raws, heads)]
+            k = int(ts[0].shape[0])
+            if route == "i8-tiles":
+                return I8Linear([(t.tensor_type, r) for t, r in zip(ts, raws)], k, bias, kern)
+            return QuantLinear(qtype, np.concatenate(raws), k, bias, kern)
+        arrays = []
+        for t, h in zip(ts, heads):
+            a = _dense(t)
+            arrays.append(a if h is None else a[_row_order(a.shape[0], h)])
+        w = torch.from_numpy(np.concatenate(arrays)).to(self.dtype).contiguous()
+        return DenseLinear(w, bias)
+
+    def norm(self, name: str, required: bool = True) -> torch.Tensor | None:
+        """A norm's weight vector, f32 (norms are computed in f32 whatever the compute dtype)."""
+        return self.torch(name, required, f32=True)
