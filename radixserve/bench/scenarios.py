@@ -13,7 +13,8 @@ mode) and sends the rest there (`split_at_restart`). That measures what survives
 disk tier keeps the prefixes the first process wrote, a RAM-only cache keeps nothing.
 
 The `rag-quote` kind is the exception: its documents are real text shipped in the scenario file
-(excerpts of the project's Chinese seed documents), and each request asks the model to copy one
+(three excerpts of Chinese technical prose on llama.cpp's prompt cache and a radix-tree
+backend), and each request asks the model to copy one
 of a document's paragraphs verbatim, named by its opening characters, so the answers quote the
 prompt (the case n-gram speculative decoding is for).
 """

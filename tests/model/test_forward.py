@@ -159,6 +159,7 @@ def test_kernel_path_as_close_to_reference_as_torch_ops(default_path: str,
         assert err_k.max() < 1.0 and err_k.mean() < 1.5 * err_t.mean()
 
 
+@pytest.mark.hf_reference("llama", "qwen2", "qwen3")
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_architectures_match_hf(tiny_paths: dict[str, str], arch: str):
     """Each architecture's RoPE convention, biases and norms agree with HF on random weights."""

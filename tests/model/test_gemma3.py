@@ -198,6 +198,7 @@ def tiny_logits(step: Step, ids: list[int], chunk: int) -> torch.Tensor:
                       for s in range(0, len(ids), chunk)])
 
 
+@pytest.mark.hf_reference("gemma3")
 def test_tiny_gemma3_matches_hf_across_the_window(tiny_gemma3: str):
     """Every position of a 70-token prompt (the window is 16), in chunks of 7 and as one, with
     the window doing real work: the same forward without it is far off."""

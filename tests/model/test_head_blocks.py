@@ -1,5 +1,5 @@
 """The output head and the token embedding held in the file's own blocks (head.py's OutputHead
-over a qmm.QuantMatrix, weights.py's _Loader.rows): the same logits, shortlists and embedding
+over a qmm.QuantMatrix, tensors.py's TensorLoader.rows): the same logits, shortlists and embedding
 rows as the f32 matrix they replace, bit for bit, on every kernel variant; the loaded models
 hold their tied Q8_0 tables so (Gemma 3's: 178 MB where the f32 copy took 671 MB).
 
@@ -83,7 +83,7 @@ def test_loaded_models_hold_their_tied_tables_in_blocks(default_path: str) -> No
     is read the same way (178 MB). The dequant path keeps its f32 matrix."""
     from radixserve.model.default_model import gemma3_model_path
     from radixserve.model.loader import load_model
-    from radixserve.model.weights import _Loader
+    from radixserve.model.tensors import TensorLoader
     from tests.model.test_i8_tiles import _gemma_reader
 
     m = load_model(default_path, "bf16")
@@ -98,10 +98,10 @@ def test_loaded_models_hold_their_tied_tables_in_blocks(default_path: str) -> No
     ids = torch.tensor([0, 1, 100, n - 1])
     ref = gguf.quants.dequantize(np.asarray(t.data)[ids.numpy()], t.tensor_type)
     assert torch.equal(w.embed(ids), torch.from_numpy(ref))
-    assert isinstance(_Loader(reader, torch.float32, packed=False).rows("token_embd.weight"),
+    assert isinstance(TensorLoader(reader, torch.float32, packed=False).rows("token_embd.weight"),
                       torch.Tensor)
 
-    g = _Loader(_gemma_reader(gemma3_model_path()), torch.bfloat16, packed=True)
+    g = TensorLoader(_gemma_reader(gemma3_model_path()), torch.bfloat16, packed=True)
     table = g.rows("token_embd.weight")
     assert isinstance(table, qmm.QuantMatrix) and table.qtype == int(Q.Q8_0)
     assert (table.n, table.k) == (262144, 640) and table.raw.nbytes == 262144 * 20 * 34

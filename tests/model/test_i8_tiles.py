@@ -136,10 +136,10 @@ def test_loader_runs_them_on_8bit_tiles_in_every_kernel_build(variant: str) -> N
     ones are 8-bit tiles (RADIXSERVE_KERNELS=0 leaves them dense: tests/model/test_routes.py)."""
     from radixserve.model.default_model import gemma3_model_path
     from radixserve.model.quant import ConcatLinear
-    from radixserve.model.weights import _Loader
+    from radixserve.model.tensors import TensorLoader
 
     reader = _gemma_reader(gemma3_model_path())
-    load = _Loader(reader, torch.bfloat16, packed=True)
+    load = TensorLoader(reader, torch.bfloat16, packed=True)
     assert load.build == variant
     names = [f"blk.0.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "ffn_down")]
     types = {reader_t.tensor_type for reader_t in reader.tensors if reader_t.name in names}

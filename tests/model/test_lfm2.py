@@ -52,6 +52,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
                            n_head_kv=2, seed=5, attn_layers=(2, 5), quantize=request.param)
 
 
+@pytest.mark.hf_reference("lfm2")
 def test_tiny_lfm2_matches_hf(tiny: str):
     """f32: every position's logits within tolerance of HF's, in one chunk and in chunks of 1
     and 7 (the conv layers reading their earlier input rows from the pool's window part);

@@ -17,7 +17,7 @@ import torch
 from radixserve.model import kernels as K
 from radixserve.model import kernel_routes
 from radixserve.model.kernel_routes import BUILDS, FALLBACK, KINDS, ROUTES, TABLE, route_for
-from radixserve.model.weights import _Loader
+from radixserve.model.tensors import TensorLoader
 from tests.model.kernel_variants import variant_kernels
 
 Q = gguf.GGMLQuantizationType
@@ -72,7 +72,7 @@ def test_the_loader_builds_the_tables_route_and_it_multiplies_the_files_weights(
         build: str, kind: str, n_rows: int):
     qtype = KIND_TYPE[kind]
     t = tensor(qtype, n_rows, seed=int(qtype) + n_rows)
-    ld = _Loader(SimpleNamespace(tensors=[t]), torch.bfloat16, packed=True)
+    ld = TensorLoader(SimpleNamespace(tensors=[t]), torch.bfloat16, packed=True)
     assert ld.build == build
     lin = ld.linear(["w"], [None])
     want = route_for(build, qtype, n_rows)
@@ -97,7 +97,7 @@ def test_the_loader_builds_the_tables_route_and_it_multiplies_the_files_weights(
 
 def test_dequant_weights_run_every_type_dense(build: str):
     t = tensor(Q.Q4_K, 32, seed=1)
-    lin = _Loader(SimpleNamespace(tensors=[t]), torch.bfloat16, packed=False).linear(["w"], [None])
+    lin = TensorLoader(SimpleNamespace(tensors=[t]), torch.bfloat16, packed=False).linear(["w"], [None])
     assert lin.route == ("bf16-panels" if build == "avx512bf16" else "torch-dense")
 
 

@@ -1,0 +1,66 @@
+"""The family registry (model/arch/): every family is found by the architecture names it reads,
+an unknown architecture is refused in one line listing them, and no family is registered
+without its reference test against HF transformers and a synthetic GGUF of a real shape for
+benchmarks."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+
+from radixserve.bench.synth_model import SHAPES
+from radixserve.model.arch import family_of, registry
+from radixserve.model.arch.base import Family
+from radixserve.model.hparams import UnsupportedModelError
+
+TESTS = Path(__file__).parent
+
+
+def hf_references() -> dict[str, list[str]]:
+    """{architecture: the tests marked hf_reference for it}, read from tests/model/'s modules."""
+    out: dict[str, list[str]] = {}
+    for path in sorted(TESTS.glob("test_*.py")):
+        if "hf_reference" not in path.read_text():
+            continue
+        module = importlib.import_module(f"tests.model.{path.stem}")
+        for name, fn in inspect.getmembers(module, inspect.isfunction):
+            for mark in getattr(fn, "pytestmark", []):
+                if mark.name == "hf_reference":
+                    for arch in mark.args:
+                        out.setdefault(arch, []).append(f"{path.name}::{name}")
+    return out
+
+
+def test_the_registry_holds_every_family_once() -> None:
+    fams = registry()
+    assert set(fams) == {"llama", "qwen2", "qwen3", "gemma3", "lfm2"}
+    for arch, fam in fams.items():
+        assert isinstance(fam, Family) and arch in fam.archs
+        assert family_of(arch) is fam
+
+
+def test_every_family_has_a_transformers_reference_test() -> None:
+    refs = hf_references()
+    missing = sorted(set(registry()) - set(refs))
+    assert missing == [], f"families without a test marked hf_reference: {missing}"
+    # the reader finds the marks it should (so the check above can fail)
+    assert "test_lfm2.py::test_tiny_lfm2_matches_hf" in refs["lfm2"]
+    assert "test_forward.py::test_tiny_architectures_match_hf" in refs["qwen2"]
+
+
+def test_every_family_has_a_synthetic_gguf_shape() -> None:
+    archs = {s.arch for s in SHAPES.values()}
+    missing = sorted(set(registry()) - archs)
+    assert missing == [], f"families without a bench/synth_model.py shape: {missing}"
+
+
+@pytest.mark.parametrize("arch", ["lfm2moe", "mamba2", None, 3])
+def test_an_unknown_architecture_is_refused_in_one_line_naming_the_registry(arch) -> None:
+    with pytest.raises(UnsupportedModelError) as e:
+        family_of(arch)
+    msg = str(e.value)
+    assert "\n" not in msg and f"unsupported model architecture {arch!r}" in msg
+    assert all(a in msg for a in registry())
