@@ -59,7 +59,8 @@ HEAVY: dict[str, float] = {
     "tests/test_cli.py": 10,
     "tests/http/test_sampling_llama.py": 9,
     "tests/http/test_errors.py": 9,
-    "tests/bench/test_synth_model.py": 18,  # estimated: an LFM2 shape through HF added
+    "tests/bench/test_synth_model.py": 31,  # estimated: an LFM2 shape through HF, and the
+    # qwen2 / qwen3 / gemma3 tiny shapes (about 4 s each) added
     "tests/engine/test_cache_salt.py": 9,
     "tests/http/test_fuzz_schema.py": 9,
     "tests/engine/test_agent_sessions.py": 9,

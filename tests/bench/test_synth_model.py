@@ -79,6 +79,113 @@ def test_an_lfm2_shape_is_written_as_llama_cpp_converts_lfm2(tmp_path):
     assert torch.isfinite(out).all() and out.std() > 0
 
 
+# the real shapes' config.json values: (layers, hidden, intermediate, heads, KV heads, head size,
+# sliding window, rope base)
+REAL = {
+    "qwen2.5-0.5b": ("qwen2", (24, 896, 4864, 14, 2, 64, 0, 1e6)),
+    "qwen3-0.6b": ("qwen3", (28, 1024, 3072, 16, 8, 128, 0, 1e6)),
+    "gemma3-1b": ("gemma3", (26, 1152, 6912, 4, 1, 256, 512, 1e6)),
+}
+
+
+def greedy(m, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """`n` greedy tokens after `ids`, decoded one a step on the prompt's cache, and the last
+    step's logits."""
+    tr = m.transformer
+    pool = model_pool(m, 64, 1, True, len(ids))
+    out = tr.w.head.full(hidden(tr, pool, [BatchSeq(0, ids, 0)]))[-1].float()
+    got: list[int] = []
+    for _ in range(n):
+        got.append(int(out.argmax()))
+        step = [BatchSeq(0, [got[-1]], len(ids) + len(got) - 1)]
+        out = tr.w.head.full(hidden(tr, pool, step))[-1].float()
+    return got, out
+
+
+@pytest.mark.parametrize("name", ["qwen2-tiny", "qwen3-tiny", "gemma3-tiny"])
+def test_a_new_arch_is_written_as_llama_cpp_converts_it_and_generates(tmp_path, name):
+    """Each tiny shape of qwen2, qwen3 and gemma3: llama.cpp's keys and tensors for the arch
+    (qwen2's F32 q/k/v biases, qwen3's and gemma3's per-head q/k norms and key/value length,
+    gemma3's post-norms and sliding window, tied embeddings), loaded with those hyperparameters,
+    and a greedy generation on the cache equal to the forward of the whole text."""
+    shape = SHAPES[name]
+    arch = name.removesuffix("-tiny")
+    assert shape.arch == arch
+    real = next(n for n, (a, _) in REAL.items() if a == arch)
+    big = SHAPES[real]
+    assert big.arch == arch and (big.n_layer, big.n_embd, big.n_ff, big.n_head, big.n_head_kv,
+                                 big.hd, big.sliding_window, big.rope_base) == REAL[real][1]
+    assert shape.n_layer <= 6 and shape.n_embd <= 256
+    hd = shape.hd
+    path = write(str(tmp_path / "m.gguf"), shape, "f16")
+    r = gguf.GGUFReader(path)
+    f = {k: v.contents() for k, v in r.fields.items() if k.startswith(arch + ".")}
+    assert r.fields["general.architecture"].contents() == arch
+    assert f[f"{arch}.attention.head_count_kv"] == shape.n_head_kv
+    assert f[f"{arch}.rope.freq_base"] == 1e6
+    assert f"{arch}.rope.dimension_count" not in f  # llama's only
+    if arch == "qwen2":  # Qwen2.5's config.json has no head_dim: the converter writes none
+        assert f"{arch}.attention.key_length" not in f and hd == shape.n_embd // shape.n_head
+    else:
+        assert hd != shape.n_embd // shape.n_head  # as in the real models
+        assert f[f"{arch}.attention.key_length"] == f[f"{arch}.attention.value_length"] == hd
+    assert f.get(f"{arch}.attention.sliding_window") == (16 if arch == "gemma3" else None)
+    t = {x.name: x for x in r.tensors}
+    f16, f32 = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32
+    assert "output.weight" not in t and "output_norm.weight" in t  # tied
+    assert list(t["blk.1.attn_q.weight"].shape) == [shape.n_embd, shape.n_head * hd]
+    assert list(t["blk.1.attn_k.weight"].shape) == [shape.n_embd, shape.n_head_kv * hd]
+    assert list(t["blk.1.attn_output.weight"].shape) == [shape.n_head * hd, shape.n_embd]
+    assert t["blk.1.attn_q.weight"].tensor_type == f16
+    for n, rows in (("q", shape.n_head * hd), ("k", shape.n_head_kv * hd),
+                    ("v", shape.n_head_kv * hd)):
+        b = t.get(f"blk.1.attn_{n}.bias")
+        assert (b is not None) == (arch == "qwen2")
+        assert b is None or (list(b.shape) == [rows] and b.tensor_type == f32)
+    for n in ("attn_q_norm", "attn_k_norm"):
+        assert (f"blk.1.{n}.weight" in t) == (arch != "qwen2")
+        assert arch == "qwen2" or (list(t[f"blk.1.{n}.weight"].shape) == [hd]
+                                   and t[f"blk.1.{n}.weight"].tensor_type == f32)
+    for n in ("post_attention_norm", "post_ffw_norm"):
+        assert (f"blk.1.{n}.weight" in t) == (arch == "gemma3")
+    assert len([n for n in t if n.endswith("ffn_down.weight")]) == shape.n_layer
+
+    m = load_model(path, "f32")
+    hp = m.hp
+    assert (hp.arch, hp.n_layer, hp.n_embd, hp.n_ff, hp.n_head, hp.n_head_kv, hp.head_dim) == (
+        arch, shape.n_layer, shape.n_embd, shape.n_ff, shape.n_head, shape.n_head_kv, hd)
+    assert hp.rope_base == 1e6 and abs(hp.rms_eps - 1e-6) < 1e-12
+    lw = m.transformer.w.layers[1]
+    assert (lw.wqkv.bias is not None) == (arch == "qwen2")
+    assert (lw.q_norm is not None and lw.k_norm is not None) == (arch != "qwen2")
+    assert lw.q_norm is None or list(lw.q_norm.shape) == [hd]
+    assert (lw.post_attn_norm is not None) == (lw.post_ffn_norm is not None) == (arch == "gemma3")
+    if arch == "gemma3":  # llama.cpp's pattern: every 6th layer global, the local base 10000
+        assert hp.n_swa == 16 and hp.swa_layers == (True,) * 5 + (False,)
+        assert hp.rope_base_swa == 10000.0 and hp.act == "gelu_tanh"
+    else:
+        assert hp.n_swa == 0 and not any(hp.swa_layers)
+    # longer than gemma3-tiny's window, so its sliding layers drop positions
+    ids = m.tokenizer.encode("The quick brown fox jumps over the lazy dog, twice over; "
+                             "then it sleeps in the sun until the evening comes again.")
+    assert len(ids) > 16
+    got, last = greedy(m, ids, 4)
+    assert torch.isfinite(last).all() and last.std() > 0
+    ref = logits(m, ids + got)  # the whole text at once, on a fresh cache
+    assert (ref - last).abs().max() < 1e-3 * ref.abs().max()
+
+
+def test_the_writer_refuses_a_window_for_an_arch_without_one(tmp_path):
+    with pytest.raises(ValueError, match="sliding_window"):
+        write(str(tmp_path / "m.gguf"), dataclasses.replace(SHAPES["qwen3-tiny"],
+                                                            sliding_window=16))
+    with pytest.raises(ValueError, match="sliding_window"):
+        write(str(tmp_path / "m.gguf"), dataclasses.replace(SHAPES["gemma3-tiny"],
+                                                            sliding_window=0))
+    with pytest.raises(ValueError, match="architecture"):
+        write(str(tmp_path / "m.gguf"), dataclasses.replace(SHAPES["llama-tiny"], arch="phi3"))
+
+
 def test_the_command_refuses_an_unknown_type(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path / "m.gguf"), "--type", "q4_k_m"])
