@@ -12,6 +12,8 @@ engine/) that names no device: on a CUDA server such a tensor lands on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import sys
 from collections.abc import Iterator
@@ -148,13 +150,19 @@ def weight_tensors(w: ModelWeights) -> Iterator[tuple[str, torch.Tensor]]:
             if isinstance(t, torch.Tensor):
                 yield f"{name}.{attr}", t
 
-    for li, lw in enumerate(w.layers):
-        for name in lw.__slots__:
-            v = getattr(lw, name)
+    def piece(name: str, obj: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """A layer piece's fields (model/layers.py): tensors, linears and nested pieces."""
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
             if isinstance(v, torch.Tensor):
-                yield f"blk.{li}.{name}", v
+                yield f"{name}.{f.name}", v
+            elif dataclasses.is_dataclass(v):
+                yield from piece(f"{name}.{f.name}", v)
             else:
-                yield from linear(f"blk.{li}.{name}", v)
+                yield from linear(f"{name}.{f.name}", v)
+
+    for li, layer in enumerate(w.layers):
+        yield from piece(f"blk.{li}", layer)
     for name in ("tok_embd", "output_norm", "rope_freqs"):
         if isinstance(getattr(w, name), torch.Tensor):
             yield name, getattr(w, name)
