@@ -6,7 +6,10 @@ the first 32 prompts).
 The prompts are 25 fresh documents x 4 questions (the words of bench/words.py, seeded; rendered
 by the model's chat template), so prefixes are shared and every tier has something to serve.
 Each run also asserts that its tier really served prompt tokens (plans are recorded), so a run
-that silently recomputed everything cannot pass for a cache test.
+that silently recomputed everything cannot pass for a cache test; that its batches really mixed
+(steps holding a decode token beside a prefill chunk, counted as the scheduler makes them), so
+a run that served the prompts one after the other cannot pass for a concurrency test; and that
+every answer, the references' included, has its full N_PREDICT tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from radixserve.engine.counters import ServerMetrics
 from radixserve.memory.prefix_plan import PrefixPlan, Source
 from radixserve.engine.build import build_scheduler
 from radixserve.engine.scheduler import Scheduler
+from radixserve.engine.slot import SlotState
 from radixserve.engine.task import CompletionTask, FinalResult
 from radixserve.model.loader import Model
 from radixserve.sampling.chain import SamplingParams
@@ -82,6 +86,34 @@ class Recorder:
         return c
 
 
+class Steps:
+    """Every batch `sched` runs, by what it holds: "decode" tokens only, "prefill" chunks only,
+    or both ("mixed": a decode token beside a prefill chunk). Read off the slots' states as the
+    scheduler returns the batch (before it runs), the scheduler's own choices unchanged."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.kinds: Counter[str] = Counter()
+        self.last = ""  # the previous batch's kind
+        real, depth = sched._schedule, [0]
+
+        def schedule() -> list[Any]:
+            depth[0] += 1  # the scheduler calls itself again after failing a starved prompt
+            try:
+                batch = real()
+            finally:
+                depth[0] -= 1
+            if batch and not depth[0]:
+                decode = {s.state is SlotState.GENERATING for s, _ in batch}
+                kind = ("mixed" if len(decode) == 2 else
+                        "decode" if True in decode else "prefill")
+                self.kinds[kind] += 1
+                self.kinds[f"{self.last}->{kind}"] += 1
+                self.last = kind
+            return batch
+
+        sched._schedule = schedule  # type: ignore[method-assign]
+
+
 def run_to_end(sched: Scheduler, tasks: list[CompletionTask],
                check_steps: bool = False) -> list[FinalResult]:
     """Submit every task, step until all are done (checking every invariant after each step
@@ -132,6 +164,9 @@ def check_all(outs: list[list[int]], sent: list[list[int]], reference,
               n_docs: int = N_DOCS) -> None:
     bad = [i for i, (o, p) in enumerate(zip(outs, sent)) if o != reference[tuple(p)]]
     assert len(sent) == n_docs * N_Q and not bad, f"{len(bad)} of {len(sent)} differ: {bad}"
+    # every answer whole (the reference's too: two equally cut answers would compare equal)
+    assert len(outs) == len(sent)
+    assert [len(o) for o in outs] == [len(reference[tuple(p)]) for p in sent] == [N_PREDICT] * len(sent)
 
 
 # 256 MiB of host cache holds every document (the default model: ~23 KB of KV a token)
@@ -155,10 +190,26 @@ def test_four_way_concurrency_with_each_cache_tier_equals_no_cache(model, prompt
     kw, sources, n_docs = RUNS[name]
     rec = Recorder(monkeypatch)
     sched = build_scheduler(model, ServerConfig(ctx_size=4096, n_parallel=4, **kw), ServerMetrics())
+    steps = Steps(sched)
     sent = order(prompts, n_docs)
     check_all(drive(sched, [greedy(p) for p in sent]), sent, reference, n_docs)
     reused = rec.reused()
     assert all(reused[s] > 0 for s in sources), reused
+    mixes(sched, steps)
+
+
+def mixes(sched: Scheduler, steps: Steps) -> None:
+    """The run's batches did mix: decode tokens beside prefill chunks wherever the step budget
+    has room for both. With a budget of one token (ubatch 1) a batch holds one slot's token
+    alone or the generating slots' tokens (decode is scheduled first, and past its budget no
+    chunk is), so there decode steps must have been followed by prefill steps and prefill
+    steps by decode steps (the prompts did not all run first, nor one after the other)."""
+    k = steps.kinds
+    assert k["decode"] > 0 and k["prefill"] > 0, k
+    if sched.n_budget > 1:
+        assert k["mixed"] > 0, k
+    else:
+        assert k["mixed"] == 0 and k["decode->prefill"] > 0 and k["prefill->decode"] > 0, k
 
 
 def test_in_slot_reuse_at_ubatch_7_equals_no_cache(model, prompts, reference, monkeypatch):
@@ -172,9 +223,11 @@ def test_in_slot_reuse_at_ubatch_7_equals_no_cache(model, prompts, reference, mo
         for q in range(N_Q):
             tasks.append(greedy(prompts[d][q], id_slot=d % 4))
             sent.append(prompts[d][q])
+    steps = Steps(sched)
     check_all(drive(sched, tasks), sent, reference)
     assert rec.reused()[Source.OWN] > 0
     assert not any(p.chunks for p in rec.plans)
+    mixes(sched, steps)
 
 
 def test_slot_files_between_questions_equal_no_cache(model, prompts, reference, tmp_path):
@@ -182,6 +235,7 @@ def test_slot_files_between_questions_equal_no_cache(model, prompts, reference, 
     erased and restored from it, so the next question's prefix comes from the file."""
     sched = build_scheduler(model, ServerConfig(ctx_size=4096, n_parallel=4, cache_ram_mib=0,
                                           slot_save_path=str(tmp_path)), ServerMetrics())
+    steps = Steps(sched)
     outs, sent, restored = [], [], 0
     for d0 in range(0, N_DOCS, 4):
         docs = list(range(d0, min(d0 + 4, N_DOCS)))
@@ -198,6 +252,7 @@ def test_slot_files_between_questions_equal_no_cache(model, prompts, reference, 
                 assert sched.metrics.prompt_tokens_cached_total - before >= 40 * len(docs)
     check_all(outs, sent, reference)
     assert restored > 0
+    mixes(sched, steps)
     assert len(list(Path(tmp_path).iterdir())) == 4 * (N_DOCS // 4) + N_DOCS % 4
 
 
@@ -216,6 +271,7 @@ def test_cache_reuse_never_shifts_in_deterministic_mode(model, prompts, monkeypa
         sched = build_scheduler(m, ServerConfig(ctx_size=1024, n_parallel=1, cache_ram_mib=0,
                                           cache_reuse=8), ServerMetrics())
         outs = [drive(sched, [greedy(p)])[0] for p in sent]
+        assert [len(o) for o in outs] == [N_PREDICT] * len(sent)
         if mode == "on":
             alone = build_scheduler(model, ServerConfig(ctx_size=1024, n_parallel=1,
                                                   cache_ram_mib=0), ServerMetrics())

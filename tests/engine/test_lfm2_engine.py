@@ -1,6 +1,9 @@
 """LFM2 (short convolutions + attention, its conv state a window of input rows in the pool's
 window part: memory/pool/conv.py) through the real scheduler on the paths test_swa.py does not
-run: n-gram speculative decoding with rejected drafts, a draft model (refused), n_cmpl children,
+run: n-gram speculative decoding with rejected drafts, a draft model (draft-simple: the LFM2
+drafting for itself, a recurrent LFM2 draft whose conv rows live beside the target's in the
+same cells, memory/pool/draft.py, and an attention-only llama draft; the reverse pairing, a
+recurrent draft for an attention target, is refused), n_cmpl children,
 the disk tier across a restart (and a damaged block), agent sessions outnumbering the slots
 (the exact prompt tokens computed, per host backend), and quantized KV.
 
@@ -543,9 +546,9 @@ def test_agents_legacy_without_checkpoints_loses_the_tools_the_windows_dropped(
     slot's) still holds the input rows of positions 58 and 59; a window drops older rows
     when it is pruned. So the figure is exactly the chat figure (390: the minimum and the
     lost histories) plus 60 for every request but the first whose slots no longer held
-    those rows: the only excess LFM2's window rules add. (Measured: 1230 with windows
-    pruned to their last 3 positions after every step, 14 requests losing the tools; 450
-    with windows pruned in runs of 64, 1 request.)"""
+    those rows: the only excess LFM2's window rules add. Measured: 450 with windows pruned
+    in runs of 64, 1 request losing the tools, pinned here; 1230 with windows pruned to their
+    last 3 positions after every step, 14 requests: that regression must fail this test."""
     probe = ToolsState(monkeypatch)
     finals, sent, minimum, s = run_agents(model, ref, radix=False, chat=False)
     assert s.mem.cache.stats()["loads"] == 0 and minimum == 170
@@ -555,6 +558,7 @@ def test_agents_legacy_without_checkpoints_loses_the_tools_the_windows_dropped(
     lost_tools = held[1:].count(False)
     computed = sum(f.timings.prompt_n for f in finals)
     assert computed == 390 + N_TOOLS * lost_tools, (computed, lost_tools)
+    assert (lost_tools, computed) == (1, 450)  # the pruning regression gives (14, 1230)
 
 
 # -- 6. quantized KV ------------------------------------------------------------------------

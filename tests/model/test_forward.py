@@ -86,10 +86,13 @@ def hf_reference(default_path: str) -> list[tuple[torch.Tensor, list[int]]]:
 
 @pytest.mark.model
 def test_default_model_matches_hf_logits_and_greedy(default_tr: Transformer, hf_reference):
+    """f32 against HF's f32, every position's logits: measured max abs error 4.0e-5, 3.7e-5 and
+    6.6e-5 on the three prompts (largest logits ~30-32); the bound, 2.5e-4, is ~4x the largest
+    (it was 1e-3, 15x)."""
     for ids, (expect, gen) in zip(PROMPTS, hf_reference):
         got = our_logits(default_tr, ids)
         assert got.shape == expect.shape
-        assert (got - expect).abs().max().item() < 1e-3
+        assert (got - expect).abs().max().item() < 2.5e-4
         assert greedy(default_tr, ids, 32) == gen
 
 
@@ -159,10 +162,16 @@ def test_kernel_path_as_close_to_reference_as_torch_ops(default_path: str,
         assert err_k.max() < 1.0 and err_k.mean() < 1.5 * err_t.mean()
 
 
-@pytest.mark.hf_reference("llama", "qwen2", "qwen3")
+# f32 against HF's f32 on random weights: measured max abs error 9.5e-6 (llama), 1.1e-5 (qwen2),
+# 2.5e-5 (qwen3: n_embd 256, so longer sums); each bound ~4x its own (all were 1e-4)
+TINY_HF_BOUND = {"llama": 4e-5, "qwen2": 4e-5, "qwen3": 1e-4}
+
+
+@pytest.mark.family_reference("llama", "qwen2", "qwen3")
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_architectures_match_hf(tiny_paths: dict[str, str], arch: str):
-    """Each architecture's RoPE convention, biases and norms agree with HF on random weights."""
+    """Each architecture's RoPE convention, biases and norms agree with HF on random weights,
+    within TINY_HF_BOUND."""
     from tests.conftest import make_transformer
 
     path = tiny_paths[arch]
@@ -171,7 +180,7 @@ def test_tiny_architectures_match_hf(tiny_paths: dict[str, str], arch: str):
     with torch.no_grad():
         expect = ref(torch.tensor([ids])).logits[0]
     got = our_logits(make_transformer(path), ids)
-    assert (got - expect).abs().max().item() < 1e-4
+    assert (got - expect).abs().max().item() < TINY_HF_BOUND[arch]
 
 
 def run_chunked(tr: Transformer, ids: list[int], chunk: int) -> torch.Tensor:

@@ -198,7 +198,7 @@ def tiny_logits(step: Step, ids: list[int], chunk: int) -> torch.Tensor:
                       for s in range(0, len(ids), chunk)])
 
 
-@pytest.mark.hf_reference("gemma3")
+@pytest.mark.family_reference("gemma3")
 def test_tiny_gemma3_matches_hf_across_the_window(tiny_gemma3: str):
     """Every position of a 70-token prompt (the window is 16), in chunks of 7 and as one, with
     the window doing real work: the same forward without it is far off."""
@@ -214,13 +214,17 @@ def test_tiny_gemma3_matches_hf_across_the_window(tiny_gemma3: str):
     ids = [(i * 7919) % 40000 + 100 for i in range(70)]
     with torch.no_grad():
         expect = ref(torch.tensor([ids])).logits[0]
+    # f32 against HF's f32: measured max abs error 1.1e-5 in chunks of 7 and as one (largest
+    # logit ~34), 9.5e-6 without the window inside it; the bound ~4x that (it was 1e-4, 9x).
+    # Without the window the far positions are off by ~16.
+    bound = 4e-5
     for chunk in (7, 70):
         got = tiny_logits(full_cache(tr, 128), ids, chunk)
-        assert (got - expect).abs().max().item() < 1e-4, chunk
+        assert (got - expect).abs().max().item() < bound, chunk
     no_window = Transformer(dataclasses.replace(hp, n_swa=10**6), tr.w, tr.dtype)
     far = tiny_logits(full_cache(no_window, 128), ids, 70)
     assert (far[16:] - expect[16:]).abs().max().item() > 100 * 1e-4
-    assert (far[:16] - expect[:16]).abs().max().item() < 1e-4  # inside the window: the same
+    assert (far[:16] - expect[:16]).abs().max().item() < bound  # inside the window: the same
 
 
 def test_tiny_split_cache_equals_full_cache(tiny_gemma3: str):
@@ -310,10 +314,12 @@ def test_gemma3_tokenizer_matches_hf(gemma_path: str, gemma_f32: Model):
 @pytest.mark.model
 def test_gemma3_f32_greedy_matches_hf(prompts, ours_f32, hf_reference):
     """Chunked prefill then decode with every layer in one pool: HF's greedy tokens, past the
-    window, from logits within 1e-3 of HF's at every step (measured max 8e-5)."""
+    window, from logits within 3e-4 of HF's at every step. Measured max abs error 2.5e-5,
+    2.1e-5, 5.8e-5 and 8.1e-5 on the four prompts (6, 120, 659 and 891 tokens; largest logits
+    ~26-29): the bound is ~4x the largest (it was 1e-3, 12x)."""
     for ids, (ours, logits), (gen, expect) in zip(prompts, ours_f32, hf_reference.runs):
         assert ours == gen, len(ids)
-        assert (logits - expect).abs().max().item() < 1e-3, len(ids)
+        assert (logits - expect).abs().max().item() < 3e-4, len(ids)
 
 
 @pytest.mark.model

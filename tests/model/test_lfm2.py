@@ -52,9 +52,16 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
                            n_head_kv=2, seed=5, attn_layers=(2, 5), quantize=request.param)
 
 
-@pytest.mark.hf_reference("lfm2")
+# f32 against HF's f32: measured max abs error over every position's logits (largest logit
+# ~21-22) 1.5e-5 / 2.8e-5 / 1.9e-5 (one chunk, chunks of 1, of 7) with f32 weights, 1.9e-5 /
+# 3.1e-5 / 2.0e-5 quantized; the bound is ~3x the largest, rounding noise and nothing more
+# (the bound it replaced, 2e-3 of the largest logit, was ~0.044: 1,400x that)
+HF_BOUND = 1e-4
+
+
+@pytest.mark.family_reference("lfm2")
 def test_tiny_lfm2_matches_hf(tiny: str):
-    """f32: every position's logits within tolerance of HF's, in one chunk and in chunks of 1
+    """f32: every position's logits within HF_BOUND of HF's, in one chunk and in chunks of 1
     and 7 (the conv layers reading their earlier input rows from the pool's window part);
     greedy continuation equal."""
     m = load_model(tiny, "f32")
@@ -64,7 +71,7 @@ def test_tiny_lfm2_matches_hf(tiny: str):
     for chunks in ([70], chunked(70, 1), chunked(70, 7)):
         got = logits_in_chunks(m, TOKENS, chunks)
         err = (got - want).abs().max().item()
-        assert err < 2e-3 * want.abs().max().item(), (chunks[:2], err)
+        assert err < HF_BOUND, (chunks[:2], err)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     # decode: the greedy tokens after the prompt, one step at a time against HF's generate
     pool = model_pool(m, 256, 1, True, 64)

@@ -19,16 +19,16 @@ from radixserve.model.hparams import UnsupportedModelError
 TESTS = Path(__file__).parent
 
 
-def hf_references() -> dict[str, list[str]]:
-    """{architecture: the tests marked hf_reference for it}, read from tests/model/'s modules."""
+def family_references() -> dict[str, list[str]]:
+    """{architecture: the tests marked family_reference for it}, read from tests/model/'s modules."""
     out: dict[str, list[str]] = {}
     for path in sorted(TESTS.glob("test_*.py")):
-        if "hf_reference" not in path.read_text():
+        if "family_reference" not in path.read_text():
             continue
         module = importlib.import_module(f"tests.model.{path.stem}")
         for name, fn in inspect.getmembers(module, inspect.isfunction):
             for mark in getattr(fn, "pytestmark", []):
-                if mark.name == "hf_reference":
+                if mark.name == "family_reference":
                     for arch in mark.args:
                         out.setdefault(arch, []).append(f"{path.name}::{name}")
     return out
@@ -43,9 +43,9 @@ def test_the_registry_holds_every_family_once() -> None:
 
 
 def test_every_family_has_a_transformers_reference_test() -> None:
-    refs = hf_references()
+    refs = family_references()
     missing = sorted(set(registry()) - set(refs))
-    assert missing == [], f"families without a test marked hf_reference: {missing}"
+    assert missing == [], f"families without a test marked family_reference: {missing}"
     # the reader finds the marks it should (so the check above can fail)
     assert "test_lfm2.py::test_tiny_lfm2_matches_hf" in refs["lfm2"]
     assert "test_forward.py::test_tiny_architectures_match_hf" in refs["qwen2"]
