@@ -155,11 +155,13 @@ def test_a_new_arch_is_written_as_llama_cpp_converts_it_and_generates(tmp_path, 
     assert (hp.arch, hp.n_layer, hp.n_embd, hp.n_ff, hp.n_head, hp.n_head_kv, hp.head_dim) == (
         arch, shape.n_layer, shape.n_embd, shape.n_ff, shape.n_head, shape.n_head_kv, hd)
     assert hp.rope_base == 1e6 and abs(hp.rms_eps - 1e-6) < 1e-12
-    lw = m.transformer.w.layers[1]
-    assert (lw.wqkv.bias is not None) == (arch == "qwen2")
-    assert (lw.q_norm is not None and lw.k_norm is not None) == (arch != "qwen2")
-    assert lw.q_norm is None or list(lw.q_norm.shape) == [hd]
-    assert (lw.post_attn_norm is not None) == (lw.post_ffn_norm is not None) == (arch == "gemma3")
+    layer = m.transformer.w.layers[1]
+    att = layer.mixer
+    assert (att.wqkv.bias is not None) == (arch == "qwen2")
+    assert (att.q_norm is not None and att.k_norm is not None) == (arch != "qwen2")
+    assert att.q_norm is None or list(att.q_norm.shape) == [hd]
+    post = [getattr(layer, n, None) for n in ("post_attn_norm", "post_ffn_norm")]
+    assert (post[0] is not None) == (post[1] is not None) == (arch == "gemma3")
     if arch == "gemma3":  # llama.cpp's pattern: every 6th layer global, the local base 10000
         assert hp.n_swa == 16 and hp.swa_layers == (True,) * 5 + (False,)
         assert hp.rope_base_swa == 10000.0 and hp.act == "gelu_tanh"
