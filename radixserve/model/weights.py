@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from radixserve.model import qmm
 from radixserve.model.head import OutputHead
 from radixserve.model.hparams import HParams, UnsupportedModelError
-from radixserve.model.kernels import kernels
+from radixserve.model.kernels import Kernels
 from radixserve.model.quant import (
     I8_FORMATS,
     QMM_ROW_TYPES,
@@ -38,7 +38,7 @@ from radixserve.model.quant import (
     raw_rows,
     split_blocks,
 )
-from radixserve.model.kernel_routes import current_build, route_for
+from radixserve.model.kernel_routes import build_for, route_for
 
 log = logging.getLogger(__name__)
 
@@ -161,10 +161,12 @@ def _dense(t: gguf.ReaderTensor) -> np.ndarray:
 
 
 class _Loader:
-    def __init__(self, reader: gguf.GGUFReader, dtype: torch.dtype, packed: bool) -> None:
+    def __init__(self, reader: gguf.GGUFReader, dtype: torch.dtype, packed: bool,
+                 kern: Kernels | None = None) -> None:
         self.tensors = {t.name: t for t in reader.tensors}
         self.dtype, self.packed = dtype, packed
-        self.build = current_build(dtype)  # the route table's row for this load
+        self.kern = kern  # our kernels (None: torch's ops), as load_model was given them
+        self.build = build_for(kern, dtype)  # the route table's row for this load
 
     def tensor(self, name: str, required: bool = True) -> gguf.ReaderTensor | None:
         t = self.tensors.get(name)
@@ -200,7 +202,7 @@ class _Loader:
         exactly either way; Gemma 3's tied Q8_0 table costs 178 MB held so, 671 MB as f32."""
         t = self.tensor(name)
         assert t is not None
-        kern = kernels()
+        kern = self.kern
         qtype = t.tensor_type
         if (self.packed and kern is not None and qmm.available(kern.lib) and len(t.shape) == 2
                 and qtype in QMM_ROW_TYPES):
@@ -254,9 +256,9 @@ class _Loader:
             parts = [split_blocks(t) for t in ts]
             parts = [c if h is None else c.rows(_row_order(c.q.shape[0], h))
                      for c, h in zip(parts, heads)]
-            return packed_linear(Codes.concat(parts), bias, self.dtype)
+            return packed_linear(Codes.concat(parts), bias, self.dtype, self.kern)
         if route in ("qmm-int", "qmm-f32", "i8-tiles"):
-            kern = kernels()
+            kern = self.kern
             assert kern is not None and qtype is not None
             raws = [raw_rows(t) for t in ts]
             raws = [r if h is None else r[_row_order(r.shape[0], h)] for r, h in zip(raws, heads)]
@@ -269,12 +271,12 @@ class _Loader:
             a = _dense(t)
             arrays.append(a if h is None else a[_row_order(a.shape[0], h)])
         w = torch.from_numpy(np.concatenate(arrays)).to(self.dtype).contiguous()
-        return DenseLinear(w, bias)
+        return DenseLinear(w, bias, self.kern)
 
 
 def load_weights(reader: gguf.GGUFReader, hp: HParams, dtype: torch.dtype,
-                 packed: bool = False) -> ModelWeights:
-    ld = _Loader(reader, dtype, packed)
+                 packed: bool = False, kern: Kernels | None = None) -> ModelWeights:
+    ld = _Loader(reader, dtype, packed, kern)
     perm_q, perm_k = (hp.n_head, hp.n_head_kv) if hp.arch == "llama" else (None, None)
     qk_norm = hp.arch in ("qwen3", "gemma3", "lfm2")
     post_norms = hp.arch == "gemma3"
@@ -309,9 +311,9 @@ def load_weights(reader: gguf.GGUFReader, hp: HParams, dtype: torch.dtype,
     tok_embd: torch.Tensor | qmm.QuantMatrix | None = None
     if out is None:
         log.info("output.weight absent: using tied token embeddings as the output head")
-        head = OutputHead(ld.rows("token_embd.weight"), shortlist=packed)
+        head = OutputHead(ld.rows("token_embd.weight"), shortlist=packed, kern=kern)
     else:
-        head = OutputHead(ld.rows("output.weight"), shortlist=packed)
+        head = OutputHead(ld.rows("output.weight"), shortlist=packed, kern=kern)
         tok_embd = ld.rows("token_embd.weight", dtype=dtype)
     n_params = sum(int(np.prod(t.shape)) for t in reader.tensors)
     return ModelWeights(tok_embd, ld.torch(out_norm, f32=True), head, layers,
