@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from radixserve.config import DTYPES, WEIGHTS
 from radixserve.log_setup import setup_logging
+
+if TYPE_CHECKING:
+    from radixserve.model.kernel_config import KernelConfig
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -78,17 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def kernels_env_error() -> str | None:
-    """What is wrong with RADIXSERVE_KERNELS (an unknown value, a variant this CPU cannot
-    run: model/kernels.py), or None: checked before a command loads a model, so the message
-    ends start-up rather than a model load on another thread."""
-    from radixserve.model.kernels import KernelsError, select_variant
+def settle_kernels() -> tuple[KernelConfig | None, str | None]:
+    """Our kernels' configuration, settled once from the environment (RADIXSERVE_KERNELS,
+    RADIXSERVE_KERNEL_CHECKS, CC, XDG_CACHE_HOME: model/kernel_config.py) and handed to the
+    model's load, or what is wrong with it (an unknown value, a variant this CPU cannot run):
+    checked before a command loads a model, so the message ends start-up rather than a model
+    load on another thread."""
+    from radixserve.model.kernel_build import KernelsError
+    from radixserve.model.kernel_config import KernelConfig
 
     try:
-        select_variant()
+        return KernelConfig.from_env(), None
     except KernelsError as e:
-        return str(e)
-    return None
+        return None, str(e)
 
 
 def device_error(device: str, gpu_layers: str) -> str | None:
@@ -133,11 +138,13 @@ def run_serve(argv: list[str]) -> int:
         print(f"radixserve serve: error: {e}\n(run `radixserve serve --help` for the flags)",
               file=sys.stderr)
         return 1
-    error = kernels_env_error() or device_error(parsed.cfg.device, parsed.cfg.gpu_layers)
+    kernels, error = settle_kernels()
+    error = error or device_error(parsed.cfg.device, parsed.cfg.gpu_layers)
     if error is not None:  # before listening: a server that cannot load never answers
         print(f"radixserve serve: error: {error}", file=sys.stderr)
         return 1
     cfg = parsed.cfg
+    cfg.kernels = kernels
     setup_logging(cfg)
     for note in parsed.notes:
         logging.getLogger("radixserve.flags").warning("%s", note)
@@ -158,10 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     if argv[:1] == ["serve"]:
         return run_serve(argv[1:])
+    kernels = None  # settled below for the commands that load a model (or start servers)
     if argv[:1] in (["cluster"], ["perf"], ["generate"]) and "-h" not in argv \
-            and "--help" not in argv and (error := kernels_env_error()) is not None:
-        print(f"radixserve {argv[0]}: error: {error}", file=sys.stderr)
-        return 1
+            and "--help" not in argv:
+        kernels, error = settle_kernels()
+        if error is not None:
+            print(f"radixserve {argv[0]}: error: {error}", file=sys.stderr)
+            return 1
     if argv[:1] == ["cluster"]:  # its own flags, then serve's (radixserve/cluster/cli.py)
         from radixserve.cluster.cli import main as cluster_main
 
@@ -174,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         from radixserve.perf import print_routes
 
         return print_routes(a.model, (a.dtypes or "auto").split(",")[0],
-                            (a.weights or "auto").split(",")[0])
+                            (a.weights or "auto").split(",")[0], kernels)
     if a.cmd == "perf":
         from radixserve.perf import main as perf_main
 
@@ -184,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             if min(batches) < 1:
                 raise ValueError(f"--batches {a.batches}: each batch is 1 sequence or more")
             perf_main(a.model, a.dtypes.split(","), a.weights.split(","), a.repeats, a.ctx,
-                      tuple(a.deterministic.split(",")), a.device, batches)
+                      tuple(a.deterministic.split(",")), a.device, batches, kernels)
         except ValueError as e:  # a bad --batches, --device, or a weights mode it cannot run
             print(f"radixserve perf: error: {e}", file=sys.stderr)
             return 1
@@ -199,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                                 min_p=a.min_p, repeat_penalty=a.repeat_penalty, seed=a.seed)
         try:
             params.validate()
-            model = load_model(a.model, a.dtype, weights=a.weights)
+            model = load_model(a.model, a.dtype, weights=a.weights, kernels=kernels)
             run_generate(model, a.prompt, a.n_predict, params, a.chat)
         except (ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)

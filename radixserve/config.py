@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from radixserve.sampling.chain import SamplingParams
+
+if TYPE_CHECKING:
+    from radixserve.model.kernel_config import KernelConfig
 
 DTYPES = ("auto", "f32", "bf16", "f16")
 WEIGHTS = ("auto", "native", "dequant")
@@ -86,6 +90,9 @@ class ServerConfig:
     deterministic: str = "auto"  # auto: on wherever the compute path supports it (bf16 kernels)
     device: str = "auto"  # -dev: auto (CUDA when torch sees one), cpu, cuda:N
     gpu_layers: str = "auto"  # -ngl: 0 keeps the model on the CPU; auto/all: on --device
+    # our C kernels (RADIXSERVE_KERNELS and its siblings, environment only): settled by
+    # `radixserve serve` at start-up; None settles them from the environment at the load
+    kernels: KernelConfig | None = None
     threads: int = -1  # -1: torch's default (all cores)
     seed: int = -1
     host: str = "127.0.0.1"

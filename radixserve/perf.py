@@ -24,6 +24,7 @@ from radixserve.memory.pool.pool import KVPool
 from radixserve.model.device import device_name, resolve_device
 from radixserve.model.forward import Transformer
 from radixserve.model.head import RowNeed
+from radixserve.model.kernel_config import KernelConfig
 from radixserve.model.kernels import variant_name
 from radixserve.model.loader import Model, load_model, resolve_dtype, resolve_weights
 
@@ -67,18 +68,20 @@ def decode_tps(model: Model, batch: int, ctx: int = 512, steps: int = 32) -> flo
 
 def run(model_path: str, dtype: str, weights: str, repeats: int, ctx: int,
         modes: tuple[str, ...] = ("auto",), device: str = "cpu",
-        batches: tuple[int, ...] = (1, 4)) -> list[dict]:
-    """One figure set per deterministic mode; the modes share the loaded weights and take
-    turns within each repeat, so their ratios come from the same minutes of this machine.
+        batches: tuple[int, ...] = (1, 4), kernels: KernelConfig | None = None) -> list[dict]:
+    """One figure set per deterministic mode (on the kernels `kernels`, as cli.py settled
+    them); the modes share the loaded weights and take turns within each repeat, so their
+    ratios come from the same minutes of this machine.
     Each figure ends in a host read (the head's logits, the sampled ids), so a device's
     queued work is inside the timing."""
     model = load_model(model_path, dtype, device=device, weights=weights,
-                       deterministic=modes[0])
+                       deterministic=modes[0], kernels=kernels)
     rss_load = psutil.Process().memory_info().rss / 2**20
     on_cpu = model.device.type == "cpu"
     models = [model] + [
         replace(model, transformer=Transformer(model.hp, model.transformer.w, model.dtype,
-                                               use_kernels=on_cpu, deterministic=m))
+                                               kern=model.transformer.kern,
+                                               deterministic=m))
         for m in modes[1:]]
     figs: list[dict[str, list[float]]] = [{} for _ in models]
     if not on_cpu:  # a GPU's first calls load kernels and plan its libraries: not timed
@@ -126,20 +129,22 @@ def _run_in_child(args: tuple, out: multiprocessing.Queue) -> None:
 
 def main(model_path: str, dtypes: list[str], weights: list[str], repeats: int,
          ctx: int = 512, modes: tuple[str, ...] = ("auto",), device: str = "cpu",
-         batches: tuple[int, ...] = (1, 4)) -> int:
+         batches: tuple[int, ...] = (1, 4), kernels: KernelConfig | None = None) -> int:
     ctx_mp = multiprocessing.get_context("spawn")
     dev = resolve_device(device, "auto", 1)  # -ngl auto: the layer count does not matter
+    kernels = kernels if kernels is not None else KernelConfig.from_env()
+    kern = kernels.load() if dev.type == "cpu" else None  # what load_model would give
     seen = set()
     for dt in dtypes:
         for w in weights:
-            key = (dt, resolve_weights(w, resolve_dtype(dt, dev), dev))
+            key = (dt, resolve_weights(w, resolve_dtype(dt, dev, kern), dev))
             if key in seen:
                 continue
             seen.add(key)
             q: multiprocessing.Queue = ctx_mp.Queue()
             p = ctx_mp.Process(target=_run_in_child,
                                args=((model_path, *key, repeats, ctx, modes, str(dev), batches,
-                                      torch.get_num_threads()), q))
+                                      kernels, torch.get_num_threads()), q))
             p.start()
             for fig in q.get():
                 print(json.dumps(fig), flush=True)
@@ -147,12 +152,13 @@ def main(model_path: str, dtypes: list[str], weights: list[str], repeats: int,
     return 0
 
 
-def print_routes(model_path: str, dtype: str, weights: str) -> int:
+def print_routes(model_path: str, dtype: str, weights: str,
+                 kernels: KernelConfig | None = None) -> int:
     """`radixserve perf --routes`: the route table's rows for this CPU's kernel build, then the
     route of each layer matrix of the loaded model."""
     from radixserve.model.kernel_routes import build_of, table_text
 
-    model = load_model(model_path, dtype=dtype, weights=weights)
+    model = load_model(model_path, dtype=dtype, weights=weights, kernels=kernels)
     kern = model.transformer.kern
     build = build_of(kern.variant if kern is not None else None, model.dtype)
     dense = ": every type takes the 'other' row" if model.weights == "dequant" else ""

@@ -69,8 +69,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-# every kernel call range-checks the indices it reads through (model/kernels.py's check mode),
-# in this process and in the servers the tests start
+# every kernel call range-checks the indices it reads through (model/kernels.py's check mode,
+# settled by model/kernel_config.py), in this process and in the servers the tests start
 os.environ["RADIXSERVE_KERNEL_CHECKS"] = "1"
 
 import gguf
@@ -89,6 +89,7 @@ from radixserve.model.loader import Model, load_model
 from radixserve.model.weights import load_weights
 from radixserve.text.chat_template import ChatTemplate
 from radixserve.text.tokenizer import Tokenizer
+from tests.model.kernel_variants import default_kernels
 from tests.tiny_gguf import write_tiny_gguf
 
 # the fast tier's marks and its guard (tests/tiers.py)
@@ -127,9 +128,12 @@ gguf.GGUFReader = SharedGGUFReader  # type: ignore[misc]  # what `from gguf impo
 
 
 def make_transformer(path: str, dtype: torch.dtype = torch.float32) -> Transformer:
+    """The model's Transformer on the kernels the environment settles (as load_model's
+    default), dense weights."""
     reader = gguf.GGUFReader(path)
     hp = read_hparams(reader)
-    return Transformer(hp, load_weights(reader, hp, dtype), dtype)
+    kern = default_kernels()
+    return Transformer(hp, load_weights(reader, hp, dtype, kern=kern), dtype, kern=kern)
 
 
 def make_pool(tr: Transformer, n_cells: int = 256, n_seq: int = 4, unified: bool = True,

@@ -299,6 +299,8 @@ def test_help_lists_every_flag_with_its_outcome() -> None:
     assert "[not applicable] the whole model and its KV pool sit on one device" in text
     assert "] the one device the model and its KV pool use" not in text  # honored: no tag
     assert "--device <dev1,dev2,..>           the one device the model" in text
+    # the settings with no flag, after the flags: our kernels' (model/kernel_config.py)
+    assert "RADIXSERVE_KERNELS=auto|VARIANT|0" in text and "RADIXSERVE_KERNEL_CHECKS=1" in text
 
 
 def test_disk_tier_flags_reach_the_config_and_bad_combinations_are_refused() -> None:

@@ -145,13 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", help="also measure llama-server at this URL (same GGUF)")
     ap.add_argument("--label", default="radixserve", help="the radixserve party's name")
     args = ap.parse_args(argv)
-    from radixserve.model.kernels import kernels, variant_name
+    from radixserve.model.kernel_config import KernelConfig
+    from radixserve.model.kernels import variant_name
     from radixserve.model.loader import load_model
 
-    model = load_model(args.model, "bf16", weights="native")
+    kernels = KernelConfig.from_env()  # this tool's start-up: RADIXSERVE_KERNELS and siblings
+    model = load_model(args.model, "bf16", weights="native", kernels=kernels)
     ids = tokens(model, args.positions)
     ref = reference(args.model, ids)
-    rows = [{"party": args.label, "kernels": variant_name(kernels()),
+    rows = [{"party": args.label, "kernels": variant_name(kernels.load()),
              **figures(ref, ours(model, ids))}]
     if args.llama_server:
         rows.append({"party": "llama-server", **figures(ref, llama_server(args.llama_server, ids))})

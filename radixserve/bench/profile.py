@@ -61,15 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=512, help="tokens a forward")
     args = ap.parse_args(argv)
     from radixserve.engine.batch import BatchSeq, hidden, model_pool
-    from radixserve.model.kernels import kernels
+    from radixserve.model.kernel_config import KernelConfig
     from radixserve.model.loader import load_model
 
-    kern = kernels()
+    kernels = KernelConfig.from_env()  # this tool's start-up: RADIXSERVE_KERNELS and siblings
+    kern = kernels.load()
     if kern is None:
         raise SystemExit("no kernels of ours run here: nothing to profile by entry point")
     spent: dict[str, float] = defaultdict(float)
     timed(kern, spent)
-    model = load_model(args.model, "bf16", weights="native")
+    model = load_model(args.model, "bf16", weights="native", kernels=kernels)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, model.hp.n_vocab - 100, (args.prompt + args.chunk,),
                         generator=g).tolist()

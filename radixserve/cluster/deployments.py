@@ -71,8 +71,11 @@ class EngineReplica:
         from radixserve.http.app import create_app
         from radixserve.http.run import build_engine
 
+        from radixserve.model.kernel_config import KernelConfig
+
         cfg = serve_config(serve_argv)
         setup_logging(cfg)
+        cfg.kernels = KernelConfig.from_env()  # the replica's start-up: its process's kernels
         self.engine = build_engine(cfg)
         self.app = create_app(self.engine, cfg=cfg)
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()

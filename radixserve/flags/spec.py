@@ -190,4 +190,25 @@ def render_help(flags: Sequence[Flag], prog: str) -> str:
             lines.append(f"{head:<40}{text}")
         else:
             lines += [head, f"{'':<40}{text}"]
+    lines += ["", "Environment only (settled once at start-up: radixserve/model/kernel_config.py):"]
+    for head, text in _env_only():
+        lines.append(f"{head:<40}{text}")
     return "\n".join(lines) + "\n"
+
+
+def _env_only() -> list[tuple[str, str]]:
+    """The settings with no flag, as `serve --help` lists them after the flags: our C kernels'
+    (docs/FLAGS.md says more)."""
+    from radixserve.model.kernel_build import ENV, VARIANTS
+    from radixserve.model.kernel_config import CHECKS_ENV
+
+    names = ", ".join(VARIANTS)
+    return [(f"{ENV}=auto|VARIANT|0",
+             f"the build of radixserve's C kernels: auto (unset, or 1) the best this CPU runs, "
+             f"a variant ({names}) forces one, 0 runs torch's ops instead; a value this CPU "
+             f"cannot run stops start-up (default: auto)"),
+            (f"{CHECKS_ENV}=1", "range-check every index a kernel reads through before the "
+                                "call (the test suite's mode; default: off)"),
+            ("CC, XDG_CACHE_HOME", "the C compiler the kernels are built with (default: cc, "
+                                   "then gcc) and the base of their build cache (default: "
+                                   "~/.cache; builds in radixserve/kernels under it)")]

@@ -39,7 +39,7 @@ from radixserve.model.step import KernelStep, LayerKind
 from radixserve.model.head import RowNeed
 from radixserve.model.hparams import HParams
 from radixserve.model.layers import Run
-from radixserve.model.kernels import KVTypes, kernels
+from radixserve.model.kernels import Kernels, KVTypes
 from radixserve.memory.pool.kv_types import of_dtype
 from radixserve.model.quant import Int4Linear
 from radixserve.model.rope import Rope
@@ -124,11 +124,12 @@ def _new_tokens_last(b: SeqStep) -> bool:
 
 class Transformer:
     def __init__(self, hp: HParams, w: ModelWeights, dtype: torch.dtype,
-                 use_kernels: bool = True, deterministic: str = "auto") -> None:
+                 kern: Kernels | None = None, deterministic: str = "auto") -> None:
         self.hp, self.w, self.dtype = hp, w, dtype
-        # bf16 steps run their glue and decode attention in our kernels (model/csrc/) when they
-        # build; f32 (the reference path) stays on torch ops
-        self.kern = kernels() if use_kernels and dtype == torch.bfloat16 else None
+        # bf16 steps run their glue and decode attention in our kernels (model/csrc/), given
+        # by the loader when they build (None: torch's ops); f32 (the reference path) stays on
+        # torch ops
+        self.kern = kern if dtype == torch.bfloat16 else None
         # our attention kernel scales by 1/sqrt(head_dim): a model with another scale (Gemma 3
         # 27B) attends with torch's SDPA (torch_step.py's TorchStep._attend_plan)
         self.torch_attention = hp.attn_scale not in (0.0, hp.head_dim ** -0.5)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from radixserve.model.cabi import bind, buf
 from radixserve.model.hparams import UnsupportedModelError
-from radixserve.model.kernels import Kernels, kernels
+from radixserve.model.kernels import Kernels
 from radixserve.model.qmm import QuantMatrix
 
 MAX_TOP = 256  # samplers looking at more tokens than this get the full head
@@ -78,9 +78,11 @@ class OutputHead:
     to f32 where they are needed: the int8 copy at load, the re-scored tokens, the embedding
     of the step's tokens, every row for the full head). The decoded rows are qmm's, which are
     gguf-py's dequantization (bit for bit for Q8_0, the type of the heads in the common
-    GGUFs), so either holder gives the same logits."""
+    GGUFs), so either holder gives the same logits. `kern`: our kernels (None: torch's ops; a
+    head in the file's blocks needs them)."""
 
-    def __init__(self, w: torch.Tensor | QuantMatrix, shortlist: bool) -> None:
+    def __init__(self, w: torch.Tensor | QuantMatrix, shortlist: bool,
+                 kern: Kernels | None = None) -> None:
         if isinstance(w, QuantMatrix):
             self.w, self.blocks = None, w
             n, d = w.n, w.k
@@ -93,7 +95,7 @@ class OutputHead:
         self.kern: Kernels | None = None
         # exact logits by our fixed-order dot products when the kernels build: torch's f32
         # matmul gives other last bits for other row or token counts (csrc/f32_head.c)
-        self.dots = kernels()
+        self.dots = kern
         if self.blocks is not None and self.dots is None:
             raise ValueError("a head in the file's blocks needs our kernels")
         if not shortlist:
@@ -117,7 +119,6 @@ class OutputHead:
             w8 = q.mul_(sf)
             self.amax[r : r + _CHUNK] = w8.abs().amax(1)
             self.err[r : r + _CHUNK] = w8.sub_(w).abs_().amax(1)
-        kern = kernels()
         if kern is not None and kern.has_int8_head and d % 64 == 0:
             # our int8 pass (csrc/int8_head.c; VNNI, AVX2 or plain C): 3x torch's int8
             # kernel on AVX512, and it keeps the vocabulary-sized passes out of torch

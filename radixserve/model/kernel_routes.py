@@ -17,9 +17,13 @@ the file's own blocks (qmm.c) take what the tiles cannot hold.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import gguf
 import torch
+
+if TYPE_CHECKING:
+    from radixserve.model.kernels import Kernels
 
 Q = gguf.GGMLQuantizationType
 Q4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)  # one affine map a group of 4-bit codes: the 4-bit tiles
@@ -54,7 +58,7 @@ ROUTES = {r.name: r for r in (
     Route("torch-dense", "F.linear", "F.linear", "dense in the compute dtype"),
 )}
 
-# the kernel builds (model/kernels.py's VARIANTS), and "none": no kernels of ours
+# the kernel builds (model/kernel_build.py's VARIANTS), and "none": no kernels of ours
 # (RADIXSERVE_KERNELS=0, no compiler) or a compute dtype they do not take (f16, f32)
 BUILDS = ("avx512bf16", "avx512", "avxvnni", "avx2", "neon", "generic", "none")
 KINDS = ("4-bit", "5-8-bit", "float", "other")
@@ -95,11 +99,8 @@ def build_of(variant: str | None, dtype: torch.dtype) -> str:
     return variant
 
 
-def current_build(dtype: torch.dtype) -> str:
-    """The table's build for the kernels this process runs (model/kernels.py's kernels())."""
-    from radixserve.model.kernels import kernels
-
-    kern = kernels()
+def build_for(kern: Kernels | None, dtype: torch.dtype) -> str:
+    """The table's build for the kernels `kern` a model is loaded with (None: none)."""
     return build_of(kern.variant if kern is not None else None, dtype)
 
 

@@ -16,7 +16,8 @@ from radixserve.model.forward import Transformer
 from radixserve.model.gguf_check import read_gguf
 from radixserve.model.arch import read_hparams
 from radixserve.model.hparams import HParams
-from radixserve.model.kernels import torch_ops_only
+from radixserve.model.kernel_config import KernelConfig
+from radixserve.model.kernels import Kernels
 from radixserve.model.rope import Rope
 from radixserve.model.weights import load_weights, place
 from radixserve.text.chat_template import ChatTemplate
@@ -70,7 +71,9 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, kern: Kernels | None = None) -> torch.dtype:
+    """The compute dtype `name` (auto, f32, bf16, f16) means on `device` with our kernels
+    `kern` (None: none)."""
     if name in _DTYPES:
         return _DTYPES[name]
     if name != "auto":
@@ -79,9 +82,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     # our kernels (any variant) take bf16 activations and never run torch's emulated bf16
     # matmuls, so a CPU without AVX512-BF16 computes in bf16 too when they built
-    from radixserve.model.kernels import kernels
-
-    return torch.bfloat16 if cpu_has_fast_bf16() or kernels() is not None else torch.float32
+    return torch.bfloat16 if cpu_has_fast_bf16() or kern is not None else torch.float32
 
 
 @dataclass(slots=True)
@@ -151,20 +152,25 @@ def resolve_weights(name: str, dtype: torch.dtype,
 
 def load_model(path: str | None = "default", dtype: str = "auto", device: str = "cpu",
                weights: str = "auto", deterministic: str = "auto",
-               gpu_layers: str = "auto") -> Model:
+               gpu_layers: str = "auto", kernels: KernelConfig | None = None) -> Model:
     """`device` and `gpu_layers` as --device and -ngl take them (model/device.py): a model
     off the CPU is built without our kernels (torch's ops, as RADIXSERVE_KERNELS=0 runs it on
-    the CPU), dense, then moved there whole."""
+    the CPU), dense, then moved there whole. `kernels`: the kernels settled at start-up
+    (cli.py); None settles them from the environment now, for library callers and tests."""
     t0 = time.perf_counter()
     path = resolve_model_path(path)
     reader = read_gguf(path)  # its structure checked (naming a malformed tensor) first
     hp = read_hparams(reader)
     dev = resolve_device(device, gpu_layers, hp.n_layer)
-    dt = resolve_dtype(dtype, dev)
+    # our kernels read CPU memory only: a model for another device is built on torch's ops
+    # (every choice made while loading: dense panels, int8 head, glue)
+    kern = None
+    if dev.type == "cpu":
+        kern = (kernels if kernels is not None else KernelConfig.from_env()).load()
+    dt = resolve_dtype(dtype, dev, kern)
     mode = resolve_weights(weights, dt, dev)
-    with torch_ops_only(dev.type != "cpu"):
-        w = place(load_weights(reader, hp, dt, packed=mode == "native"), dev)
-        tr = Transformer(hp, w, dt, deterministic=deterministic)
+    w = place(load_weights(reader, hp, dt, packed=mode == "native", kern=kern), dev)
+    tr = Transformer(hp, w, dt, kern=kern, deterministic=deterministic)
     tok = Tokenizer.from_gguf(reader)
     template = ChatTemplate.from_gguf(reader, tok)
     load_s = time.perf_counter() - t0

@@ -40,8 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.model import qmm
-from radixserve.model.kernels import BF16_PANEL, Bf16Matrix, Kernels, kernels
-from radixserve.model.kernel_routes import FLOAT_TYPES, I8_TYPES, Q4_TYPES, current_build, route_for
+from radixserve.model.kernel_matrix import BF16_PANEL, Bf16Matrix
+from radixserve.model.kernel_routes import FLOAT_TYPES, I8_TYPES, Q4_TYPES, build_for, route_for
+from radixserve.model.kernels import Kernels
 
 GROUP = 32
 Q = gguf.GGMLQuantizationType
@@ -156,11 +157,12 @@ class DenseLinear(Linear):
     kept only in its panels: each row's bits are the same at any row count, which torch's bf16
     GEMM does not give (tests/model/test_quant.py), and it kept up with that GEMM or beat it at
     every row count measured (1 to 512, the default model's shapes; ~3x at decode), so it runs
-    in every mode. Other dtypes, or no kernels: F.linear (f32 has no deterministic mode)."""
+    in every mode. Other dtypes, or no kernels (`kern` None): F.linear (f32 has no
+    deterministic mode)."""
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None = None,
+                 kern: Kernels | None = None) -> None:
         self.bias, self.n_out = bias, w.shape[0]
-        kern = kernels()
         self.mat: Bf16Matrix | None = None
         self.w: torch.Tensor | None = w
         if (w.dtype == torch.bfloat16 and w.dim() == 2 and w.numel() and kern is not None
@@ -327,15 +329,15 @@ class Q4Linear(PackedLinear):
         return self.mat.tiles.nbytes + (self.bias.nbytes if self.bias is not None else 0)
 
 
-def packed_linear(codes: Codes, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
-    """4-bit codes in our tiles where the route table's 4-bit route at this dtype is theirs
-    (and scales and offsets fit f16), else in torch's int4 layout (the loader takes this only
-    where the table says torch-int4; builds that read the file's blocks never pack); both need
-    rows in tiles of 16, so other matrices stay dense."""
+def packed_linear(codes: Codes, bias: torch.Tensor | None, dtype: torch.dtype,
+                  kern: Kernels | None = None) -> Linear:
+    """4-bit codes in our tiles where the route table's 4-bit route at this dtype and on the
+    kernels `kern` (None: none) is theirs (and scales and offsets fit f16), else in torch's int4
+    layout (the loader takes this only where the table says torch-int4; builds that read the
+    file's blocks never pack); both need rows in tiles of 16, so other matrices stay dense."""
     if codes.q.shape[0] % TILE:
-        return DenseLinear(torch.from_numpy(codes.dequantize()).to(dtype), bias)
-    kern = kernels()
-    tiles = route_for(current_build(dtype), Q.Q4_0, codes.q.shape[0]) == "q4-tiles"
+        return DenseLinear(torch.from_numpy(codes.dequantize()).to(dtype), bias, kern)
+    tiles = route_for(build_for(kern, dtype), Q.Q4_0, codes.q.shape[0]) == "q4-tiles"
     if (tiles and kern is not None
             and all(np.abs(a).max(initial=0) <= F16_MAX for a in (codes.scale, codes.offset))):
         return Q4Linear(codes, bias, kern)

@@ -30,7 +30,14 @@ import ctypes
 import torch
 
 from radixserve.model.cabi import bind, buf
-from radixserve.model.kernels import ATTN_BLOCK, Kernels, KVTypes, _cells_arg, pool_args
+from radixserve.model.kernels import (
+    ATTN_BLOCK,
+    Kernels,
+    KVTypes,
+    _cells_arg,
+    check_cells,
+    pool_args,
+)
 
 def _f32_vec(w: torch.Tensor | None, d: int) -> int | None:
     """A norm weight's pointer (None for none), checked: contiguous f32 [d]."""
@@ -104,7 +111,10 @@ class LayerKind:
                 and sin.is_contiguous() and cos.shape == sin.shape
                 and cos.numel() == len(dst) * d):
             raise ValueError("step: RoPE rows must be contiguous f32 [tokens, d]")
-        args = [_cells_arg(c, n_cells) for c in cells]
+        # the indices' range is checked by KernelStep in the kernels' check mode (it holds the
+        # kernels and their setting; a kind is marshalled before the step that reads it)
+        args = [_cells_arg(c, n_cells, False) for c in cells]
+        self.n_cells = n_cells
         n_seq, n_tok = len(args), len(dst)
         if not (len(n_new) == n_seq and sum(n_new) == n_tok
                 and all(1 <= m <= a[2] for m, a in zip(n_new, args))
@@ -126,6 +136,11 @@ class LayerKind:
                      None if pos0 is None else arr(*pos0), window)
         self._keep = (k, v, cos, sin, cells)
 
+    def check_cells(self) -> None:
+        """IndexError unless every index of the kind's cell lists lies in its cache."""
+        for c in self._keep[4]:
+            check_cells(c, self.n_cells)
+
 
 class KernelStep:
     """One step's glue, layer by layer (Transformer.hidden's layer loop calls attend, norm,
@@ -144,6 +159,9 @@ class KernelStep:
         self._step, self._post = c.attn_step_win_bf16, c.post_norm_add_bf16
         self._gelu = c.gelu_mul_bf16
         self._checked = {} if checked is None else checked
+        if kern.checks:  # the check mode: every index the step reads through, before any call
+            for kind in kinds.values():
+                kind.check_cells()
         self._silu, self._norm = kern._silu, kern._norm
         d = head_dim
         if not (n_head % n_kv == 0 and x.dtype == torch.float32 and x.is_contiguous()):

@@ -20,8 +20,8 @@ import torch
 
 from radixserve.model import qmm
 from radixserve.model.hparams import UnsupportedModelError
-from radixserve.model.kernel_routes import current_build, route_for
-from radixserve.model.kernels import kernels
+from radixserve.model.kernel_routes import build_for, route_for
+from radixserve.model.kernels import Kernels
 from radixserve.model.quant import (
     I8_FORMATS,
     QMM_ROW_TYPES,
@@ -52,10 +52,12 @@ class TensorLoader:
     """A GGUF's tensors as the engine holds them: dense arrays, tables read by rows, and linears
     (packed tiles, the file's blocks or dense), each shape checked where a family asks."""
 
-    def __init__(self, reader: gguf.GGUFReader, dtype: torch.dtype, packed: bool) -> None:
+    def __init__(self, reader: gguf.GGUFReader, dtype: torch.dtype, packed: bool,
+                 kern: Kernels | None = None) -> None:
         self.tensors = {t.name: t for t in reader.tensors}
         self.dtype, self.packed = dtype, packed
-        self.build = current_build(dtype)  # the route table's row for this load
+        self.kern = kern  # our kernels (None: torch's ops), as load_model was given them
+        self.build = build_for(kern, dtype)  # the route table's row for this load
 
     def tensor(self, name: str, required: bool = True) -> gguf.ReaderTensor | None:
         t = self.tensors.get(name)
@@ -91,7 +93,7 @@ class TensorLoader:
         exactly either way; Gemma 3's tied Q8_0 table costs 178 MB held so, 671 MB as f32."""
         t = self.tensor(name)
         assert t is not None
-        kern = kernels()
+        kern = self.kern
         qtype = t.tensor_type
         if (self.packed and kern is not None and qmm.available(kern.lib) and len(t.shape) == 2
                 and qtype in QMM_ROW_TYPES):
@@ -145,9 +147,9 @@ class TensorLoader:
             parts = [split_blocks(t) for t in ts]
             parts = [c if h is None else c.rows(_row_order(c.q.shape[0], h))
                      for c, h in zip(parts, heads)]
-            return packed_linear(Codes.concat(parts), bias, self.dtype)
+            return packed_linear(Codes.concat(parts), bias, self.dtype, self.kern)
         if route in ("qmm-int", "qmm-f32", "i8-tiles"):
-            kern = kernels()
+            kern = self.kern
             assert kern is not None and qtype is not None
             raws = [raw_rows(t) for t in ts]
             raws = [r if h is None else r[_row_order(r.shape[0], h)] for r, h in zip(raws, heads)]
@@ -160,7 +162,7 @@ class TensorLoader:
             a = _dense(t)
             arrays.append(a if h is None else a[_row_order(a.shape[0], h)])
         w = torch.from_numpy(np.concatenate(arrays)).to(self.dtype).contiguous()
-        return DenseLinear(w, bias)
+        return DenseLinear(w, bias, self.kern)
 
     def norm(self, name: str, required: bool = True) -> torch.Tensor | None:
         """A norm's weight vector, f32 (norms are computed in f32 whatever the compute dtype)."""

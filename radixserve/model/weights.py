@@ -17,6 +17,7 @@ from radixserve.model import qmm
 from radixserve.model.arch import family_of
 from radixserve.model.head import OutputHead
 from radixserve.model.hparams import HParams
+from radixserve.model.kernels import Kernels
 from radixserve.model.layers import Block
 from radixserve.model.quant import ConcatLinear, DenseLinear, Linear
 from radixserve.model.tensors import TensorLoader
@@ -119,19 +120,19 @@ def place(w: ModelWeights, device: torch.device) -> ModelWeights:
 
 
 def load_weights(reader: gguf.GGUFReader, hp: HParams, dtype: torch.dtype,
-                 packed: bool = False) -> ModelWeights:
+                 packed: bool = False, kern: Kernels | None = None) -> ModelWeights:
     """The GGUF's weights: the layer stack its family builds (model/arch/), the embedding, the
     final norm and the output head."""
     fam = family_of(hp.arch)
-    ld = TensorLoader(reader, dtype, packed)
+    ld = TensorLoader(reader, dtype, packed, kern)
     layers = fam.layers(ld, hp)
     out = ld.tensor("output.weight", required=False)
     tok_embd: torch.Tensor | qmm.QuantMatrix | None = None
     if out is None:
         log.info("output.weight absent: using tied token embeddings as the output head")
-        head = OutputHead(ld.rows("token_embd.weight"), shortlist=packed)
+        head = OutputHead(ld.rows("token_embd.weight"), shortlist=packed, kern=kern)
     else:
-        head = OutputHead(ld.rows("output.weight"), shortlist=packed)
+        head = OutputHead(ld.rows("output.weight"), shortlist=packed, kern=kern)
         tok_embd = ld.rows("token_embd.weight", dtype=dtype)
     n_params = sum(int(np.prod(t.shape)) for t in reader.tensors)
     return ModelWeights(tok_embd, ld.norm(fam.output_norm), head, layers,

@@ -27,7 +27,7 @@ from radixserve.memory.tiers.disk_block import DIGEST, FILE_PERSON, SUFFIX, RowS
 from radixserve.memory.tiers.radix import RadixPromptCache
 from radixserve.config import ServerConfig
 from radixserve.memory.host_tier import make_disk
-from radixserve.model.kernels import cache_dir, kernels
+from radixserve.model.kernel_config import KernelConfig
 from radixserve.model.loader import Model
 from tests.cache.test_radix import fake_pool, fill, pool_rows, prefix_hashes
 from tests.conftest import restore
@@ -560,9 +560,10 @@ def test_make_disk_keys_the_tier_with_the_key_file(tmp_path):
 def test_model_identity_covers_kernel_build_torch_and_cpu_capability(tmp_path, monkeypatch):
     """What can change the KV's bits names the files: two identities that differ only in the
     kernels' build, torch's version or its CPU capability differ."""
-    kern = kernels()
+    cfg = KernelConfig.from_env()
+    kern = cfg.load()
     assert kern is not None, "the kernels did not build (is a C compiler installed?)"
-    assert (cache_dir() / f"radixserve-kernels-{kern.build_key}.so").exists()
+    assert (cfg.cache_dir / f"radixserve-kernels-{kern.build_key}.so").exists()
     (tmp_path / "m.gguf").write_bytes(b"weights")
     tr = SimpleNamespace(kern=kern, own_attention=True, deterministic=True)
     m = Model(str(tmp_path / "m.gguf"), "hparams", None, None, tr, torch.bfloat16,

@@ -287,5 +287,6 @@ def off_model(model: Model) -> Model:
     from dataclasses import replace
 
     from radixserve.model.forward import Transformer
-    tr = Transformer(model.hp, model.transformer.w, model.dtype, deterministic="off")
+    tr = Transformer(model.hp, model.transformer.w, model.dtype, kern=model.transformer.kern,
+                     deterministic="off")
     return replace(model, transformer=tr)

@@ -1,4 +1,4 @@
-"""Every x86 variant of our C kernels (model/kernels.py's VARIANTS), for the tests that check
+"""Every x86 variant of our C kernels (model/kernel_build.py's VARIANTS), for the tests that check
 the kernels: this project's machines run all five (AVX512-BF16 and AVX-VNNI), so a variant this
 CPU cannot run fails the test that asks for it, naming the missing flags; it never skips. The
 aarch64 variant (neon) is built and run under qemu-user by tests/model/test_neon.py. And what
@@ -7,12 +7,16 @@ act8_tolerance, the error those activations may cost."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from radixserve.model import kernel_build as B
 from radixserve.model import kernels as K
+from radixserve.model.kernel_build import ENV
+from radixserve.model.kernel_config import KernelConfig
 
 VARIANTS = ["avx512bf16", "avx512", "avxvnni", "avx2", "generic"]
 # (has_bf16_gemm, has_int8_head) of each variant's build: the bf16 matmul needs AVX512-BF16;
@@ -22,13 +26,28 @@ HAS = {"avx512bf16": (True, True), "avx512": (False, True), "avxvnni": (False, T
        "avx2": (False, True), "generic": (False, True)}
 
 
+def config_for(variant: str) -> KernelConfig:
+    """The configuration RADIXSERVE_KERNELS=<variant> settles (this process's environment
+    otherwise: the suite's check mode, its compiler and cache); "0" for none."""
+    return KernelConfig.from_env({**os.environ, ENV: variant})
+
+
+NO_KERNELS = config_for("0")  # RADIXSERVE_KERNELS=0: torch's ops
+
+
+def default_kernels() -> K.Kernels | None:
+    """The kernels this process's environment settles (as a server started with it runs):
+    what the tests hand the holders they build when no variant is under test."""
+    return KernelConfig.from_env().load()
+
+
 def variant_kernels(variant: str) -> K.Kernels:
-    """`variant`'s kernels (load_kernels: built once per process, the environment untouched),
-    which must run here and build."""
-    missing = K.missing_flags(variant, K.cpu_flags())
+    """`variant`'s kernels (config_for(variant).load(): built once per process, the environment
+    untouched), which must run here and build."""
+    missing = B.missing_flags(variant, B.cpu_flags())
     assert not missing, (f"this CPU cannot run the {variant} kernels: it lacks "
                          f"{' '.join(missing)}")
-    kern = K.load_kernels(variant)
+    kern = config_for(variant).load()
     assert kern is not None, f"the {variant} kernels did not build (is a C compiler installed?)"
     assert kern.variant == variant and kern.build_key.startswith(variant + "-")
     assert (kern.has_bf16_gemm, kern.has_int8_head) == HAS[variant], variant
@@ -36,20 +55,16 @@ def variant_kernels(variant: str) -> K.Kernels:
 
 
 @pytest.fixture(params=VARIANTS)
-def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Runs the test once per variant with kernels() (what quant.py, head.py and forward.py
-    call) returning that variant's kernels, as RADIXSERVE_KERNELS=<variant> does."""
-    variant_kernels(request.param)
-    monkeypatch.setenv(K.ENV, request.param)
-    K.kernels.cache_clear()
-    assert K.kernels() is K.load_kernels(request.param)
-    yield request.param
-    K.kernels.cache_clear()  # before monkeypatch restores the environment
+def variant(request: pytest.FixtureRequest) -> str:
+    """Runs the test once per variant (its name; variant_kernels gives the kernels the test
+    hands what it builds, as the loader does with RADIXSERVE_KERNELS=<variant>)."""
+    assert config_for(request.param).load() is variant_kernels(request.param)
+    return request.param
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
 def kern(request: pytest.FixtureRequest) -> K.Kernels:
-    """Each variant's kernels in turn (load_kernels: the environment untouched)."""
+    """Each variant's kernels in turn (variant_kernels: the environment untouched)."""
     return variant_kernels(request.param)
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from radixserve.model import cabi
-from radixserve.model import kernels as K
+from radixserve.model import kernel_build as B
+from tests.model.kernel_variants import default_kernels
 
 # C parameter or return type -> the ctypes type the table must give it
 _SCALARS = {"int": cabi.I32, "int64_t": cabi.I64, "float": cabi.F32, "void": None}
@@ -22,7 +23,7 @@ def _prototypes() -> dict[str, tuple[object, list[object]]]:
     """Every non-static function defined in csrc/*.c: name -> (return type, argument types),
     pointers as "pointer"; a function defined twice (#if / #else builds) must agree."""
     found: dict[str, tuple[object, list[object]]] = {}
-    for src in sorted(K._CSRC.glob("*.c")):
+    for src in sorted(B._CSRC.glob("*.c")):
         for ret, name, params in _DEF.findall(src.read_text()):
             args: list[object] = []
             for p in " ".join(params.split()).split(","):
@@ -53,7 +54,7 @@ def test_the_table_is_every_exported_function_with_its_prototypes_types():
 
 
 def test_bind_sets_each_signature_once_per_library():
-    lib = K.kernels().lib
+    lib = default_kernels().lib
     c = cabi.bind(lib)
     assert cabi.bind(lib) is c
     assert c.qmm_bf16.argtypes == cabi.SIGNATURES["qmm_bf16"][1]

@@ -10,11 +10,10 @@ import torch
 
 from radixserve.engine.batch import BatchSeq, hidden, model_pool
 from radixserve.memory.pool.pool import KVPool
-from radixserve.model import kernels as K
 from radixserve.model.forward import Transformer
 from radixserve.model.head import RowNeed
 from radixserve.model.loader import Model, load_model
-from tests.model.kernel_variants import VARIANTS, variant_kernels
+from tests.model.kernel_variants import NO_KERNELS, VARIANTS, config_for, variant_kernels
 
 ENGLISH = ("The river rose through the night, and by morning the old bridge at the edge of "
            "town was under water. People gathered on the hill to watch, some with coffee, some "
@@ -26,13 +25,7 @@ CHINESE = ("服务端按最长公共前缀选择槽位,把提示词缓存在内�
 def load_with(variant: str, path: str = "default", deterministic: str = "on") -> Model:
     """The model in bf16 on `variant`'s kernels (as RADIXSERVE_KERNELS=<variant> runs it)."""
     variant_kernels(variant)  # runs here and builds, or the test fails saying why
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(K.ENV, variant)
-        K.kernels.cache_clear()
-        try:
-            m = load_model(path, "bf16", deterministic=deterministic)
-        finally:
-            K.kernels.cache_clear()
+    m = load_model(path, "bf16", deterministic=deterministic, kernels=config_for(variant))
     kern = m.transformer.kern
     assert kern is not None and kern.variant == variant
     return m
@@ -91,17 +84,11 @@ def test_prefix_kv_and_logits_equal_bitwise_in_one_chunk_or_many(model):
         assert torch.equal(tr.w.head.full(h), tr.w.head.full(ref_h)), chunk
 
 
-def test_torch_ops_alone_are_not_chunk_invariant(monkeypatch):
+def test_torch_ops_alone_are_not_chunk_invariant():
     """The check above has teeth: the same model on torch's ops (no kernels of ours: torch's
     int4 kernel switching to a dense GEMM on big chunks, SDPA, torch's f32 head) gives a
     prefix other K/V bits in one chunk than token by token, so the mode is off there."""
-    monkeypatch.setenv("RADIXSERVE_KERNELS", "0")
-    K.kernels.cache_clear()
-    try:
-        torch_ops = load_model("default", "bf16")
-    finally:
-        monkeypatch.delenv("RADIXSERVE_KERNELS")
-        K.kernels.cache_clear()
+    torch_ops = load_model("default", "bf16", kernels=NO_KERNELS)
     tr = torch_ops.transformer
     assert tr.kern is None and not tr.deterministic
     ids = text_tokens(torch_ops, 300)
@@ -110,7 +97,7 @@ def test_torch_ops_alone_are_not_chunk_invariant(monkeypatch):
     prefill(tr, pools[1], 0, ids, 1)
     assert not torch.equal(kv_bytes(pools[0], 0)[0], kv_bytes(pools[1], 0)[0])
     with pytest.raises(ValueError, match="kernels did not build"):
-        Transformer(tr.hp, tr.w, tr.dtype, use_kernels=False, deterministic="on")
+        Transformer(tr.hp, tr.w, tr.dtype, kern=None, deterministic="on")
 
 
 def step_logits(tr: Transformer, pool: KVPool, batch: list[BatchSeq]) -> torch.Tensor:

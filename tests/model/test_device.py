@@ -35,10 +35,10 @@ from radixserve.flags.table import ALL_FLAGS as FLAGS
 from radixserve.memory.pool.swa import make_pool
 from radixserve.model import device as D
 from radixserve.model.forward import Transformer
-from radixserve.model.kernels import torch_ops_only
 from radixserve.model.loader import load_model, resolve_weights
 from radixserve.model.weights import ModelWeights, place
 from radixserve.sampling.chain import SamplingParams
+from tests.model.kernel_variants import NO_KERNELS
 
 META = torch.device("meta")
 CONSTRUCTORS = _device_constructors()
@@ -172,11 +172,10 @@ def weight_tensors(w: ModelWeights) -> Iterator[tuple[str, torch.Tensor]]:
 def device_build(path: str, dtype: str = "bf16") -> Transformer:
     """The model as load_model builds it for a CUDA device (torch's ops, dense weights,
     the full f32 head), placed on the meta device."""
-    with torch_ops_only():
-        m = load_model(path, dtype, weights="dequant")
+    m = load_model(path, dtype, weights="dequant", kernels=NO_KERNELS)
     tr = m.transformer
     assert tr.kern is None and tr.w.head.q8 is None and tr.w.head.dots is None
-    return Transformer(m.hp, place(tr.w, META), tr.dtype, use_kernels=False)
+    return Transformer(m.hp, place(tr.w, META), tr.dtype, kern=None)
 
 
 @pytest.mark.parametrize("which", ["default", "tiny_swa", "gemma3"])
@@ -305,8 +304,7 @@ def test_engine_on_the_device_build_names_every_device(device: str,
     alone without any cache."""
     # scripts/gpu-check.sh may name the model (the device machine's carry limit)
     path = os.environ.get("RADIXSERVE_TEST_MODEL") or request.getfixturevalue("default_path")
-    with torch_ops_only():
-        model = load_model(path, "f32", device=device, weights="dequant")
+    model = load_model(path, "f32", device=device, weights="dequant", kernels=NO_KERNELS)
     want = torch.device(D.parse_device(device))
     assert model.device == want and model.transformer.kern is None
     system = list(range(1000, 1100))
@@ -341,8 +339,7 @@ def test_every_tier_on_the_device_build_names_every_device(which: str, device: s
     one."""
 
     path = tiny_path if which == "tiny" else tiny_swa_path
-    with torch_ops_only():
-        model = load_model(path, "f32", device=device, weights="dequant")
+    model = load_model(path, "f32", device=device, weights="dequant", kernels=NO_KERNELS)
     assert model.device == torch.device(D.parse_device(device))
     shift = which == "tiny"
     # the llama drafts with itself (draft-simple: a draft pool beside the target's, its rows
@@ -393,8 +390,8 @@ def test_perf_measures_the_device_build_at_each_batch(tiny_path: str) -> None:
     figure per batch size, the device named, on the model built for it."""
     from radixserve import perf
 
-    with torch_ops_only():
-        [fig] = perf.run(tiny_path, "f32", "dequant", 1, 32, device="cpu", batches=(1, 3))
+    [fig] = perf.run(tiny_path, "f32", "dequant", 1, 32, device="cpu", batches=(1, 3),
+                     kernels=NO_KERNELS)
     assert fig["device"] == "cpu" and fig["kernels"] == "none" and fig["weights"] == "dequant"
     assert [k for k in fig if k.startswith("decode_")] == ["decode_b1_tok_s_ctx32",
                                                           "decode_b3_tok_s_ctx32"]

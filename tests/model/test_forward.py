@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from radixserve.engine.batch import BatchSeq, forward, hidden
-from radixserve.model import kernels as K
 from radixserve.model.forward import Transformer
 from radixserve.model.head import RowNeed
 from radixserve.model.loader import load_model
 from radixserve.model.quant import Int4Linear, Q4Linear
 from tests.conftest import make_pool
+from tests.model.kernel_variants import NO_KERNELS
 
 PROMPTS = [
     [1, 19556, 905, 28, 957, 314, 260, 1345, 282, 4649, 47, 216],
@@ -31,17 +31,10 @@ def hf_model(path: str):
     return model.eval()
 
 
-def load_native(path: str, kernels: bool, monkeypatch) -> Transformer:
+def load_native(path: str, kernels: bool) -> Transformer:
     """The default model on packed weights in bf16, with our kernels (Q4 matmuls, step glue)
     or with none of them (torch's int4 kernel and ops), as RADIXSERVE_KERNELS=0 runs it."""
-    if not kernels:
-        monkeypatch.setenv("RADIXSERVE_KERNELS", "0")
-    K.kernels.cache_clear()
-    try:
-        model = load_model(path, "bf16", weights="native")
-    finally:
-        monkeypatch.delenv("RADIXSERVE_KERNELS", raising=False)
-        K.kernels.cache_clear()
+    model = load_model(path, "bf16", weights="native", kernels=None if kernels else NO_KERNELS)
     tr = model.transformer
     assert model.weights == "native" and tr.w.packed
     if kernels:
@@ -106,7 +99,7 @@ def f32_step_logits(ref: Transformer, seq: list[int]) -> torch.Tensor:
 @pytest.mark.model
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch-ops"])
 def test_native_bf16_greedy_matches_hf(default_path: str, default_tr: Transformer,
-                                       hf_reference, kernels: bool, monkeypatch):
+                                       hf_reference, kernels: bool):
     """Packed Q4_1 weights, bf16 activations, shortlist head, with our kernels (model/csrc/:
     tiles with 8-bit activations, step glue, head) or with torch's int4 kernel and ops (bf16
     activations): the same 32 greedy tokens as the f32 reference, up to a measured near-tie.
@@ -114,7 +107,7 @@ def test_native_bf16_greedy_matches_hf(default_path: str, default_tr: Transforme
     NEAR_TIE of its choice, and from then on nothing is compared (the continuations differ).
     Measured: both paths match prompts 1 and 2 in full and split prompt 3 at step 5, where the
     reference's top three are 31.294, 31.284 and 31.267 (a gap of 0.011)."""
-    tr = load_native(default_path, kernels, monkeypatch)
+    tr = load_native(default_path, kernels)
     full = 0
     for ids, (expect, gen) in zip(PROMPTS, hf_reference):
         # close, not equal. Measured max 0.77 / 0.77 / 1.77 with the tiles' 8-bit activations

@@ -221,7 +221,7 @@ def test_tiny_gemma3_matches_hf_across_the_window(tiny_gemma3: str):
     for chunk in (7, 70):
         got = tiny_logits(full_cache(tr, 128), ids, chunk)
         assert (got - expect).abs().max().item() < bound, chunk
-    no_window = Transformer(dataclasses.replace(hp, n_swa=10**6), tr.w, tr.dtype)
+    no_window = Transformer(dataclasses.replace(hp, n_swa=10**6), tr.w, tr.dtype, kern=tr.kern)
     far = tiny_logits(full_cache(no_window, 128), ids, 70)
     assert (far[16:] - expect[16:]).abs().max().item() > 100 * 1e-4
     assert (far[:16] - expect[:16]).abs().max().item() < bound  # inside the window: the same

@@ -8,7 +8,7 @@ import torch
 
 from radixserve.model.head import MAX_TOP, OutputHead, RowNeed, split_int8
 from radixserve.sampling.chain import Sampler, SamplingParams
-from tests.model.kernel_variants import VARIANTS, variant_kernels
+from tests.model.kernel_variants import VARIANTS, default_kernels, variant_kernels
 
 V, D = 8192, 64
 # the approximate pass: our int8 kernel (model/csrc/int8_head.c) or torch's int8 kernel
@@ -20,7 +20,7 @@ def make_head(seed: int = 0, vnni: bool = False) -> OutputHead:
     w = torch.randn(V, D, generator=g) * 0.05
     w[torch.randint(0, V, (64,), generator=g)] *= 8  # outlier rows, like real embeddings
     w[:, 3] *= 6  # an outlier dimension
-    return set_path(OutputHead(w, shortlist=True), vnni)
+    return set_path(OutputHead(w, shortlist=True, kern=default_kernels()), vnni)
 
 
 def set_path(head: OutputHead, vnni: bool) -> OutputHead:
@@ -57,7 +57,7 @@ def test_near_ties_are_resolved_exactly(vnni):
     a, b = torch.topk(full, 2).indices.tolist()
     # make the runner-up tie the winner to within 1e-4: int8 alone cannot tell them apart
     head.w[b] += (full[a] - full[b] - 1e-4) * h[0] / h[0].dot(h[0])
-    head.__init__(head.w, shortlist=True)
+    head.__init__(head.w, shortlist=True, kern=default_kernels())
     set_path(head, vnni)
     full = head.full(h)[0]
     assert 0 < (full[a] - full[b]).item() < 1e-3
@@ -100,7 +100,8 @@ def test_whole_distribution_rows_get_the_full_head(vnni):
     assert torch.equal(got[0], full[0]) and torch.equal(got[2], full[2])
     assert torch.isinf(got[1]).sum() > V // 2  # a shortlist row
     assert int(got[1].argmax()) == int(full[1].argmax())
-    dense = OutputHead(head.w, shortlist=False)  # the dequant path: always the full head
+    # the dequant path: always the full head
+    dense = OutputHead(head.w, shortlist=False, kern=default_kernels())
     assert torch.equal(dense.logits(h, needs), full)
 
 

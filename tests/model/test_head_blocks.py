@@ -17,19 +17,18 @@ import torch
 
 from radixserve.model import qmm
 from radixserve.model.head import OutputHead, RowNeed
-from tests.model.kernel_variants import variant  # noqa: F401  (fixture)
+from tests.model.kernel_variants import default_kernels, variant, variant_kernels  # noqa: F401
 from tests.model.test_qmm import random_blocks
 
 Q = gguf.GGMLQuantizationType
 V, D = 9000, 256  # more rows than one decoded chunk (head.py's _CHUNK), and a ragged last one
 
 
-def _heads(t: Q, seed: int = 0) -> tuple[OutputHead, OutputHead, torch.Tensor]:
+def _heads(t: Q, variant: str,
+           seed: int = 0) -> tuple[OutputHead, OutputHead, torch.Tensor]:
     """The same table as blocks and as f32 rows (gguf-py's; qmm's for Q4_K), shortlists on,
-    and hidden states with an outlier dimension."""
-    from radixserve.model.kernels import kernels
-
-    kern = kernels()
+    on `variant`'s kernels, and hidden states with an outlier dimension."""
+    kern = variant_kernels(variant)
     assert kern is not None
     raw = random_blocks(t, V, D, seed)
     mat = qmm.QuantMatrix(kern.lib, int(t), torch.from_numpy(raw), D)
@@ -45,12 +44,12 @@ def _heads(t: Q, seed: int = 0) -> tuple[OutputHead, OutputHead, torch.Tensor]:
         assert torch.equal(w, mat.rows())
     h = torch.randn(12, D, generator=torch.Generator().manual_seed(seed + 1)) * 4
     h[:, 5] *= 10
-    return OutputHead(mat, shortlist=True), OutputHead(w, shortlist=True), h
+    return OutputHead(mat, shortlist=True, kern=kern), OutputHead(w, shortlist=True, kern=kern), h
 
 
 @pytest.mark.parametrize("t", [Q.Q8_0, Q.Q6_K, Q.Q4_K, Q.F16], ids=lambda t: t.name)
 def test_blocks_give_the_f32_heads_logits(variant: str, t: Q) -> None:
-    blocks, dense, h = _heads(t)
+    blocks, dense, h = _heads(t, variant)
     assert blocks.w is None and blocks.nbytes < dense.nbytes
     full = dense.full(h)
     assert torch.equal(blocks.full(h), full)
@@ -71,8 +70,8 @@ def test_blocks_give_the_f32_heads_logits(variant: str, t: Q) -> None:
 
 
 def test_a_blocks_head_without_a_shortlist_is_the_full_head(variant: str) -> None:
-    blocks, dense, h = _heads(Q.Q8_0, 3)
-    plain = OutputHead(blocks.blocks, shortlist=False)
+    blocks, dense, h = _heads(Q.Q8_0, variant, 3)
+    plain = OutputHead(blocks.blocks, shortlist=False, kern=blocks.dots)
     assert plain.q8 is None
     assert torch.equal(plain.logits(h, [RowNeed(1)] * len(h)), dense.full(h))
 
@@ -101,7 +100,8 @@ def test_loaded_models_hold_their_tied_tables_in_blocks(default_path: str) -> No
     assert isinstance(TensorLoader(reader, torch.float32, packed=False).rows("token_embd.weight"),
                       torch.Tensor)
 
-    g = TensorLoader(_gemma_reader(gemma3_model_path()), torch.bfloat16, packed=True)
+    g = TensorLoader(_gemma_reader(gemma3_model_path()), torch.bfloat16, packed=True,
+                     kern=default_kernels())
     table = g.rows("token_embd.weight")
     assert isinstance(table, qmm.QuantMatrix) and table.qtype == int(Q.Q8_0)
     assert (table.n, table.k) == (262144, 640) and table.raw.nbytes == 262144 * 20 * 34

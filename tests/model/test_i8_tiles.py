@@ -139,7 +139,7 @@ def test_loader_runs_them_on_8bit_tiles_in_every_kernel_build(variant: str) -> N
     from radixserve.model.tensors import TensorLoader
 
     reader = _gemma_reader(gemma3_model_path())
-    load = TensorLoader(reader, torch.bfloat16, packed=True)
+    load = TensorLoader(reader, torch.bfloat16, packed=True, kern=variant_kernels(variant))
     assert load.build == variant
     names = [f"blk.0.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "ffn_down")]
     types = {reader_t.tensor_type for reader_t in reader.tensors if reader_t.name in names}

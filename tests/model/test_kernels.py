@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import ctypes
 import os
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from radixserve.model import kernel_build as B
 from radixserve.model import kernels as K
+from radixserve.model.kernel_config import KernelConfig
 from radixserve.model.hparams import HParams
 from radixserve.model.rope import Rope
 from radixserve.model.step import plain_step
@@ -526,47 +529,51 @@ def test_q4_linear_rows_are_independent_of_the_batch(kern, threads):
     assert ((alone.double() - wrong).abs() > tol).any()
 
 
-def test_build_is_cached_and_degrades_without_a_compiler(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    first = K.build()
+def settled(**env: str) -> KernelConfig:
+    """The configuration a start-up settles from this process's environment with `env` set."""
+    return KernelConfig.from_env({**os.environ, **env})
+
+
+def build_as(cfg: KernelConfig) -> Path | None:
+    """The best variant's build with the compiler and cache directory `cfg` settled."""
+    return B.build(None, cfg.cc, cfg.cache_dir)
+
+
+def test_build_is_cached_and_degrades_without_a_compiler(tmp_path):
+    """XDG_CACHE_HOME and CC, as settled at start-up, name the cache and the compiler."""
+    cfg = settled(XDG_CACHE_HOME=str(tmp_path))
+    first = build_as(cfg)
     assert first is not None and first.parent == tmp_path / "radixserve" / "kernels"
     stamp = first.stat().st_mtime_ns
-    assert K.build() == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert build_as(cfg) == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporaries left
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other"))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    assert K.build() is None
+    other = str(tmp_path / "other")
+    assert build_as(settled(XDG_CACHE_HOME=other, CC=str(tmp_path / "no-such-compiler"))) is None
     fake = tmp_path / "fake-cc"  # answers --version, then writes half an output and fails
     fake.write_text('#!/bin/sh\n[ "$1" = --version ] && echo fake 1.0 && exit 0\n'
                     'while [ "$1" != -o ]; do shift; done; echo partial > "$2"; exit 1\n')
     fake.chmod(0o755)
-    monkeypatch.setenv("CC", str(fake))
-    assert K.build() is None
+    assert build_as(settled(XDG_CACHE_HOME=other, CC=str(fake))) is None
     out = tmp_path / "other" / "radixserve" / "kernels"
     assert not out.exists() or not list(out.iterdir())
 
 
 def test_kernels_can_be_switched_off_or_forced(monkeypatch):
-    """RADIXSERVE_KERNELS: 0 is off; unset, auto and 1 the best this CPU runs (every variant
-    here, so avx512bf16); a variant's name gives that variant's kernels, the very object
-    load_kernels caches."""
-    K.kernels.cache_clear()
-    try:
-        monkeypatch.setenv("RADIXSERVE_KERNELS", "0")
-        assert K.kernels() is None and K.variant_name(K.kernels()) == "none"
-        for value in ("auto", "1", " AUTO ", ""):
-            K.kernels.cache_clear()
-            monkeypatch.setenv("RADIXSERVE_KERNELS", value)
-            assert K.kernels() is K.load_kernels("avx512bf16"), value
-        for variant in VARIANTS:
-            K.kernels.cache_clear()
-            monkeypatch.setenv("RADIXSERVE_KERNELS", variant)
-            assert K.kernels() is variant_kernels(variant)
-            assert K.variant_name(K.kernels()) == variant
-    finally:
-        K.kernels.cache_clear()
-    monkeypatch.delenv("RADIXSERVE_KERNELS")
-    kern = K.kernels()
+    """RADIXSERVE_KERNELS, settled at start-up: 0 is off; unset, auto and 1 the best this CPU
+    runs (every variant here, so avx512bf16); a variant's name gives that variant's kernels
+    (forced: a failed build is an error), the very object load_kernels caches."""
+    off = settled(RADIXSERVE_KERNELS="0")
+    assert off.load() is None and K.variant_name(off.load()) == "none"
+    for value in ("auto", "1", " AUTO ", ""):
+        cfg = settled(RADIXSERVE_KERNELS=value)
+        assert cfg.load() is K.load_kernels("avx512bf16", cfg.cc, cfg.cache_dir, cfg.checks), value
+        assert not cfg.forced and cfg.load() is variant_kernels("avx512bf16"), value
+    for variant in VARIANTS:
+        cfg = settled(RADIXSERVE_KERNELS=variant)
+        assert cfg.load() is variant_kernels(variant) and cfg.forced
+        assert K.variant_name(cfg.load()) == variant
+    monkeypatch.delenv("RADIXSERVE_KERNELS", raising=False)
+    kern = KernelConfig.from_env().load()  # this process's environment, the variable unset
     assert kern is not None and kern.variant == "avx512bf16"
     assert os.environ.get("RADIXSERVE_KERNELS") is None
     assert isinstance(kern.lib, ctypes.CDLL)  # for callers binding entry points of their own
@@ -582,75 +589,69 @@ ICELAKE_INFO = "".join(f"processor\t: {i}\nmodel name\t: Xeon\nflags\t\t: {ICELA
 
 
 def test_auto_takes_the_best_variant_the_cpu_runs():
-    assert K.supported_variants() == VARIANTS  # this machine runs them all
-    assert K.select_variant("auto") == K.select_variant("1") == "avx512bf16"
-    assert K.select_variant("0") is None
+    assert B.supported_variants() == VARIANTS  # this machine runs them all
+    assert B.select_variant("auto") == B.select_variant("1") == "avx512bf16"
+    assert B.select_variant("0") is None
     for variant in VARIANTS:
-        assert K.select_variant(variant) == variant
+        assert B.select_variant(variant) == variant
     flags = ICELAKE_INFO
-    assert K.cpu_flags(flags) >= {"avx512f", "avx512_vnni"} and "avx512_bf16" not in \
-        K.cpu_flags(flags)
-    assert K.select_variant("auto", flags, "x86_64") == "avx512"
-    assert K.select_variant("auto", f"flags : {HASWELL}", "x86_64") == "avx2"
+    assert B.cpu_flags(flags) >= {"avx512f", "avx512_vnni"} and "avx512_bf16" not in \
+        B.cpu_flags(flags)
+    assert B.select_variant("auto", flags, "x86_64") == "avx512"
+    assert B.select_variant("auto", f"flags : {HASWELL}", "x86_64") == "avx2"
     # AVX-VNNI without AVX-512 (Alder Lake on)
-    assert K.select_variant("auto", f"flags : {HASWELL} avx_vnni", "x86_64") == "avxvnni"
+    assert B.select_variant("auto", f"flags : {HASWELL} avx_vnni", "x86_64") == "avxvnni"
     # LZCNT listed under its own name rather than "abm"
-    assert K.select_variant("auto", f"flags : {HASWELL.replace('abm', 'lzcnt')}",
+    assert B.select_variant("auto", f"flags : {HASWELL.replace('abm', 'lzcnt')}",
                             "x86_64") == "avx2"
-    assert K.select_variant("auto", f"flags : {HASWELL.replace('bmi2', '')}",
+    assert B.select_variant("auto", f"flags : {HASWELL.replace('bmi2', '')}",
                             "x86_64") == "generic"
-    assert K.select_variant("auto", "", "x86_64") == "generic"
+    assert B.select_variant("auto", "", "x86_64") == "generic"
     # a core that lacks a flag the others list: the CPU lacks it
     mixed = ICELAKE_INFO + f"processor\t: 2\nflags\t\t: {HASWELL}\n"
-    assert K.select_variant("auto", mixed, "x86_64") == "avx2"
+    assert B.select_variant("auto", mixed, "x86_64") == "avx2"
     # aarch64: neon where the CPU has the dot-product instructions, else generic (no -march)
-    assert K.select_variant("auto", "Features : fp asimd", "aarch64") == "generic"
-    assert K.supported_variants("Features : fp asimd", "aarch64") == ["generic"]
-    assert K.supported_variants("Features : fp asimd asimddp", "arm64") == ["neon", "generic"]
+    assert B.select_variant("auto", "Features : fp asimd", "aarch64") == "generic"
+    assert B.supported_variants("Features : fp asimd", "aarch64") == ["generic"]
+    assert B.supported_variants("Features : fp asimd asimddp", "arm64") == ["neon", "generic"]
     # other machines: the generic build, with no -march
-    assert K.supported_variants("", "riscv64") == ["generic"]
-    assert not any(f.startswith("-m") for f in K.compile_flags("rowwise.c", "generic",
+    assert B.supported_variants("", "riscv64") == ["generic"]
+    assert not any(f.startswith("-m") for f in B.compile_flags("rowwise.c", "generic",
                                                                "aarch64"))
 
 
 def test_a_variant_the_cpu_cannot_run_or_an_unknown_value_is_an_error(monkeypatch):
-    with pytest.raises(K.KernelsError) as e:
-        K.select_variant("avx512bf16", ICELAKE_INFO, "x86_64")
+    with pytest.raises(B.KernelsError) as e:
+        B.select_variant("avx512bf16", ICELAKE_INFO, "x86_64")
     msg = str(e.value)
     assert "RADIXSERVE_KERNELS=avx512bf16" in msg and "lacks avx512_bf16" in msg
     assert "avx512_vnni" not in msg.split("lacks")[1].split(";")[0]  # only what is missing
     assert "auto, avx512bf16, avx512, avxvnni, avx2, generic, 0" in msg
-    with pytest.raises(K.KernelsError, match=r"lacks avx512f avx512bw avx512dq avx512vl "
+    with pytest.raises(B.KernelsError, match=r"lacks avx512f avx512bw avx512dq avx512vl "
                                              r"avx512cd avx512_vnni;.* runs avx2, generic"):
-        K.select_variant("avx512", f"flags : {HASWELL}", "x86_64")
-    with pytest.raises(K.KernelsError, match="lacks .*avx2"):
-        K.select_variant("avx2", "flags : fpu sse sse2", "x86_64")
-    with pytest.raises(K.KernelsError, match="x86-64 build and this machine is aarch64.*"
+        B.select_variant("avx512", f"flags : {HASWELL}", "x86_64")
+    with pytest.raises(B.KernelsError, match="lacks .*avx2"):
+        B.select_variant("avx2", "flags : fpu sse sse2", "x86_64")
+    with pytest.raises(B.KernelsError, match="x86-64 build and this machine is aarch64.*"
                                              "allowed values: auto, neon, generic, 0"):
-        K.select_variant("avx2", "Features : fp asimd", "aarch64")
-    assert K.select_variant("generic", "Features : fp asimd", "aarch64") == "generic"
+        B.select_variant("avx2", "Features : fp asimd", "aarch64")
+    assert B.select_variant("generic", "Features : fp asimd", "aarch64") == "generic"
     for bogus in ("bogus", "avx512-bf16", "2", "native"):
-        with pytest.raises(K.KernelsError, match=f"RADIXSERVE_KERNELS='{bogus}' is not a "
+        with pytest.raises(B.KernelsError, match=f"RADIXSERVE_KERNELS='{bogus}' is not a "
                                                  r"kernel variant; allowed values: auto, "):
-            K.select_variant(bogus)
-    # from the environment, through kernels(): the error, never a silent fallback
-    K.kernels.cache_clear()
-    try:
-        monkeypatch.setenv("RADIXSERVE_KERNELS", "bogus")
-        with pytest.raises(K.KernelsError, match="bogus"):
-            K.kernels()
-        # a CPU without a flag the forced variant needs (its /proc/cpuinfo faked)
-        monkeypatch.setenv("RADIXSERVE_KERNELS", "avx512bf16")
-        real = K.cpu_flags
-        monkeypatch.setattr(K, "cpu_flags", lambda text=None: real(text or ICELAKE_INFO))
-        with pytest.raises(K.KernelsError, match="lacks avx512_bf16"):
-            K.kernels()
-        with pytest.raises(K.KernelsError, match="lacks avx512_bf16"):
-            K.load_kernels.__wrapped__("avx512bf16")
-        monkeypatch.setenv("RADIXSERVE_KERNELS", "auto")
-        assert K.kernels() is K.load_kernels("avx512")
-    finally:
-        K.kernels.cache_clear()
+            B.select_variant(bogus)
+    # from the environment, as a start-up settles it: the error, never a silent fallback
+    with pytest.raises(B.KernelsError, match="bogus"):
+        settled(RADIXSERVE_KERNELS="bogus")
+    # a CPU without a flag the forced variant needs (its /proc/cpuinfo faked)
+    real = B.cpu_flags
+    monkeypatch.setattr(B, "cpu_flags", lambda text=None: real(text or ICELAKE_INFO))
+    with pytest.raises(B.KernelsError, match="lacks avx512_bf16"):
+        settled(RADIXSERVE_KERNELS="avx512bf16")
+    cfg = settled(RADIXSERVE_KERNELS="auto")
+    with pytest.raises(B.KernelsError, match="lacks avx512_bf16"):
+        K.load_kernels.__wrapped__("avx512bf16", cfg.cc, cfg.cache_dir)
+    assert cfg.load() is K.load_kernels("avx512", cfg.cc, cfg.cache_dir, cfg.checks)
 
 
 def test_each_variant_builds_with_its_own_flags_into_its_own_file(tmp_path, monkeypatch):
@@ -687,12 +688,12 @@ def test_each_variant_builds_with_its_own_flags_into_its_own_file(tmp_path, monk
     (src / "common.h").write_text("#include <stdint.h>\n")
     for name in ("loose", "strict"):
         (src / f"{name}.c").write_text(probe.format(name=name))
-    monkeypatch.setattr(K, "_CSRC", src)
-    monkeypatch.setattr(K, "_STRICT_FP", frozenset({"strict.c"}))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(B, "_CSRC", src)
+    monkeypatch.setattr(B, "_STRICT_FP", frozenset({"strict.c"}))
+    cfg = settled(XDG_CACHE_HOME=str(tmp_path / "cache"))
     paths = {}
     for variant, avx2, bf16 in (("avx512bf16", 1, 1), ("avx2", 1, 0), ("generic", 0, 0)):
-        path = K.build(variant)
+        path = B.build(variant, cfg.cc, cfg.cache_dir)
         assert path is not None and path.name.startswith(f"radixserve-kernels-{variant}-")
         lib = ctypes.CDLL(str(path))
         lib.strict_sum.restype = lib.loose_sum.restype = ctypes.c_float
@@ -708,29 +709,31 @@ def test_each_variant_builds_with_its_own_flags_into_its_own_file(tmp_path, monk
     assert sorted(p.name for p in paths["generic"].parent.iterdir()) == sorted(
         p.name for p in paths.values())  # no objects or temporaries left
     stamp = paths["avx2"].stat().st_mtime_ns
-    assert K.build("avx2") == paths["avx2"] and paths["avx2"].stat().st_mtime_ns == stamp
+    assert B.build("avx2", cfg.cc, cfg.cache_dir) == paths["avx2"]
+    assert paths["avx2"].stat().st_mtime_ns == stamp
     # a source that does not compile: no build, nothing left behind
     (src / "broken.c").write_text("int broken(void) { return }\n")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache2"))
-    assert K.build("generic") is None
+    cfg = settled(XDG_CACHE_HOME=str(tmp_path / "cache2"))
+    assert B.build("generic", cfg.cc, cfg.cache_dir) is None
     assert not list((tmp_path / "cache2" / "radixserve" / "kernels").iterdir())
 
 
 def test_strict_sources_drop_only_the_reassociation_flags():
     """csrc/qmm.c (when present) sums exactly as written: its flags are the others' without
     -fassociative-math, -fno-signed-zeros and -fno-trapping-math, the same -O3, OpenMP, PIC
-    and -march. rowwise.c alone adds -fno-tree-pre (its gates' division, kernels.py says why)."""
-    assert "qmm.c" in K._STRICT_FP
+    and -march. rowwise.c alone adds -fno-tree-pre (its gates' division, kernel_build.py says
+    why)."""
+    assert "qmm.c" in B._STRICT_FP
     loose = ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
     for variant in VARIANTS:
-        common = K.compile_flags("decode_attn.c", variant, "x86_64")
-        rowwise = K.compile_flags("rowwise.c", variant, "x86_64")
+        common = B.compile_flags("decode_attn.c", variant, "x86_64")
+        rowwise = B.compile_flags("rowwise.c", variant, "x86_64")
         assert [f for f in rowwise if f != "-fno-tree-pre"] == common != rowwise
-        strict = K.compile_flags("qmm.c", variant, "x86_64")
+        strict = B.compile_flags("qmm.c", variant, "x86_64")
         assert all(f in common for f in loose) and not any(f in strict for f in loose)
         assert strict == [f for f in common if f not in loose]
         assert {"-O3", "-fopenmp", "-fPIC"} <= set(strict) and "-march=native" not in common
-        assert [f for f in common if f.startswith("-m")] == list(K.VARIANTS[variant].flags("x86_64"))
+        assert [f for f in common if f.startswith("-m")] == list(B.VARIANTS[variant].flags("x86_64"))
 
 
 def test_int8_head_equals_its_integer_dots_or_is_refused(kern):
@@ -775,8 +778,9 @@ def test_check_mode_refuses_a_cell_index_outside_the_pool(kern, monkeypatch):
     """decode_attn.c reads K/V at kh + cells[j] d unchecked; in check mode (the suite's) an
     index outside the pool is an IndexError before the call, and without it the call is made
     (so the check, not something else, is what refuses)."""
-    from radixserve.model.kernels import CHECKS_ENV
+    from radixserve.model.kernel_config import CHECKS_ENV
 
+    assert os.environ[CHECKS_ENV] == "1" and kern.checks  # the suite's, settled as a start-up
     q = torch.randn(1, 4, 64).to(torch.bfloat16)
     pk = torch.randn(2, 16, 64).to(torch.bfloat16)
     good = torch.tensor([0, 5, 15])
@@ -784,7 +788,7 @@ def test_check_mode_refuses_a_cell_index_outside_the_pool(kern, monkeypatch):
     for bad in ([0, 5, 16], [-1, 3]):
         with pytest.raises(IndexError, match="outside a pool of 16"):
             kern.attend_causal(q, pk, pk, torch.tensor(bad))
-    monkeypatch.setenv(CHECKS_ENV, "0")
+    monkeypatch.setattr(kern, "checks", False)  # as RADIXSERVE_KERNEL_CHECKS=0 settles it
     calls = []
     monkeypatch.setattr(kern, "_attn", lambda *a: calls.append(a) or 0)
     kern.attend_causal(q, pk, pk, torch.tensor([0, 5, 16]))

@@ -1,5 +1,5 @@
 """The aarch64 builds, run under emulation: kernel_harness.c linked with the kernels built for
-the neon variant and for the generic one (each source with the flags kernels.py gives it on
+the neon variant and for the generic one (each source with the flags kernel_build.py gives it on
 aarch64), cross-compiled by Debian's aarch64-linux-gnu-gcc and run by qemu-user. Every kernel's
 outputs on the same inputs must agree bit for bit: the same arithmetic in the same order (the
 integer sums exact, the float sums' orders fixed, every multiply-add fused on aarch64).
@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from radixserve.model import kernel_build as B
 from radixserve.model import kernels as K
 
 CC, QEMU, OBJDUMP = "aarch64-linux-gnu-gcc", "qemu-aarch64", "aarch64-linux-gnu-objdump"
@@ -36,14 +37,14 @@ def _tool(name: str, package: str) -> str:
 
 
 def _build(variants: tuple[str, ...], out: Path) -> dict[str, Path]:
-    """The harness linked with every csrc/*.c built as kernels.py builds each variant on
+    """The harness linked with every csrc/*.c built as kernel_build.py builds each variant on
     aarch64 (static: qemu then needs no aarch64 libraries); all objects compiled at once."""
     cc = _tool(CC, "gcc-aarch64-linux-gnu")
-    sources = sorted(K._CSRC.glob("*.c"))
+    sources = sorted(B._CSRC.glob("*.c"))
 
     def compile_one(job: tuple[str, Path]) -> None:
         variant, src = job
-        subprocess.run([cc, *K.compile_flags(src.name, variant, "aarch64"), "-c", str(src),
+        subprocess.run([cc, *B.compile_flags(src.name, variant, "aarch64"), "-c", str(src),
                         "-o", str(out / f"{variant}-{src.stem}.o")], check=True,
                        capture_output=True, timeout=300)
 
@@ -92,13 +93,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[str, 
 
 
 def test_neon_is_auto_on_aarch64_with_dot_products():
-    assert K.select_variant("auto", "Features : fp asimd asimddp", "aarch64") == "neon"
-    assert K.select_variant("auto", "Features : fp asimd", "aarch64") == "generic"
-    assert K.compile_flags("qmm.c", "neon", "aarch64")[-1] == "-march=armv8.2-a+dotprod"
-    with pytest.raises(K.KernelsError, match="lacks asimddp"):
-        K.select_variant("neon", "Features : fp asimd", "aarch64")
-    with pytest.raises(K.KernelsError, match="aarch64 build and this machine is x86_64"):
-        K.select_variant("neon", "flags : fpu sse sse2", "x86_64")
+    assert B.select_variant("auto", "Features : fp asimd asimddp", "aarch64") == "neon"
+    assert B.select_variant("auto", "Features : fp asimd", "aarch64") == "generic"
+    assert B.compile_flags("qmm.c", "neon", "aarch64")[-1] == "-march=armv8.2-a+dotprod"
+    with pytest.raises(B.KernelsError, match="lacks asimddp"):
+        B.select_variant("neon", "Features : fp asimd", "aarch64")
+    with pytest.raises(B.KernelsError, match="aarch64 build and this machine is x86_64"):
+        B.select_variant("neon", "flags : fpu sse sse2", "x86_64")
 
 
 def test_every_kernel_ran_and_returned_success(runs):

@@ -19,15 +19,16 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.model.kernels import ENV, kernels
 from radixserve.model.quant import (
     DENSE_FROM_ROWS, PACKED_TYPES, Codes, ConcatLinear, DenseLinear, Int4Linear, Linear, Q4Linear,
     packed_linear, split_blocks, tile_layout_known, tile_weights,
 )
 from tests.model import kernel_variants
-from tests.model.kernel_variants import HAS, VARIANTS, act8_tolerance, permuted_lanes
+from tests.model.kernel_variants import (
+    HAS, NO_KERNELS, VARIANTS, act8_tolerance, permuted_lanes, variant_kernels,
+)
 
-variant = kernel_variants.variant  # the fixture: a test's kernels() in each variant in turn
+variant = kernel_variants.variant  # the fixture: a test in each variant in turn
 
 Q = gguf.GGMLQuantizationType
 N, K = 128, 512  # rows, row length (Q4_K needs K % 256 == 0)
@@ -78,13 +79,12 @@ def test_packed_times_identity_equals_gguf_dequantization(qtype: Q):
 ON_BF16 = pytest.mark.parametrize("variant", ["avx512bf16"], indirect=True)
 
 
-def q4_here() -> None:
-    """The kernels under test (kernels(): the `variant` fixture's) pack 4-bit weights in our
+def q4_here(kern) -> None:
+    """The kernels under test (`kern`: the `variant` fixture's) pack 4-bit weights in our
     tiles: every build does, and must (this project's machines have a compiler, so a missing
     build fails rather than skips)."""
-    kern = kernels()
     assert kern is not None, "the kernels did not build (compiler?)"
-    lin = packed_linear(split_blocks(raw_tensor(Q.Q4_1, seed=7)), None, torch.bfloat16)
+    lin = packed_linear(split_blocks(raw_tensor(Q.Q4_1, seed=7)), None, torch.bfloat16, kern)
     assert isinstance(lin, Q4Linear) and lin.route == "q4-tiles", kern.variant
 
 
@@ -100,11 +100,12 @@ def test_q4_tiles_hold_the_f16_maps_and_multiply_within_8bit_activations(variant
     weights exactly; Q4_K's scale d sc and offset dmin mn round to f16. The kernel's products,
     few rows and many, are within 8-bit activations' error of the exact product with those
     weights."""
-    q4_here()
+    kern = variant_kernels(variant)
+    q4_here(kern)
     t = raw_tensor(qtype, seed=int(qtype))
     ref = gguf.quants.dequantize(t.data, qtype).reshape(N, K).astype(np.float32)
     codes = split_blocks(t)
-    lin = packed_linear(codes, None, torch.bfloat16)
+    lin = packed_linear(codes, None, torch.bfloat16, kern)
     assert isinstance(lin, Q4Linear)
     held = Codes(codes.q, f16(codes.scale), f16(codes.offset)).dequantize()
     assert np.array_equal(tile_weights(lin.mat.tiles, 0).numpy(), held)
@@ -133,41 +134,38 @@ def test_q4_layout_only_where_it_holds_the_weights(variant: str):
     silently wrong f16 ones; rows not in tiles of 16 (neither layout holds them): dense (the
     loader sends those to qmm.c's blocks first where it has our kernels:
     tests/model/test_routes.py). Otherwise our tiles, in every build."""
-    q4_here()
+    kern = variant_kernels(variant)
+    q4_here(kern)
     codes = split_blocks(raw_tensor(Q.Q4_1, seed=7))
-    assert isinstance(packed_linear(codes, None, torch.bfloat16), Q4Linear)
-    assert isinstance(packed_linear(codes, None, torch.float32), Int4Linear)
+    assert isinstance(packed_linear(codes, None, torch.bfloat16, kern), Q4Linear)
+    assert isinstance(packed_linear(codes, None, torch.float32, kern), Int4Linear)
     odd = codes.rows(np.arange(N - 8))
-    dense = packed_linear(odd, None, torch.bfloat16)
+    dense = packed_linear(odd, None, torch.bfloat16, kern)
     assert isinstance(dense, DenseLinear)
     assert torch.equal(dense.weight(), torch.from_numpy(odd.dequantize()).to(torch.bfloat16))
     big = split_blocks(raw_tensor(Q.Q4_1, seed=7))
     big.scale[3, 2] = 1e6  # beyond f16's 65504
-    lin = packed_linear(big, None, torch.bfloat16)
+    lin = packed_linear(big, None, torch.bfloat16, kern)
     assert isinstance(lin, Int4Linear)
     assert torch.isfinite(lin(torch.ones(1, K, dtype=torch.bfloat16))).all()
 
 
-def test_without_kernels_4bit_weights_take_torch_int4(monkeypatch: pytest.MonkeyPatch):
+def test_without_kernels_4bit_weights_take_torch_int4():
     """RADIXSERVE_KERNELS=0: no tiles, so torch's int4 layout at bf16 as at f32."""
-    monkeypatch.setenv(ENV, "0")
-    kernels.cache_clear()
-    try:
-        assert kernels() is None
-        codes = split_blocks(raw_tensor(Q.Q4_1, seed=7))
-        for dtype in (torch.bfloat16, torch.float32):
-            lin = packed_linear(codes, None, dtype)
-            assert isinstance(lin, Int4Linear) and lin.route == "torch-int4", dtype
-    finally:
-        kernels.cache_clear()  # before monkeypatch restores the environment
+    kern = NO_KERNELS.load()
+    assert kern is None
+    codes = split_blocks(raw_tensor(Q.Q4_1, seed=7))
+    for dtype in (torch.bfloat16, torch.float32):
+        lin = packed_linear(codes, None, dtype, kern)
+        assert isinstance(lin, Int4Linear) and lin.route == "torch-int4", dtype
 
 
-def q4_or_int4(kind: str, codes, bias):
+def q4_or_int4(kind: str, codes, bias, kern):
     """torch's int4 layout ("int4"), or what packed_linear picks ("q4"): our tiles, in every
     variant."""
     if kind == "int4":
         return Int4Linear(codes, bias, torch.bfloat16)
-    lin = packed_linear(codes, bias, torch.bfloat16)
+    lin = packed_linear(codes, bias, torch.bfloat16, kern)
     assert isinstance(lin, Q4Linear)
     return lin
 
@@ -180,8 +178,9 @@ KINDS = pytest.mark.parametrize("kind,variant", [("int4", "avx512bf16"),
 
 @KINDS
 def test_small_and_large_batches_use_the_same_weights(kind: str, variant: str):
+    kern = variant_kernels(variant)
     t = raw_tensor(Q.Q4_1, seed=3)
-    lin = q4_or_int4(kind, split_blocks(t), torch.randn(N).to(torch.bfloat16))
+    lin = q4_or_int4(kind, split_blocks(t), torch.randn(N).to(torch.bfloat16), kern)
     x = torch.randn(DENSE_FROM_ROWS + 5, K).to(torch.bfloat16)
     big = lin(x)  # int4: dense GEMM on unpacked weights; q4: the kernel's many-rows path
     small = torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])])  # the 4-bit kernel
@@ -205,8 +204,9 @@ def test_small_and_large_batches_use_the_same_weights(kind: str, variant: str):
 
 @KINDS
 def test_concat_linear_of_mixed_types(kind: str, variant: str):
-    packed = q4_or_int4(kind, split_blocks(raw_tensor(Q.Q4_0, seed=5)), None)
-    dense = DenseLinear(torch.randn(64, K).to(torch.bfloat16))
+    kern = variant_kernels(variant)
+    packed = q4_or_int4(kind, split_blocks(raw_tensor(Q.Q4_0, seed=5)), None, kern)
+    dense = DenseLinear(torch.randn(64, K).to(torch.bfloat16), None, kern)
     both = ConcatLinear([packed, dense])
     x = torch.randn(3, K).to(torch.bfloat16)
     assert both.n_out == N + 64
@@ -230,7 +230,7 @@ Q4_SHAPES = [(960, 576), (3072, 576), (576, 1536), (48, 64), (32, 32)]
 Q4_ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 63, 64, 95, 96, 97, 128, 200, 513]
 
 
-def random_q4(n: int, k: int, seed: int) -> tuple[Q4Linear, torch.Tensor, torch.Tensor]:
+def random_q4(n: int, k: int, seed: int, kern) -> tuple[Q4Linear, torch.Tensor, torch.Tensor]:
     """A Q4Linear of random codes, its weights in f64 (exact: its scales and offsets are f16
     already), and bf16 rows of varied magnitudes for it."""
     g = torch.Generator().manual_seed(seed)
@@ -242,7 +242,7 @@ def random_q4(n: int, k: int, seed: int) -> tuple[Q4Linear, torch.Tensor, torch.
     w = (torch.from_numpy(codes.q).double() * torch.from_numpy(codes.scale).double()
          .repeat_interleave(32, 1) + torch.from_numpy(codes.offset).double()
          .repeat_interleave(32, 1))
-    return Q4Linear(codes, None, kernels()), w, x
+    return Q4Linear(codes, None, kern), w, x
 
 
 @pytest.mark.parametrize("n,k", Q4_SHAPES, ids=lambda v: str(v))
@@ -250,8 +250,9 @@ def test_q4_many_rows_equal_each_row_alone_bitwise(variant: str, n: int, k: int)
     """Deterministic mode's premise: a row's product through the 4-bit tiles is the same bits
     whatever the number of rows multiplied with it (the few-row prefetch, the row blocks; each
     row's activations quantized on their own) and the number of threads, in every build."""
-    q4_here()
-    lin, _, x = random_q4(n, k, seed=n + k)
+    kern = variant_kernels(variant)
+    q4_here(kern)
+    lin, _, x = random_q4(n, k, seed=n + k, kern=kern)
     assert_rows_alone(lin.kernel, x, Q4_ROWS)
 
 
@@ -278,8 +279,9 @@ def test_q4_many_rows_within_8bit_activations_of_f64(variant: str, n: int, k: in
     """The many-rows product against f64 with the kernel's own weights, rows of magnitudes
     2^-6 to 2^6: within 8-bit activations' error (act8_tolerance: each group of 32 rounded to
     amax / 127 steps), which the same weights a lane off exceed."""
-    q4_here()
-    lin, w, x = random_q4(n, k, seed=2 * n + k)
+    kern = variant_kernels(variant)
+    q4_here(kern)
+    lin, w, x = random_q4(n, k, seed=2 * n + k, kern=kern)
     y = lin.kernel(x).double()
     ref, tol = act8_tolerance(x, w)
     assert ((y - ref).abs() <= tol).all()
@@ -300,6 +302,7 @@ def test_torch_kernels_deterministic_mode_keeps_are_row_invariant(kind: str, var
     (csrc/bf16_gemm.c; torch's bf16 GEMM fails this on torch 2.13, as does its f32 GEMM: f32 has
     no deterministic mode), on shapes of the default model's layers: every row of an M-row
     product equals the row alone, bitwise."""
+    kern = variant_kernels(variant)
     g = torch.Generator().manual_seed(5)
     for n, k in ((960, 576), (576, 1536)):
         if kind == "int4":
@@ -309,8 +312,9 @@ def test_torch_kernels_deterministic_mode_keeps_are_row_invariant(kind: str, var
                           (-rng.random((n, k // 32)) * 0.08).astype(np.float32))
             lin: Linear = Int4Linear(codes, None, torch.bfloat16)
         else:
-            lin = DenseLinear((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16))
-            if not bf16_here():  # F.linear: not row-invariant, deterministic mode refuses it
+            lin = DenseLinear((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16), None,
+                              kern)
+            if not bf16_here(kern):  # F.linear: not row-invariant, deterministic mode refuses it
                 assert lin.mat is None and not lin.row_invariant
                 continue
             assert lin.mat is not None  # our kernel, not F.linear
@@ -318,18 +322,17 @@ def test_torch_kernels_deterministic_mode_keeps_are_row_invariant(kind: str, var
         assert_rows_alone(lambda a, lin=lin: lin(a, invariant=True), x, ROW_COUNTS)
 
 
-def bf16_here() -> bool:
-    """Whether the kernels under test have our bf16 kernel: the AVX512-BF16 build does, and
-    must (its absence fails rather than skips); builds without it must leave bf16 weights to
-    F.linear (not row-invariant), checked here: then False."""
-    kern = kernels()
+def bf16_here(kern) -> bool:
+    """Whether the kernels under test (`kern`) have our bf16 kernel: the AVX512-BF16 build
+    does, and must (its absence fails rather than skips); builds without it must leave bf16
+    weights to F.linear (not row-invariant), checked here: then False."""
     assert kern is not None, "the kernels did not build (compiler?)"
     assert kern.has_bf16_gemm == HAS[kern.variant][0], f"bf16 kernel in the {kern.variant} build?"
     if kern.has_bf16_gemm:
         return True
     g = torch.Generator().manual_seed(1)
     w = torch.randn(40, 33, generator=g).to(torch.bfloat16)
-    lin = DenseLinear(w)
+    lin = DenseLinear(w, None, kern)
     assert lin.mat is None and lin.w is w and not lin.row_invariant
     x = torch.randn(5, 33, generator=g).to(torch.bfloat16)
     assert torch.equal(lin(x), torch.nn.functional.linear(x, w))
@@ -343,13 +346,14 @@ def bf16_here() -> bool:
 BF16_SHAPES = [(960, 576), (576, 1536), (48, 64), (40, 40), (100, 33), (17, 7), (1, 1)]
 
 
-def random_dense(n: int, k: int, seed: int) -> tuple[DenseLinear, torch.Tensor, torch.Tensor]:
+def random_dense(n: int, k: int, seed: int,
+                 kern) -> tuple[DenseLinear, torch.Tensor, torch.Tensor]:
     """A bf16 DenseLinear on our kernel, its weights, and bf16 rows of varied magnitudes."""
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
     scale = torch.exp2(torch.randint(-6, 7, (max(ROW_COUNTS), 1), generator=g).float())
     x = (torch.randn(max(ROW_COUNTS), k, generator=g) * scale).to(torch.bfloat16)
-    lin = DenseLinear(w)
+    lin = DenseLinear(w, None, kern)
     assert lin.mat is not None and lin.w is None  # the panels are the only copy kept
     return lin, w, x
 
@@ -360,8 +364,9 @@ def test_bf16_many_rows_equal_each_row_alone_bitwise(variant: str, n: int, k: in
     """Deterministic mode's premise for dense weights: a row's product through the bf16 kernel
     is the same bits whatever the number of rows multiplied with it (its few- and many-rows
     paths, every remainder of its row blocks) and the number of threads."""
-    assert bf16_here()
-    lin, _, x = random_dense(n, k, seed=n + k)
+    kern = variant_kernels(variant)
+    assert bf16_here(kern)
+    lin, _, x = random_dense(n, k, seed=n + k, kern=kern)
     assert_rows_alone(lambda a: lin(a, invariant=True), x, ROW_COUNTS)
 
 
@@ -371,8 +376,9 @@ def test_bf16_within_bf16_of_f64(variant: str, n: int, k: int):
     """Against f64: the bf16 output rounding, plus f32 sums (at most one rounding per product,
     relative to the products' magnitudes: outputs near 0). The same weights with the two halves
     of every pair swapped (a layout slip) fail that tolerance."""
-    assert bf16_here()
-    lin, w, x = random_dense(n, k, seed=2 * n + k)
+    kern = variant_kernels(variant)
+    assert bf16_here(kern)
+    lin, w, x = random_dense(n, k, seed=2 * n + k, kern=kern)
     ref = x.double() @ w.double().T
     mag = x.double().abs() @ w.double().abs().T
     tol = ref.abs() * 2.0**-8 + mag * (k + 1) * 2.0**-24
@@ -383,18 +389,19 @@ def test_bf16_within_bf16_of_f64(variant: str, n: int, k: int):
     if k > 1:
         swapped = w.clone()
         swapped[:, : k // 2 * 2] = w[:, : k // 2 * 2].view(n, -1, 2).flip(-1).reshape(n, -1)
-        wrong = DenseLinear(swapped)(x).double()
+        wrong = DenseLinear(swapped, None, kern)(x).double()
         assert ((wrong - ref).abs() > tol).any()
 
 
 def test_dense_linear_paths(variant: str):
     """bf16: our kernel (F.linear in builds without it), W unpacked bit for bit, the bias added
     after, any leading dims; f32 (and f16): torch's F.linear on the weights as given."""
-    has_bf16 = bf16_here()
+    kern = variant_kernels(variant)
+    has_bf16 = bf16_here(kern)
     g = torch.Generator().manual_seed(11)
     w = torch.randn(70, 45, generator=g).to(torch.bfloat16)
     b = torch.randn(70, generator=g).to(torch.bfloat16)
-    lin = DenseLinear(w, b)
+    lin = DenseLinear(w, b, kern)
     assert torch.equal(lin.weight(), w)
     x = torch.randn(2, 5, 45, generator=g).to(torch.bfloat16)
     y = lin(x)
@@ -403,12 +410,12 @@ def test_dense_linear_paths(variant: str):
         return
     assert lin.mat is not None and lin.nbytes == lin.mat.panels.nbytes + b.nbytes
     assert y.shape == (2, 5, 70) and y.dtype == torch.bfloat16
-    assert torch.equal(y, DenseLinear(w)(x.view(10, 45)).view(2, 5, 70) + b)
+    assert torch.equal(y, DenseLinear(w, None, kern)(x.view(10, 45)).view(2, 5, 70) + b)
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
     assert ((y.float() - ref).abs() <= ref.abs() * 2.0**-7 + 1e-2).all()
     for dtype in (torch.float32, torch.float16):
         wd = w.to(dtype)
-        plain = DenseLinear(wd, b.to(dtype))
+        plain = DenseLinear(wd, b.to(dtype), kern)
         assert plain.mat is None and plain.weight() is wd
         assert torch.equal(plain(x.to(dtype)),
                            torch.nn.functional.linear(x.to(dtype), wd, b.to(dtype)))
@@ -418,5 +425,6 @@ def test_every_build_packs_4bit_tiles_and_only_avx512bf16_has_bf16_panels(varian
     """Every build packs 4-bit weights in our tiles (q4_here); where the build has no bf16
     panels (avx512, avxvnni, avx2, generic), bf16 weights fall back to F.linear (bf16_here);
     the AVX512-BF16 build has both."""
-    q4_here()
-    assert bf16_here() == (variant == "avx512bf16")
+    kern = variant_kernels(variant)
+    q4_here(kern)
+    assert bf16_here(kern) == (variant == "avx512bf16")

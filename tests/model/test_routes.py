@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.model import kernels as K
 from radixserve.model import kernel_routes
+from radixserve.model.kernel_build import ENV
 from radixserve.model.kernel_routes import BUILDS, FALLBACK, KINDS, ROUTES, TABLE, route_for
 from radixserve.model.tensors import TensorLoader
-from tests.model.kernel_variants import variant_kernels
+from tests.model.kernel_variants import config_for, variant_kernels
 
 Q = gguf.GGMLQuantizationType
 # one type of each kind: a 4-bit one, an 8-bit one, a float one, one no kernel of ours reads
@@ -48,14 +48,17 @@ def tensor(qtype: Q, n: int, seed: int) -> SimpleNamespace:
 # neon runs on aarch64 only: its routes are qmm's, which tests/model/test_neon.py runs for every
 # type under qemu-user against the generic build's
 @pytest.fixture(params=[b for b in BUILDS if b != "neon"])
-def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """kernels() as RADIXSERVE_KERNELS=<build> gives it ("none": 0, no kernels)."""
+def build(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A build of the table (kernels_of gives its kernels, as RADIXSERVE_KERNELS=<build> does;
+    "none": 0, no kernels)."""
     if request.param != "none":
         variant_kernels(request.param)
-    monkeypatch.setenv(K.ENV, "0" if request.param == "none" else request.param)
-    K.kernels.cache_clear()
     yield request.param
-    K.kernels.cache_clear()
+
+
+def kernels_of(build: str):
+    """The kernels RADIXSERVE_KERNELS=<build> settles ("none": 0, None)."""
+    return config_for("0" if build == "none" else build).load()
 
 
 def test_every_build_and_kind_has_a_route_and_every_route_is_reached():
@@ -72,7 +75,8 @@ def test_the_loader_builds_the_tables_route_and_it_multiplies_the_files_weights(
         build: str, kind: str, n_rows: int):
     qtype = KIND_TYPE[kind]
     t = tensor(qtype, n_rows, seed=int(qtype) + n_rows)
-    ld = TensorLoader(SimpleNamespace(tensors=[t]), torch.bfloat16, packed=True)
+    ld = TensorLoader(SimpleNamespace(tensors=[t]), torch.bfloat16, packed=True,
+                      kern=kernels_of(build))
     assert ld.build == build
     lin = ld.linear(["w"], [None])
     want = route_for(build, qtype, n_rows)
@@ -97,7 +101,8 @@ def test_the_loader_builds_the_tables_route_and_it_multiplies_the_files_weights(
 
 def test_dequant_weights_run_every_type_dense(build: str):
     t = tensor(Q.Q4_K, 32, seed=1)
-    lin = TensorLoader(SimpleNamespace(tensors=[t]), torch.bfloat16, packed=False).linear(["w"], [None])
+    lin = TensorLoader(SimpleNamespace(tensors=[t]), torch.bfloat16, packed=False,
+                       kern=kernels_of(build)).linear(["w"], [None])
     assert lin.route == ("bf16-panels" if build == "avx512bf16" else "torch-dense")
 
 
@@ -108,12 +113,8 @@ def test_perf_routes_prints_the_table_and_the_models_routes(tiny_path, capsys, m
     blocks)."""
     from radixserve.cli import main
 
-    monkeypatch.setenv(K.ENV, "avx2")
-    K.kernels.cache_clear()
-    try:
-        assert main(["perf", "--routes", "-m", tiny_path]) == 0
-    finally:
-        K.kernels.cache_clear()
+    monkeypatch.setenv(ENV, "avx2")  # the command settles its kernels from the environment
+    assert main(["perf", "--routes", "-m", tiny_path]) == 0
     out = capsys.readouterr().out
     assert out.startswith("kernel build: avx2")
     assert "avx2        Q4_0 Q4_1 Q4_K" in out and "q4-tiles" in out

@@ -20,7 +20,7 @@ from radixserve.model.forward import rms_norm
 from radixserve.model.hparams import HParams
 from radixserve.model.loader import load_model
 from radixserve.model.rope import Rope
-from tests.model.kernel_variants import kern, threads, variant  # noqa: F401
+from tests.model.kernel_variants import config_for, kern, threads, variant  # noqa: F401
 from tests.tiny_gguf import write_tiny_gguf
 
 BF = torch.bfloat16
@@ -199,7 +199,7 @@ def test_every_variant_runs_the_step(variant, tiny_swa_path: str, monkeypatch): 
     """Each kernel variant's build runs KernelStep on the tiny gemma3 with the general path's
     bits (in the same chunks: without AVX512-BF16 the layer matrices run torch's GEMM, whose
     rows change with the row count)."""
-    m = load_model(tiny_swa_path, "bf16")
+    m = load_model(tiny_swa_path, "bf16", kernels=config_for(variant))
     assert K.variant_name(m.transformer.kern) == variant
     ids = [(i * 31) % 250 + 3 for i in range(40)]
     ref = _run(m, True, ids, 8, True, monkeypatch)

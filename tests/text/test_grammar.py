@@ -23,6 +23,7 @@ from radixserve.model.head import OutputHead, RowNeed
 from radixserve.sampling.chain import Sampler, SamplingParams, sample_batch
 from radixserve.text import grammar as G
 from radixserve.text.tokenizer import Tokenizer
+from tests.model.kernel_variants import default_kernels
 
 GRAMMARS = Path(__file__).resolve().parents[1] / "fixtures" / "grammars"
 
@@ -379,7 +380,7 @@ def make_head(seed: int, vnni: bool) -> OutputHead:
     w = torch.randn(V, D, generator=g) * 0.05
     w[torch.randint(0, V, (64,), generator=g)] *= 8
     w[:, 3] *= 6
-    head = OutputHead(w, shortlist=True)
+    head = OutputHead(w, shortlist=True, kern=default_kernels())
     if vnni and head.kern is None:
         pytest.skip("the VNNI head pass is not built here (needs AVX512-VNNI)")
     if not vnni:
