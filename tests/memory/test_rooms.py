@@ -55,3 +55,43 @@ def test_the_rules_see_a_planted_import(tmp_path: Path) -> None:
                  "def g():\n    import radixserve.model.loader\n")
     assert "radixserve.engine.slot" in imports(f)
     assert "radixserve.model.loader" in imports(f)
+
+
+def pool_names() -> set[str]:
+    """The names that are the device memory's insides: every class pool/ and layout.py define
+    but the exceptions (OutOfCells is what the front door hands the engine to catch)."""
+    names = set()
+    for p in [*(PKG / "memory" / "pool").glob("*.py"), PKG / "memory" / "layout.py"]:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef) and not any(
+                    getattr(b, "id", "").endswith("Error") for b in node.bases):
+                names.add(node.name)
+    return names
+
+
+def pool_reach(found: dict[str, list[str]], names: set[str]) -> dict[str, list[str]]:
+    """Per file, the imports that reach into the pool: a module of memory/pool/, or a pool or
+    layout class by name from anywhere."""
+    bad = {f: sorted({m for m in mods if m.startswith("radixserve.memory.pool")
+                      or m.rsplit(".", 1)[-1] in names})
+           for f, mods in found.items()}
+    return {f: m for f, m in bad.items() if m}
+
+
+def test_engine_reaches_the_pool_only_through_the_front_door(tmp_path: Path) -> None:
+    """engine/ builds, holds and attaches to a pool through memory/front.py and the manager:
+    no module of memory/pool/ and no pool or layout class is imported there (so what kind of
+    memory a model has is asked of its layout, never tested by class). The rule fires on a
+    planted import."""
+    names = pool_names()
+    assert {"KVPool", "SWAPool", "ConvPool", "DraftRows", "MemoryLayout"} <= names
+    assert "OutOfCells" not in names
+    assert pool_reach(room_imports("engine"), names) == {}
+    planted = tmp_path / "x.py"
+    planted.write_text("def g():\n    from radixserve.memory.pool.swa import SWAPool\n"
+                       "import radixserve.memory.pool.factory\n")
+    assert pool_reach({"x.py": imports(planted)}, names) == {"x.py": [
+        "radixserve.memory.pool.factory", "radixserve.memory.pool.swa",
+        "radixserve.memory.pool.swa.SWAPool"]}
+    assert pool_reach({"y.py": ["radixserve.memory.front.KVPool"]}, names) == {
+        "y.py": ["radixserve.memory.front.KVPool"]}
