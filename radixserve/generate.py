@@ -7,7 +7,8 @@ import sys
 import time
 from collections.abc import Iterator
 
-from radixserve.engine.batch import BatchSeq, hidden, model_pool
+from radixserve.engine.batch import BatchSeq, hidden
+from radixserve.engine.build import model_pool
 from radixserve.engine.task import Timings
 from radixserve.model.loader import Model
 from radixserve.sampling.chain import Sampler, SamplingParams

@@ -19,8 +19,9 @@ from dataclasses import replace
 import psutil
 import torch
 
-from radixserve.engine.batch import BatchSeq, hidden, model_pool
-from radixserve.memory.pool.pool import KVPool
+from radixserve.engine.batch import BatchSeq, hidden
+from radixserve.engine.build import model_pool
+from radixserve.memory.front import Pool
 from radixserve.model.device import device_name, resolve_device
 from radixserve.model.forward import Transformer
 from radixserve.model.head import RowNeed
@@ -29,7 +30,7 @@ from radixserve.model.kernels import variant_name
 from radixserve.model.loader import Model, load_model, resolve_dtype, resolve_weights
 
 
-def _pool(model: Model, n_cells: int, n_seq: int) -> KVPool:
+def _pool(model: Model, n_cells: int, n_seq: int) -> Pool:
     return model_pool(model, n_cells, n_seq, False, 512 * n_seq)
 
 

@@ -80,12 +80,13 @@ import torch
 from radixserve.memory.key import PromptKey
 from radixserve.memory.tiers.base import PromptCache
 from radixserve.memory.seq_kv import SlotKV
+from radixserve.memory.front import KVTypes, build_pool
 from radixserve.memory.pool.pool import KVPool
-from radixserve.memory.pool.swa import make_pool as swa_make_pool
 from radixserve.model.default_model import default_model_path
 from radixserve.model.forward import Transformer
 from radixserve.model.arch import read_hparams
 from radixserve.model.loader import Model, load_model
+from radixserve.model.memory_layout import memory_layout
 from radixserve.model.weights import load_weights
 from radixserve.text.chat_template import ChatTemplate
 from radixserve.text.tokenizer import Tokenizer
@@ -140,10 +141,16 @@ def make_pool(tr: Transformer, n_cells: int = 256, n_seq: int = 4, unified: bool
               n_step: int = 256, swa_full: bool = False) -> KVPool:
     """The pool the engine would make for `tr` (a sliding-window pool for gemma3, with room for
     `n_step` new tokens a forward)."""
-    hp = tr.hp
-    return swa_make_pool(hp.n_layer, hp.swa_layers, hp.n_swa, swa_full, hp.n_head_kv,
-                         hp.head_dim, n_cells, n_seq, unified, tr.dtype, tr.rope.rotate,
-                         tr.rope_swa.rotate, n_step)
+    return build_pool(memory_layout(tr.hp), n_cells, n_seq, unified, tr.dtype, tr.rope.rotate,
+                      tr.rope_swa.rotate, n_step, swa_full=swa_full)
+
+
+def model_pool(m: Model, n_cells: int, n_seq: int, unified: bool, n_step: int,
+               swa_full: bool = False, types: KVTypes | None = None) -> KVPool:
+    """The pool the engine makes for a loaded model (engine/build.py's `model_pool`), through
+    the memory front door."""
+    return build_pool(m.layout, n_cells, n_seq, unified, m.dtype, m.rope.rotate,
+                      m.rope_swa.rotate, n_step, m.device, types, swa_full)
 
 
 def restore(cache: PromptCache, pool: KVPool, seq: int, slot_tokens: list[int],

@@ -88,7 +88,8 @@ def reference(path: str, ids: list[int]) -> torch.Tensor:
 def ours(model, ids: list[int]) -> torch.Tensor:
     """This checkout's log-probabilities [n, vocab]: the model as the server loads it (bf16,
     native weights), every position's logits from one prefill."""
-    from radixserve.engine.batch import BatchSeq, forward, model_pool
+    from radixserve.engine.batch import BatchSeq, forward
+    from radixserve.engine.build import model_pool
 
     n = len(ids) - 1
     pool = model_pool(model, n + 1, 1, True, n)

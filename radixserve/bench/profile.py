@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=1600, help="prompt tokens")
     ap.add_argument("--chunk", type=int, default=512, help="tokens a forward")
     args = ap.parse_args(argv)
-    from radixserve.engine.batch import BatchSeq, hidden, model_pool
+    from radixserve.engine.batch import BatchSeq, hidden
+    from radixserve.engine.build import model_pool
     from radixserve.model.kernel_config import KernelConfig
     from radixserve.model.loader import load_model
 

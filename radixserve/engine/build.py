@@ -11,16 +11,13 @@ from __future__ import annotations
 import logging
 
 from radixserve.config import POOLINGS, ServerConfig
-from radixserve.engine.batch import model_pool
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.slot import Slot
 from radixserve.engine.speculative import Speculator, check_draft, load_draft
 from radixserve.memory.host_tier import HostTier
+from radixserve.memory.front import KVTypes, Pool, build_pool, fingerprint_of, resolve_kv_types
 from radixserve.memory.manager import MemoryManager
-from radixserve.memory.pool import kv_types
-from radixserve.memory.pool.state import fingerprint_of
-from radixserve.memory.pool.swa import SWAPool
 from radixserve.memory.seq_kv import SlotKV
 from radixserve.memory.tiers.base import PromptCache
 from radixserve.model.loader import Model
@@ -47,6 +44,15 @@ def slot_layout(cfg: ServerConfig, n_ctx_train: int) -> tuple[int, int, bool, in
     return n_slots, n_ctx, unified, n_slot
 
 
+def model_pool(model: Model, n_cells: int, n_seq: int, unified: bool, n_step: int,
+               swa_full: bool = False, types: KVTypes | None = None) -> Pool:
+    """The pool a loaded model needs, built from its declared layout; `n_step`: the most new
+    tokens one forward holds; `types`: the K and V cache types (`-ctk` / `-ctv`; None: the
+    compute dtype)."""
+    return build_pool(model.layout, n_cells, n_seq, unified, model.dtype, model.rope.rotate,
+                      model.rope_swa.rotate, n_step, model.device, types, swa_full)
+
+
 def build_scheduler(model: Model, cfg: ServerConfig, metrics: ServerMetrics,
                     cache: PromptCache | None = None, draft: Model | None = None) -> Scheduler:
     """`cache`: a host cache to use instead of the one `cfg` describes (tests inject faults
@@ -60,16 +66,16 @@ def build_scheduler(model: Model, cfg: ServerConfig, metrics: ServerMetrics,
     n_slots, n_cells, unified, n_ctx_slot = slot_layout(cfg, hp.n_ctx_train)
     n_budget = max(1, min(cfg.batch_size, cfg.ubatch_size))
     pool = model_pool(model, n_cells, n_slots, unified, n_budget, cfg.swa_full,
-                      kv_types.resolve(cfg.cache_type_k, cfg.cache_type_v, model.dtype))
-    swa = pool if isinstance(pool, SWAPool) else None
+                      resolve_kv_types(cfg.cache_type_k, cfg.cache_type_v, model.dtype))
+    layout = pool.layout  # as held (--swa-full: no window)
     fp = fingerprint_of(pool, hp.arch)
-    n_ckpt = cfg.ctx_checkpoints if swa is not None else 0
-    if hp.recurrent and cfg.context_shift:  # llama-server's words where memory cannot shift
+    n_ckpt = cfg.ctx_checkpoints if layout.needs_checkpoints else 0
+    if not layout.can_shift and cfg.context_shift:  # llama-server's words where it cannot shift
         log.warning("context shift is not supported by this model (%d recurrent layers: a "
                     "state exists only at the positions it was computed at), disabling",
-                    hp.n_layer_conv)
+                    layout.n_conv)
     slots = [Slot(SlotKV(pool, i, fp, n_ckpt, cfg.checkpoint_min_step), n_ctx_slot,
-                  cfg.context_shift and not hp.recurrent) for i in range(n_slots)]
+                  cfg.context_shift and layout.can_shift) for i in range(n_slots)]
     spec = None
     if cfg.spec.enabled:
         if draft is None:
@@ -84,23 +90,23 @@ def build_scheduler(model: Model, cfg: ServerConfig, metrics: ServerMetrics,
             s.kv.sync_draft = spec.sync
     models = (model,) if draft is None else (model, draft)
     host = HostTier(cfg, pool, hp.arch, cache, models)
-    no_shift = swa is not None or model.deterministic
+    no_shift = not layout.shifts_chunks or model.deterministic
     if no_shift and cfg.cache_reuse > 0:
-        why = ("the model's recurrent layers keep no state to shift" if hp.recurrent else
-               "the sliding window keeps no KV to shift" if swa is not None else
+        why = ("the model's recurrent layers keep no state to shift" if not layout.can_shift
+               else "the sliding window keeps no KV to shift" if layout.window else
                "shifted chunks keep KV computed for other text, so deterministic mode never "
                "shifts them (--deterministic off to allow it)")
         log.warning("--cache-reuse %d: %s", cfg.cache_reuse, why)
     mem = MemoryManager(cfg, pool, slots, host, model.tokenizer, hp.arch, no_shift=no_shift)
     log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = %s",
              n_slots, n_ctx_slot, unified)
-    if hp.recurrent:
+    if not layout.can_shift:
         log.info("recurrent layers: %d short convolutions (state: the last %d input rows, "
                  "%d window cells), snapshots as context checkpoints, max = %d, min spacing = %d",
-                 hp.n_layer_conv, hp.l_cache - 1, swa.swa.n_cells if swa else 0, n_ckpt,
+                 layout.n_conv, layout.state_per_sequence, pool.window_cells, n_ckpt,
                  cfg.checkpoint_min_step)
-    elif swa is not None:
+    elif layout.window:
         log.info("sliding window %d: %d sliding-layer cells, context checkpoints enabled, "
-                 "max = %d, min spacing = %d", swa.n_swa, swa.swa.n_cells, n_ckpt,
+                 "max = %d, min spacing = %d", layout.window, pool.window_cells, n_ckpt,
                  cfg.checkpoint_min_step)
     return Scheduler(model, cfg, metrics, mem, slots, spec, n_ctx_slot, n_budget)

@@ -317,7 +317,7 @@ class Engine:
         model = dataclasses.replace(loaded, tokenizer=self.model.tokenizer,
                                     chat_template=self.model.chat_template)
         sched = build_scheduler(model, self.cfg, self.metrics, a.cache)
-        sched.mem.host.misses = a.misses
+        sched.mem.carry_misses(a.misses)
         sched.mem.set_disk_wake(lambda: self._post(Wake()))
         self.model, self.scheduler, self._asleep = model, sched, None
         log.info("model reloaded after sleeping in %.2f s", time.perf_counter() - t0)
@@ -355,12 +355,12 @@ class Engine:
         return await self.call(lambda: any(not s.is_processing for s in self.scheduler.slots))
 
     async def cache_stats(self) -> dict[str, float]:
-        return await self.call(self.scheduler.mem.cache.stats)
+        return await self.call(self.scheduler.mem.cache_stats)
 
     async def scrape(self) -> tuple[ServerMetrics, dict[str, float]]:
         def scrape() -> tuple[ServerMetrics, dict[str, float]]:
             self.metrics.tiers = self.scheduler.mem.tier_figures()
-            return self.metrics.scrape(), self.scheduler.mem.cache.stats()
+            return self.metrics.scrape(), self.scheduler.mem.cache_stats()
 
         return await self.call(scrape)
 
@@ -381,12 +381,8 @@ class Engine:
 def _keep_host_cache(sched: Scheduler) -> Asleep:
     """Before the scheduler goes: every slot's KV offered to the host cache (what it does not
     already hold, within --cache-ram), then what a sleeping engine keeps."""
-    mem = sched.mem
-    for slot in sched.slots:
-        if len(slot.kv):
-            mem.host.offer(slot)
-    mem.host.cache.update()
-    return Asleep(mem.host.cache, sched.n_ctx_slot, len(sched.slots), mem.host.misses)
+    cache, misses = sched.mem.keep_host()
+    return Asleep(cache, sched.n_ctx_slot, len(sched.slots), misses)
 
 
 def _deliver(items: list[tuple[TaskStream, Any]]) -> None:  # event loop

@@ -30,11 +30,9 @@ from radixserve.engine.batch import seq_step
 from radixserve.engine.counters import ServerMetrics
 from radixserve.engine.ngram import NgramMod, ngram_simple_draft
 from radixserve.engine.slot import Slot
+from radixserve.memory.front import OutOfCells, Pool, attach_draft, resolve_kv_types
 from radixserve.memory.seq_kv import SlotKV
-from radixserve.memory.pool.draft import attach_draft
-from radixserve.memory.pool.pool import KVPool, OutOfCells
 from radixserve.model.default_model import resolve_model_path
-from radixserve.memory.pool import kv_types
 from radixserve.model.forward import SeqStep
 from radixserve.model.loader import Model, load_model
 from radixserve.sampling.chain import sample_batch
@@ -68,10 +66,10 @@ def check_draft(target: Model, draft: Model, path: str = "") -> None:
     (its conv rows kept a cell, never rotated) needs a target that refuses context shifts (a
     recurrent one); and it must share the target's vocabulary."""
     for m in (target, draft):
-        if any(m.hp.swa_layers):
+        if m.layout.n_sliding:
             raise ValueError("draft-simple: models with sliding-window layers (as target or "
                              "draft) are not supported; use ngram-simple or ngram-mod")
-    if draft.hp.recurrent and not target.hp.recurrent:
+    if not draft.layout.can_shift and target.layout.can_shift:
         raise ValueError("draft-simple: a draft model with recurrent (short-convolution) "
                          "layers needs a recurrent target: its state cannot follow the "
                          "target's context shift; use ngram-simple or ngram-mod")
@@ -95,18 +93,14 @@ class _Job:
 
 
 class Speculator:
-    def __init__(self, cfg: SpecConfig, pool: KVPool, n_seq: int, n_budget: int,
+    def __init__(self, cfg: SpecConfig, pool: Pool, n_seq: int, n_budget: int,
                  draft: Model | None = None) -> None:
         self.cfg, self.pool, self.n_budget = cfg, pool, n_budget
         self.draft = draft
-        if draft is not None:
-            hp = draft.hp
-            rows = attach_draft(pool, hp.n_layer - hp.n_layer_conv, hp.n_head_kv, hp.head_dim,
-                                draft.dtype, draft.rope.rotate, hp.arch,
-                                kv_types.resolve(cfg.cache_type_k, cfg.cache_type_v,
-                                                 draft.dtype))
-            if hp.n_layer_conv:
-                rows.add_conv(hp.n_layer_conv, hp.n_embd, hp.arch)
+        # the draft's rows in the target's cells, as its layout needs them
+        self.rows = None if draft is None else attach_draft(
+            pool, draft.layout, draft.dtype, draft.rope.rotate, draft.hp.arch,
+            resolve_kv_types(cfg.cache_type_k, cfg.cache_type_v, draft.dtype))
         self.mod = NgramMod(cfg.ngram_mod_n_match, cfg.ngram_mod_n_min, cfg.ngram_mod_n_max,
                             n_seq) if "ngram-mod" in cfg.types else None
 
@@ -239,12 +233,13 @@ class Speculator:
         """The draft's forward over `steps` (the target's cells and views); a recurrent
         draft's conv layers read their rows in the same cells, so each step's window is its
         own view of the sequence."""
-        d = self.pool.draft
+        d = self.rows
         assert self.draft is not None and d is not None
-        if d.conv is None:
-            return self.draft.transformer.hidden(d.k, d.v, steps, types=d.types)
+        k, v, conv_k, conv_v = d.caches()
+        if conv_k is None:
+            return self.draft.transformer.hidden(k, v, steps, types=d.types)
         own = [dataclasses.replace(b, swa=dataclasses.replace(b, swa=None)) for b in steps]
-        return self.draft.transformer.hidden(d.k, d.v, own, d.conv.k, d.conv.v, types=d.types)
+        return self.draft.transformer.hidden(k, v, own, conv_k, conv_v, types=d.types)
 
     # -- keeping the draft rows in step --------------------------------------------------------
     def follow(self, steps: list[tuple[SlotKV, SeqStep]]) -> None:

@@ -25,7 +25,6 @@ from radixserve.memory.holders import Holder, Request
 from radixserve.memory.host_tier import HostTier
 from radixserve.memory.miss_report import Reuse
 from radixserve.memory.pool.pool import KVPool, OutOfCells
-from radixserve.memory.pool.swa import SWAPool
 from radixserve.memory.prefix_plan import (PrefixPlan, choose_slot, pending_prefill,
                                            salted_lcp, take_prefix)
 from radixserve.memory.slot_files import slot_action
@@ -44,7 +43,6 @@ class MemoryManager:
         text), so `--cache-reuse` is off."""
         self.cfg, self.pool, self.slots, self.host, self.tok = cfg, pool, slots, host, tok
         self.arch = arch
-        self.swa = pool if isinstance(pool, SWAPool) else None
         self.no_shift = no_shift
         # the disk tier under the host cache: tasks wait (unslotted) while their blocks load
         self.disk: DiskTierCache | None = host.cache.disk_tier()
@@ -56,6 +54,25 @@ class MemoryManager:
     def cache(self) -> PromptCache:
         """The host cache backend (for its figures: stats(), name)."""
         return self.host.cache
+
+    def cache_stats(self) -> dict[str, float]:
+        """The host cache's figures (one set of names for every backend)."""
+        return self.host.cache.stats()
+
+    # -- sleep: the device memory goes, the host tier stays ----------------------------------
+    def keep_host(self) -> tuple[PromptCache, int]:
+        """Before the pool and the slots go: every slot's KV offered to the host cache (what
+        it does not already hold, within --cache-ram). Returns the cache and its miss count,
+        for the manager built on waking (`carry_misses`)."""
+        for slot in self.slots:
+            if len(slot.kv):
+                self.host.offer(slot)
+        self.host.cache.update()
+        return self.host.cache, self.host.misses
+
+    def carry_misses(self, n: int) -> None:
+        """Go on counting host-cache misses from a previous manager's `n`."""
+        self.host.misses = n
 
     # -- admission ---------------------------------------------------------------------------
     def must_wait(self, task: Request) -> bool:
@@ -109,7 +126,7 @@ class MemoryManager:
         plan = take_prefix(slot, key, self.slots, host, task.cache_prompt, n_reuse, prefer)
         slot.kv.slot_only = slot_only
         why = miss_report.report(held, plan, key.tokens, from_disk, self.tok,
-                                 windowed=self.swa is not None and task.cache_prompt)
+                                 windowed=self.pool.layout.window > 0 and task.cache_prompt)
         if loads is not None and host is not None and host.stats()["loads"] == loads:
             self.host.misses += 1
         if update_cache:
@@ -224,7 +241,7 @@ class MemoryManager:
         """A step of `slot` is committed: a sliding window drops the KV no later token reads,
         first saving into a write-through host tier (radix) what it lacks."""
         kv = slot.kv
-        if kv.swa is None:
+        if not self.pool.layout.window:
             return
         if (kv.window_unsaved() and self.host.cache.load_always and cache_prompt
                 and kv.reusable):
@@ -287,7 +304,7 @@ class MemoryManager:
 
     def checkpoints(self) -> tuple[int, int]:
         """Context checkpoints the slots keep: (count, bytes)."""
-        if self.swa is None:
+        if not self.pool.layout.needs_checkpoints:
             return 0, 0
         return (sum(len(s.kv.checkpoints) for s in self.slots),
                 sum(s.kv.checkpoint_bytes for s in self.slots))

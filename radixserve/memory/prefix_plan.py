@@ -226,7 +226,7 @@ def apply_plan(kv: SlotKV, plan: PrefixPlan, key: PromptKey, host: PromptCache |
         log.info("slot %d: sharing %d prompt tokens with slot %d", kv.seq, plan.n_prefix,
                  plan.donor.id)
         return True
-    if kv.swa is not None:  # no chunks to shift: the window (or a checkpoint) and the prefix
+    if kv.pool.layout.needs_checkpoints:  # no chunks to shift: the window (or a checkpoint)
         return kv.keep_prefix(plan.n_prefix, plan.checkpoint)
     return kv.shift_chunks(key.tokens, plan.n_prefix, plan.chunks)
 

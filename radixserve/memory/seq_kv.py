@@ -26,10 +26,11 @@ shift on; `save_to` refuses it, `share_from` refuses it as a donor (the prefix p
 offer it), and the scheduler drops it when the task ends (so no later request, host-cache save,
 idle-slot save or slot file ever sees it). `drop` makes the slot reusable again.
 
-Sliding-window models (pool/swa.py): the sliding layers hold only the last n_swa positions, so a
-prefix of the tokens is usable only while the window still holds the keys its next token reads
-(`usable_prefix`), else from a context checkpoint (checkpoint.py) this object keeps with the
-tokens: taken before prompt chunks (`take_checkpoint`, llama.cpp's create_checkpoint rules),
+Windowed layouts (the pool's `layout.window` > 0: a sliding window, pool/swa.py; a short
+convolution's state rows, pool/conv.py; reached through `pool.windowed`): the window part holds
+only a sequence's last positions, so a prefix of the tokens is usable only while the window
+still holds the rows its next token reads (`usable_prefix`), else from a context checkpoint
+(checkpoint.py) this object keeps with the tokens: taken before prompt chunks (`take_checkpoint`, llama.cpp's create_checkpoint rules),
 restored when a new prompt diverges where the window has gone (`keep_prefix`), and carried with
 the tokens into the host cache and slot files.
 
@@ -54,7 +55,6 @@ from radixserve.memory.key import PromptKey
 from radixserve.memory.pool.pool import KVPool, OutOfCells
 from radixserve.memory.pool.state import (Fingerprint, StateError, get_swa_state, parse_swa_state,
                                   set_draft_state, set_swa_state)
-from radixserve.memory.pool.swa import SWAPool, alloc_step
 
 MiB = 1024 * 1024
 
@@ -65,7 +65,7 @@ class SlotKV:
     def __init__(self, pool: KVPool, seq: int, fp: Fingerprint | None = None,
                  n_checkpoints: int = 0, checkpoint_min_step: int = 0) -> None:
         """`fp` (the pool's fingerprint) and `n_checkpoints` > 0: take context checkpoints
-        (a sliding-window pool only), at most that many, `checkpoint_min_step` tokens apart."""
+        (a layout that needs them), at most that many, `checkpoint_min_step` tokens apart."""
         self.pool, self.seq = pool, seq
         self._tokens: list[int] = []
         self._ahead: list[tuple[int, list[int]]] = []  # (pos0, tokens), ascending, past tokens
@@ -75,9 +75,10 @@ class SlotKV:
         # keeps embeddings out of its prompt cache (a bulk embedding job would wash out the
         # chat prefixes); the slot itself still serves it. Reset by the next task's claim
         self.slot_only = False
-        self.swa = pool if isinstance(pool, SWAPool) else None
+        self.swa = pool.windowed  # the window's operations (None: every position is kept)
         self.fp = fp
-        self.n_checkpoints = n_checkpoints if self.swa is not None and fp is not None else 0
+        self.n_checkpoints = (n_checkpoints if pool.layout.needs_checkpoints and fp is not None
+                              else 0)
         self.checkpoint_min_step = checkpoint_min_step
         self.checkpoints: list[Checkpoint] = []  # oldest first
         self.saved_upto = 0  # tokens a write-through host tier holds (memory/pool/swa.py, radix)
@@ -174,8 +175,7 @@ class SlotKV:
     # -- sliding window: which prefix is usable, checkpoints -------------------------------------
     def _window_holds(self, pos_min: int, n: int) -> bool:
         """Sliding KV starting at `pos_min` has every key the token at position n reads."""
-        assert self.swa is not None
-        return 0 <= pos_min <= max(0, n - self.swa.n_swa + 1)
+        return 0 <= pos_min <= max(0, n - self.pool.layout.window + 1)
 
     def usable_prefix(self, n: int) -> tuple[int, Checkpoint | None]:
         """How much of the first `n` tokens can be kept as KV for a prompt that continues with
@@ -255,7 +255,7 @@ class SlotKV:
                         "n_tokens = %d, size = %.3f MiB)", self.seq, c.pos_min, c.pos_max,
                         c.n_tokens, c.size / MiB)
         cks = [c for c in cks if c.n_tokens != n]
-        ck = Checkpoint(n, self.swa.snapshot_from(self.seq), self.swa.seq_pos_max(self.seq),
+        ck = Checkpoint(n, self.swa.snapshot_from(self.seq), self.pool.seq_pos_max(self.seq),
                         seal(get_swa_state(self.swa, self.seq, self.fp)), id_task=id_task)
         cks.append(ck)
         self.checkpoints = cks
@@ -428,7 +428,7 @@ class SlotKV:
     # -- a forward's cells ---------------------------------------------------------------------
     def reserve(self, pos0: int, n: int) -> list[int]:
         """Cells for `n` new tokens at pos0.. (OutOfCells, nothing taken, when there is no room)."""
-        return alloc_step(self.pool, self.seq, list(range(pos0, pos0 + n)))
+        return self.pool.alloc_step(self.seq, list(range(pos0, pos0 + n)))
 
     def commit(self, pos0: int, tokens: list[int]) -> None:
         """The forward wrote the reserved cells of `tokens` at pos0..: they are held now."""

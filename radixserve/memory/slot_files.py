@@ -31,7 +31,6 @@ from radixserve.memory.pool.state import (
     get_state,
     parse_pool_state,
 )
-from radixserve.memory.pool.swa import SWAPool
 
 if TYPE_CHECKING:
     from radixserve.config import ServerConfig
@@ -152,7 +151,7 @@ def _restore(mem: SlotFileHost, slot: Holder, filename: str, path: str) -> dict[
     if any(not 0 <= t < n_vocab for t in sf.tokens):
         raise fail("Invalid tokens in slot save file")
     fp = fingerprint_of(pool, mem.arch)
-    swa = pool if isinstance(pool, SWAPool) else None
+    swa = pool.windowed
     try:
         st = parse_pool_state(pool, sf.state, fp)
     except StateError as e:
@@ -174,14 +173,15 @@ def _restore(mem: SlotFileHost, slot: Holder, filename: str, path: str) -> dict[
     if (sf.draft or sf.speculative) and pool.draft is None:
         log.info("slot %d: the draft state in %r is not used (no draft model here)", seq,
                  filename)
-    if sf.checkpoints and swa is None:
+    if sf.checkpoints and not pool.layout.needs_checkpoints:
         log.info("slot %d: %d checkpoints in %r are not used (the model has no sliding "
                  "window)", seq, len(sf.checkpoints), filename)
     mem.offer_before_drop(slot)  # what the slot held stays reusable from the tree
     # the restored KV is back in the cache namespace it was saved from (the file's
     # `cache_salt`; "" for a version-1 file): it serves requests of that salt and no other
     slot.kv.load_rows(list(sf.tokens), st.k, st.v, window,
-                      sf.checkpoints if swa is not None else (), draft=sf.draft, salt=sf.salt)
+                      sf.checkpoints if pool.layout.needs_checkpoints else (), draft=sf.draft,
+                      salt=sf.salt)
     n_read = main_size(sf)  # as llama-server: the bytes its state loader consumed
     ms = (time.perf_counter() - t0) * 1e3
     log.info("slot %d: restored %d tokens from %r (%.1f ms)", seq, n, filename, ms)

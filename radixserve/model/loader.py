@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.memory.layout import MemoryLayout
 from radixserve.model.default_model import resolve_model_path
 from radixserve.model.device import DeviceError, device_name, resolve_device
 from radixserve.model.forward import Transformer
@@ -18,6 +19,7 @@ from radixserve.model.arch import read_hparams
 from radixserve.model.hparams import HParams
 from radixserve.model.kernel_config import KernelConfig
 from radixserve.model.kernels import Kernels
+from radixserve.model.memory_layout import memory_layout
 from radixserve.model.rope import Rope
 from radixserve.model.weights import load_weights, place
 from radixserve.text.chat_template import ChatTemplate
@@ -110,6 +112,11 @@ class Model:
         """The sliding layers' RoPE (their own base): what re-rotates their cache on a K-shift;
         the same object as `rope` for models without sliding layers."""
         return self.transformer.rope_swa
+
+    @property
+    def layout(self) -> MemoryLayout:
+        """What its sequences need kept (memory/layout.py): every pool is built from it."""
+        return memory_layout(self.hp)
 
     @property
     def name(self) -> str:

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from radixserve.bench.synth_model import SHAPES, main, write
-from radixserve.engine.batch import BatchSeq, hidden, model_pool
+from radixserve.engine.batch import BatchSeq, hidden
 from radixserve.model.loader import load_model
+from tests.conftest import model_pool
 
 SHAPE = SHAPES["llama-tiny"]
 

@@ -32,6 +32,7 @@ from radixserve.memory.tiers.prefix import common_prefix
 from radixserve.memory.tiers.disk import DiskTier
 from radixserve.memory.tiers.legacy import LegacyPromptCache
 from radixserve.memory.tiers.radix import RadixPromptCache
+from radixserve.memory.layout import FULL, MemoryLayout
 from radixserve.memory.seq_kv import SlotKV
 from radixserve.memory.pool.draft import attach_draft
 from radixserve.memory.pool.pool import KVPool, OutOfCells
@@ -282,7 +283,7 @@ def new_pool(kind: str, tr: Transformer, swa_tr: Transformer) -> KVPool:
         return make_pool(swa_tr, n_cells=96, n_seq=N_SEQ)
     assert kind == "draft"
     pool = make_pool(tr, n_cells=96, n_seq=N_SEQ)
-    attach_draft(pool, 1, 1, 8, torch.float32, tr.rope.rotate, "tiny-draft")
+    attach_draft(pool, MemoryLayout(1, 8, (FULL,)), torch.float32, tr.rope.rotate, "tiny-draft")
     return pool
 
 
@@ -480,7 +481,8 @@ def test_legacy_restore_is_take_and_delete_with_its_draft(tiny_tr: Transformer) 
     """Legacy: the entry leaves the cache only once written; a draft part that does not load
     fails the whole restore (the slot emptied, counted) and the entry stays."""
     pool = make_pool(tiny_tr, n_cells=96, n_seq=2)
-    attach_draft(pool, 1, 1, 8, torch.float32, tiny_tr.rope.rotate, "tiny-draft")
+    attach_draft(pool, MemoryLayout(1, 8, (FULL,)), torch.float32, tiny_tr.rope.rotate,
+                 "tiny-draft")
     cache = LegacyPromptCache(0, pool.n_cells, fingerprint_of(pool, tiny_tr.hp.arch))
     guard = Guard(pool)
     watch_cache(cache, guard)

@@ -16,6 +16,7 @@ from radixserve.memory.pool.pool import KVPool
 from radixserve.memory.pool.state import (StateError, draft_state_size, fingerprint_of,
                                   get_draft_state, parse_draft_state, set_draft_state)
 from radixserve.model.forward import Transformer
+from radixserve.model.memory_layout import memory_layout
 from radixserve.memory.pool.kv_types import resolve
 from tests.conftest import make_pool, make_transformer, restore
 
@@ -33,8 +34,8 @@ def pool_with_draft(tr: Transformer, dtr: Transformer, draft_types: str = "", **
     """`draft_types`: the draft rows' cache type (-ctkd / -ctvd; "": the draft's dtype)."""
     pool = make_pool(tr, **kw)
     hp = dtr.hp
-    attach_draft(pool, hp.n_layer, hp.n_head_kv, hp.head_dim, dtr.dtype, dtr.rope.rotate,
-                 hp.arch, resolve(draft_types, draft_types, dtr.dtype))
+    attach_draft(pool, memory_layout(hp), dtr.dtype, dtr.rope.rotate, hp.arch,
+                 resolve(draft_types, draft_types, dtr.dtype))
     return pool
 
 

@@ -17,7 +17,7 @@ from radixserve.memory.pool.state import (
     set_swa_state,
     state_size,
 )
-from radixserve.memory.pool.swa import SWAPool, alloc_step
+from radixserve.memory.pool.swa import SWAPool
 from radixserve.model.forward import Transformer
 from tests.conftest import make_pool, make_transformer
 
@@ -137,7 +137,7 @@ def test_fan_out_keeps_both_parts_in_step(swa_tr: Transformer):
     assert pool.swa.seq_positions(0) == list(range(24, 30))
     pool.seq_add(1, 0, 30, 5)
     assert pool.swa.seq_positions(1) == list(range(29, 35))
-    cells = alloc_step(pool, 2, [0, 1, 2])
+    cells = pool.alloc_step(2, [0, 1, 2])
     assert len(cells) == 3 and pool.swa.seq_positions(2) == [0, 1, 2]
     pool.check()
     pool.clear()

@@ -38,11 +38,13 @@ from radixserve.config import ServerConfig
 from radixserve.errors import TaskError
 from radixserve.memory.host_tier import HostTier
 from radixserve.memory.key import PromptKey
+from radixserve.memory.front import build_pool
+from radixserve.memory.layout import CONV, FULL, SLIDING, MemoryLayout
 from radixserve.memory.manager import MemoryManager
 from radixserve.memory.pool.draft import attach_draft
 from radixserve.memory.pool.pool import KVPool
 from radixserve.memory.pool.state import fingerprint_of
-from radixserve.memory.pool.swa import SWAPool, make_pool
+from radixserve.memory.pool.swa import SWAPool
 from radixserve.memory.prefix_plan import pending_prefill
 from radixserve.memory.seq_kv import SlotKV
 
@@ -157,12 +159,13 @@ class MemoryMachine(RuleBasedStateMachine):
                            cache_disk=f"{self.dir}/disk" if backend == "radix-disk" else "",
                            cache_disk_block=8, cache_idle_slots=idle_slots, ubatch_size=16,
                            batch_size=16, slot_save_path=self.dir)
-        swa = (True, False) if layout == "sliding" else (False, False)
-        pool = make_pool(N_LAYER, swa, N_SWA, False, HEADS, DIM, 192, N_SLOTS, unified,
-                         torch.float32, no_rotate, no_rotate, 16)
-        if layout == "draft":
-            attach_draft(pool, 1, HEADS, DIM, torch.float32, no_rotate, "fake").add_conv(
-                2, 2 * DIM, "fake")
+        kinds = ((SLIDING,) if layout == "sliding" else (FULL,)) + (FULL,) * (N_LAYER - 1)
+        pool = build_pool(MemoryLayout(HEADS, DIM, kinds, N_SWA if layout == "sliding" else 0),
+                          192, N_SLOTS, unified, torch.float32, no_rotate, no_rotate, 16)
+        if layout == "draft":  # one attention layer, two short convolutions 2 * DIM wide
+            attach_draft(pool, MemoryLayout(HEADS, DIM, (FULL, CONV, CONV), conv_rows=2,
+                                            conv_width=2 * DIM),
+                         torch.float32, no_rotate, "fake")
         fp = fingerprint_of(pool, "llama")
         n_ckpt = 3 if layout == "sliding" else 0
         n_ctx = 192 if unified else 192 // N_SLOTS

@@ -1,7 +1,8 @@
 """The rooms' import rules, read from the code itself: memory/ imports nothing of engine/,
 http/ or model/ (it receives what it needs as data and protocols); engine/ reaches the host and
 disk tiers only through the manager (the contract `tiers/base.py` aside, the type of a host
-cache a test injects); a model family module (model/arch/) imports nothing of engine/ or http/.
+cache a test injects) and the device pool only through the front door (memory/front.py, the
+manager); a model family module (model/arch/) imports nothing of engine/ or http/.
 
 The reader sees every import in a file (TYPE_CHECKING blocks and function bodies included),
 resolves relative ones against the file's package (`from ..engine import x` in memory/a.py is
@@ -34,7 +35,7 @@ RULES = {
     "engine-tiers": Rule("engine", ("radixserve.memory.tiers",),
                          ("radixserve.memory.tiers.base",)),  # the contract: what a cache is
     "arch": Rule("model/arch", ("radixserve.engine", "radixserve.http")),
-    # "engine-pool": Rule("engine", ("radixserve.memory.pool",)),  # once the pool leaves engine/
+    "engine-pool": Rule("engine", ("radixserve.memory.pool",)),  # the front door: memory/front.py
 }
 
 
@@ -94,7 +95,7 @@ def test_engine_reaches_no_tier_but_through_the_manager() -> None:
 
 
 def test_a_model_family_module_imports_no_engine_or_http() -> None:
-    """Whatever model/arch/ holds (nothing yet is fine: the plant below shows the rule reads)."""
+    assert len(room_files("model/arch")) >= 4  # the registry, the base and the families
     assert breaches(RULES["arch"]) == {}
 
 
@@ -114,13 +115,18 @@ def test_a_model_family_module_imports_no_engine_or_http() -> None:
      "radixserve.memory.tiers.radix"),
     ("engine-tiers", "engine/x.py", "from ..memory.tiers.disk import DiskTier\n",
      "radixserve.memory.tiers.disk.DiskTier"),
+    ("engine-pool", "engine/x.py", "from ..memory.pool.swa import SWAPool\n",
+     "radixserve.memory.pool.swa.SWAPool"),
+    ("engine-pool", "engine/x.py", "from radixserve.memory import pool\n",
+     "radixserve.memory.pool"),
     ("arch", "model/arch/x.py", "from ...engine.batch import forward\n",
      "radixserve.engine.batch.forward"),
     ("arch", "model/arch/x.py", "from radixserve import http\n", "radixserve.http"),
     ("arch", "model/arch/x.py", "import radixserve.engine.scheduler as s\n",
      "radixserve.engine.scheduler"),
 ], ids=["type-checking", "function-body", "relative", "relative-init", "package",
-        "tiers-package", "tier-module", "tier-relative", "arch-relative", "arch-package",
+        "tiers-package", "tier-module", "tier-relative", "pool-relative", "pool-package",
+        "arch-relative", "arch-package",
         "arch-absolute"])
 def test_each_rule_fires_on_a_planted_import(tmp_path: Path, rule: str, room: str, text: str,
                                              found: str) -> None:
@@ -148,3 +154,44 @@ def test_the_exceptions_and_neighbours_pass(tmp_path: Path) -> None:
     assert breaches(RULES["memory"], pkg) == {}
     assert imports(pkg / "memory" / "x.py", "radixserve.memory.x") == [
         "radixserve.memory.tiers.radix", "radixserve.modelx"]
+
+
+def pool_names() -> set[str]:
+    """The names that are the device memory's insides: every class pool/ and layout.py define
+    but the exceptions (OutOfCells is what the front door hands the engine to catch)."""
+    names = set()
+    for p in [*(PKG / "memory" / "pool").glob("*.py"), PKG / "memory" / "layout.py"]:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef) and not any(
+                    getattr(b, "id", "").endswith("Error") for b in node.bases):
+                names.add(node.name)
+    return names
+
+
+def pool_reach(found: dict[str, list[str]], names: set[str]) -> dict[str, list[str]]:
+    """Per file, the imports that reach into the pool: a module of memory/pool/, or a pool or
+    layout class by name from anywhere."""
+    bad = {f: sorted({m for m in mods if m.startswith("radixserve.memory.pool")
+                      or m.rsplit(".", 1)[-1] in names})
+           for f, mods in found.items()}
+    return {f: m for f, m in bad.items() if m}
+
+
+def test_engine_reaches_the_pool_only_through_the_front_door(tmp_path: Path) -> None:
+    """engine/ builds, holds and attaches to a pool through memory/front.py and the manager:
+    no module of memory/pool/ and no pool or layout class is imported there (so what kind of
+    memory a model has is asked of its layout, never tested by class). The rule fires on a
+    planted import."""
+    names = pool_names()
+    assert {"KVPool", "SWAPool", "ConvPool", "DraftRows", "MemoryLayout"} <= names
+    assert "OutOfCells" not in names
+    engine = {str(p.relative_to(PKG)): imports(p, module_name(p)) for p in room_files("engine")}
+    assert len(engine) >= 5 and pool_reach(engine, names) == {}
+    assert breaches(RULES["engine-pool"]) == {}
+    planted = tmp_path / "x.py"
+    planted.write_text("def g():\n    from radixserve.memory.pool.swa import SWAPool\n"
+                       "import radixserve.memory.pool.factory\n")
+    assert pool_reach({"x.py": imports(planted, "radixserve.engine.x")}, names) == {"x.py": [
+        "radixserve.memory.pool.factory", "radixserve.memory.pool.swa.SWAPool"]}
+    assert pool_reach({"y.py": ["radixserve.memory.front.KVPool"]}, names) == {
+        "y.py": ["radixserve.memory.front.KVPool"]}

@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.engine.batch import BatchSeq, hidden, model_pool
+from radixserve.engine.batch import BatchSeq, hidden
 from radixserve.memory.pool.pool import KVPool
 from radixserve.model.forward import Transformer
 from radixserve.model.head import RowNeed
 from radixserve.model.loader import Model, load_model
 from tests.model.kernel_variants import NO_KERNELS, VARIANTS, config_for, variant_kernels
+from tests.conftest import model_pool
 
 ENGLISH = ("The river rose through the night, and by morning the old bridge at the edge of "
            "town was under water. People gathered on the hill to watch, some with coffee, some "

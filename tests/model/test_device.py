@@ -32,7 +32,8 @@ from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.task import CompletionTask, FinalResult
 from radixserve.flags.spec import FlagError, FlagExit, parse
 from radixserve.flags.table import ALL_FLAGS as FLAGS
-from radixserve.memory.pool.swa import make_pool
+from radixserve.memory.front import build_pool
+from radixserve.model.memory_layout import memory_layout
 from radixserve.model import device as D
 from radixserve.model.forward import Transformer
 from radixserve.model.loader import load_model, resolve_weights
@@ -197,9 +198,8 @@ def test_forward_and_pool_run_on_the_model_device(which: str, default_path: str,
     n = hp.n_swa + 24 if hp.n_swa else 40  # the first prompt: past the window
     for types in (None, ("q8_0", "q8_0")) if hp.head_dim % 32 == 0 else (None,):
         kw = {} if types is None else {"types": _kv_types(types, tr.dtype)}
-        pool = make_pool(hp.n_layer, hp.swa_layers, hp.n_swa, False, hp.n_head_kv, hp.head_dim,
-                         n + 64, 2, True, tr.dtype, tr.rope.rotate, tr.rope_swa.rotate, n, META,
-                         **kw)
+        pool = build_pool(memory_layout(hp), n + 64, 2, True, tr.dtype, tr.rope.rotate,
+                          tr.rope_swa.rotate, n, META, **kw)
         assert pool.k.device == META
         with NamedDevices() as nd:
             h = hidden(tr, pool, [BatchSeq(0, list(range(5, 5 + n)), 0)])

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.engine.batch import BatchSeq, forward, model_pool
+from radixserve.engine.batch import BatchSeq, forward
 from radixserve.memory.pool.conv import ConvPool, ShiftRefused
 from radixserve.model.hparams import UnsupportedModelError
 from radixserve.model.loader import Model, load_model
@@ -23,6 +23,7 @@ from radixserve.model.short_conv import ShortConv
 from tests.model.kernel_variants import kern, threads  # noqa: F401 (fixtures)
 from tests.lfm2_hf import hf_lfm2_from_gguf
 from tests.tiny_gguf import write_tiny_gguf
+from tests.conftest import model_pool
 
 TOKENS = [(37 * i * i + 11 * i + 300) % 40000 + 200 for i in range(70)]
 

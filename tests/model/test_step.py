@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import radixserve.model.forward as fw
-from radixserve.engine.batch import BatchSeq, hidden, model_pool
+from radixserve.engine.batch import BatchSeq, hidden
 from radixserve.memory.pool.swa import SWAPool
 from radixserve.memory.pool import kv_types
 from radixserve.model import step as G
@@ -22,6 +22,7 @@ from radixserve.model.loader import load_model
 from radixserve.model.rope import Rope
 from tests.model.kernel_variants import config_for, kern, threads, variant  # noqa: F401
 from tests.tiny_gguf import write_tiny_gguf
+from tests.conftest import model_pool
 
 BF = torch.bfloat16
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.memory.layout import CONV, FULL, MemoryLayout
 from radixserve.memory.pool.kv_types import of_dtype
 from radixserve.memory.pool.pool import KVTypes, Rotate
 from radixserve.memory.pool.rows import RowSpec
@@ -57,16 +58,21 @@ class ConvPool(SWAPool):
     def __init__(self, n_layer_attn: int, n_layer_conv: int, n_head_kv: int, head_dim: int,
                  n_embd: int, l_cache: int, n_cells: int, n_seq: int, unified: bool,
                  dtype: torch.dtype, rotate: Rotate, n_step: int,
-                 device: str | torch.device = "cpu", types: KVTypes | None = None) -> None:
+                 device: str | torch.device = "cpu", types: KVTypes | None = None,
+                 layout: MemoryLayout | None = None) -> None:
         """`n_layer_attn` attention layers in `n_cells` cells; `n_layer_conv` short-convolution
-        layers of width `n_embd` and kernel length `l_cache` in their window part."""
+        layers of width `n_embd` and kernel length `l_cache` in their window part; `layout`:
+        as KVPool's (None: the attention layers, then the conv ones)."""
         if n_embd % 2:
             raise ValueError(f"a short convolution of odd width {n_embd}")
         exact = (of_dtype(dtype), of_dtype(dtype))
         super().__init__(n_layer_attn, n_layer_conv, n_head_kv, head_dim, n_cells, n_seq,
                          unified, dtype, rotate, _not_rotated, l_cache, n_step, device, types,
                          window_rows=(1, n_embd // 2), window_types=exact,
-                         n_keep=l_cache + PRUNE_SLACK)
+                         n_keep=l_cache + PRUNE_SLACK,
+                         layout=layout or MemoryLayout(
+                             n_head_kv, head_dim, (FULL,) * n_layer_attn + (CONV,) * n_layer_conv,
+                             conv_rows=l_cache - 1, conv_width=n_embd))
 
     # -- the window, pruned in runs --------------------------------------------------------
     def prune(self, seq: int) -> None:

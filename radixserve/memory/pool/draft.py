@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.memory.layout import MemoryLayout
 from radixserve.memory.pool.pool import KVPool, KVTypes, Rotate, cell_bytes, rotate_rows, typed_rows
 from radixserve.memory.pool.state import Fingerprint
 from radixserve.memory.pool.kv_types import of_dtype, types_name
@@ -48,6 +49,14 @@ class DraftRows:
         exact = (of_dtype(self.dtype), of_dtype(self.dtype))
         self.conv = DraftRows(n_layer_conv, 1, n_embd // 2, self.k.shape[2], self.dtype,
                               self.rotate, arch + ":conv", self.device, exact)
+
+    def caches(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                              torch.Tensor | None]:
+        """The K and V tensors the draft's forward reads and writes: its attention layers',
+        then a recurrent draft's conv rows (None: none), as KVPool's `caches`."""
+        if self.conv is None:
+            return self.k, self.v, None, None
+        return self.k, self.v, self.conv.k, self.conv.v
 
     def parts(self) -> list[DraftRows]:
         """The groups of rows a cell has: the attention layers', then the conv layers'."""
@@ -82,11 +91,14 @@ class DraftRows:
         rotate_rows(self.k, self.types[0], idx, delta, self.rotate, self.dtype)
 
 
-def attach_draft(pool: KVPool, n_layer: int, n_head_kv: int, head_dim: int,
-                 dtype: torch.dtype, rotate: Rotate, arch: str,
-                 types: KVTypes | None = None) -> DraftRows:
-    """Give every cell of `pool` draft rows of this shape (a sliding-window pool's global part:
-    draft models with a window of their own are refused before this)."""
-    pool.draft = DraftRows(n_layer, n_head_kv, head_dim, pool.n_cells, dtype, rotate, arch,
-                           pool.device, types)
-    return pool.draft
+def attach_draft(pool: KVPool, layout: MemoryLayout, dtype: torch.dtype, rotate: Rotate,
+                 arch: str, types: KVTypes | None = None) -> DraftRows:
+    """Give every cell of `pool` the rows of a draft model of memory layout `layout` (beside a
+    sliding-window pool's global part: draft models with sliding layers are refused before
+    this): its attention layers' K/V, and a recurrent draft's conv input rows."""
+    rows = DraftRows(layout.rows_per_token, layout.n_head_kv, layout.head_dim, pool.n_cells,
+                     dtype, rotate, arch, pool.device, types)
+    if layout.n_conv:
+        rows.add_conv(layout.n_conv, layout.conv_width, arch)
+    pool.draft = rows
+    return rows

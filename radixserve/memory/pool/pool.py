@@ -15,11 +15,12 @@ swa.py), a draft model's layers (`DraftRows`, draft.py, attached). Nothing outsi
 or writes those tensors: the tiers ask the pool for a sequence's rows (`rows_out`: every group's
 rows of a run of positions, as fresh host tensors, described by `row_layout`), cut what they
 stored back into the pool's layout (`segment`), and give them back (`write_segment`). A new
-kind of sequence memory is a subclass that adds its group to these methods (`_gather` and
-`_split` are where its rows leave and come back apart; and to the state bytes of state.py), and
-is chosen where the model's pool is made (engine/batch.py's `model_pool`: `make_pool`, or
-conv.py's `ConvPool` for short convolutions): the tiers, the planner and the engine do not
-change.
+kind of sequence memory is a group of memory/layout.py's `MemoryLayout` (with the capabilities
+its callers ask there) and a subclass that adds its group to these methods (`_gather` and
+`_split` are where its rows leave and come back apart; and to the state bytes of state.py),
+made from the layout by the one factory (factory.py's `build_pool`): the tiers, the planner
+and the engine do not change. A pool with a window part (swa.py, conv.py) says so by
+`windowed`, the operations the owner and the state bytes use of it (`Windowed`).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from radixserve.memory.layout import FULL, MemoryLayout
 from radixserve.memory.pool.kv_types import KVType, of_dtype
 from radixserve.memory.pool.rows import RowSpec, Segment, stored
 
@@ -95,6 +97,23 @@ def rotate_rows(k: torch.Tensor, kt: KVType, idx: torch.Tensor, delta: torch.Ten
         k[layer, :, idx] = kt.quantize(rotate(rows, delta).to(dtype).transpose(0, 1))
 
 
+class Windowed(Protocol):
+    """A pool with a window part (swa.py; conv.py's state rows): the operations the slot's KV
+    owner and the state bytes use of it, where `layout.window` > 0."""
+
+    swa: KVPool  # the window part: the windowed group's rows of a sequence's last positions
+    window_tag: str  # names the window's part in state bytes (state.py's fingerprints)
+    n_keep: int  # the most positions a sequence's window part holds between two prunes
+
+    def swa_pos_min(self, seq: int) -> int: ...
+
+    def window_start(self, seq: int) -> int: ...
+
+    def snapshot_from(self, seq: int) -> int: ...
+
+    def prune(self, seq: int) -> None: ...
+
+
 class KVPool:
     def __init__(
         self,
@@ -108,10 +127,12 @@ class KVPool:
         rotate: Rotate,
         device: str | torch.device = "cpu",
         types: KVTypes | None = None,
+        layout: MemoryLayout | None = None,
     ) -> None:
         """`dtype`: the compute dtype; `types`: how K and V rows are stored (`-ctk` / `-ctv`,
         memory/pool/kv_types.py; None: as `dtype`), so k / v are [n_layer, n_head_kv, n_cells,
-        width] of each type's storage (a quantized row: its blocks' bytes)."""
+        width] of each type's storage (a quantized row: its blocks' bytes). `layout`: the
+        layout held, as the factory passes it (None: `n_layer` full-attention layers)."""
         if not unified and n_cells % n_seq:
             n_cells -= n_cells % n_seq
         if n_cells < n_seq:
@@ -131,6 +152,17 @@ class KVPool:
         ]
         self._n_free = n_cells
         self.draft: DraftRows | None = None  # a draft model's rows of these cells (draft.py)
+        self.layout = layout or MemoryLayout(n_head_kv, head_dim, (FULL,) * n_layer)
+
+    @property
+    def windowed(self) -> Windowed | None:
+        """This pool's window operations (None: it keeps every position's rows)."""
+        return None
+
+    @property
+    def window_cells(self) -> int:
+        """Cells of the window part (0: none)."""
+        return 0
 
     # -- rows by layer group (the contract in the module's docstring) ------------------------
     def _row_layers(self) -> int:
@@ -314,6 +346,11 @@ class KVPool:
         self.cell_pos[cell] = -1
         heapq.heappush(self._free[0 if self.unified else cell // self.part_size], cell)
         self._n_free += 1
+
+    def alloc_step(self, seq: int, positions: list[int]) -> list[int]:
+        """Cells for a forward's new tokens of `seq` in every part (all or nothing); returns
+        this part's cells (`cells_at` finds a window part's)."""
+        return self.alloc(seq, positions)
 
     def alloc(self, seq: int, positions: list[int]) -> list[int]:
         """Give `seq` fresh cells at `positions` (all or nothing); returns the cells."""

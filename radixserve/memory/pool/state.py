@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from radixserve.memory.pool.pool import KVPool, KVTypes, OutOfCells
-from radixserve.memory.pool.swa import SWAPool
+from radixserve.memory.pool.pool import KVPool, KVTypes, OutOfCells, Windowed
 from radixserve.memory.pool.kv_types import types_name
 
 MAGIC = b"RXKV"
@@ -74,7 +73,7 @@ def fingerprint_of(pool: KVPool, arch: str) -> Fingerprint:
                        types_name(*pool.types))
 
 
-def swa_fingerprint(pool: SWAPool, fp: Fingerprint) -> Fingerprint:
+def swa_fingerprint(pool: Windowed, fp: Fingerprint) -> Fingerprint:
     """The window part's fingerprint (its own rows and types: a short convolution's differ
     from the attention layers'): a state or checkpoint of another layout never loads."""
     w = pool.swa
@@ -89,8 +88,8 @@ def _block_size(pool: KVPool, seq: int, fp: Fingerprint) -> int:
 
 def state_size(pool: KVPool, seq: int, fp: Fingerprint) -> int:
     n = _block_size(pool, seq, fp)
-    if isinstance(pool, SWAPool):
-        n += _block_size(pool.swa, seq, swa_fingerprint(pool, fp))
+    if (w := pool.windowed) is not None:
+        n += _block_size(w.swa, seq, swa_fingerprint(w, fp))
     return n
 
 
@@ -110,12 +109,12 @@ def _rows_bytes(t: torch.Tensor) -> bytes:
 def get_state(pool: KVPool, seq: int, fp: Fingerprint) -> bytes:
     """`seq`'s whole state: every layer (a sliding-window pool's two parts)."""
     data = _get_block(pool, seq, fp)
-    if isinstance(pool, SWAPool):
-        data += _get_block(pool.swa, seq, swa_fingerprint(pool, fp))
+    if (w := pool.windowed) is not None:
+        data += _get_block(w.swa, seq, swa_fingerprint(w, fp))
     return data
 
 
-def get_swa_state(pool: SWAPool, seq: int, fp: Fingerprint) -> bytes:
+def get_swa_state(pool: Windowed, seq: int, fp: Fingerprint) -> bytes:
     """The window part only, its positions from `snapshot_from` (what a context checkpoint
     holds)."""
     return _get_block(pool.swa, seq, swa_fingerprint(pool, fp), p_min=pool.snapshot_from(seq))
@@ -216,7 +215,7 @@ def _check_room(pool: KVPool, seq: int, n: int) -> None:
 def parse_pool_state(pool: KVPool, data: bytes | memoryview, fp: Fingerprint) -> ParsedState:
     """Decode and check a state of `pool`'s layout (a sliding-window pool's: both parts);
     touches nothing."""
-    swa = pool if isinstance(pool, SWAPool) else None
+    swa = pool.windowed
     return parse_state(data, fp, pool.types,
                        None if swa is None else (swa_fingerprint(swa, fp), swa.swa.types))
 
@@ -224,14 +223,14 @@ def parse_pool_state(pool: KVPool, data: bytes | memoryview, fp: Fingerprint) ->
 def check_room(pool: KVPool, seq: int, st: ParsedState) -> None:
     """OutOfCells unless `seq` could hold the state once its own cells go (reads only)."""
     _check_room(pool, seq, len(st.positions))
-    if isinstance(pool, SWAPool):
+    if (w := pool.windowed) is not None:
         assert st.swa is not None
-        _check_room(pool.swa, seq, len(st.swa.positions))
+        _check_room(w.swa, seq, len(st.swa.positions))
 
 
 def set_state(pool: KVPool, seq: int, data: bytes | memoryview, fp: Fingerprint) -> int:
     """Replace `seq`'s KV with the state; returns its token count. All checks come first."""
-    swa = pool if isinstance(pool, SWAPool) else None
+    swa = pool.windowed
     st = parse_pool_state(pool, data, fp)
     n = len(st.positions)
     check_room(pool, seq, st)
@@ -242,7 +241,7 @@ def set_state(pool: KVPool, seq: int, data: bytes | memoryview, fp: Fingerprint)
     return n
 
 
-def parse_swa_state(pool: SWAPool, data: bytes | memoryview, fp: Fingerprint) -> ParsedState:
+def parse_swa_state(pool: Windowed, data: bytes | memoryview, fp: Fingerprint) -> ParsedState:
     """A checkpoint's sliding part, checked (StateError) without touching the pool."""
     r = _Reader(data)
     st = _parse_block(r, swa_fingerprint(pool, fp), pool.swa.types)
@@ -251,7 +250,7 @@ def parse_swa_state(pool: SWAPool, data: bytes | memoryview, fp: Fingerprint) ->
     return st
 
 
-def set_swa_state(pool: SWAPool, seq: int, data: bytes | memoryview, fp: Fingerprint) -> None:
+def set_swa_state(pool: Windowed, seq: int, data: bytes | memoryview, fp: Fingerprint) -> None:
     """Replace only the sliding layers' KV of `seq` with a checkpoint's (checks first)."""
     st = parse_swa_state(pool, data, fp)
     _check_room(pool.swa, seq, len(st.positions))

@@ -13,14 +13,16 @@ sliding layers lack the keys before its end); a context checkpoint (memory/check
 tier that kept every token (the radix tree) supplies them.
 
 Sequence operations fan out to both pools. Allocation does not: a forward reserves cells in
-both (`alloc_step`), a restore writes each part where it belongs (memory/pool/state.py).
+both (`alloc_step`), a restore writes each part where it belongs (memory/pool/state.py). The
+owner and the state bytes reach the window through `windowed` (pool.py's `Windowed`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from radixserve.memory.pool.pool import KVPool, KVTypes, OutOfCells, Rotate
+from radixserve.memory.layout import FULL, SLIDING, MemoryLayout
+from radixserve.memory.pool.pool import KVPool, KVTypes, OutOfCells, Rotate, Windowed
 from radixserve.memory.pool.rows import Segment
 
 PAD = 256  # llama.cpp pads cache sizes to 256 cells
@@ -38,14 +40,18 @@ class SWAPool(KVPool):
                  rotate_swa: Rotate, n_swa: int, n_step: int,
                  device: str | torch.device = "cpu", types: KVTypes | None = None,
                  window_rows: tuple[int, int] | None = None,
-                 window_types: KVTypes | None = None, n_keep: int = 0) -> None:
+                 window_types: KVTypes | None = None, n_keep: int = 0,
+                 layout: MemoryLayout | None = None) -> None:
         """`n_layer` global layers in `n_cells` cells; `n_layer_swa` sliding layers in
         n_swa cells per sequence plus `n_step` (the most new tokens one forward holds), never
         more than the global part (llama.cpp's size_swa). `window_rows` (heads, width) and
         `window_types`: the window's rows when they are not the global part's (conv.py);
-        `n_keep`: the most positions a sequence holds between two prunes (default n_swa)."""
+        `n_keep`: the most positions a sequence holds between two prunes (default n_swa);
+        `layout`: as KVPool's (None: the global layers, then the sliding ones)."""
+        layout = layout or MemoryLayout(n_head_kv, head_dim,
+                                        (FULL,) * n_layer + (SLIDING,) * n_layer_swa, n_swa)
         super().__init__(n_layer, n_head_kv, head_dim, n_cells, n_seq, unified, dtype, rotate,
-                         device, types)
+                         device, types, layout)
         self.n_keep = max(n_keep, n_swa)
         per_part = self.n_keep * (n_seq if unified else 1) + n_step
         n_part = 1 if unified else n_seq
@@ -54,6 +60,23 @@ class SWAPool(KVPool):
         self.swa = KVPool(n_layer_swa, heads, width, n_swa_cells, n_seq, unified, dtype,
                           rotate_swa, device, window_types or self.types)  # default: -ctk / -ctv
         self.n_swa = n_swa
+
+    @property
+    def windowed(self) -> Windowed:
+        return self
+
+    @property
+    def window_cells(self) -> int:
+        return self.swa.n_cells
+
+    def alloc_step(self, seq: int, positions: list[int]) -> list[int]:
+        cells = self.alloc(seq, positions)
+        try:
+            self.swa.alloc(seq, positions)
+        except Exception:
+            KVPool.seq_rm(self, seq, positions[0], positions[-1] + 1)
+            raise
+        return cells
 
     # -- rows by layer group: the sliding layers after the global ones ------------------------
     def _row_layers(self) -> int:
@@ -155,31 +178,4 @@ class SWAPool(KVPool):
     def check(self) -> None:
         super().check()
         self.swa.check()
-
-
-def alloc_step(pool: KVPool, seq: int, positions: list[int]) -> list[int]:
-    """Cells for a forward's new tokens of `seq`, in both parts of a sliding-window pool (all or
-    nothing); returns the global part's cells (`cells_at` finds the sliding ones)."""
-    cells = pool.alloc(seq, positions)
-    if isinstance(pool, SWAPool):
-        try:
-            pool.swa.alloc(seq, positions)
-        except Exception:
-            KVPool.seq_rm(pool, seq, positions[0], positions[-1] + 1)
-            raise
-    return cells
-
-
-def make_pool(n_layer: int, swa_layers: tuple[bool, ...], n_swa: int, swa_full: bool,
-              n_head_kv: int, head_dim: int, n_cells: int, n_seq: int, unified: bool,
-              dtype: torch.dtype, rotate: Rotate, rotate_swa: Rotate, n_step: int,
-              device: str | torch.device = "cpu", types: KVTypes | None = None) -> KVPool:
-    """The pool a model needs: a plain one for full attention (or `--swa-full`), else the
-    two-part sliding-window pool."""
-    n_layer_swa = sum(swa_layers)
-    if n_swa <= 0 or n_layer_swa == 0 or swa_full:
-        return KVPool(n_layer, n_head_kv, head_dim, n_cells, n_seq, unified, dtype, rotate,
-                      device, types)
-    return SWAPool(n_layer - n_layer_swa, n_layer_swa, n_head_kv, head_dim, n_cells, n_seq,
-                   unified, dtype, rotate, rotate_swa, n_swa, n_step, device, types)
 
