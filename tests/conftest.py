@@ -86,7 +86,7 @@ from radixserve.model.default_model import default_model_path
 from radixserve.model.forward import Transformer
 from radixserve.model.arch import read_hparams
 from radixserve.model.loader import Model, load_model
-from radixserve.model.memory_layout import memory_layout
+from radixserve.model.arch import memory_layout
 from radixserve.model.weights import load_weights
 from radixserve.text.chat_template import ChatTemplate
 from radixserve.text.tokenizer import Tokenizer

@@ -88,6 +88,7 @@ def props_json(
     defaults = defaults or RequestDefaults.from_config(cfg)
     tmpl = model.chat_template
     caps = template_caps(tmpl)
+    layout = model.layout  # what its memory can do (shifts), as its family declares it
     return {
         "default_generation_settings": {"params": default_params_json(defaults),
                                         "n_ctx": n_ctx_slot},
@@ -136,10 +137,11 @@ def props_json(
             "cache_radix_min_restore_tokens": cfg.cache_radix_min_restore_tokens,
             # chunks shifted by --cache-reuse carry KV computed for other text: not in
             # deterministic mode
-            "cache_reuse": 0 if model.deterministic or model.hp.recurrent else cfg.cache_reuse,
+            "cache_reuse": 0 if model.deterministic or not layout.can_shift
+            else cfg.cache_reuse,
             # a recurrent state exists only where it was computed: never shifted
-            "context_shift": cfg.context_shift and not model.hp.recurrent,
-            "recurrent_layers": model.hp.n_layer_conv,
+            "context_shift": cfg.context_shift and layout.can_shift,
+            "recurrent_layers": layout.n_conv,
             # the disk tier under the radix cache: on, bound, tokens a file
             "cache_disk": bool(cfg.cache_disk),
             "cache_disk_mib": cfg.cache_disk_mib,

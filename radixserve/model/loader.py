@@ -19,7 +19,7 @@ from radixserve.model.arch import read_hparams
 from radixserve.model.hparams import HParams
 from radixserve.model.kernel_config import KernelConfig
 from radixserve.model.kernels import Kernels
-from radixserve.model.memory_layout import memory_layout
+from radixserve.model.arch import memory_layout
 from radixserve.model.rope import Rope
 from radixserve.model.weights import load_weights, place
 from radixserve.text.chat_template import ChatTemplate

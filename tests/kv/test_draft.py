@@ -16,7 +16,7 @@ from radixserve.memory.pool.pool import KVPool
 from radixserve.memory.pool.state import (StateError, draft_state_size, fingerprint_of,
                                   get_draft_state, parse_draft_state, set_draft_state)
 from radixserve.model.forward import Transformer
-from radixserve.model.memory_layout import memory_layout
+from radixserve.model.arch import memory_layout
 from radixserve.memory.pool.kv_types import resolve
 from tests.conftest import make_pool, make_transformer, restore
 

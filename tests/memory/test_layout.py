@@ -10,7 +10,7 @@ import torch
 from radixserve.memory.front import build_pool
 from radixserve.memory.layout import CONV, FULL, SLIDING, MemoryLayout
 from radixserve.model.hparams import HParams
-from radixserve.model.memory_layout import memory_layout
+from radixserve.model.arch import memory_layout
 
 
 def no_rotate(k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -18,7 +18,7 @@ def no_rotate(k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 
 def hparams(**kw: object) -> HParams:
-    base = dict(arch="test", n_layer=3, n_embd=8, n_ff=16, n_head=2, n_head_kv=1, head_dim=4,
+    base = dict(arch="llama", n_layer=3, n_embd=8, n_ff=16, n_head=2, n_head_kv=1, head_dim=4,
                 n_vocab=16, n_ctx_train=64, rms_eps=1e-5, rope_base=10000.0, rope_neox=False,
                 rope_scale_linear=1.0, name="test")
     return HParams(**(base | kw))  # type: ignore[arg-type]
@@ -60,10 +60,10 @@ def test_capabilities_by_kind() -> None:
     assert conv.state_per_sequence == 2 and conv.rows_per_token == 1
 
 
-def test_the_model_declares_its_layout_from_the_hyper_parameters() -> None:
-    g = memory_layout(hparams(n_swa=4, swa_layers=(True, False, True)))
+def test_the_family_declares_its_layout_from_the_hyper_parameters() -> None:
+    g = memory_layout(hparams(arch="gemma3", n_swa=4, swa_layers=(True, False, True)))
     assert g == MemoryLayout(1, 4, (SLIDING, FULL, SLIDING), n_swa=4)
-    lfm = memory_layout(hparams(conv_layers=(True, True, False), l_cache=3))
+    lfm = memory_layout(hparams(arch="lfm2", conv_layers=(True, True, False), l_cache=3))
     assert lfm == MemoryLayout(1, 4, (CONV, CONV, FULL), conv_rows=2, conv_width=8)
     assert memory_layout(hparams(n_swa=4)) == MemoryLayout(1, 4, (FULL,) * 3)  # no layer slides
 

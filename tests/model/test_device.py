@@ -33,7 +33,7 @@ from radixserve.engine.task import CompletionTask, FinalResult
 from radixserve.flags.spec import FlagError, FlagExit, parse
 from radixserve.flags.table import ALL_FLAGS as FLAGS
 from radixserve.memory.front import build_pool
-from radixserve.model.memory_layout import memory_layout
+from radixserve.model.arch import memory_layout
 from radixserve.model import device as D
 from radixserve.model.forward import Transformer
 from radixserve.model.loader import load_model, resolve_weights

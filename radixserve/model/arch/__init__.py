@@ -12,6 +12,7 @@ import pkgutil
 
 import gguf
 
+from radixserve.memory.layout import MemoryLayout
 from radixserve.model.arch.base import Family
 from radixserve.model.hparams import HParams, UnsupportedModelError, field_value
 
@@ -46,3 +47,8 @@ def read_hparams(reader: gguf.GGUFReader) -> HParams:
     """The GGUF's hyperparameters as its family reads them."""
     arch = field_value(reader, "general.architecture")
     return family_of(arch).hparams(reader, arch)
+
+
+def memory_layout(hp: HParams) -> MemoryLayout:
+    """What the model's sequences need kept, as its family declares it."""
+    return family_of(hp.arch).memory_layout(hp)

@@ -11,6 +11,7 @@ from typing import Any
 
 import gguf
 
+from radixserve.memory.layout import FULL, SLIDING, MemoryLayout
 from radixserve.model.hparams import (
     HParams,
     UnsupportedModelError,
@@ -97,6 +98,16 @@ class Family:
               head_dim: int) -> dict[str, Any]:
         """The family's own HParams fields (sliding windows, scales, state sizes)."""
         return {}
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def memory_layout(self, hp: HParams) -> MemoryLayout:
+        """What each layer keeps of a sequence (memory/layout.py's contract; the pool is built
+        from it): attention's K/V rows, over every position or, for a sliding layer, the last
+        n_swa."""
+        kinds = tuple(SLIDING if s else FULL for s in hp.swa_layers)
+        return MemoryLayout(hp.n_head_kv, hp.head_dim, kinds,
+                            n_swa=hp.n_swa if SLIDING in kinds else 0)
 
     # -- tensors and layers ---------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixserve.memory.layout import CONV, FULL, MemoryLayout
 from radixserve.model.arch.base import Family, Get
 from radixserve.model.hparams import HParams, UnsupportedModelError
 from radixserve.model.layers import Mixer, ShortConvMixer
@@ -38,6 +39,14 @@ class Lfm2(Family):
         if l_cache < 2:
             raise UnsupportedModelError(f"lfm2.shortconv.l_cache must be >= 2, got {l_cache}")
         return kv.pop(), dict(conv_layers=tuple(int(x) == 0 for x in raw), l_cache=l_cache)
+
+    def memory_layout(self, hp: HParams) -> MemoryLayout:
+        """The attention layers' K/V rows, and each conv layer's state: its last l_cache - 1
+        input rows (n_embd wide; llama.cpp's n_embd_r), kept at every position it was computed
+        at so any held prefix resumes."""
+        kinds = tuple(CONV if c else FULL for c in hp.conv_layers)
+        return MemoryLayout(hp.n_head_kv, hp.head_dim, kinds, conv_rows=hp.l_cache - 1,
+                            conv_width=hp.n_embd)
 
     def mixer(self, ld: TensorLoader, hp: HParams, i: int) -> Mixer:
         if not hp.conv_layers[i]:
