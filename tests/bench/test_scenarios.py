@@ -27,7 +27,6 @@ from radixserve.bench.scenarios import (
 from radixserve.text.chat_template import ChatTemplate
 from radixserve.text.tokenizer import Tokenizer
 
-# the project's seed documents (shared/seeds next to the checkout), when this machine has them
 
 REQUIRED = {"shared-prefix-main", "exact-reuse", "no-sharing", "prefix-512", "prefix-1024",
             "prefix-2048", "prefix-4096", "concurrency-1", "concurrency-4", "capacity-lru-512",

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from radixserve.engine.counters import ServerMetrics
 from radixserve.http.prometheus import metric_name, render_metrics
 
-# captured from a real llama-server (copied from shared/reference/llama-server-shapes)
+# captured from a real llama-server
 SHAPES = Path(__file__).resolve().parent / "fixtures/llama-server-shapes"
 
 

@@ -36,7 +36,7 @@ from radixserve.model.loader import load_model
 from radixserve.text.chat_template import ChatTemplate
 from radixserve.text.tokenizer import Tokenizer
 
-# captured from a real llama-server (copied from shared/reference/llama-server-shapes)
+# captured from a real llama-server
 SHAPES = Path(__file__).resolve().parent / "fixtures/llama-server-shapes"
 
 
