@@ -9,7 +9,10 @@ import importlib
 import inspect
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
+import torch
 
 from radixserve.bench.synth_model import SHAPES
 from radixserve.model.arch import family_of, registry
@@ -64,3 +67,39 @@ def test_an_unknown_architecture_is_refused_in_one_line_naming_the_registry(arch
     msg = str(e.value)
     assert "\n" not in msg and f"unsupported model architecture {arch!r}" in msg
     assert all(a in msg for a in registry())
+
+
+def renamed(src: str, dst: Path, arch: str) -> str:
+    """A copy of GGUF `src` whose architecture (and its keys' prefix) is `arch`."""
+    r = gguf.GGUFReader(src)
+    old = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name.replace(f"{old}.", f"{arch}.", 1), f.contents(), f.types[0],
+                        sub_type=sub)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(dst)
+
+
+def test_optional_qk_norms_are_used_wherever_a_file_has_them(tiny_paths: dict[str, str],
+                                                            tmp_path: Path) -> None:
+    """qwen2 is qwen3 less the q/k norms that qwen3 requires: a qwen3 file read as qwen2 loads
+    its norms all the same, so it computes qwen3's logits to the bit (and a family never drops
+    a tensor of the file silently)."""
+    from tests.conftest import make_transformer
+    from tests.model.test_forward import PROMPTS, our_logits
+
+    as_qwen2 = make_transformer(renamed(tiny_paths["qwen3"], tmp_path / "q.gguf", "qwen2"))
+    assert as_qwen2.hp.arch == "qwen2"
+    assert all(layer.mixer.q_norm is not None and layer.mixer.k_norm is not None
+               for layer in as_qwen2.w.layers)
+    want = our_logits(make_transformer(tiny_paths["qwen3"]), PROMPTS[1])
+    assert torch.equal(our_logits(as_qwen2, PROMPTS[1]), want)

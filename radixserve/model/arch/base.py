@@ -33,7 +33,7 @@ class Family:
     # Q/K rows stored permuted for the interleaved rotation (llama.cpp's converter does this to
     # llama's only), un-permuted at load
     permuted_qk = False
-    qk_norm = False  # per-head RMS norms of q and k before RoPE
+    qk_norm = False  # per-head RMS norms of q and k before RoPE are required
     act = "silu"
     output_norm = "output_norm.weight"
 
@@ -116,8 +116,9 @@ class Family:
 
     def block(self, ld: TensorLoader, hp: HParams, i: int) -> Block:
         p = f"blk.{i}."
-        return Block(ld.norm(p + "attn_norm.weight"), self.mixer(ld, hp, i),
-                     ld.norm(p + "ffn_norm.weight"), self.ffn(ld, hp, p))
+        mixer = self.mixer(ld, hp, i)  # first: its checks name a malformed file's tensor
+        return Block(ld.norm(p + "attn_norm.weight"), mixer, ld.norm(p + "ffn_norm.weight"),
+                     self.ffn(ld, hp, p))
 
     def mixer(self, ld: TensorLoader, hp: HParams, i: int) -> Mixer:
         return self.attention(ld, hp, i)
@@ -130,14 +131,13 @@ class Family:
         if any(b is not None for b in biases) and any(b is None for b in biases):
             raise UnsupportedModelError(f"layer {i}: only some of the q/k/v biases are present")
         perm_q, perm_k = (hp.n_head, hp.n_head_kv) if self.permuted_qk else (None, None)
-        return Attention(
-            kind=hp.layer_kind(i),
-            wqkv=ld.linear([p + f"attn_{n}.weight" for n in "qkv"], [perm_q, perm_k, None],
-                           None if biases[0] is None else biases),
-            wo=ld.linear([p + "attn_output.weight"], [None]),
-            q_norm=ld.norm(p + "attn_q_norm.weight") if self.qk_norm else None,
-            k_norm=ld.norm(p + "attn_k_norm.weight") if self.qk_norm else None,
-        )
+        wqkv = ld.linear([p + f"attn_{n}.weight" for n in "qkv"], [perm_q, perm_k, None],
+                         None if biases[0] is None else biases)
+        # the q/k norms: required where the family has them, used wherever a file has them
+        q_norm = ld.norm(p + "attn_q_norm.weight", required=self.qk_norm)
+        k_norm = ld.norm(p + "attn_k_norm.weight", required=self.qk_norm)
+        return Attention(hp.layer_kind(i), wqkv, ld.linear([p + "attn_output.weight"], [None]),
+                         q_norm, k_norm)
 
     def ffn(self, ld: TensorLoader, hp: HParams, p: str) -> DenseFFN:
         return DenseFFN(ld.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], [None, None]),

@@ -57,7 +57,8 @@ class Gemma3(Family):
     def block(self, ld: TensorLoader, hp: HParams, i: int) -> Block:
         # llama.cpp's converter already adds gemma's +1 to its norm weights: plain RMSNorms
         p = f"blk.{i}."
-        return PostNormBlock(ld.norm(p + "attn_norm.weight"), self.mixer(ld, hp, i),
+        mixer = self.mixer(ld, hp, i)
+        return PostNormBlock(ld.norm(p + "attn_norm.weight"), mixer,
                              ld.norm(p + "ffn_norm.weight"), self.ffn(ld, hp, p),
                              ld.norm(p + "post_attention_norm.weight"),
                              ld.norm(p + "post_ffw_norm.weight"))
