@@ -298,11 +298,6 @@ class Transformer:
             return kstep.gelu_mul(self.kern, gu)
         return F.gelu(gu[:, : self.hp.n_ff], approximate="tanh") * gu[:, self.hp.n_ff :]
 
-    def act_mul(self, gu: torch.Tensor) -> torch.Tensor:
-        """act(gate) * up of the fused [gate | up] rows with the model's activation: SwiGLU
-        (silu) or GeGLU (gelu)."""
-        return self.silu(gu) if self.hp.act == "silu" else self.gelu(gu)
-
     def _kernel_step(self, batch: list[SeqStep], cells: list[int], cos: torch.Tensor,
                      sin: torch.Tensor, x: torch.Tensor, swa: Sliding | None, split: bool,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, k_swa: torch.Tensor | None,

@@ -16,6 +16,10 @@ class UnsupportedModelError(ValueError):
     """The GGUF describes a model this engine cannot run (architecture, tensor, rope type)."""
 
 
+# the gate activations of a dense FFN: SwiGLU's and GeGLU's (tanh-approximated GELU)
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
 def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     if f is None:
@@ -74,7 +78,7 @@ class HParams:
                              f"{self.n_layer} layers")
         if any(self.swa_layers) and self.n_swa <= 0:
             raise ValueError("sliding layers need a window n_swa > 0")
-        if self.act not in ("silu", "gelu_tanh"):
+        if self.act not in ACTIVATIONS:
             raise ValueError(f"unknown FFN activation {self.act!r}")
 
     @property

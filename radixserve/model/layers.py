@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from radixserve.model.hparams import ACTIVATIONS
 from radixserve.model.quant import Linear
 
 if TYPE_CHECKING:
@@ -23,8 +24,6 @@ if TYPE_CHECKING:
     from radixserve.model.step import KernelStep
     from radixserve.model.torch_step import TorchStep
 
-# the gate activations a dense FFN takes: SwiGLU's and GeGLU's (tanh-approximated GELU)
-ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(slots=True)
@@ -133,9 +132,6 @@ class Block:
             return None
         return run.step.norm(x, add, nxt)
 
-    def norms(self) -> dict[str, torch.Tensor | None]:
-        return {"attn_norm": self.attn_norm, "ffn_norm": self.ffn_norm}
-
     def matrices(self) -> dict[str, Linear]:
         return {**self.mixer.matrices(), **self.ffn.matrices()}
 
@@ -153,7 +149,3 @@ class PostNormBlock(Block):
         hn = run.step.post_norm(x, self.mixer(run, li, h), self.post_attn_norm, self.ffn_norm)
         assert hn is not None
         return run.step.post_norm(x, self.ffn(run, hn), self.post_ffn_norm, nxt)
-
-    def norms(self) -> dict[str, torch.Tensor | None]:
-        return {**Block.norms(self), "post_attn_norm": self.post_attn_norm,
-                "post_ffn_norm": self.post_ffn_norm}

@@ -5,6 +5,7 @@ bytes (`perf --routes`), and the move of dense weights to another device.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -79,11 +80,6 @@ class ModelWeights:
         return lin + self.head.nbytes + embd
 
 
-# the vectors a layer's pieces hold (norm weights, a convolution's kernel): moved with the rest
-_VECTORS = ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm",
-            "kernel")
-
-
 def place(w: ModelWeights, device: torch.device) -> ModelWeights:
     """Move dense weights (the dequant path, built without our kernels) to `device`; on the
     CPU nothing moves. Packed matrices and the file's blocks are refused: they are our CPU
@@ -104,13 +100,20 @@ def place(w: ModelWeights, device: torch.device) -> ModelWeights:
             raise ValueError(f"a {m.route} matrix cannot move to {device}: only dense weights "
                              "(--weights dequant, built without our kernels) run there")
 
+    def piece(obj: object) -> None:
+        """A layer piece's tensors (norm weights, a convolution's kernel), its matrices and its
+        nested pieces (model/layers.py's dataclasses), moved."""
+        for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+            v = getattr(obj, f.name)
+            if isinstance(v, torch.Tensor):
+                setattr(obj, f.name, move(v))
+            elif isinstance(v, Linear):
+                linear(v)
+            elif dataclasses.is_dataclass(v):
+                piece(v)
+
     for layer in w.layers:
-        for m in layer.matrices().values():
-            linear(m)
-        for obj in (layer, layer.mixer):
-            for name in _VECTORS:
-                if hasattr(obj, name):
-                    setattr(obj, name, move(getattr(obj, name)))
+        piece(layer)
     if isinstance(w.tok_embd, qmm.QuantMatrix):
         raise ValueError(f"a token embedding in the file's blocks cannot move to {device}")
     w.head.to(device)
