@@ -73,10 +73,14 @@ def build_scheduler(model: Model, cfg: ServerConfig, metrics: ServerMetrics,
     if not layout.can_shift and cfg.context_shift:  # llama-server's words where it cannot shift
         log.warning("context shift is not supported by this model (%d recurrent layers: a "
                     "state exists only at the positions it was computed at), disabling",
-                    layout.n_conv)
+                    layout.n_state)
     slots = [Slot(SlotKV(pool, i, fp, n_ckpt, cfg.checkpoint_min_step), n_ctx_slot,
                   cfg.context_shift and layout.can_shift) for i in range(n_slots)]
     spec = None
+    if cfg.spec.enabled and layout.n_recurrent:
+        raise ValueError("speculative decoding is not supported for this model yet: its Gated "
+                         "DeltaNet state is kept only after a sequence's last token, so a "
+                         "rejected draft could not be rolled back")
     if cfg.spec.enabled:
         if draft is None:
             draft = load_draft(cfg, model)
@@ -100,7 +104,12 @@ def build_scheduler(model: Model, cfg: ServerConfig, metrics: ServerMetrics,
     mem = MemoryManager(cfg, pool, slots, host, model.tokenizer, hp.arch, no_shift=no_shift)
     log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = %s",
              n_slots, n_ctx_slot, unified)
-    if not layout.can_shift:
+    if layout.n_recurrent:
+        log.info("recurrent layers: %d Gated DeltaNet (state: %.2f MiB a sequence, kept after "
+                 "its last token), snapshots as context checkpoints, max = %d, min spacing = %d",
+                 layout.n_recurrent, layout.state_bytes / 2**20, n_ckpt,
+                 cfg.checkpoint_min_step)
+    elif not layout.can_shift:
         log.info("recurrent layers: %d short convolutions (state: the last %d input rows, "
                  "%d window cells), snapshots as context checkpoints, max = %d, min spacing = %d",
                  layout.n_conv, layout.state_per_sequence, pool.window_cells, n_ckpt,

@@ -13,6 +13,7 @@ from typing import Any
 
 from radixserve.config import RequestDefaults, ServerConfig
 from radixserve.http.responses import BUILD_INFO, params_json
+from radixserve.memory.host_tier import backend_name
 from radixserve.memory.pool import kv_types
 from radixserve.model.device import device_name
 from radixserve.model.kernels import variant_name
@@ -130,8 +131,7 @@ def props_json(
         "cache_type_k": kv_types.resolve(cfg.cache_type_k, "", model.dtype)[0].name,
         "cache_type_v": kv_types.resolve("", cfg.cache_type_v, model.dtype)[1].name,
         "prompt_cache": {
-            "backend": "none" if cfg.cache_ram_mib == 0
-            else ("radix" if cfg.cache_radix_prompt else "legacy"),
+            "backend": backend_name(cfg, layout),
             "cache_ram_mib": cfg.cache_ram_mib,
             "cache_idle_slots": cfg.cache_idle_slots and cfg.cache_ram_mib != 0,
             "cache_radix_min_restore_tokens": cfg.cache_radix_min_restore_tokens,
@@ -141,7 +141,7 @@ def props_json(
             else cfg.cache_reuse,
             # a recurrent state exists only where it was computed: never shifted
             "context_shift": cfg.context_shift and layout.can_shift,
-            "recurrent_layers": layout.n_conv,
+            "recurrent_layers": layout.n_state,
             # the disk tier under the radix cache: on, bound, tokens a file
             "cache_disk": bool(cfg.cache_disk),
             "cache_disk_mib": cfg.cache_disk_mib,

@@ -15,9 +15,13 @@ A layout's author (a model family) states, and nothing else:
   of `conv_rows` input rows a sequence, each `conv_width` wide; llama.cpp's n_embd_r is
   conv_rows * conv_width). A layer's index in its group follows from the order (`place`);
 - `n_swa` when there are SLIDING layers; `conv_rows` (the kernel length - 1) and `conv_width`
-  when there are CONV layers.
+  when there are CONV layers; `state_width` when there are RECURRENT layers (a Gated DeltaNet:
+  a state a sequence that is no function of a few rows, kept whole: each half of a layer's
+  state cell, in f32 floats).
 
-At most one group keeps a window (SLIDING or CONV): a pool has one window part.
+At most one group keeps a window (SLIDING, CONV or RECURRENT): a pool has one window part. A
+RECURRENT layer's window is one position: the state after the sequence's last token, which
+exists only where it was computed and is carried from there as a snapshot (a checkpoint).
 
 What the owner (seq_kv.py), the manager, slot files, the host tiers and the engine ask:
 
@@ -30,7 +34,11 @@ What the owner (seq_kv.py), the manager, slot files, the host tiers and the engi
 - `shifts_chunks`: `--cache-reuse` may shift chunks of a slot's KV into place (every position's
   rows are held, and they can move);
 - `rows_per_token`: attention layers whose K/V rows a token adds (a draft model's rows a cell);
-- `state_per_sequence`: rows of recurrent state a conv layer keeps a sequence (0: none).
+- `state_per_sequence`: rows of recurrent state a conv layer keeps a sequence (0: none);
+- `state_bytes`: a RECURRENT layout's state cell a sequence, in bytes;
+- `rows_every_position`: the windowed group has a row for every position (a host tier that
+  keeps per-token rows, the radix tree, can hold its memory); False for a RECURRENT state,
+  which only snapshots carry.
 
 A layout as held (`held`) may differ from the one declared: `--swa-full` keeps the sliding
 layers' K/V for every position, so they are held as FULL and there is no window.
@@ -40,8 +48,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-FULL, SLIDING, CONV = "full", "sliding", "conv"
-KINDS = (FULL, SLIDING, CONV)
+FULL, SLIDING, CONV, RECURRENT = "full", "sliding", "conv", "recurrent"
+KINDS = (FULL, SLIDING, CONV, RECURRENT)
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,16 +60,20 @@ class MemoryLayout:
     n_swa: int = 0  # SLIDING layers' window in positions
     conv_rows: int = 0  # CONV layers' state: input rows a sequence (kernel length - 1)
     conv_width: int = 0  # ... each this wide (n_embd)
+    state_width: int = 0  # RECURRENT layers' state cell: f32 floats of each of its halves
 
     def __post_init__(self) -> None:
         if unknown := set(self.kinds) - set(KINDS):
             raise ValueError(f"unknown layer groups {sorted(unknown)}")
-        if self.n_sliding and self.n_conv:  # one window part a pool
-            raise ValueError("sliding-window and short-convolution layers in one model")
+        if (self.n_sliding > 0) + (self.n_conv > 0) + (self.n_recurrent > 0) > 1:
+            raise ValueError("two windowed layer groups (sliding, short-convolution, "
+                             "recurrent) in one model")  # one window part a pool
         if self.n_sliding and self.n_swa <= 0:
             raise ValueError("sliding layers need a window n_swa > 0")
         if self.n_conv and (self.conv_rows < 1 or self.conv_width <= 0):
             raise ValueError("short-convolution layers need conv_rows >= 1 and a width")
+        if self.n_recurrent and self.state_width <= 0:
+            raise ValueError("recurrent layers need a state_width")
 
     # -- the groups ----------------------------------------------------------------------------
     @property
@@ -75,6 +87,15 @@ class MemoryLayout:
     @property
     def n_conv(self) -> int:
         return self.kinds.count(CONV)
+
+    @property
+    def n_recurrent(self) -> int:
+        return self.kinds.count(RECURRENT)
+
+    @property
+    def n_state(self) -> int:
+        """Layers that keep a recurrent state instead of rows (CONV and RECURRENT)."""
+        return self.n_conv + self.n_recurrent
 
     def place(self, layer: int) -> tuple[str, int]:
         """The group of `layer` and its index among that group's layers."""
@@ -95,6 +116,8 @@ class MemoryLayout:
             return self.n_swa
         if self.n_conv:  # a token reads its own input row and the state's
             return self.conv_rows + 1
+        if self.n_recurrent:  # a token reads the state after the token before it
+            return 2
         return 0
 
     @property
@@ -103,7 +126,7 @@ class MemoryLayout:
 
     @property
     def can_shift(self) -> bool:
-        return self.n_conv == 0
+        return self.n_conv == 0 and self.n_recurrent == 0
 
     @property
     def shifts_chunks(self) -> bool:
@@ -116,3 +139,12 @@ class MemoryLayout:
     @property
     def state_per_sequence(self) -> int:
         return self.conv_rows
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's recurrent state cell, every RECURRENT layer (f32 halves)."""
+        return self.n_recurrent * 2 * self.state_width * 4
+
+    @property
+    def rows_every_position(self) -> bool:
+        return self.n_recurrent == 0

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from radixserve.model import step as kstep
 from radixserve.model.step import KernelStep, LayerKind
+from radixserve.model.delta_net import DeltaPlan
 from radixserve.model.head import RowNeed
 from radixserve.model.hparams import HParams
 from radixserve.model.layers import Run
@@ -193,9 +194,12 @@ class Transformer:
         hp = self.hp
         if types is None:
             types = (of_dtype(k_cache.dtype), of_dtype(v_cache.dtype))
-        conv = None
+        conv = rec = None
         if hp.n_layer_conv:  # the window part holds the conv layers' input rows, not K/V
             conv = ShortConv.plan(hp, batch, k_swa, v_swa, self.kern)
+            k_swa = v_swa = None
+        if hp.n_layer_rec:  # ... or the DeltaNet layers' state cells
+            rec = DeltaPlan.plan(hp, batch, k_swa, v_swa, self.kern)
             k_swa = v_swa = None
         split = self._split(k_cache, batch, k_swa, v_swa)
         cells = [c for b in batch for c in b.cells]
@@ -228,7 +232,7 @@ class Transformer:
         if step is None:
             step = TorchStep(self, batch, cells, tail, cos, sin, swa, split, k_cache, v_cache,
                              k_swa, v_swa, types)
-        run = Run(step, conv, self._cache_index[split], self.deterministic)
+        run = Run(step, conv, self._cache_index[split], self.deterministic, rec)
         layers = self.w.layers
         h = step.norm(x, None, layers[0].attn_norm)
         for li, layer in enumerate(layers):

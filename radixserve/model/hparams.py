@@ -28,6 +28,45 @@ def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
 
 
 @dataclass(slots=True, frozen=True)
+class SsmDims:
+    """A Gated DeltaNet layer's sizes (llama.cpp's ssm.* keys): `nk` q/k heads of `dk`, `nv`
+    value heads of `dv` (v-heads stored tiled: head h reads q/k head h % nk), a causal conv of
+    kernel length `conv` over the q/k/v channels."""
+
+    nk: int
+    nv: int
+    dk: int
+    dv: int
+    conv: int
+
+    @property
+    def channels(self) -> int:
+        """The conv's channels: q, k and v."""
+        return 2 * self.nk * self.dk + self.nv * self.dv
+
+    @property
+    def proj_width(self) -> int:
+        """The fused in-projection's rows: q/k/v, z (the norm's gate), beta and alpha."""
+        return self.channels + self.nv * self.dv + 2 * self.nv
+
+    @property
+    def heads_in_k(self) -> int:
+        """Value heads whose matrices a state cell keeps in its K half (the rest in V)."""
+        return (self.nv + 1) // 2
+
+    @property
+    def cell_width(self) -> int:
+        """f32 floats of each half of a state cell: the conv window ((conv - 1) rows of
+        `channels`) and heads_in_k matrices in K; the other matrices in V (padded)."""
+        return (self.conv - 1) * self.channels + self.heads_in_k * self.dk * self.dv
+
+    @property
+    def state_floats(self) -> int:
+        """f32 floats of one layer's state, unpadded."""
+        return (self.conv - 1) * self.channels + self.nv * self.dk * self.dv
+
+
+@dataclass(slots=True, frozen=True)
 class HParams:
     arch: str
     n_layer: int
@@ -58,6 +97,12 @@ class HParams:
     # LFM2: per layer, True = a short-convolution layer (a recurrent state, no K/V); () = none
     conv_layers: tuple[bool, ...] = ()
     l_cache: int = 0  # the short convolution's kernel length (its state: l_cache - 1 rows)
+    # rotary dimensions of a head (0: all of head_dim); fewer rotate the first n_rot only
+    n_rot: int = 0
+    # Gated DeltaNet (qwen35): per layer, True = a linear-attention layer (a recurrent state of
+    # a conv window and one [dk, dv] matrix a value head); () = none
+    rec_layers: tuple[bool, ...] = ()
+    ssm: SsmDims | None = None  # their dimensions
 
     def __post_init__(self) -> None:
         """Fill the defaults that depend on other fields, so hand-built HParams (tests) of
@@ -66,6 +111,15 @@ class HParams:
             object.__setattr__(self, "swa_layers", (False,) * self.n_layer)
         if not any(self.conv_layers):  # also after dataclasses.replace changed n_layer
             object.__setattr__(self, "conv_layers", (False,) * self.n_layer)
+        if not any(self.rec_layers):
+            object.__setattr__(self, "rec_layers", (False,) * self.n_layer)
+        if len(self.rec_layers) != self.n_layer:
+            raise ValueError(f"rec_layers has {len(self.rec_layers)} entries for "
+                             f"{self.n_layer} layers")
+        if any(self.rec_layers) and self.ssm is None:
+            raise ValueError("Gated DeltaNet layers need their dimensions (ssm)")
+        if self.n_rot <= 0:
+            object.__setattr__(self, "n_rot", self.head_dim)
         if len(self.conv_layers) != self.n_layer:
             raise ValueError(f"conv_layers has {len(self.conv_layers)} entries for "
                              f"{self.n_layer} layers")
@@ -93,7 +147,7 @@ class HParams:
     @property
     def n_layer_full(self) -> int:
         """Layers attending to the whole context."""
-        return self.n_layer - self.n_layer_swa - self.n_layer_conv
+        return self.n_layer - self.n_layer_swa - self.n_layer_conv - self.n_layer_rec
 
     @property
     def n_layer_conv(self) -> int:
@@ -101,13 +155,20 @@ class HParams:
         return sum(self.conv_layers)
 
     @property
+    def n_layer_rec(self) -> int:
+        """Gated DeltaNet layers (a recurrent state a sequence, kept whole, no rows)."""
+        return sum(self.rec_layers)
+
+    @property
     def recurrent(self) -> bool:
         """Some layers keep a recurrent state: a sequence's memory exists only at positions
         it was computed at (no context shift, no --cache-reuse chunk shifting)."""
-        return self.n_layer_conv > 0
+        return self.n_layer_conv > 0 or self.n_layer_rec > 0
 
     def layer_kind(self, li: int) -> str:
-        """"global", "sliding" or "conv"."""
+        """"global", "sliding", "conv" or "recurrent"."""
+        if self.rec_layers[li]:
+            return "recurrent"
         return "conv" if self.conv_layers[li] else "sliding" if self.swa_layers[li] else "global"
 
     def cache_index(self, li: int, split: bool = True) -> int:
@@ -115,10 +176,12 @@ class HParams:
         have a cache of their own (`split`), else among the attention layers (the conv layers'
         rows are always apart)."""
         kind = self.layer_kind(li)
-        if split or kind == "conv":
+        if split or kind in _STATE_KINDS:
             return sum(1 for j in range(li) if self.layer_kind(j) == kind)
-        return sum(1 for j in range(li) if self.layer_kind(j) != "conv")
+        return sum(1 for j in range(li) if self.layer_kind(j) not in _STATE_KINDS)
 
+
+_STATE_KINDS = ("conv", "recurrent")  # layers whose memory is a state, apart from K/V rows
 
 # llama_pooling_type's values (llama.h), -1 being "unspecified"
 POOLING_TYPES = {-1: "", 0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}

@@ -20,6 +20,7 @@ from radixserve.model.hparams import ACTIVATIONS
 from radixserve.model.quant import Linear
 
 if TYPE_CHECKING:
+    from radixserve.model.delta_net import DeltaPlan
     from radixserve.model.short_conv import ShortConv
     from radixserve.model.step import KernelStep
     from radixserve.model.torch_step import TorchStep
@@ -29,19 +30,21 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class Run:
     """What every layer of one forward step shares: the step object, the short-convolution
-    plan (None without conv layers), each layer's row in its cache, and whether matmuls must
-    keep a row's bits independent of the batch (deterministic mode)."""
+    plan (None without conv layers), each layer's row in its cache, whether matmuls must
+    keep a row's bits independent of the batch (deterministic mode), and the Gated DeltaNet
+    plan (None without such layers)."""
 
     step: KernelStep | TorchStep
     conv: ShortConv | None
     cache_index: list[int]
     inv: bool
+    rec: DeltaPlan | None = None
 
 
 class Mixer(Protocol):
     """The part of a layer that mixes positions. `kind` names the memory it keeps ("global" and
-    "sliding" attention's K/V rows, "conv" a short convolution's input rows): the family's
-    memory layout groups layers by it."""
+    "sliding" attention's K/V rows, "conv" a short convolution's input rows, "recurrent" a
+    Gated DeltaNet's state): the family's memory layout groups layers by it."""
 
     kind: str
 
@@ -85,6 +88,52 @@ class ShortConvMixer:
         assert run.conv is not None
         mixed = run.conv.run(run.cache_index[li], self.kernel, self.in_proj(h, run.inv))
         return self.out_proj(mixed, run.inv)
+
+    def matrices(self) -> dict[str, Linear]:
+        return {"wqkv": self.in_proj, "wo": self.out_proj}
+
+
+@dataclass(slots=True)
+class GatedAttention:
+    """Qwen3.5's full attention: Attention with a per-head output gate, out * sigmoid(gate)
+    before the output projection. The gate's rows follow q/k/v in the fused projection
+    (`qkv_rows` of them are attention's)."""
+
+    kind: str
+    wqkv: Linear  # [q | k | v | gate] rows
+    wo: Linear
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qkv_rows: int
+
+    def __call__(self, run: Run, li: int, h: torch.Tensor) -> torch.Tensor:
+        y = self.wqkv(h, run.inv)
+        a = run.step.attend(li, y[:, :self.qkv_rows].contiguous())
+        gated = a.float() * torch.sigmoid(y[:, self.qkv_rows:].float())
+        return self.wo(gated.to(a.dtype), run.inv)
+
+    def matrices(self) -> dict[str, Linear]:
+        return {"wqkv": self.wqkv, "wo": self.wo}
+
+
+@dataclass(slots=True)
+class DeltaNetMixer:
+    """Qwen3.5's Gated DeltaNet (model/delta_net.py): the fused in-projection to [q k v | z |
+    beta | alpha], the conv and the delta rule over the pool's state cells, the gated norm,
+    the out-projection (reported in the attention's roles, as the short convolution's)."""
+
+    in_proj: Linear
+    conv: torch.Tensor  # [channels, K] f32
+    ssm_a: torch.Tensor  # [nv] f32, -exp(A_log)
+    dt_bias: torch.Tensor  # [nv] f32
+    norm: torch.Tensor  # [dv] f32
+    out_proj: Linear
+    kind: str = "recurrent"
+
+    def __call__(self, run: Run, li: int, h: torch.Tensor) -> torch.Tensor:
+        assert run.rec is not None
+        return self.out_proj(run.rec.run(run.cache_index[li], self, self.in_proj(h, run.inv)),
+                             run.inv)
 
     def matrices(self) -> dict[str, Linear]:
         return {"wqkv": self.in_proj, "wo": self.out_proj}

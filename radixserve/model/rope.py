@@ -15,15 +15,31 @@ import torch
 from radixserve.model.hparams import HParams
 
 
+def rotary_order(head_dim: int, n_rot: int) -> list[int]:
+    """A head's dimensions reordered so partial rotary (the first n_rot dimensions turn, in
+    half-split pairs (i, i + n_rot / 2)) becomes the full-width half-split rotation's pairs
+    (i, i + head_dim / 2): [rot first half, pass first half, rot second half, pass second
+    half]. Applied to q's and k's rows (and their norms) alike, q.k is unchanged."""
+    r, p = n_rot // 2, (head_dim - n_rot) // 2
+    if n_rot % 2 or (head_dim - n_rot) % 2 or n_rot <= 0:
+        raise ValueError(f"rotary dims {n_rot} of a {head_dim}-wide head must be even")
+    return (list(range(r)) + list(range(n_rot, n_rot + p)) + list(range(r, n_rot))
+            + list(range(n_rot + p, head_dim)))
+
+
 class Rope:
     def __init__(self, hp: HParams, freq_factors: torch.Tensor | None = None,
                  base: float | None = None, scale: float | None = None,
                  device: torch.device | None = None) -> None:
         """`base` / `scale` default to the model's (global layers'): hp.rope_base and
         hp.rope_scale_linear; the tables are computed on `device` (the model's)."""
-        half = hp.head_dim // 2
+        half, rot = hp.head_dim // 2, hp.n_rot // 2
         base = hp.rope_base if base is None else base
-        inv = 1.0 / (base ** (torch.arange(0, half, dtype=torch.float64) * 2 / hp.head_dim))
+        inv = 1.0 / (base ** (torch.arange(0, half, dtype=torch.float64) * 2 / hp.n_rot))
+        # partial rotary (n_rot < head_dim): the family ordered each q/k head's dimensions so
+        # the rotated pairs are (i, i + head_dim / 2) for i < n_rot / 2 (`rotary_order`); the
+        # others turn by angle 0 (cos 1, sin 0: unchanged, exactly)
+        inv[rot:] = 0.0
         if freq_factors is not None:
             inv = inv / freq_factors.to("cpu", torch.float64)
         self.inv_freq = inv.to(device or "cpu", torch.float32)

@@ -42,6 +42,14 @@ def _row_order(rows: int, n_head: int) -> np.ndarray:
     return np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
+
+
+def _order(rows: int, h: int | np.ndarray) -> np.ndarray:
+    """The rows a part keeps, in order: un-permuted llama Q/K for a head count, else `h`
+    itself (a reordering or a selection of the part's rows)."""
+    return _row_order(rows, h) if isinstance(h, int) else h
+
+
 def _dense(t: gguf.ReaderTensor) -> np.ndarray:
     arr = gguf.quants.dequantize(t.data, t.tensor_type)
     shape = tuple(int(x) for x in reversed(t.shape.tolist()))
@@ -121,10 +129,11 @@ class TensorLoader:
             return route, I8_FORMATS[t.tensor_type]
         return route, t.tensor_type if route.startswith("qmm") else None
 
-    def linear(self, names: list[str], heads: list[int | None],
+    def linear(self, names: list[str], heads: list[int | np.ndarray | None],
                biases: list[np.ndarray] | None = None) -> Linear:
         """One linear of the row-concatenated matrices `names` (rows un-permuted where `heads`
-        gives a head count): packed 4-bit tiles, 8-bit tiles, the file's own blocks, or dense;
+        gives a head count, taken in the order an array gives: a name may appear twice, each
+        time for some of its rows): packed 4-bit tiles, 8-bit tiles, the file's own blocks, or dense;
         parts that cannot share one matrix (_run_key) become a ConcatLinear of runs that can."""
         ts = [self.tensor(n) for n in names]
         kinds = [self._run_key(t) for t in ts]
@@ -145,14 +154,14 @@ class TensorLoader:
         qtype = ts[0].tensor_type
         if route in ("q4-tiles", "torch-int4"):
             parts = [split_blocks(t) for t in ts]
-            parts = [c if h is None else c.rows(_row_order(c.q.shape[0], h))
+            parts = [c if h is None else c.rows(_order(c.q.shape[0], h))
                      for c, h in zip(parts, heads)]
             return packed_linear(Codes.concat(parts), bias, self.dtype, self.kern)
         if route in ("qmm-int", "qmm-f32", "i8-tiles"):
             kern = self.kern
             assert kern is not None and qtype is not None
             raws = [raw_rows(t) for t in ts]
-            raws = [r if h is None else r[_row_order(r.shape[0], h)] for r, h in zip(raws, heads)]
+            raws = [r if h is None else r[_order(r.shape[0], h)] for r, h in zip(raws, heads)]
             k = int(ts[0].shape[0])
             if route == "i8-tiles":
                 return I8Linear([(t.tensor_type, r) for t, r in zip(ts, raws)], k, bias, kern)
@@ -160,7 +169,7 @@ class TensorLoader:
         arrays = []
         for t, h in zip(ts, heads):
             a = _dense(t)
-            arrays.append(a if h is None else a[_row_order(a.shape[0], h)])
+            arrays.append(a if h is None else a[_order(a.shape[0], h)])
         w = torch.from_numpy(np.concatenate(arrays)).to(self.dtype).contiguous()
         return DenseLinear(w, bias, self.kern)
 

@@ -9,6 +9,7 @@ import torch
 from radixserve.memory.layout import MemoryLayout
 from radixserve.memory.pool.conv import ConvPool
 from radixserve.memory.pool.pool import KVPool, KVTypes, Rotate
+from radixserve.memory.pool.recurrent import RecurrentPool
 from radixserve.memory.pool.swa import SWAPool
 
 
@@ -23,6 +24,8 @@ def build_pool(layout: MemoryLayout, n_cells: int, n_seq: int, unified: bool,
     position (`--swa-full`: no window; a short convolution's state is windowed regardless)."""
     held = layout.held(swa_full)
     shape = (held.n_head_kv, held.head_dim)
+    if held.n_recurrent:
+        return RecurrentPool(held, n_cells, n_seq, unified, dtype, rotate, device, types)
     if held.n_conv:
         return ConvPool(held.n_full, held.n_conv, *shape, held.conv_width, held.window,
                         n_cells, n_seq, unified, dtype, rotate, n_step, device, types,

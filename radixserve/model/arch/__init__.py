@@ -34,9 +34,19 @@ def registry() -> dict[str, Family]:
     return out
 
 
+# architectures known and not served yet, with why (one line at start-up, as any refusal)
+NOT_YET = {
+    "qwen35moe": "Qwen3.5 mixture-of-experts needs expert layers, not supported yet",
+    "qwen3next": "Qwen3-Next (a mixture-of-experts Gated DeltaNet) needs expert layers, not "
+                 "supported yet",
+}
+
+
 def family_of(arch: object) -> Family:
     """The family that serves `arch`, or UnsupportedModelError listing the registry."""
     fams = registry()
+    if isinstance(arch, str) and arch in NOT_YET:
+        raise UnsupportedModelError(f"model architecture {arch!r}: {NOT_YET[arch]}")
     if not isinstance(arch, str) or arch not in fams:
         raise UnsupportedModelError(f"unsupported model architecture {arch!r} "
                                     f"(supported: {', '.join(sorted(fams))})")

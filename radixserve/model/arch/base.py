@@ -50,7 +50,7 @@ class Family:
 
         n_embd = int(get("embedding_length"))
         n_head = int(get("attention.head_count"))
-        n_layer = int(get("block_count"))
+        n_layer = self.n_layer(get)
         n_head_kv, extra = self.kv_heads(arch, get, n_layer, get("attention.head_count_kv",
                                                                   n_head))
         head_dim = int(get("attention.key_length", n_embd // n_head))
@@ -85,6 +85,11 @@ class Family:
             act=self.act,
             **extra,
         )
+
+    def n_layer(self, get: Get) -> int:
+        """The layers the forward runs (a file's extra blocks, such as Qwen3.5's multi-token
+        prediction, excluded by the family)."""
+        return int(get("block_count"))
 
     def kv_heads(self, arch: str, get: Get, n_layer: int, raw: Any) -> tuple[int, dict[str, Any]]:
         """The KV head count from `attention.head_count_kv`, and any fields the family reads
