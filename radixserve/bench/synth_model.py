@@ -26,6 +26,20 @@ does not matter, so every architecture's are written alike. Norms are 1 everywhe
 stored norms already include its +1, so 1 is a plain RMSNorm there as in the others. Every
 `{arch}-tiny` shape is what the tests run, small enough to write in a second.
 
+Qwen 3.5 (`qwen35-0.8b`, `qwen35-4b`, dense) is a hybrid too: every 4th layer is gated full
+attention (attn_q holds each head's query rows then its output-gate rows, so 2 * n_head *
+head_dim rows; per-head q/k norms; RoPE on n_rot = head_dim / 4 dims in Qwen's interleaved
+M-RoPE sections), the others are Gated DeltaNet layers (attn_qkv [q | k | v], attn_gate,
+ssm_conv1d F32 [conv_dim, kernel], ssm_a = -exp(A_log) and ssm_dt.bias F32, ssm_beta/ssm_alpha,
+ssm_norm, ssm_out), written with the keys llama.cpp's converter (Qwen3_5TextModel) writes:
+`qwen35.ssm.*`, `full_attention_interval`, `attention.recurrent_layers` (one flag a block),
+`rope.dimension_count` / `dimension_sections`, key/value_length; FFN pre-norms named
+post_attention_norm. A `nextn` > 0 appends that many MTP blocks (block_count counts them,
+`nextn_predict_layers` says how many; a reader skips them): the published checkpoints carry one
+and the converter exports it unless told --no-mtp, but the GGUFs users run were mostly converted
+without, so the bench shapes have none. The norms are 1 here too (Qwen 3.5's RMSNorm multiplies
+by 1 + weight and the converter stores the +1; the DeltaNet's gated norm is plain).
+
 The file is written with F16 weights (norms F32), or Q8_0 through gguf-py; other types (Q4_K_M)
 come from llama.cpp's `llama-quantize` run on the F16 file outside this repo:
 
@@ -69,11 +83,28 @@ class Shape:
     # gemma3: the sliding layers' window (attention.sliding_window)
     sliding_window: int = 0
     rms_eps: float = 1e-5
+    # qwen35: every `attn_interval`-th layer attends (the others are Gated DeltaNet layers);
+    # RoPE on `n_rot` of the head's dims, in M-RoPE `rope_sections`; the DeltaNet's key heads,
+    # value heads (a multiple of them), their size (keys' and values' alike, as llama.cpp
+    # requires) and its conv kernel's length; `nextn` MTP blocks after the trunk
+    attn_interval: int = 0
+    n_rot: int = 0
+    rope_sections: tuple[int, int, int, int] = (0, 0, 0, 0)
+    ssm_k_heads: int = 0
+    ssm_v_heads: int = 0
+    ssm_head_dim: int = 0
+    ssm_conv: int = 0
+    nextn: int = 0
 
     @property
     def hd(self) -> int:
         """The attention head size."""
         return self.head_dim or self.n_embd // self.n_head
+
+    def recurrent(self) -> list[bool]:
+        """qwen35: each trunk layer's flag, True for a Gated DeltaNet layer (as llama.cpp derives
+        it from full_attention_interval)."""
+        return [(i + 1) % self.attn_interval != 0 for i in range(self.n_layer)]
 
 
 SHAPES = {
@@ -115,8 +146,27 @@ SHAPES = {
     "gemma3-tiny": Shape(n_layer=6, n_embd=128, n_ff=512, n_head=4, n_head_kv=1,
                          rope_base=1e6, n_ctx_train=4096, arch="gemma3", head_dim=64,
                          sliding_window=16, rms_eps=1e-6),
+    # Qwen/Qwen3.5-0.8B's and Qwen3.5-4B's config.json (text_config): head_dim 256,
+    # partial_rotary_factor 0.25 (n_rot 64), mrope_section [11, 11, 10] (interleaved),
+    # rope_theta 1e7, rms_norm_eps 1e-6, max_position_embeddings 262144, full_attention_interval
+    # 4, linear_conv_kernel_dim 4, linear key/value head dim 128, tied embeddings; no MTP block
+    # (see above; the vocabulary, 248320 tokens there, is the default model's)
+    "qwen35-0.8b": Shape(n_layer=24, n_embd=1024, n_ff=3584, n_head=8, n_head_kv=2,
+                         rope_base=1e7, n_ctx_train=262144, arch="qwen35", head_dim=256,
+                         rms_eps=1e-6, attn_interval=4, n_rot=64, rope_sections=(11, 11, 10, 0),
+                         ssm_k_heads=16, ssm_v_heads=16, ssm_head_dim=128, ssm_conv=4),
+    "qwen35-4b": Shape(n_layer=32, n_embd=2560, n_ff=9216, n_head=16, n_head_kv=4,
+                       rope_base=1e7, n_ctx_train=262144, arch="qwen35", head_dim=256,
+                       rms_eps=1e-6, attn_interval=4, n_rot=64, rope_sections=(11, 11, 10, 0),
+                       ssm_k_heads=16, ssm_v_heads=32, ssm_head_dim=128, ssm_conv=4),
+    # 4 layers (three DeltaNet, the last attends), twice the value heads as key heads (so the
+    # converter's v-head reordering shows), head size 64 = 2 x n_embd / n_head, n_rot 16
+    "qwen35-tiny": Shape(n_layer=4, n_embd=128, n_ff=384, n_head=4, n_head_kv=2,
+                         rope_base=1e7, n_ctx_train=4096, arch="qwen35", head_dim=64,
+                         rms_eps=1e-6, attn_interval=4, n_rot=16, rope_sections=(3, 3, 2, 0),
+                         ssm_k_heads=2, ssm_v_heads=4, ssm_head_dim=32, ssm_conv=4),
 }
-ARCHS = ("llama", "lfm2", "qwen2", "qwen3", "gemma3")
+ARCHS = ("llama", "lfm2", "qwen2", "qwen3", "gemma3", "qwen35")
 TYPES = {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 _TOKENIZER = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
               "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
@@ -150,11 +200,57 @@ def add_default_tokenizer(w: gguf.GGUFWriter, rename: dict[int, str] | None = No
     w.add_chat_template(tok["tokenizer.chat_template"])
 
 
+QWEN35_RECURRENT_LAYERS = "qwen35.attention.recurrent_layers"  # gguf-py 0.19 has no helper
+
+
+def add_qwen35_keys(w: gguf.GGUFWriter, shape: Shape, recurrent: list[bool] | None = None,
+                    interval: int | None = None) -> None:
+    """`shape`'s `qwen35.*` keys as llama.cpp's converter (Qwen3_5TextModel) writes them, less
+    the ones every arch has (block_count and the like, written by the caller): key/value_length
+    (config.json's head_dim), rope.dimension_count (head_dim x partial_rotary_factor) and
+    dimension_sections, the ssm.* sizes, `attention.recurrent_layers` when `recurrent` (the
+    trunk's flags; the converter writes them when config.json has layer_types, as Qwen's do,
+    False for each of the `nextn` MTP blocks) and full_attention_interval (`interval`, else
+    shape.attn_interval; the converter writes config.json's or 4)."""
+    w.add_key_length(shape.hd)
+    w.add_value_length(shape.hd)
+    w.add_rope_dimension_sections(list(shape.rope_sections))
+    w.add_ssm_conv_kernel(shape.ssm_conv)
+    w.add_ssm_state_size(shape.ssm_head_dim)
+    w.add_ssm_group_count(shape.ssm_k_heads)
+    w.add_ssm_time_step_rank(shape.ssm_v_heads)
+    w.add_ssm_inner_size(shape.ssm_head_dim * shape.ssm_v_heads)
+    if recurrent is not None:
+        if len(recurrent) != shape.n_layer:
+            raise ValueError(f"{len(recurrent)} recurrent flags for {shape.n_layer} layers")
+        w.add_array(QWEN35_RECURRENT_LAYERS, [bool(x) for x in recurrent] + [False] * shape.nextn)
+    w.add_full_attention_interval(interval or shape.attn_interval)
+    w.add_rope_dimension_count(shape.n_rot)
+    if shape.nextn:
+        w.add_nextn_predict_layers(shape.nextn)
+
+
+def check_qwen35(shape: Shape) -> None:
+    """Refuse a qwen35 shape llama.cpp could not load (naming the field)."""
+    if shape.attn_interval < 1 or not 0 < shape.n_rot <= shape.hd or shape.n_rot % 2:
+        raise ValueError(f"qwen35 needs attn_interval >= 1 and an even n_rot <= head_dim, not "
+                         f"{shape.attn_interval}, {shape.n_rot}")
+    if sum(shape.rope_sections) * 2 != shape.n_rot:
+        raise ValueError(f"rope_sections {shape.rope_sections} do not cover n_rot {shape.n_rot}")
+    if min(shape.ssm_k_heads, shape.ssm_head_dim, shape.ssm_conv) < 1 or (
+            shape.ssm_v_heads % shape.ssm_k_heads):
+        raise ValueError(f"ssm heads {shape.ssm_k_heads}/{shape.ssm_v_heads} of "
+                         f"{shape.ssm_head_dim}, conv {shape.ssm_conv}: value heads a multiple "
+                         "of key heads, every size positive")
+
+
 def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
-    """Write the GGUF at `path` of `shape.arch` (ARCHS: llama, lfm2, qwen2, qwen3, gemma3) with
-    llama.cpp's keys and tensor names: weights N(0, 0.02) (the init Llama uses, so activations
-    stay in range through the layers), in `wtype` (TYPES); norms 1, qwen2's q/k/v biases
-    N(0, 0.02) and lfm2's conv kernels F32."""
+    """Write the GGUF at `path` of `shape.arch` (ARCHS: llama, lfm2, qwen2, qwen3, gemma3,
+    qwen35) with llama.cpp's keys and tensor names: weights N(0, 0.02) (the init Llama uses, so
+    activations stay in range through the layers), in `wtype` (TYPES); norms 1, qwen2's q/k/v
+    biases N(0, 0.02); lfm2's conv kernels and qwen35's ssm_conv1d, ssm_a and ssm_dt.bias F32
+    (the converter's types; ssm_a in [-1, -0.1], ssm_dt.bias about 1: decays that neither
+    vanish nor saturate)."""
     if wtype not in TYPES:
         raise ValueError(f"weight type {wtype!r}: one of {', '.join(TYPES)}")
     if shape.arch not in ARCHS:
@@ -162,9 +258,15 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
     if (shape.sliding_window > 0) != (shape.arch == "gemma3"):
         raise ValueError(f"sliding_window {shape.sliding_window} for {shape.arch}: gemma3 "
                          "needs one, the others have none")
-    lfm2 = shape.arch == "lfm2"
-    qk_norm = shape.arch in ("qwen3", "gemma3", "lfm2")
-    attn = set(shape.attn_layers) if lfm2 else set(range(shape.n_layer))
+    lfm2, qwen35 = shape.arch == "lfm2", shape.arch == "qwen35"
+    qk_norm = shape.arch in ("qwen3", "gemma3", "lfm2", "qwen35")
+    if qwen35:
+        check_qwen35(shape)
+    elif shape.attn_interval or shape.nextn:
+        raise ValueError(f"attn_interval / nextn are qwen35's, not {shape.arch}'s")
+    attn = (set(shape.attn_layers) if lfm2 else
+            {i for i, r in enumerate(shape.recurrent()) if not r} if qwen35 else
+            set(range(shape.n_layer)))
     if (shape.attn_layers and not lfm2) or not attn <= set(range(shape.n_layer)):
         raise ValueError(f"attention layers {shape.attn_layers} for {shape.arch}, "
                          f"{shape.n_layer} layers")
@@ -173,7 +275,7 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, shape.arch)
     w.add_name(f"synthetic-{wtype}")
-    w.add_block_count(shape.n_layer)
+    w.add_block_count(shape.n_layer + shape.nextn)
     w.add_context_length(shape.n_ctx_train)
     w.add_embedding_length(shape.n_embd)
     w.add_feed_forward_length(shape.n_ff)
@@ -185,7 +287,10 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
         w.add_head_count_kv(shape.n_head_kv)
     w.add_rope_freq_base(shape.rope_base)  # gemma3: the global layers' base
     w.add_layer_norm_rms_eps(shape.rms_eps)
-    w.add_vocab_size(n_vocab)
+    if not qwen35:  # Qwen3_5TextModel writes none (the token list's length is the vocabulary)
+        w.add_vocab_size(n_vocab)
+    if qwen35:
+        add_qwen35_keys(w, shape, shape.recurrent())
     if shape.arch == "llama":  # the converter writes it for llama only (n_rot: the head size)
         w.add_rope_dimension_count(shape.hd)
     if shape.arch in ("qwen3", "gemma3"):  # their config.json's head_dim
@@ -208,15 +313,42 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
     def bias(name: str, n: int) -> None:
         w.add_tensor(name, rng.standard_normal(n, dtype=np.float32) * np.float32(0.02))
 
+    def f32(name: str, a: np.ndarray) -> None:
+        w.add_tensor(name, a.astype(np.float32))
+
     d, hd = shape.n_embd, shape.hd
     matrix("token_embd.weight", n_vocab, d)
     # LFM2's final norm (HF's model.embedding_norm) keeps the name its HF name maps to
     norm("token_embd_norm.weight" if lfm2 else "output_norm.weight")
-    for i in range(shape.n_layer):
+    for i in range(shape.n_layer + shape.nextn):
         p = f"blk.{i}."
         norm(p + "attn_norm.weight")
-        norm(p + "ffn_norm.weight")
-        if i in attn:
+        # Qwen 3.5's FFN pre-norm is HF's post_attention_layernorm, mapped to ATTN_POST_NORM
+        norm(p + ("post_attention_norm.weight" if qwen35 else "ffn_norm.weight"))
+        if qwen35 and i not in attn and i < shape.n_layer:
+            nk, nv, sd = shape.ssm_k_heads, shape.ssm_v_heads, shape.ssm_head_dim
+            matrix(p + "attn_qkv.weight", 2 * nk * sd + nv * sd, d)
+            matrix(p + "attn_gate.weight", nv * sd, d)
+            f32(p + "ssm_conv1d.weight",
+                rng.standard_normal((2 * nk * sd + nv * sd, shape.ssm_conv)) * 0.3)
+            f32(p + "ssm_dt.bias", 1.0 + rng.standard_normal(nv) * 0.1)
+            f32(p + "ssm_a", -rng.uniform(0.1, 1.0, nv))
+            matrix(p + "ssm_beta.weight", nv, d)
+            matrix(p + "ssm_alpha.weight", nv, d)
+            norm(p + "ssm_norm.weight", sd)
+            matrix(p + "ssm_out.weight", d, nv * sd)
+        elif qwen35:  # gated attention: each head's query rows, then its gate's
+            matrix(p + "attn_q.weight", 2 * shape.n_head * hd, d)
+            matrix(p + "attn_k.weight", shape.n_head_kv * hd, d)
+            matrix(p + "attn_v.weight", shape.n_head_kv * hd, d)
+            matrix(p + "attn_output.weight", d, shape.n_head * hd)
+            norm(p + "attn_q_norm.weight", hd)
+            norm(p + "attn_k_norm.weight", hd)
+            if i >= shape.n_layer:  # an MTP block: a full-attention block and these
+                matrix(p + "nextn.eh_proj.weight", d, 2 * d)
+                for n in ("enorm", "hnorm", "shared_head_norm"):
+                    norm(p + f"nextn.{n}.weight")
+        elif i in attn:
             matrix(p + "attn_q.weight", shape.n_head * hd, d)
             matrix(p + "attn_k.weight", shape.n_head_kv * hd, d)
             matrix(p + "attn_v.weight", shape.n_head_kv * hd, d)

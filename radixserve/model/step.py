@@ -142,7 +142,7 @@ class LayerKind:
             check_cells(c, self.n_cells)
 
 
-_ATTENDING = ("global", "sliding")  # the layer kinds with K/V cells
+_STATEFUL = ("conv", "recurrent")  # the layer kinds with a state, no K/V cells
 
 
 class KernelStep:
@@ -174,13 +174,13 @@ class KernelStep:
         self.width, self.row = n_head * d, (n_head + 2 * n_kv) * d
         self.kinds, self.x = kinds, x
         for name, ci in layer_kind:
-            if name in _ATTENDING and not 0 <= ci < kinds[name].n_layer:
+            if name not in _STATEFUL and not 0 <= ci < kinds[name].n_layer:
                 raise ValueError(f"step: layer {ci} outside the {name} cache")
         for kd in kinds.values():
             if (kd.n_kv, kd.d, kd.n_tok) != (n_kv, d, x.shape[0]):
                 raise ValueError("step: a cache's heads or a kind's tokens do not match")
         # a short-convolution or DeltaNet layer (short_conv.py, delta_net.py) attends nothing
-        self.layers = [None if name not in _ATTENDING else
+        self.layers = [None if name in _STATEFUL else
                        (kinds[name], ci, self._weight(qn, d), self._weight(kn, d))
                        for (name, ci), (qn, kn) in zip(layer_kind, norms)]
         longest = max(kd.longest for kd in kinds.values())
