@@ -192,6 +192,15 @@ def tiny_lfm2_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen35_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Qwen3.5: 4 layers (three Gated DeltaNet, the last attention), 2 key heads and 4
+    value heads of 16 (its state kept whole, one cell a sequence)."""
+    d = tmp_path_factory.mktemp("tiny-qwen35")
+    return write_tiny_gguf(str(d / "tiny-qwen35.gguf"), arch="qwen35", ssm_heads=(2, 4),
+                           seed=21)
+
+
+@pytest.fixture(scope="session")
 def tiny_path(tiny_paths: dict[str, str]) -> str:
     return tiny_paths["llama"]
 

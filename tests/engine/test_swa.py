@@ -28,15 +28,29 @@ from tests.engine.test_deterministic import Recorder, drive, greedy
 N_DOC, N_Q = 60, 6
 
 
-@pytest.fixture(scope="module", params=["gemma3", "lfm2"])
+PATHS = {"gemma3": "tiny_swa_path", "lfm2": "tiny_lfm2_path", "qwen35": "tiny_qwen35_path"}
+
+
+@pytest.fixture(scope="module", params=list(PATHS))
 def model(request: pytest.FixtureRequest) -> Model:
-    """The window layouts: Gemma 3's sliding attention (window 16) and LFM2's short
-    convolutions (their state a window of 3 input rows, memory/pool/conv.py)."""
-    path = request.getfixturevalue("tiny_swa_path" if request.param == "gemma3"
-                                   else "tiny_lfm2_path")
-    m = load_model(path, "bf16", deterministic="on")
-    assert m.deterministic
-    assert (m.hp.n_swa, m.hp.l_cache) == ((16, 0) if request.param == "gemma3" else (0, 3))
+    """The window layouts: Gemma 3's sliding attention (window 16), LFM2's short
+    convolutions (their state a window of 3 input rows, memory/pool/conv.py) and Qwen3.5's
+    Gated DeltaNet (its state kept whole, one cell after a sequence's last token,
+    memory/pool/recurrent.py)."""
+    return _load(request)
+
+
+@pytest.fixture(scope="module", params=["gemma3", "lfm2"])
+def row_model(request: pytest.FixtureRequest) -> Model:
+    """The layouts whose windowed group has rows a token, which the radix tree keeps (a Gated
+    DeltaNet's state has none: its host cache is the whole-prompt one)."""
+    return _load(request)
+
+
+def _load(request: pytest.FixtureRequest) -> Model:
+    m = load_model(request.getfixturevalue(PATHS[request.param]), "bf16", deterministic="on")
+    assert m.deterministic and m.hp.arch == request.param
+    assert m.layout.rows_every_position == (m.hp.arch != "qwen35")
     return m
 
 
@@ -99,6 +113,11 @@ def ref(model: Model) -> Ref:
     return Ref(model)
 
 
+@pytest.fixture(scope="module")
+def row_ref(row_model: Model) -> Ref:
+    return Ref(row_model)
+
+
 def sched(model: Model, **kw: Any) -> Scheduler:
     cfg = dict(ctx_size=512, n_parallel=1, ubatch_size=8)
     cfg.update(kw)
@@ -128,9 +147,9 @@ def test_reference_runs_past_the_window(model: Model, ref: Ref):
     s64 = sched(model, ubatch_size=64, cache_ram_mib=0)
     full = build_scheduler(model, ServerConfig(ctx_size=512, n_parallel=1, cache_ram_mib=0,
                                          swa_full=True), ServerMetrics())
-    # --swa-full is for sliding attention: a short convolution keeps its window part
+    # --swa-full is for sliding attention: a recurrent state keeps its window part
     assert isinstance(full.pool, ConvPool) == (model.hp.arch == "lfm2")
-    assert isinstance(full.pool, SWAPool) == (model.hp.arch == "lfm2")
+    assert isinstance(full.pool, SWAPool) == (model.hp.arch != "gemma3")
     for p in (P(0, 0), P(1, 1)):
         assert drive(s64, [greedy(p, cache_prompt=False)])[0] == ref(p)
         assert drive(full, [greedy(p, cache_prompt=False)])[0] == ref(p)
@@ -189,12 +208,12 @@ def test_legacy_entries_carry_checkpoints(model: Model, ref: Ref, monkeypatch):
     s.check()
 
 
-def test_radix_tree_serves_prefixes_the_window_dropped(model: Model, ref: Ref, monkeypatch):
+def test_radix_tree_serves_prefixes_the_window_dropped(row_model: Model, row_ref: Ref, monkeypatch):
     rec = Recorder(monkeypatch)
-    s = sched(model)
-    check_run(s, ref, [P(0, 0), P(1, 0)])
+    s = sched(row_model)
+    check_run(s, row_ref, [P(0, 0), P(1, 0)])
     rec.plans.clear()
-    check_run(s, ref, [P(0, 1), P(1, 2), edit(P(0, 0))])
+    check_run(s, row_ref, [P(0, 1), P(1, 2), edit(P(0, 0))])
     host = [sp.p1 - sp.p0 for p in rec.plans for sp in p.spans if sp.source is Source.HOST]
     assert host[:2] == [N_DOC, N_DOC] and host[2] == len(P(0, 0)) - 2
     s.check()
@@ -278,23 +297,23 @@ def test_checkpoint_at_the_last_user_message(model: Model, ref: Ref, monkeypatch
     assert ck is not None and ck.n_tokens == 66 and rec.plans[-1].n_reused == 66
 
 
-def test_radix_serves_what_the_slot_window_dropped(model: Model, ref: Ref, monkeypatch):
+def test_radix_serves_what_the_slot_window_dropped(row_model: Model, row_ref: Ref, monkeypatch):
     """The slot shares a prefix with the prompt but its window has left it and no checkpoint
     covers it: the radix tree (which the slot's own tokens do not outbid) restores it."""
     rec = Recorder(monkeypatch)
-    s = sched(model, ctx_checkpoints=0)
-    check_run(s, ref, [P(1, 0)])
+    s = sched(row_model, ctx_checkpoints=0)
+    check_run(s, row_ref, [P(1, 0)])
     rec.plans.clear()
-    check_run(s, ref, [DOCS[1][:30] + QS[2]])
+    check_run(s, row_ref, [DOCS[1][:30] + QS[2]])
     host = [sp.p1 - sp.p0 for p in rec.plans for sp in p.spans if sp.source is Source.HOST]
     assert host == [30]
 
 
-def test_write_through_stores_runs_not_a_node_a_token(model: Model, ref: Ref):
+def test_write_through_stores_runs_not_a_node_a_token(row_model: Model, row_ref: Ref):
     """A long generation slides the window many times; the radix tree's write-through stores
     the rows leaving it in runs (LFM2's window of 3 rows is pruned in runs of PRUNE_SLACK), so
     one prompt and its answer are a handful of nodes, not one a decoded token."""
-    s = sched(model)
+    s = sched(row_model)
     p = P(2, 2)
     task = greedy(p)
     task.n_predict = 150
