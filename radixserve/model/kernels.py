@@ -102,9 +102,11 @@ class Kernels:
         self._tiles = c.i8a_matmul  # the 4- and 8-bit tiles' products, 8-bit activations
         self._bf16_mm = c.bf16_matmul
         self._short_conv = c.short_conv_bf16
+        self._gdn = c.gdn_step_bf16
         self.has_int8_head = bool(c.int8_head_available())  # every build (VNNI, AVX2, NEON, C)
         self.has_bf16_gemm = bool(c.bf16_gemm_available())  # needs AVX512-BF16
         self._work = torch.empty(0)
+        self._gdn_work = torch.empty(0)  # gdn_step's conv outputs, grown to fit a call
 
     def _scratch(self, longest: int, n_tok: int, n_kv: int, g: int, d: int) -> torch.Tensor:
         """The attention scratch, grown (never shrunk) to fit a call: it is sized by the
@@ -195,6 +197,71 @@ class Kernels:
         out = torch.empty(rows, e, dtype=torch.bfloat16)
         self._short_conv(bcx.data_ptr(), rows, e, L, ck.data_ptr(), cv.data_ptr(),
                          new.data_ptr(), reads.data_ptr(), w.data_ptr(), out.data_ptr())
+        return out
+
+    def gdn_step(self, proj: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 n_new: torch.Tensor, read: torch.Tensor, write: torch.Tensor,
+                 conv_w: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
+                 norm_w: torch.Tensor, nk: int, nv: int, dk: int, dv: int,
+                 eps: float) -> torch.Tensor:
+        """One Gated DeltaNet layer (Qwen3.5's linear attention) for a step's sequences
+        (csrc/delta_net.c): the depthwise causal conv, the q/k L2 norms, the gated delta rule
+        and the gated RMS norm, bf16 in and out, the state in f32.
+
+        proj bf16 [T, P]: each token's in-projections [q | k | v (the Cc = 2 nk dk + nv dv conv
+        channels) | z (nv dv) | beta logits (nv) | alpha (nv)]; k, v f32 [n_cells, W] the
+        layer's state stores, a cell a row, W = (K-1) Cc + ceil(nv / 2) dk dv (k's row: the conv
+        state, K-1 rows of Cc oldest first, then v-heads 0..ceil(nv/2)-1's [dk][dv] matrices;
+        v's row: the other v-heads' matrices, then padding); n_new, read, write int64 [S]: each
+        sequence's tokens (proj's rows in order), the cell its state is read from (-1: zeros;
+        never written) and the cell it is left in (not the read cell, nor any other sequence's
+        read or write cell). conv_w f32 [Cc, K], ssm_a (= -exp(A_log)) and dt_bias f32 [nv],
+        norm_w f32 [dv]; v-head h uses q/k head h % nk -> bf16 [T, nv dv]. A token's bits do not
+        depend on the other tokens or sequences of the call, nor on the thread count, and every
+        variant computes the same bits (fixed orders, no reassociation or contraction; exp is
+        the kernel's own, within 0.51 ulp: libm's expf neither vectorizes nor gives the same bits
+        on every CPU)."""
+        if not (nk > 0 and nv > 0 and dk > 0 and dv > 0):
+            raise ValueError(f"gdn_step needs positive head counts and sizes ({nk}, {nv}, "
+                             f"{dk}, {dv})")
+        cc = 2 * nk * dk + nv * dv
+        width = cc + nv * dv + 2 * nv
+        kk = conv_w.shape[1] if conv_w.dim() == 2 else 0
+        w = (kk - 1) * cc + (nv + 1) // 2 * dk * dv
+        rows = proj.shape[0] if proj.dim() == 2 else 0
+        ok = (proj.dtype == torch.bfloat16 and proj.dim() == 2 and proj.shape[1] == width
+              and rows > 0 and k.dtype == v.dtype == torch.float32 and k.dim() == 2
+              and kk >= 1 and k.shape == v.shape and k.shape[1] == w and k.shape[0] > 0
+              and conv_w.dtype == ssm_a.dtype == dt_bias.dtype == norm_w.dtype == torch.float32
+              and conv_w.shape == (cc, kk) and ssm_a.shape == dt_bias.shape == (nv,)
+              and norm_w.shape == (dv,)
+              and n_new.dtype == read.dtype == write.dtype == torch.int64
+              and n_new.dim() == 1 and n_new.numel() > 0
+              and read.shape == write.shape == n_new.shape
+              and all(t.is_contiguous() for t in (proj, k, v, n_new, read, write, conv_w,
+                                                   ssm_a, dt_bias, norm_w)))
+        if not ok:
+            raise ValueError(f"gdn_step needs contiguous bf16 proj [T, {width}], f32 states "
+                             f"k, v [n_cells, (K-1) {cc} + {(nv + 1) // 2 * dk * dv}], f32 "
+                             f"conv_w [{cc}, K], ssm_a, dt_bias [{nv}], norm_w [{dv}] and int64 "
+                             f"n_new, read, write [S]")
+        n_cells = k.shape[0]
+        ns, rd, wr = n_new.tolist(), read.tolist(), write.tolist()
+        if min(ns) < 1 or sum(ns) != rows:
+            raise ValueError(f"gdn_step: n_new {ns} must be >= 1 each and sum to T = {rows}")
+        if not all(-1 <= r < n_cells for r in rd) or not all(0 <= c < n_cells for c in wr):
+            raise IndexError(f"gdn_step: cells outside a pool of {n_cells} (read {rd}, "
+                             f"write {wr})")
+        if len(set(wr)) != len(wr) or set(wr) & set(rd):
+            raise ValueError(f"gdn_step: each write cell must be its own, no read cell "
+                             f"(read {rd}, write {wr})")
+        if self._gdn_work.numel() < rows * cc:
+            self._gdn_work = torch.empty(rows * cc, dtype=torch.float32)
+        out = torch.empty(rows, nv * dv, dtype=torch.bfloat16)
+        self._gdn(proj.data_ptr(), rows, len(ns), n_new.data_ptr(), read.data_ptr(),
+                  write.data_ptr(), k.data_ptr(), v.data_ptr(), w, conv_w.data_ptr(), kk,
+                  ssm_a.data_ptr(), dt_bias.data_ptr(), norm_w.data_ptr(), nk, nv, dk, dv,
+                  eps, self._gdn_work.data_ptr(), out.data_ptr())
         return out
 
     def int8_head(self, q8: torch.Tensor, rowsum: torch.Tensor, scale: torch.Tensor,
