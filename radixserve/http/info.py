@@ -131,7 +131,7 @@ def props_json(
         "cache_type_k": kv_types.resolve(cfg.cache_type_k, "", model.dtype)[0].name,
         "cache_type_v": kv_types.resolve("", cfg.cache_type_v, model.dtype)[1].name,
         "prompt_cache": {
-            "backend": backend_name(cfg, layout),
+            "backend": backend_name(cfg),
             "cache_ram_mib": cfg.cache_ram_mib,
             "cache_idle_slots": cfg.cache_idle_slots and cfg.cache_ram_mib != 0,
             "cache_radix_min_restore_tokens": cfg.cache_radix_min_restore_tokens,

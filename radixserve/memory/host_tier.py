@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from radixserve.config import ServerConfig
 from radixserve.memory.holders import Holder, ModelIdentity
 from radixserve.memory.key import PromptKey
-from radixserve.memory.layout import MemoryLayout
 from radixserve.memory.pool.pool import KVPool
 from radixserve.memory.pool.state import fingerprint_of
 from radixserve.memory.prefix_plan import salted_lcp
@@ -43,20 +42,18 @@ log = logging.getLogger(__name__)
 STATS_LOG_INTERVAL_S = 30.0
 
 
-def backend_name(cfg: ServerConfig, layout: MemoryLayout) -> str:
-    """The host cache `cfg` gives a pool of `layout`: "none", "radix" or "legacy" (the
-    whole-prompt cache). The radix tree keeps rows a token, so a layout whose state has none
-    (a Gated DeltaNet's, kept whole) gets the whole-prompt cache, whose entries carry it."""
+def backend_name(cfg: ServerConfig) -> str:
+    """The host cache `cfg` describes: "none", "radix" or "legacy" (the whole-prompt cache)."""
     if cfg.cache_ram_mib == 0:
         return "none"
-    return "radix" if cfg.cache_radix_prompt and layout.rows_every_position else "legacy"
+    return "radix" if cfg.cache_radix_prompt else "legacy"
 
 
 def make_cache(cfg: ServerConfig, pool: KVPool, arch: str,
                models: tuple[ModelIdentity, ...] = ()) -> PromptCache:
     """The host cache `cfg` describes; with `--cache-disk`, `models` (the target, then a draft
     model) name the disk tier's files."""
-    backend = backend_name(cfg, pool.layout)
+    backend = backend_name(cfg)
     if cfg.cache_disk and not pool.layout.rows_every_position:
         raise ValueError("--cache-disk: the disk tier keeps rows a token, and this model's "
                          "recurrent state has none (Gated DeltaNet layers); run without "
@@ -64,14 +61,12 @@ def make_cache(cfg: ServerConfig, pool: KVPool, arch: str,
     if backend == "none":
         return NullPromptCache()
     limit = cfg.cache_ram_mib * 1024 * 1024 if cfg.cache_ram_mib > 0 else 0
-    if cfg.cache_radix_prompt and backend == "legacy":
-        log.info("host cache: whole prompts (the radix tree keeps rows a token; this model's "
-                 "recurrent state is kept whole, as snapshots)")
     if backend == "radix":
         disk = make_disk(cfg, pool, models) if cfg.cache_disk else None
         pin = cfg.cache_pin_mib * 1024 * 1024
         return RadixPromptCache(limit, cfg.cache_radix_min_restore_tokens, disk=disk,
-                                pin_limit_bytes=min(pin, limit) if limit > 0 else pin)
+                                pin_limit_bytes=min(pin, limit) if limit > 0 else pin,
+                                fingerprint=fingerprint_of(pool, arch))
     return LegacyPromptCache(limit, pool.n_cells, fingerprint_of(pool, arch))
 
 

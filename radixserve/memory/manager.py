@@ -23,12 +23,14 @@ from radixserve.config import ServerConfig
 from radixserve.memory import miss_report
 from radixserve.memory.holders import Holder, Request
 from radixserve.memory.host_tier import HostTier
+from radixserve.memory.key import PromptKey
 from radixserve.memory.miss_report import Reuse
 from radixserve.memory.pool.pool import KVPool, OutOfCells
 from radixserve.memory.prefix_plan import (PrefixPlan, choose_slot, pending_prefill,
                                            salted_lcp, take_prefix)
 from radixserve.memory.slot_files import slot_action
 from radixserve.memory.tiers.base import DiskTierCache, PromptCache
+from radixserve.memory.tiers.prefix import common_prefix
 from radixserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ class MemoryManager:
         self._disk_wait: dict[int, int] = {}  # task id -> disk ticket it waits for
         self._from_disk: set[int] = set()  # task ids whose disk read ended (reuse report)
         self._disk_asked: set[int] = set()  # task ids whose disk lookup was made
+        self._waiters: dict[int, PromptKey] = {}  # tasks waiting for a prefill's prefix
 
     @property
     def cache(self) -> PromptCache:
@@ -78,7 +81,11 @@ class MemoryManager:
     def must_wait(self, task: Request) -> bool:
         """Whether `task` should wait rather than start now: another slot is computing a prefix
         it would reuse, or its prompt's blocks are being read from disk."""
-        return pending_prefill(self.slots, task) is not None or self._awaits_disk(task)
+        if pending_prefill(self.slots, task) is not None:
+            self._waiters[task.id] = task.key  # its fork with that prefill: see `_forks`
+            return True
+        self._waiters.pop(task.id, None)
+        return self._awaits_disk(task)
 
     def choose_slot(self, task: Request) -> tuple[Holder | None, bool]:
         """llama-server's slot choice; the flag: the slot's content goes to the host cache
@@ -138,6 +145,7 @@ class MemoryManager:
         self._disk_wait.pop(task_id, None)
         self._from_disk.discard(task_id)
         self._disk_asked.discard(task_id)
+        self._waiters.pop(task_id, None)
 
     def _awaits_disk(self, task: Request) -> bool:
         """Whether `task` waits for its prompt's blocks to come from disk into the radix tree
@@ -197,15 +205,37 @@ class MemoryManager:
         tokens at p0 about to be scheduled: where the chunk must end so checkpoints land where
         a later prompt is likely to diverge, and whether one was taken before it runs. Returns
         (the chunk's length, taken)."""
-        take = self._cut(slot, p0, take, user_starts)
-        return take, self._checkpoint(slot, p0, take, user_starts, task_id)
+        forks = self._forks(slot)
+        take = self._cut(slot, p0, take, user_starts, forks)
+        return take, self._checkpoint(slot, p0, take, user_starts, task_id, forks)
 
-    def _cut(self, s: Holder, p0: int, take: int, starts: Sequence[int]) -> int:
+    def _forks(self, s: Holder) -> tuple[int, ...]:
+        """Where a layout whose state has no rows a token (memory/pool/recurrent.py: its state
+        exists only where a snapshot was kept) takes a checkpoint whatever the spacing: where
+        the prompt leaves the text the host cache or another slot holds, or the prompt of a
+        task waiting for this prefill (the next prompt of that group diverges there too:
+        prompts fork where they forked before), and before the prompt's last token (a
+        regenerated answer or a retried tool call resumes there)."""
+        if self.pool.layout.rows_every_position:
+            return ()
+        prompt, kv = s.prompt, s.kv
+        key = PromptKey(kv.salt, list(prompt))
+        held = [self.host.cache.held(key, 0)[0]]
+        held += [common_prefix(o.kv.tokens, prompt) for o in self.slots
+                 if o is not s and o.kv.salt == kv.salt]
+        held += [common_prefix(w.tokens, prompt) for w in self._waiters.values()
+                 if w.ns == kv.salt]
+        return tuple(sorted({m for m in held if 0 < m < len(prompt) - 1}
+                            | {len(prompt) - 1}))
+
+    def _cut(self, s: Holder, p0: int, take: int, starts: Sequence[int],
+             forks: Sequence[int] = ()) -> int:
         """A chunk ends before a user message's start (the last one's, or any one when there is
-        no checkpoint yet or it lies checkpoint_min_step past the last), and the last
-        min(n_batch, n_ubatch + 4) and the last min(n_batch, 4) prompt tokens start chunks of
-        their own."""
+        no checkpoint yet or it lies checkpoint_min_step past the last) and at a fork
+        (`_forks`), and the last min(n_batch, n_ubatch + 4) and the last min(n_batch, 4)
+        prompt tokens start chunks of their own."""
         n, cks, step = len(s.prompt), s.kv.checkpoints, self.cfg.checkpoint_min_step
+        take = min([f - p0 for f in forks if p0 < f < p0 + take], default=take)
         for u in starts:
             if p0 < u < p0 + take and (u == starts[-1] or not cks
                                        or u > cks[-1].n_tokens + step):
@@ -217,11 +247,13 @@ class MemoryManager:
         return take
 
     def _checkpoint(self, s: Holder, p0: int, take: int, starts: Sequence[int],
-                    task_id: int) -> bool:
+                    task_id: int, forks: Sequence[int] = ()) -> bool:
         """llama-server's do_checkpoint, before the chunk [p0, p0 + take) runs: at a user
         message's start or near the prompt's end, spaced checkpoint_min_step apart unless at
-        the last user message or near the end."""
+        the last user message or near the end; and at a fork, always."""
         kv = s.kv
+        if p0 == len(kv) and p0 in forks and not any(c.n_tokens == p0 for c in kv.checkpoints):
+            return kv.take_checkpoint(task_id) is not None
         near_end = len(s.prompt) < p0 + take + self.cfg.ubatch_size
         if p0 != len(kv) or not (near_end or p0 in starts):
             return False

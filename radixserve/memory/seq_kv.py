@@ -293,7 +293,8 @@ class SlotKV:
 
     def window_unsaved(self) -> bool:
         """Pruning the window now would drop sliding KV a write-through tier lacks."""
-        return self.swa is not None and self.swa.window_start(self.seq) > self.saved_upto
+        return (self.swa is not None and self.pool.layout.rows_every_position
+                and self.swa.window_start(self.seq) > self.saved_upto)
 
     def prune(self) -> None:
         """Drop sliding cells no later token reads (memory/pool/swa.py)."""

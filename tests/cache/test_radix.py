@@ -490,6 +490,9 @@ def test_stats_and_log_line(caplog: pytest.LogCaptureFixture) -> None:
         "fallbacks": 0.0,
         "pins": 0.0,
         "pinned_bytes": 0.0,
+        "snapshots": 0.0,
+        "snapshot_bytes": 0.0,
+        "snapshots_dropped": 0.0,
     }
     with caplog.at_level(logging.INFO, logger="radixserve.memory.tiers.radix"):
         cache.log_stats()

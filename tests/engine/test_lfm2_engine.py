@@ -453,17 +453,18 @@ def agent_task(prompt: list[int], chat: bool, **kw: Any) -> CompletionTask:
     return t
 
 
-def run_agents(model: Model, ref: Ref, radix: bool, chat: bool
+def run_agents(model: Model, ref: Ref, radix: bool, chat: bool, cache: Any = None
                ) -> tuple[list[FinalResult], list[list[int]], int, Scheduler]:
     """As tests/engine/test_agent_sessions.py: N_SESSIONS sessions on 2 slots, each prompt the
     shared tools (60 tokens) then the session's history, which grows each step by the answer
     and a tool result; a round of steps at a time. Returns (finals, prompts, the unshared
-    minimum, the scheduler); every answer is checked against its prompt's alone."""
+    minimum, the scheduler); every answer is checked against its prompt's alone. `cache`: a
+    host cache to use instead of the one the flags make."""
     rng = random.Random(36)
     tools = rand_tokens(rng, N_TOOLS)
     hist = [[3000 + 97 * i] + rand_tokens(rng, 7) for i in range(N_SESSIONS)]
     s = build_scheduler(model, ServerConfig(n_parallel=2, ctx_size=1024,
-                                            cache_radix_prompt=radix), ServerMetrics())
+                                            cache_radix_prompt=radix), ServerMetrics(), cache)
     finals, sent = [], []
     for step in range(N_STEPS):
         prompts = [tools + h for h in hist]

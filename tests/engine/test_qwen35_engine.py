@@ -18,7 +18,8 @@ import pytest
 from radixserve.config import ServerConfig, SpecConfig
 from radixserve.engine.build import build_scheduler
 from radixserve.engine.counters import ServerMetrics
-from radixserve.memory.host_tier import backend_name
+from radixserve.memory.pool.state import fingerprint_of
+from radixserve.memory.tiers.radix import RadixPromptCache
 from radixserve.model.loader import Model, load_model
 from tests.engine.test_deterministic import drive, run_to_end
 from tests.engine.test_lfm2_engine import N_TOOLS, agent_task, run_agents
@@ -42,18 +43,6 @@ def ref(model: Model) -> Ref:
     return Ref(model)
 
 
-def test_the_host_cache_is_the_whole_prompt_one(model: Model) -> None:
-    """The radix tree keeps rows a token; a Gated DeltaNet's state has none, so the server
-    keeps whole prompts (their states and checkpoints) whatever --cache-radix-prompt says."""
-    for radix in (True, False):
-        cfg = ServerConfig(cache_radix_prompt=radix)
-        assert backend_name(cfg, model.layout) == "legacy"
-        s = build_scheduler(model, cfg, ServerMetrics())
-        assert s.mem.cache.name == "legacy"
-        s.mem.close()
-    assert backend_name(ServerConfig(cache_ram_mib=0), model.layout) == "none"
-
-
 @pytest.mark.parametrize("kw, words", [
     (dict(spec=SpecConfig(types=("ngram-simple",))), "speculative decoding is not supported"),
     (dict(cache_disk="DIR"), "--cache-disk: the disk tier keeps rows a token"),
@@ -72,17 +61,54 @@ def test_context_shift_is_off(model: Model) -> None:
     s.mem.close()
 
 
-def test_agents_compute_the_minimum_plus_the_lost_histories(model: Model, ref: Ref) -> None:
-    """Agent sessions (5 on 2 slots, chat prompts: a user message, so a checkpoint, at the
-    shared tools' end) with the whole-prompt cache: every answer equals its prompt's alone,
-    and the prompt tokens computed are LFM2's figure on the same workload (390 = the unshared
-    minimum 170 plus the histories llama.cpp's whole-prompt rule drops): the state is kept
-    whole, yet a checkpoint at the tools' end gives every later request the 60 tools."""
-    finals, sent, minimum, s = run_agents(model, ref, radix=True, chat=True)
+@pytest.mark.parametrize("chat", [True, False])
+def test_agents_radix_computes_exactly_the_unshared_minimum(model: Model, ref: Ref,
+                                                            chat: bool) -> None:
+    """Agent sessions (5 on 2 slots: the shared tools, then each session's history growing by
+    its answer and a tool result) with the radix tree keeping the state as snapshots on its
+    nodes: the prompt tokens computed are exactly the unshared minimum (170, LFM2's figure on
+    this workload, whose state has rows a token), with or without a user message at the
+    tools' end. Without one, the first prompt of the round is cut where the waiting second
+    diverges from it (a fork) and snapshotted there; each session's state after its answer is
+    its node's snapshot. Every answer equals its prompt's alone (run_agents)."""
+    finals, sent, minimum, s = run_agents(model, ref, radix=True, chat=chat)
+    computed = sum(f.timings.prompt_n for f in finals)
+    assert (computed, minimum) == (170, 170)
+    st = s.mem.cache.stats()
+    assert st["snapshots"] > 0 and 0 < st["snapshot_bytes"] < st["bytes"]
+    assert st["loads"] > 0 and st["evictions"] == st["snapshots_dropped"] == 0
+    s.mem.check()
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_agents_legacy_compute_the_minimum_plus_the_lost_histories(model: Model, ref: Ref,
+                                                                   chat: bool) -> None:
+    """The whole-prompt cache (llama.cpp's rule: consulted only when a slot keeps under half
+    its tokens) with the forks' checkpoints: every request but the first reuses the 60 tools
+    and the sessions' histories are lost, 390 = 170 + 220, LFM2's chat figure; without a user
+    message too (the fork at the tools' end stands in for it)."""
+    finals, sent, minimum, s = run_agents(model, ref, radix=False, chat=chat)
     assert s.mem.cache.name == "legacy"
     computed = sum(f.timings.prompt_n for f in finals)
     assert [f.timings.cache_n for f in finals] == [0] + [N_TOOLS] * (len(sent) - 1)
     assert (computed, minimum) == (390, 170)
+
+
+def test_a_small_budget_drops_snapshots_and_answers_stay(model: Model, ref: Ref) -> None:
+    """The tree held to a fifth of what the sessions store unbounded (613,547 bytes measured):
+    superseded snapshots (a session's earlier steps) go first, then leaves; a prefix whose
+    snapshot went is served up to the nearest kept one, so more is computed than the minimum
+    (346 measured), less than the whole-prompt cache (390), and every answer is unchanged.
+    (At 200,000 bytes only superseded snapshots go, and the minimum still holds.)"""
+    fp = fingerprint_of(build_scheduler(model, ServerConfig(cache_ram_mib=0),
+                                        ServerMetrics()).pool, "qwen35")
+    cache = RadixPromptCache(120_000, fingerprint=fp)
+    finals, sent, minimum, s = run_agents(model, ref, radix=True, chat=True, cache=cache)
+    computed = sum(f.timings.prompt_n for f in finals)
+    st = cache.stats()
+    assert st["snapshots_dropped"] > 0 and st["evictions"] > 0 and st["bytes"] <= 120_000
+    assert minimum == 170 < computed < 390, computed
+    s.mem.check()
 
 
 def test_a_slot_resumes_its_state_and_an_edit_restores_a_checkpoint(model: Model,

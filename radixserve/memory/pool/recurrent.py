@@ -14,8 +14,10 @@ window part holds one *state cell* a sequence, at the position of its last token
   here): what is reusable is the whole sequence, or a context checkpoint (checkpoint.py),
   which is this state cell's bytes at the position it was taken: the model's snapshots, carried
   by a slot, the whole-prompt host cache and slot files;
-- a host tier that keeps rows per token (the radix tree, the disk blocks) cannot hold it
-  (`layout.rows_every_position` is False);
+- a host tier that keeps rows a token holds the attention rows only (`row_layout`: the state
+  is no row group) and the state as snapshots where they were kept: the radix tree on its
+  nodes (tiers/radix.py), never written through a token at a time; the disk blocks cannot
+  hold it (`layout.rows_every_position` is False);
 - a context shift is refused (the state exists only at the positions it was computed at).
 
 A cell's two halves (the window part's K and V rows, f32, never quantized) hold one layer's
@@ -99,6 +101,21 @@ class RecurrentPool(SWAPool):
 
     def n_reclaimable(self, seq: int) -> int:
         return KVPool.n_reclaimable(self, seq) if self.swa.n_reclaimable(seq) else 0
+
+    # -- rows a token: the attention layers' only (the state travels as snapshots) -----------
+    def _row_layers(self) -> int:
+        return self.n_layer
+
+    def rows_held_from(self, seq: int) -> int:
+        return 0
+
+    def _gather(self, seq: int, positions: list[int],
+                idx: torch.Tensor) -> list[torch.Tensor]:
+        return KVPool._gather(self, seq, positions, idx)
+
+    def _window(self, pos0: int, k: torch.Tensor, v: torch.Tensor, n: int,
+                window_from: int) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
+        return None
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         if delta:

@@ -64,6 +64,12 @@ STAT_NAMES = (
     "fallbacks",  # restores that failed (the slot computes what it then lacks)
     "pins",  # prompts kept from eviction (`prompt_cache_retention`; radix only)
     "pinned_bytes",  # the bytes they hold, shared prefixes once
+    # a recurrent state's snapshots (memory/pool/recurrent.py; radix only): held, their bytes
+    # (within `bytes`), and those dropped for room, their prefix then served up to the
+    # nearest kept one
+    "snapshots",
+    "snapshot_bytes",
+    "snapshots_dropped",
 )
 
 

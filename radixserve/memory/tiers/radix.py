@@ -40,11 +40,30 @@ from radixserve.memory.tiers.base import Restore, Segment, stats_dict
 from radixserve.memory.tiers.disk import DiskTier, Loaded
 from radixserve.memory.tiers.prefix import common_prefix
 from radixserve.memory.tiers.radix_tree import RadixMatch, RadixNode, RadixTree, own_rows
-from radixserve.memory.checkpoint import Checkpoint
+from radixserve.memory.checkpoint import Checkpoint, seal
 from radixserve.memory.key import PromptKey
 from radixserve.memory.pool.pool import KVPool
+from radixserve.memory.pool.state import Fingerprint, get_swa_state
 
 log = logging.getLogger(__name__)
+
+
+def _to_snapshot(match: RadixMatch) -> RadixMatch:
+    """The match cut back to the deepest node on its path that ends within it and keeps a
+    snapshot (a recurrent state exists only where one was kept)."""
+    path = match.path
+    while path and (path[-1].depth > match.length or not path[-1].snapshot):
+        path = path[:-1]
+    return RadixMatch(path[-1].depth if path else 0, path)
+
+
+def _checkpoints(match: RadixMatch, n: int = 2) -> list[Checkpoint]:
+    """The deepest `n` snapshots along a match, as the context checkpoints a restore hands the
+    slot (it resumes from the deepest the new prompt can use: the prompt's last token is
+    always computed, so a prompt ending at the match's end needs the one before)."""
+    out = [Checkpoint(node.depth, node.depth - 1, node.depth - 1, node.snapshot)
+           for node in match.path if node.snapshot and node.depth <= match.length]
+    return out[-n:]
 
 
 class InjectedFault(RuntimeError):
@@ -70,13 +89,15 @@ class RadixPromptCache:
     def __init__(
         self, limit_bytes: int, min_restore_tokens: int = 0, fault_after_tokens: int | None = None,
         fault_restores: int | None = None, disk: DiskTier | None = None,
-        pin_limit_bytes: int = 0,
+        pin_limit_bytes: int = 0, fingerprint: Fingerprint | None = None,
     ) -> None:
         """`fault_after_tokens` (tests only): restores raise InjectedFault after writing that
         many tokens' cells - every restore, or only the first `fault_restores`.
         `pin_limit_bytes`: what `prompt_cache_retention` pins may hold (0: no pins)."""
         self.tree = RadixTree()
         self.disk = disk
+        self.fp = fingerprint  # names a snapshot's state (a recurrent layout's; see `save`)
+        self.snapshots_dropped = 0
         self._inflight: dict[tuple[str, bytes], int] = {}  # (salt, last key) -> disk ticket
         self.disk_inserts = 0  # prefixes read from disk into the tree
         self.limit_bytes = limit_bytes  # <= 0: no limit (--cache-ram -1)
@@ -108,12 +129,13 @@ class RadixPromptCache:
         if pool.seq_positions(seq)[:n] != list(range(n)):
             raise ValueError(f"sequence {seq} does not hold positions 0..{n - 1} for {n} tokens")
         m = self.tree.match(tokens, salt).length
+        snaps = self._snapshots(pool, seq, n, checkpoints)
         if m < n and not 0 <= pool.rows_held_from(seq) <= m:
             log.debug("radix save of %d new tokens skipped: the sliding window dropped them",
                       n - m)
             self.skipped += 1
             return False
-        if 0 < self.limit_bytes < (n - m) * pool.bytes_per_token:
+        if 0 < self.limit_bytes < (n - m) * pool.bytes_per_token + sum(map(len, snaps.values())):
             log.debug(
                 "radix save of %d new tokens skipped: over the %d-byte limit",
                 n - m,
@@ -124,6 +146,8 @@ class RadixPromptCache:
         try:
             k, v, *more = pool.rows_out(seq, m, n)
             node = self.tree.insert(tokens, k, v, tuple(more), salt)
+            for depth, snap in snaps.items():
+                self.tree.attach(self.tree.node_at(node, depth), snap)
         except (MemoryError, torch.OutOfMemoryError) as e:
             log.warning("radix save of %d tokens failed (%s); cache unchanged", n, e)
             return False
@@ -131,6 +155,19 @@ class RadixPromptCache:
         self._to_disk(node)
         self.update()
         return True
+
+    def _snapshots(self, pool: KVPool, seq: int, n: int,
+                   checkpoints: Sequence[Checkpoint]) -> dict[int, bytes]:
+        """{depth: state} a save of n tokens attaches, for a layout whose recurrent state has no
+        rows a token (memory/layout.py's rows_every_position): the slot's checkpoints, and its
+        state after its last token when it holds exactly those n. Empty for the others."""
+        w = pool.windowed
+        if pool.layout.rows_every_position or w is None or self.fp is None:
+            return {}
+        out = {c.n_tokens: c.target for c in checkpoints if 0 < c.n_tokens <= n}
+        if pool.seq_len(seq) == n and w.snapshot_from(seq) == n - 1:
+            out[n] = seal(get_swa_state(w, seq, self.fp))
+        return out
 
     def match(self, pool: KVPool, seq: int, slot_tokens: list[int], key: PromptKey) -> int:
         found = self._restorable(pool, seq, slot_tokens, key)
@@ -158,6 +195,8 @@ class RadixPromptCache:
         """The stored prefix `load` would restore: long enough, better than the slot's own, and
         with room for it."""
         match = self.tree.match(key.tokens, key.ns)
+        if not pool.layout.rows_every_position:  # a recurrent state: up to a snapshot only
+            match = _to_snapshot(match)
         m = match.length
         if m == 0 or m < self.min_restore_tokens or m <= common_prefix(slot_tokens, key.tokens):
             return None
@@ -179,7 +218,8 @@ class RadixPromptCache:
         end = match.path[-1]
         self.tree.touch(end)
         self.tree.lock(end)  # eviction must not drop the segments while they are copied
-        return Restore(key.tokens[:m], self._segments(pool, match), key.ns, kept=True,
+        return Restore(key.tokens[:m], self._segments(pool, match), key.ns,
+                       checkpoints=_checkpoints(match), kept=True,
                        on_done=lambda error: self._restored(end, m, seq, error))
 
     def _restored(self, end: RadixNode, m: int, seq: int, error: BaseException | None) -> None:
@@ -204,6 +244,7 @@ class RadixPromptCache:
         pins past their time are released first)."""
         self.expire_pins()
         if self.limit_bytes > 0:
+            self.snapshots_dropped += self.tree.drop_snapshots(self.limit_bytes)
             on_evict = self._to_disk if self.disk is not None else None
             nodes, tokens = self.tree.evict(self.limit_bytes, on_evict)
             self.evictions += nodes
@@ -387,6 +428,9 @@ class RadixPromptCache:
             hit_tokens=self.hit_tokens, skipped=self.skipped, evictions=self.evictions,
             evicted_tokens=self.evicted_tokens, fallbacks=self.fallbacks,
             pins=len(self.pins), pinned_bytes=self.pinned_bytes,
+            snapshots=sum(1 for n in t.nodes() if n.snapshot),
+            snapshot_bytes=sum(len(n.snapshot) for n in t.nodes()),
+            snapshots_dropped=self.snapshots_dropped,
         )
 
     def log_stats(self) -> None:

@@ -48,10 +48,14 @@ class RadixNode:
     # a draft model's K/V: the pool's row_layout after its first K and V), else empty
     more: tuple[torch.Tensor, ...] = ()
     ns: str = ""  # a namespace root's name (only read on roots)
+    # a recurrent state after this node's last token (a sealed context checkpoint's bytes),
+    # for a layout whose state has no rows a token (memory/pool/recurrent.py); b"": none
+    snapshot: bytes = b""
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes + sum(t.nbytes for t in self.more)
+        return (self.k.nbytes + self.v.nbytes + sum(t.nbytes for t in self.more)
+                + len(self.snapshot))
 
     def rows(self) -> tuple[torch.Tensor, ...]:
         return (self.k, self.v, *self.more)
@@ -157,6 +161,37 @@ class RadixTree:
         if depth >= node.depth:
             return node
         return self._split(node, depth - (node.depth - len(node.tokens)))
+
+    def node_at(self, end: RadixNode, depth: int) -> RadixNode:
+        """The node ending `depth` tokens from the root on the way to `end` (0 < depth <=
+        end.depth), an edge split there when it spans that depth."""
+        node = end
+        while node.depth - len(node.tokens) >= depth:
+            assert node.parent is not None
+            node = node.parent
+        return self.cut(node, depth)
+
+    def attach(self, node: RadixNode, snapshot: bytes) -> None:
+        """Keep `snapshot` (the state after `node`'s last token) on `node`, replacing any."""
+        self.bytes += len(snapshot) - len(node.snapshot)
+        node.snapshot = snapshot
+        self.version += 1
+
+    def drop_snapshots(self, limit_bytes: int) -> int:
+        """Drop the snapshots of unlocked nodes with one child, least recently used first,
+        until bytes <= limit_bytes; returns how many. Such a snapshot is the state where a
+        prompt once ended and a longer one went on (an agent's earlier step): its prefix is
+        then served up to the nearest snapshot above it. A leaf's goes with the leaf, and a
+        branch point's (where prompts diverge) stays until eviction makes it a leaf."""
+        cands = sorted((n for n in self.nodes() if n.snapshot and len(n.children) == 1
+                        and n.lock_ref == 0), key=lambda n: n.last_access)
+        dropped = 0
+        for n in cands:
+            if self.bytes <= limit_bytes:
+                break
+            self.attach(n, b"")
+            dropped += 1
+        return dropped
 
     def lock(self, node: RadixNode) -> None:
         """Pin `node` and its ancestors: eviction skips them until `unlock`."""
@@ -294,7 +329,7 @@ class RadixTree:
         self.logical_tokens -= leaf.depth
         leaf.evicted, leaf.parent = True, None
         leaf.k = leaf.v = self.root.k  # release the rows now
-        leaf.more = ()
+        leaf.more, leaf.snapshot = (), b""
         if parent.children:
             return
         if parent.parent is not None:
