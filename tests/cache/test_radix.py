@@ -635,3 +635,35 @@ def test_fault_after_partial_restore_falls_back_and_tree_stays_usable(
     assert torch.equal(pool.k[:, :, pool.seq_cells(1)], pool.k[:, :, pool.seq_cells(0)])
     pool.check()
     cache.check()
+
+
+# ----- snapshots (a recurrent state kept on nodes: memory/pool/recurrent.py) ---------------
+
+def test_snapshots_are_counted_split_with_their_node_and_dropped_when_superseded() -> None:
+    """A snapshot sits on the node ending where its state was taken and counts in the tree's
+    bytes; a split leaves it on the lower part (it still ends there); `drop_snapshots` takes
+    only those of unlocked one-child nodes (a prompt went on past them), least recently used
+    first, and only while over the limit; a leaf's goes with the leaf."""
+    tree = RadixTree()
+    a = [1, 2, 3, 4, 5, 6]
+    end = tree.insert(a, *rows(a))
+    base = tree.bytes
+    tree.attach(tree.node_at(end, 6), b"x" * 100)
+    tree.attach(tree.node_at(end, 3), b"y" * 50)  # splits the edge at 3
+    mid = tree.node_at(end, 3)
+    assert mid.depth == 3 and end.depth == 6 and mid.snapshot == b"y" * 50
+    assert end.snapshot == b"x" * 100 and tree.bytes == base + 150
+    tree.check()
+    b = [1, 2, 3, 4, 5, 6, 7, 8]  # a longer prompt: the node at 6 is superseded
+    leaf = tree.insert(b, *rows(b, 6))
+    tree.attach(leaf, b"z" * 10)
+    tree.touch(leaf)
+    assert tree.drop_snapshots(tree.bytes) == 0  # within the limit: nothing goes
+    assert tree.drop_snapshots(tree.bytes - 1) == 1  # the LRU one-child node's: depth 3
+    assert not mid.snapshot and end.snapshot and leaf.snapshot
+    assert tree.drop_snapshots(0) == 1 and not end.snapshot and leaf.snapshot
+    tree.check()
+    n_before = tree.bytes
+    tree.evict(0)
+    assert tree.bytes == 0 < n_before and not leaf.snapshot
+    tree.check()

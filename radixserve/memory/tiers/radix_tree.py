@@ -183,6 +183,8 @@ class RadixTree:
         prompt once ended and a longer one went on (an agent's earlier step): its prefix is
         then served up to the nearest snapshot above it. A leaf's goes with the leaf, and a
         branch point's (where prompts diverge) stays until eviction makes it a leaf."""
+        if self.bytes <= limit_bytes:
+            return 0
         cands = sorted((n for n in self.nodes() if n.snapshot and len(n.children) == 1
                         and n.lock_ref == 0), key=lambda n: n.last_access)
         dropped = 0
