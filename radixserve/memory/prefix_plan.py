@@ -66,7 +66,9 @@ class PrefixPlan:
     source: Source  # where [0, n_prefix) comes from
     n_prefix: int = 0
     donor: Holder | None = None  # the slot a SLOT prefix comes from
-    checkpoint: Checkpoint | None = None  # to restore first for an OWN prefix (sliding window)
+    # to restore first for an OWN prefix (sliding window), or into the slot after a SLOT
+    # prefix's rows (a recurrent state kept whole: the donor's checkpoint)
+    checkpoint: Checkpoint | None = None
     restored: int = 0  # tokens a host restore gave (the plan then names them the slot's own)
 
     @property
@@ -168,14 +170,17 @@ def plan_prefix(slot: Holder, key: PromptKey, donors: Sequence[Holder],
         n_host = min(host.match(kv.pool, kv.seq, kv.offered(key), key), n - 1)
         if n_host > n_src:
             source, n_src = Source.HOST, n_host
-    n_best = 0
+    n_best, donor_ck = 0, None
+    # a recurrent state kept whole is shared through the donor's checkpoint too (its rows,
+    # then the checkpoint's state); other windows only as they stand
+    via_ck = not kv.pool.layout.rows_every_position
     for other in donors:
         ok = other is not slot and len(other.kv) and other.kv.reusable
         m = salted_lcp(other.kv, key) if ok else 0
         m, via = other.kv.usable_prefix(min(m, n - 1))
-        m = 0 if via is not None else m  # only a window as it stands is shared
+        m = 0 if via is not None and not via_ck else m
         if m > n_best or (m and m == n_best and other is prefer):
-            donor, n_best = other, m
+            donor, n_best, donor_ck = other, m, via
     # an n_cmpl parent's cells are shared, not copied, wherever they hold as much
     min_gain = 0 if donor is not None and donor is prefer else SHARE_MIN_TOKENS
     if donor is not None and n_best - n_src >= min_gain:
@@ -200,8 +205,9 @@ def plan_prefix(slot: Holder, key: PromptKey, donors: Sequence[Holder],
         out.append(s)
         at = s.p1
     out.append(Span(at, n, Source.COMPUTE))
+    via = ckpt if source is Source.OWN else donor_ck if source is Source.SLOT else None
     return PrefixPlan(out, source, n_prefix, donor if source is Source.SLOT else None,
-                      ckpt if source is Source.OWN and n_prefix else None)
+                      via if n_prefix else None)
 
 
 def apply_plan(kv: SlotKV, plan: PrefixPlan, key: PromptKey, host: PromptCache | None) -> bool:
@@ -221,7 +227,7 @@ def apply_plan(kv: SlotKV, plan: PrefixPlan, key: PromptKey, host: PromptCache |
         return True
     if plan.source is Source.SLOT:
         assert plan.donor is not None
-        if not kv.share_from(plan.donor.kv, plan.n_prefix):
+        if not kv.share_from(plan.donor.kv, plan.n_prefix, plan.checkpoint):
             return False
         log.info("slot %d: sharing %d prompt tokens with slot %d", kv.seq, plan.n_prefix,
                  plan.donor.id)

@@ -174,7 +174,10 @@ class SlotKV:
 
     # -- sliding window: which prefix is usable, checkpoints -------------------------------------
     def _window_holds(self, pos_min: int, n: int) -> bool:
-        """Sliding KV starting at `pos_min` has every key the token at position n reads."""
+        """Sliding KV starting at `pos_min` has every key the token at position n reads (a
+        recurrent state kept whole: it is the state at n - 1 exactly)."""
+        if self.pool.layout.n_recurrent:
+            return pos_min == n - 1
         return 0 <= pos_min <= max(0, n - self.pool.layout.window + 1)
 
     def usable_prefix(self, n: int) -> tuple[int, Checkpoint | None]:
@@ -301,14 +304,22 @@ class SlotKV:
         if self.swa is not None:
             self.swa.prune(self.seq)
 
-    def share_from(self, donor: SlotKV, n: int) -> bool:
-        """Take the donor's first `n` cells (shared in unified KV, copied in a partition);
-        False, with this slot emptied, when a partition has no room for the copy."""
+    def share_from(self, donor: SlotKV, n: int, ck: Checkpoint | None = None) -> bool:
+        """Take the donor's first `n` cells (shared in unified KV, copied in a partition), and
+        the state of its checkpoint `ck` where the donor's own state is past n (a recurrent
+        state kept whole); False, with this slot emptied, when a partition has no room for
+        the copy or the checkpoint fails to load."""
         assert donor.reusable, f"slot {donor.seq}: shifted KV cannot be shared"
         self.drop()
         try:
             self.pool.seq_cp(donor.seq, self.seq, 0, n)
-        except OutOfCells:
+            if ck is not None:
+                assert self.swa is not None and self.fp is not None
+                set_swa_state(self.swa, self.seq, unseal(ck.target), self.fp)
+        except (OutOfCells, ValueError) as e:
+            log.warning("slot %d: sharing %d tokens of slot %d failed (%s)", self.seq, n,
+                        donor.seq, e)
+            self.pool.seq_rm(self.seq)
             return False
         self._tokens = list(donor.tokens[:n])
         self.salt = donor.salt

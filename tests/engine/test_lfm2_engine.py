@@ -313,6 +313,12 @@ def test_n_cmpl_children_take_the_parents_prompt(model: Model, ref: Ref, monkeyp
     of the prompt's attention rows - also when the host tier holds the whole prompt too (the
     second request, or a window model's write-through) and could restore as many tokens: a
     copy from the host would hold three."""
+    check_n_cmpl(model, ref, monkeypatch, unified, host)
+
+
+def check_n_cmpl(model: Model, ref: Ref, monkeypatch: pytest.MonkeyPatch, unified: bool,
+                 host: str) -> None:
+    """test_n_cmpl_children_take_the_parents_prompt's run and checks, for `model`."""
     rec = Recorder(monkeypatch)
     s = sched(model, n_parallel=3, kv_unified=unified, ubatch_size=512,
               cache_ram_mib=0 if host == "none" else 256)

@@ -11,6 +11,7 @@ pinned so a run that silently recomputed everything cannot pass.
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,8 @@ from radixserve.memory.pool.state import fingerprint_of
 from radixserve.memory.tiers.radix import RadixPromptCache
 from radixserve.model.loader import Model, load_model
 from tests.engine.test_deterministic import drive, run_to_end
-from tests.engine.test_lfm2_engine import N_TOOLS, agent_task, run_agents
+from tests.engine.test_lfm2_engine import (N_TOOLS, agent_task, check_n_cmpl, rand_tokens,
+                                           run_agents)
 from tests.engine.test_swa import Ref
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -136,3 +138,35 @@ def test_a_slot_resumes_its_state_and_an_edit_restores_a_checkpoint(model: Model
     assert got.tokens == alone(edited)
     assert 0 < got.timings.cache_n <= len(base) - 2
     s.mem.close()
+
+
+@pytest.mark.parametrize("host", ["none", "radix"])
+@pytest.mark.parametrize("unified", [True, False])
+def test_n_cmpl_children_take_the_parents_prompt(model: Model, ref: Ref, monkeypatch,
+                                                 unified: bool, host: str) -> None:
+    """As for LFM2 (test_lfm2_engine.py): the children wait for the parent's prompt and
+    compute only its last token, each answer its prompt's alone. The parent's state is after
+    the whole prompt by then, so a child takes the parent's rows and the state of its
+    checkpoint before the last token (a fork), shared (unified) or copied."""
+    check_n_cmpl(model, ref, monkeypatch, unified, host)
+
+
+def test_pins_count_rows_and_snapshots_come_and_go_on_pinned_paths(model: Model) -> None:
+    """A pinned prompt's path gains snapshots later (another prompt forks inside it, slots
+    are saved before reuse): pins count the rows they keep, so their bytes stay what they
+    were and the cache's checks hold."""
+    s = build_scheduler(model, ServerConfig(n_parallel=2, ctx_size=1024, cache_ram_mib=64,
+                                            cache_pin_mib=64), ServerMetrics())
+    rng = random.Random(5)
+    system = rand_tokens(rng, 60)
+    a, b = system + rand_tokens(rng, 33), system + rand_tokens(rng, 33)
+    run_to_end(s, [agent_task(a, chat=False, pin_s=100.0)], check_steps=True)
+    cache = s.mem.cache
+    assert isinstance(cache, RadixPromptCache) and len(cache.pins) == 1
+    pinned = cache.pinned_bytes
+    run_to_end(s, [agent_task(b, chat=False), agent_task(a + [7, 8, 9] * 10, chat=False)],
+               check_steps=True)
+    run_to_end(s, [agent_task(rand_tokens(rng, 40), chat=False) for _ in range(2)],
+               check_steps=True)
+    assert cache.pinned_bytes == pinned and cache.stats()["snapshots"] > 0
+    s.mem.check()

@@ -117,6 +117,18 @@ class RecurrentPool(SWAPool):
                 window_from: int) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
         return None
 
+    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        """The attention rows of [p0, p1), and the state only where it is the state at the
+        copy's end (the cell at p1 - 1): any other cell of `src` is no state of `dst`'s."""
+        KVPool.seq_cp(self, src, dst, p0, p1)
+        end = self.seq_pos_max(src) + 1 if p1 < 0 else p1
+        if end - 1 in self.swa.seq_positions(src):
+            try:
+                self.swa.seq_cp(src, dst, end - 1, end)
+            except Exception:
+                KVPool.seq_rm(self, dst, p0, p1)
+                raise
+
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         if delta:
             raise ShiftRefused("a recurrent state cannot be shifted: the model has Gated "

@@ -195,8 +195,10 @@ class RadixPromptCache:
         """The stored prefix `load` would restore: long enough, better than the slot's own, and
         with room for it."""
         match = self.tree.match(key.tokens, key.ns)
-        if not pool.layout.rows_every_position:  # a recurrent state: up to a snapshot only
-            match = _to_snapshot(match)
+        if not pool.layout.rows_every_position:
+            # a recurrent state: up to a snapshot only, one the prompt can resume from (its
+            # last token is always computed)
+            match = _to_snapshot(RadixMatch(min(match.length, len(key) - 1), match.path))
         m = match.length
         if m == 0 or m < self.min_restore_tokens or m <= common_prefix(slot_tokens, key.tokens):
             return None
@@ -286,7 +288,7 @@ class RadixPromptCache:
         last edge's up to that depth (as `tree.cut` would split it: rows are per token)."""
         *above, last = path
         n = depth - (last.depth - len(last.tokens))
-        return sum(p.nbytes for p in above) + last.nbytes * n // len(last.tokens)
+        return sum(p.row_bytes for p in above) + last.row_bytes * n // len(last.tokens)
 
     def expire_pins(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -295,11 +297,12 @@ class RadixPromptCache:
 
     def _count_pins(self) -> None:
         """Recount `pinned_bytes` when the pins change (pinned nodes are never evicted, and a
-        split keeps a path's bytes, so it holds in between: stats() runs at every launch)."""
+        split keeps a path's rows, so it holds in between: stats() runs at every launch). A
+        pin keeps rows: a snapshot on its path (attached later, at any time) is not counted."""
         seen: dict[int, int] = {}
         for p in self.pins:
             for n in self.tree.path_to(p.end):
-                seen[id(n)] = n.nbytes
+                seen[id(n)] = n.row_bytes
         self.pinned_bytes = sum(seen.values())
 
     def _unpin(self, p: Pin) -> None:
@@ -428,8 +431,7 @@ class RadixPromptCache:
             hit_tokens=self.hit_tokens, skipped=self.skipped, evictions=self.evictions,
             evicted_tokens=self.evicted_tokens, fallbacks=self.fallbacks,
             pins=len(self.pins), pinned_bytes=self.pinned_bytes,
-            snapshots=sum(1 for n in t.nodes() if n.snapshot),
-            snapshot_bytes=sum(len(n.snapshot) for n in t.nodes()),
+            snapshots=t.n_snapshots, snapshot_bytes=t.snapshot_bytes,
             snapshots_dropped=self.snapshots_dropped,
         )
 

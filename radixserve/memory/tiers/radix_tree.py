@@ -53,9 +53,12 @@ class RadixNode:
     snapshot: bytes = b""
 
     @property
+    def row_bytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes + sum(t.nbytes for t in self.more)
+
+    @property
     def nbytes(self) -> int:
-        return (self.k.nbytes + self.v.nbytes + sum(t.nbytes for t in self.more)
-                + len(self.snapshot))
+        return self.row_bytes + len(self.snapshot)
 
     def rows(self) -> tuple[torch.Tensor, ...]:
         return (self.k, self.v, *self.more)
@@ -95,6 +98,7 @@ class RadixTree:
         self.n_nodes = 0  # not counting the root
         self.n_terminal = 0
         self.unique_tokens = 0  # tokens stored (shared prefixes once)
+        self.n_snapshots = self.snapshot_bytes = 0  # snapshots held on nodes, their bytes
         self.logical_tokens = 0  # sum of terminal depths (shared prefixes once per prompt)
         self._clock = 0
         self.version = 0  # bumped by every change a reader could see (the cache view's memo)
@@ -174,6 +178,8 @@ class RadixTree:
     def attach(self, node: RadixNode, snapshot: bytes) -> None:
         """Keep `snapshot` (the state after `node`'s last token) on `node`, replacing any."""
         self.bytes += len(snapshot) - len(node.snapshot)
+        self.snapshot_bytes += len(snapshot) - len(node.snapshot)
+        self.n_snapshots += bool(snapshot) - bool(node.snapshot)
         node.snapshot = snapshot
         self.version += 1
 
@@ -183,7 +189,7 @@ class RadixTree:
         prompt once ended and a longer one went on (an agent's earlier step): its prefix is
         then served up to the nearest snapshot above it. A leaf's goes with the leaf, and a
         branch point's (where prompts diverge) stays until eviction makes it a leaf."""
-        if self.bytes <= limit_bytes:
+        if self.bytes <= limit_bytes or not self.n_snapshots:
             return 0
         cands = sorted((n for n in self.nodes() if n.snapshot and len(n.children) == 1
                         and n.lock_ref == 0), key=lambda n: n.last_access)
@@ -276,6 +282,8 @@ class RadixTree:
             if self._evictable(node):
                 evictable.add(id(node))
         assert (n_bytes, n_nodes, n_terminal) == (self.bytes, self.n_nodes, self.n_terminal)
+        snaps = [len(n.snapshot) for n in self.nodes() if n.snapshot]
+        assert (len(snaps), sum(snaps)) == (self.n_snapshots, self.snapshot_bytes), "snapshots"
         assert (unique, logical) == (self.unique_tokens, self.logical_tokens), "token counters"
         live = {id(e[2]) for e in self._heap if self._live(e)}
         assert live == evictable, "LRU heap does not hold exactly the evictable leaves"
@@ -325,6 +333,8 @@ class RadixTree:
         del parent.children[leaf.tokens[0]]
         self.version += 1
         self.bytes -= leaf.nbytes
+        self.snapshot_bytes -= len(leaf.snapshot)
+        self.n_snapshots -= bool(leaf.snapshot)
         self.n_nodes -= 1
         self.n_terminal -= 1
         self.unique_tokens -= len(leaf.tokens)
