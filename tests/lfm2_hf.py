@@ -100,12 +100,20 @@ def hf_lfm2_from_gguf(path: str) -> transformers.Lfm2ForCausalLM:
         if name.endswith("shortconv.conv.weight"):
             a = a[:, None, :]  # [n_embd, L] -> Conv1d's [n_embd, 1, L]
         state[hf] = torch.from_numpy(a)
+    return load_every_parameter(model, state, config.tie_word_embeddings, path)
+
+
+def load_every_parameter(model: Any, state: dict[str, torch.Tensor], tied: bool,
+                         path: str) -> Any:
+    """`state` into the HF `model`, every parameter from the file (a tied lm_head from the
+    embeddings), else ValueError naming what is missing or left over; the model in eval
+    mode."""
     missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if unexpected or set(missing) - tied:
+    untied = {"lm_head.weight"} if tied else set()
+    if unexpected or set(missing) - untied:
         raise ValueError(f"{path}: tensors not in the model {unexpected}, "
-                         f"parameters not in the file {sorted(set(missing) - tied)}")
-    if config.tie_word_embeddings:
+                         f"parameters not in the file {sorted(set(missing) - untied)}")
+    if tied:
         model.tie_weights()
         if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
             raise ValueError("lm_head is not tied to the loaded embeddings")

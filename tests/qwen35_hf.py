@@ -32,33 +32,13 @@ import torch
 import transformers
 
 from radixserve.model.gguf_check import read_gguf
+from tests.lfm2_hf import load_every_parameter
+from tests.tiny_gguf import QWEN35_HF_GLOBAL, QWEN35_HF_LAYER
 
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
-           "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
-# GGUF name within blk.N. -> HF name within model.layers.N. (gguf-py's tensor_mapping, inverted)
-_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
-    "attn_gate.weight": "linear_attn.in_proj_z.weight",
-    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
-    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
-    "ssm_a": "linear_attn.A_log",
-    "ssm_dt.bias": "linear_attn.dt_bias",
-    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
-    "ssm_norm.weight": "linear_attn.norm.weight",
-    "ssm_out.weight": "linear_attn.out_proj.weight",
-}
+# GGUF name -> HF name: tiny_gguf's map (as gguf-py's tensor_mapping maps HF's names for
+# MODEL_ARCH.QWEN35), inverted; the MTP block's names left out (its block is not loaded)
+_GLOBAL = {g: h for h, g in QWEN35_HF_GLOBAL.items()}
+_LAYER = {g: h for h, g in QWEN35_HF_LAYER.items() if not g.startswith("nextn.")}
 # stored + 1 by the converter (its test: the HF name ends in norm.weight, but not the DeltaNet's)
 _PLUS_ONE = {"output_norm.weight", "attn_norm.weight", "post_attention_norm.weight",
              "attn_q_norm.weight", "attn_k_norm.weight"}
@@ -189,16 +169,7 @@ def hf_qwen35_from_gguf(path: str) -> transformers.Qwen3_5ForCausalLM:
            if k in want and v.shape != want[k].shape}
     if bad:
         raise ValueError(f"{path}: shapes (file, model) differ: {bad}")
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if unexpected or set(missing) - tied:
-        raise ValueError(f"{path}: tensors not in the model {unexpected}, "
-                         f"parameters not in the file {sorted(set(missing) - tied)}")
-    if config.tie_word_embeddings:
-        model.tie_weights()
-        if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
-            raise ValueError("lm_head is not tied to the loaded embeddings")
-    return model.eval()
+    return load_every_parameter(model, state, config.tie_word_embeddings, path)
 
 
 def random_qwen35(config: transformers.Qwen3_5TextConfig, seed: int = 0

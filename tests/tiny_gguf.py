@@ -14,7 +14,7 @@ undoes them, can be checked to be their inverse.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
@@ -25,6 +25,23 @@ from radixserve.bench.synth_model import (Shape, add_default_tokenizer, add_qwen
 if TYPE_CHECKING:
     import torch
     import transformers
+
+
+def _random_tensors(w: gguf.GGUFWriter, rng: np.random.Generator, quantize: bool
+                    ) -> tuple[Any, Any]:
+    """(rand, put): random f32 arrays of a scale, and a writer of them (quantized to `qtype`
+    when asked and the rows are whole blocks)."""
+
+    def rand(*shape: int, scale: float = 0.08) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def put(name: str, a: np.ndarray, qtype: gguf.GGMLQuantizationType | None = None) -> None:
+        if quantize and qtype is not None and a.shape[-1] % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, a.astype(np.float32))
+
+    return rand, put
 
 
 def write_tiny_gguf(
@@ -122,14 +139,7 @@ def write_tiny_gguf(
         w.add_sliding_window(sliding_window)
     _add_tokenizer(w, rename_tokens, token_ids, add_bos)
 
-    def rand(*shape: int, scale: float = 0.08) -> np.ndarray:
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    def put(name: str, a: np.ndarray, qtype: gguf.GGMLQuantizationType | None = None) -> None:
-        if quantize and qtype is not None and a.shape[-1] % 32 == 0:
-            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(name, a)
+    rand, put = _random_tensors(w, rng, quantize)
 
     q8, q41 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1
     put("token_embd.weight", rand(n_vocab, n_embd, scale=0.5), q8)
@@ -258,14 +268,7 @@ def write_tiny_qwen35(
     add_qwen35_keys(w, shape, flags if recurrent_key else None)
     _add_tokenizer(w, rename_tokens, token_ids, add_bos)
 
-    def rand(*shape: int, scale: float = 0.08) -> np.ndarray:
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    def put(name: str, a: np.ndarray, qtype: gguf.GGMLQuantizationType | None = None) -> None:
-        if quantize and qtype is not None and a.shape[-1] % 32 == 0:
-            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(name, a.astype(np.float32))
+    rand, put = _random_tensors(w, rng, quantize)
 
     def norm(name: str, n: int = n_embd) -> None:
         put(name, 1.0 + rand(n, scale=0.05))
@@ -314,10 +317,10 @@ def write_tiny_qwen35(
 # HF Qwen3_5ForCausalLM / MTP checkpoint name -> GGUF name, as gguf-py's tensor_mapping maps
 # them for MODEL_ARCH.QWEN35 (post_attention_layernorm is ATTN_POST_NORM there: qwen35 has no
 # FFN_NORM)
-_HF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
+QWEN35_HF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
               "model.norm.weight": "output_norm.weight",
               "lm_head.weight": "output.weight"}
-_HF_LAYER = {
+QWEN35_HF_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
@@ -343,7 +346,7 @@ _HF_LAYER = {
 # converter (_QwenMtpMixin) to the block after the trunk, then mapped by gguf-py
 _HF_MTP = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
            "norm": "shared_head.norm"}
-_HF_LAYER.update({"eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
+QWEN35_HF_LAYER.update({"eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
                   "hnorm.weight": "nextn.hnorm.weight",
                   "shared_head.norm.weight": "nextn.shared_head_norm.weight"})
 _HF_TYPES = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
@@ -463,10 +466,10 @@ def write_qwen35_from_hf(
             raise ValueError(f"{k!r}: not an MTP tensor of Qwen 3.5's")
     for name, t in state.items():
         a = t.detach().to(dtype=torch.float32).cpu().numpy()
-        if name in _HF_GLOBAL:
-            out = _HF_GLOBAL[name]
-        elif (m := re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)) and m[2] in _HF_LAYER:
-            out = f"blk.{m[1]}.{_HF_LAYER[m[2]]}"
+        if name in QWEN35_HF_GLOBAL:
+            out = QWEN35_HF_GLOBAL[name]
+        elif (m := re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)) and m[2] in QWEN35_HF_LAYER:
+            out = f"blk.{m[1]}.{QWEN35_HF_LAYER[m[2]]}"
         else:
             raise ValueError(f"{name!r} has no qwen35 GGUF counterpart")
         a = np.ascontiguousarray(_converted(name, a, cfg), dtype=np.float32)

@@ -8,7 +8,9 @@ The tiny models are random-weight GGUFs written the way llama.cpp's converter wr
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from radixserve.engine.batch import BatchSeq, forward
-from radixserve.memory.pool.conv import ConvPool, ShiftRefused
+from radixserve.memory.pool.conv import ShiftRefused
 from radixserve.model.hparams import UnsupportedModelError
 from radixserve.model.loader import Model, load_model
 from radixserve.model.short_conv import ShortConv
@@ -28,16 +30,20 @@ from tests.conftest import model_pool
 TOKENS = [(37 * i * i + 11 * i + 300) % 40000 + 200 for i in range(70)]
 
 
-def logits_in_chunks(m: Model, ids: list[int], chunks: list[int]) -> torch.Tensor:
-    """Every position's logits, the prompt fed in `chunks` (sizes) through a fresh pool."""
+def logits_in_chunks(m: Model, ids: list[int], chunks: list[int],
+                     check: Callable[[Any, int], None] | None = None) -> torch.Tensor:
+    """Every position's logits, the prompt fed in `chunks` (sizes) through a fresh pool of the
+    model's windowed layout; `check(pool, n)` after each chunk (n tokens held)."""
     pool = model_pool(m, 256, 1, True, 64)
-    assert isinstance(pool, ConvPool)
+    assert pool.windowed is not None
     out, pos = [], 0
     for c in chunks:
         part = ids[pos:pos + c]
         out.append(forward(m.transformer, pool, [BatchSeq(0, part, pos, len(part))]))
         pos += len(part)
         pool.check()
+        if check is not None:
+            check(pool, pos)
     assert pos == len(ids)
     return torch.cat(out)
 
@@ -65,14 +71,22 @@ def test_tiny_lfm2_matches_hf(tiny: str):
     """f32: every position's logits within HF_BOUND of HF's, in one chunk and in chunks of 1
     and 7 (the conv layers reading their earlier input rows from the pool's window part);
     greedy continuation equal."""
-    m = load_model(tiny, "f32")
-    ref = hf_lfm2_from_gguf(tiny)
+    check_against_hf(load_model(tiny, "f32"), hf_lfm2_from_gguf(tiny), HF_BOUND,
+                     logits_in_chunks)
+
+
+def check_against_hf(m: Model, ref: Any, bound: float,
+                     chunks_of: Callable[[Model, list[int], list[int]], torch.Tensor]) -> None:
+    """`m`'s f32 logits of TOKENS (fed by `chunks_of` in one chunk, chunks of 1 and of 7)
+    within `bound` of the HF model `ref`'s, the same argmax; then 12 greedy decode steps
+    equal to HF's generate."""
     with torch.no_grad():
         want = ref(torch.tensor([TOKENS])).logits[0].float()
-    for chunks in ([70], chunked(70, 1), chunked(70, 7)):
-        got = logits_in_chunks(m, TOKENS, chunks)
+    n = len(TOKENS)
+    for chunks in ([n], chunked(n, 1), chunked(n, 7)):
+        got = chunks_of(m, TOKENS, chunks)
         err = (got - want).abs().max().item()
-        assert err < HF_BOUND, (chunks[:2], err)
+        assert err < bound, (chunks[:2], err)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     # decode: the greedy tokens after the prompt, one step at a time against HF's generate
     pool = model_pool(m, 256, 1, True, 64)
@@ -80,10 +94,10 @@ def test_tiny_lfm2_matches_hf(tiny: str):
     ours = []
     for i in range(12):
         ours.append(int(last.argmax()))
-        last = forward(m.transformer, pool, [BatchSeq(0, [ours[-1]], len(TOKENS) + i, 1)])[0]
+        last = forward(m.transformer, pool, [BatchSeq(0, [ours[-1]], n + i, 1)])[0]
     with torch.no_grad():
         hf = ref.generate(torch.tensor([TOKENS]), max_new_tokens=12, min_new_tokens=12,
-                          do_sample=False)[0, len(TOKENS):].tolist()
+                          do_sample=False)[0, n:].tolist()
     assert ours == hf
 
 

@@ -10,6 +10,7 @@ The tiny models are random-weight GGUFs written the way llama.cpp's converter wr
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,26 +25,22 @@ from radixserve.model.hparams import UnsupportedModelError
 from radixserve.model.loader import Model, load_model
 from tests.conftest import model_pool
 from tests.model.kernel_variants import VARIANTS, config_for
-from tests.model.test_lfm2 import TOKENS, chunked, rewrite
+from tests.model.test_lfm2 import TOKENS, check_against_hf, chunked, rewrite
+from tests.model.test_lfm2 import logits_in_chunks as lfm2_chunks
 from tests.qwen35_hf import hf_qwen35_from_gguf
 from tests.tiny_gguf import write_tiny_gguf
 
 N = len(TOKENS)
 
 
+def one_state_cell(pool: Any, n: int) -> None:
+    """The pool holds a Qwen3.5 sequence's state in one cell, after its last token."""
+    assert isinstance(pool, RecurrentPool) and pool.swa.seq_positions(0) == [n - 1]
+
+
 def logits_in_chunks(m: Model, ids: list[int], chunks: list[int]) -> torch.Tensor:
-    """Every position's logits, the prompt fed in `chunks` (sizes) through a fresh pool."""
-    pool = model_pool(m, 256, 2, True, 64)
-    assert isinstance(pool, RecurrentPool)
-    out, pos = [], 0
-    for c in chunks:
-        part = ids[pos:pos + c]
-        out.append(forward(m.transformer, pool, [BatchSeq(0, part, pos, len(part))]))
-        pos += len(part)
-        pool.check()
-        assert pool.swa.seq_positions(0) == [pos - 1]  # one state cell: after the last token
-    assert pos == len(ids)
-    return torch.cat(out)
+    """test_lfm2's, each chunk leaving one state cell."""
+    return lfm2_chunks(m, ids, chunks, one_state_cell)
 
 
 @pytest.fixture(scope="module", params=[(2, 2, False), (2, 4, False), (2, 4, True)],
@@ -76,24 +73,7 @@ def test_tiny_qwen35_matches_hf(tiny: str):
     equal to HF's generate."""
     m = load_model(tiny, "f32")
     assert m.hp.n_layer_rec == 3 and m.hp.n_rot == 8 < m.hp.head_dim
-    ref = hf_qwen35_from_gguf(tiny)
-    with torch.no_grad():
-        want = ref(torch.tensor([TOKENS])).logits[0].float()
-    for chunks in ([N], chunked(N, 1), chunked(N, 7)):
-        got = logits_in_chunks(m, TOKENS, chunks)
-        err = (got - want).abs().max().item()
-        assert err < HF_BOUND, (chunks[:2], err)
-        assert torch.equal(got.argmax(-1), want.argmax(-1))
-    pool = model_pool(m, 256, 1, True, 64)
-    last = forward(m.transformer, pool, [BatchSeq(0, TOKENS, 0, 1)])[0]
-    ours = []
-    for i in range(12):
-        ours.append(int(last.argmax()))
-        last = forward(m.transformer, pool, [BatchSeq(0, [ours[-1]], N + i, 1)])[0]
-    with torch.no_grad():
-        hf = ref.generate(torch.tensor([TOKENS]), max_new_tokens=12, min_new_tokens=12,
-                          do_sample=False)[0, N:].tolist()
-    assert ours == hf
+    check_against_hf(m, hf_qwen35_from_gguf(tiny), HF_BOUND, logits_in_chunks)
 
 
 def test_an_mtp_block_is_not_run(tmp_path: Path):
