@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -169,4 +170,36 @@ def test_pins_count_rows_and_snapshots_come_and_go_on_pinned_paths(model: Model)
     run_to_end(s, [agent_task(rand_tokens(rng, 40), chat=False) for _ in range(2)],
                check_steps=True)
     assert cache.pinned_bytes == pinned and cache.stats()["snapshots"] > 0
+    s.mem.check()
+
+
+def test_a_regenerated_answer_and_an_edited_early_message(model: Model, ref: Ref) -> None:
+    """A chat (system, a user turn, the answer, a second user turn): regenerating the last
+    answer resumes from the fork before the prompt's last token (all but one token reused,
+    through the radix tree after another prompt took the slot); editing the first user
+    message resumes from the checkpoint at its start (the system prompt reused). Each answer
+    equals its prompt's alone."""
+    s = build_scheduler(model, ServerConfig(n_parallel=1, ctx_size=1024), ServerMetrics())
+    rng = random.Random(8)
+    system, first, second = rand_tokens(rng, 40), rand_tokens(rng, 12), rand_tokens(rng, 9)
+
+    def chat(prompt: list[int], starts: tuple[int, ...]) -> Any:
+        task = agent_task(prompt, chat=False)
+        task.user_starts = starts
+        got = run_to_end(s, [task], check_steps=True)[0]
+        assert got.tokens == drive(ref.sched, [agent_task(prompt, chat=False,
+                                                          cache_prompt=False)])[0]
+        return got
+
+    turn1 = system + first
+    answer = chat(turn1, (0, 40)).tokens
+    prompt = turn1 + answer + second
+    starts = (0, 40, len(turn1) + len(answer))
+    chat(prompt, starts)
+    chat(rand_tokens(rng, 30), (0,))  # another prompt takes the slot: the tree keeps ours
+    again = chat(prompt, starts)
+    assert again.timings.cache_n == len(prompt) - 1
+    edited = system + rand_tokens(rng, 12) + answer + second
+    got = chat(edited, starts)
+    assert got.timings.cache_n == len(system)
     s.mem.check()

@@ -98,8 +98,9 @@ def rotate_rows(k: torch.Tensor, kt: KVType, idx: torch.Tensor, delta: torch.Ten
 
 
 class Windowed(Protocol):
-    """A pool with a window part (swa.py; conv.py's state rows): the operations the slot's KV
-    owner and the state bytes use of it, where `layout.window` > 0."""
+    """A pool with a window part (swa.py; conv.py's state rows; recurrent.py's one state cell
+    a sequence): the operations the slot's KV owner and the state bytes use of it, where
+    `layout.window` > 0."""
 
     swa: KVPool  # the window part: the windowed group's rows of a sequence's last positions
     window_tag: str  # names the window's part in state bytes (state.py's fingerprints)
