@@ -111,6 +111,10 @@ def test_a_small_budget_drops_snapshots_and_answers_stay(model: Model, ref: Ref)
     st = cache.stats()
     assert st["snapshots_dropped"] > 0 and st["evictions"] > 0 and st["bytes"] <= 120_000
     assert minimum == 170 < computed < 390, computed
+    # the reuse report says where a snapshot, not the text held, stopped the reuse
+    reports = [f.timings.reuse for f in finals]
+    short = [r for r in reports if r is not None and r.n_tokens < r.n_held - 1]
+    assert short and all(r.limit == "snapshot" for r in short), short
     s.mem.check()
 
 
