@@ -88,7 +88,8 @@ class DeltaPlan:
 
     def run(self, ci: int, m: DeltaNetMixer, proj: torch.Tensor) -> torch.Tensor:
         """Layer `ci` (its row in the state part) on the in-projection's rows proj [T,
-        proj_width]; returns the gated-normed output [T, nv * dv] in proj's dtype."""
+        channels + nv * dv + 2 nv]; returns the gated-normed output [T, nv * dv] in proj's
+        dtype."""
         s = self.ssm
         if self.kern is not None and proj.dtype == torch.bfloat16:
             return self.kern.gdn_step(proj.contiguous(), self.k[ci, 0], self.v[ci, 0],
@@ -101,31 +102,34 @@ class DeltaPlan:
         return torch.cat(out).to(proj.dtype)
 
     # -- the torch path: the same arithmetic, token by token --------------------------------
-    def _cell(self, ci: int, cell: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of a cell's conv rows [K-1, C] and head matrices [nv, dk, dv] (a copy: the
-        matrices lie in two halves)."""
+    def _parts(self, ci: int, cell: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A cell's conv rows, its K half's matrices and its V half's, as flat views."""
         s = self.ssm
         kc, vc = self.k[ci, 0, cell], self.v[ci, 0, cell]
-        cs, hk, size = (s.conv - 1) * s.channels, s.heads_in_k, s.dk * s.dv
-        conv = kc[:cs].view(s.conv - 1, s.channels)
-        mats = torch.cat([kc[cs:cs + hk * size], vc[:(s.nv - hk) * size]])
-        return conv, mats.view(s.nv, s.dk, s.dv)
+        cs, in_k = (s.conv - 1) * s.channels, s.heads_in_k * s.dk * s.dv
+        return kc[:cs], kc[cs:cs + in_k], vc[:(s.nv - s.heads_in_k) * s.dk * s.dv]
+
+    def _cell(self, ci: int, cell: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A cell's conv rows [K-1, C] and head matrices [nv, dk, dv] (copies: the matrices
+        lie in two halves)."""
+        s = self.ssm
+        conv, mk, mv = self._parts(ci, cell)
+        return conv.view(s.conv - 1, s.channels).clone(), torch.cat([mk, mv]).view(
+            s.nv, s.dk, s.dv)
 
     def _store(self, ci: int, cell: int, conv: torch.Tensor, mats: torch.Tensor) -> None:
-        s = self.ssm
-        kc, vc = self.k[ci, 0, cell], self.v[ci, 0, cell]
-        cs, hk, size = (s.conv - 1) * s.channels, s.heads_in_k, s.dk * s.dv
+        dst_conv, mk, mv = self._parts(ci, cell)
         flat = mats.reshape(-1)
-        kc[:cs] = conv.reshape(-1)
-        kc[cs:cs + hk * size] = flat[:hk * size]
-        vc[:(s.nv - hk) * size] = flat[hk * size:]
+        dst_conv.copy_(conv.reshape(-1))
+        mk.copy_(flat[:mk.numel()])
+        mv.copy_(flat[mk.numel():])
 
     def _sequence(self, ci: int, m: DeltaNetMixer, x: torch.Tensor, read: int,
                   write: int) -> torch.Tensor:
         s, eps, T = self.ssm, self.eps, x.shape[0]
         C, K, kd = s.channels, s.conv, s.nk * s.dk
         if read >= 0:
-            conv, S = (t.clone() for t in self._cell(ci, read))
+            conv, S = self._cell(ci, read)
         else:
             conv = x.new_zeros(K - 1, C)
             S = x.new_zeros(s.nv, s.dk, s.dv)

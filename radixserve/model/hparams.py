@@ -45,11 +45,6 @@ class SsmDims:
         return 2 * self.nk * self.dk + self.nv * self.dv
 
     @property
-    def proj_width(self) -> int:
-        """The fused in-projection's rows: q/k/v, z (the norm's gate), beta and alpha."""
-        return self.channels + self.nv * self.dv + 2 * self.nv
-
-    @property
     def heads_in_k(self) -> int:
         """Value heads whose matrices a state cell keeps in its K half (the rest in V)."""
         return (self.nv + 1) // 2
@@ -59,11 +54,6 @@ class SsmDims:
         """f32 floats of each half of a state cell: the conv window ((conv - 1) rows of
         `channels`) and heads_in_k matrices in K; the other matrices in V (padded)."""
         return (self.conv - 1) * self.channels + self.heads_in_k * self.dk * self.dv
-
-    @property
-    def state_floats(self) -> int:
-        """f32 floats of one layer's state, unpadded."""
-        return (self.conv - 1) * self.channels + self.nv * self.dk * self.dv
 
 
 @dataclass(slots=True, frozen=True)
@@ -176,12 +166,12 @@ class HParams:
         have a cache of their own (`split`), else among the attention layers (the conv layers'
         rows are always apart)."""
         kind = self.layer_kind(li)
-        if split or kind in _STATE_KINDS:
+        if split or kind in STATE_KINDS:
             return sum(1 for j in range(li) if self.layer_kind(j) == kind)
-        return sum(1 for j in range(li) if self.layer_kind(j) not in _STATE_KINDS)
+        return sum(1 for j in range(li) if self.layer_kind(j) not in STATE_KINDS)
 
 
-_STATE_KINDS = ("conv", "recurrent")  # layers whose memory is a state, apart from K/V rows
+STATE_KINDS = ("conv", "recurrent")  # layers whose memory is a state, apart from K/V rows
 
 # llama_pooling_type's values (llama.h), -1 being "unspecified"
 POOLING_TYPES = {-1: "", 0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}

@@ -30,6 +30,7 @@ import ctypes
 import torch
 
 from radixserve.model.cabi import bind, buf
+from radixserve.model.hparams import STATE_KINDS
 from radixserve.model.kernels import (
     ATTN_BLOCK,
     Kernels,
@@ -142,9 +143,6 @@ class LayerKind:
             check_cells(c, self.n_cells)
 
 
-_STATEFUL = ("conv", "recurrent")  # the layer kinds with a state, no K/V cells
-
-
 class KernelStep:
     """One step's glue, layer by layer (Transformer.hidden's layer loop calls attend, norm,
     post_norm and silu/gelu): every layer's kind, cache index and q/k norms are checked and
@@ -174,13 +172,13 @@ class KernelStep:
         self.width, self.row = n_head * d, (n_head + 2 * n_kv) * d
         self.kinds, self.x = kinds, x
         for name, ci in layer_kind:
-            if name not in _STATEFUL and not 0 <= ci < kinds[name].n_layer:
+            if name not in STATE_KINDS and not 0 <= ci < kinds[name].n_layer:
                 raise ValueError(f"step: layer {ci} outside the {name} cache")
         for kd in kinds.values():
             if (kd.n_kv, kd.d, kd.n_tok) != (n_kv, d, x.shape[0]):
                 raise ValueError("step: a cache's heads or a kind's tokens do not match")
         # a short-convolution or DeltaNet layer (short_conv.py, delta_net.py) attends nothing
-        self.layers = [None if name in _STATEFUL else
+        self.layers = [None if name in STATE_KINDS else
                        (kinds[name], ci, self._weight(qn, d), self._weight(kn, d))
                        for (name, ci), (qn, kn) in zip(layer_kind, norms)]
         longest = max(kd.longest for kd in kinds.values())

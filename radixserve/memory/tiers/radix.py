@@ -128,8 +128,9 @@ class RadixPromptCache:
             return False
         if pool.seq_positions(seq)[:n] != list(range(n)):
             raise ValueError(f"sequence {seq} does not hold positions 0..{n - 1} for {n} tokens")
-        m = self.tree.match(tokens, salt).length
-        snaps = self._snapshots(pool, seq, n, checkpoints)
+        found = self.tree.match(tokens, salt)
+        m = found.length
+        snaps = self._snapshots(pool, seq, n, checkpoints, found)
         if m < n and not 0 <= pool.rows_held_from(seq) <= m:
             log.debug("radix save of %d new tokens skipped: the sliding window dropped them",
                       n - m)
@@ -156,15 +157,20 @@ class RadixPromptCache:
         self.update()
         return True
 
-    def _snapshots(self, pool: KVPool, seq: int, n: int,
-                   checkpoints: Sequence[Checkpoint]) -> dict[int, bytes]:
+    def _snapshots(self, pool: KVPool, seq: int, n: int, checkpoints: Sequence[Checkpoint],
+                   found: RadixMatch) -> dict[int, bytes]:
         """{depth: state} a save of n tokens attaches, for a layout whose recurrent state has no
         rows a token (memory/layout.py's rows_every_position): the slot's checkpoints, and its
-        state after its last token when it holds exactly those n. Empty for the others."""
+        state after its last token when it holds exactly those n and the tree (`found`: its
+        match of the tokens) has none there yet (the same tokens give the same state: a slot
+        saved again costs no copy). Empty for the others."""
         w = pool.windowed
         if pool.layout.rows_every_position or w is None or self.fp is None:
             return {}
         out = {c.n_tokens: c.target for c in checkpoints if 0 < c.n_tokens <= n}
+        end = found.path[-1] if found.length == n and found.path else None
+        if end is not None and end.depth == n and end.snapshot:
+            return out
         if pool.seq_len(seq) == n and w.snapshot_from(seq) == n - 1:
             out[n] = seal(get_swa_state(w, seq, self.fp))
         return out
