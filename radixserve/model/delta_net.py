@@ -39,8 +39,9 @@ if TYPE_CHECKING:
 
 
 class DeltaPlan:
-    """One step's plan, shared by every Gated DeltaNet layer: each sequence's token count, the
-    state cell it reads (-1: none, a sequence starting at position 0) and the one it writes."""
+    """One step's plan, shared by every recurrent layer (Gated DeltaNet, and Mamba2 in
+    mamba2.py): each sequence's token count, the state cell it reads (-1: none, a sequence
+    starting at position 0) and the one it writes."""
 
     def __init__(self, ssm: SsmDims, eps: float, k: torch.Tensor, v: torch.Tensor,
                  n_new: list[int], read: list[int], write: list[int],
@@ -50,8 +51,8 @@ class DeltaPlan:
         self.n_new, self.read, self.write = n_new, read, write
         self.kern = kern
         dev = k.device
-        self._args = tuple(torch.tensor(x, dtype=torch.long, device=dev)
-                           for x in (n_new, read, write))
+        self.args = tuple(torch.tensor(x, dtype=torch.long, device=dev)
+                          for x in (n_new, read, write))
 
     @classmethod
     def plan(cls, hp: HParams, batch: list[SeqStep], k: torch.Tensor | None,
@@ -59,8 +60,8 @@ class DeltaPlan:
         """From every step's `.swa` (the state cell it writes, the cells held and their
         positions): the cell at the position before the step's first is the state read."""
         if k is None or v is None or any(b.swa is None for b in batch):
-            raise ValueError("a model with Gated DeltaNet layers needs the pool's state cells "
-                             "and every step's .swa")
+            raise ValueError("a model with recurrent layers needs the pool's state cells and "
+                             "every step's .swa")
         assert hp.ssm is not None
         read: list[int] = []
         write: list[int] = []
@@ -68,7 +69,7 @@ class DeltaPlan:
             w = b.swa
             assert w is not None
             if len(w.cells) != 1:
-                raise ValueError("a Gated DeltaNet step writes one state cell a sequence")
+                raise ValueError("a recurrent step writes one state cell a sequence")
             write.append(w.cells[0])
             if b.pos0 == 0:
                 read.append(-1)
@@ -81,8 +82,7 @@ class DeltaPlan:
                                  f"from {b.pos0}")
             read.append(at[b.pos0 - 1])
         if max(read + write) >= k.shape[2]:  # the C step trusts every cell
-            raise ValueError("a Gated DeltaNet step names a cell outside the state part")
-        kern = kern if kern is not None and hasattr(kern, "gdn_step") else None
+            raise ValueError("a recurrent step names a cell outside the state part")
         return cls(hp.ssm, hp.rms_eps, k, v, [len(b.tokens) for b in batch], read, write,
                    kern)
 
@@ -91,9 +91,10 @@ class DeltaPlan:
         channels + nv * dv + 2 nv]; returns the gated-normed output [T, nv * dv] in proj's
         dtype."""
         s = self.ssm
-        if self.kern is not None and proj.dtype == torch.bfloat16:
+        if (self.kern is not None and hasattr(self.kern, "gdn_step")
+                and proj.dtype == torch.bfloat16):
             return self.kern.gdn_step(proj.contiguous(), self.k[ci, 0], self.v[ci, 0],
-                                      *self._args, m.conv, m.ssm_a, m.dt_bias, m.norm,
+                                      *self.args, m.conv, m.ssm_a, m.dt_bias, m.norm,
                                       s.nk, s.nv, s.dk, s.dv, self.eps)
         out, t0 = [], 0
         for n, r, w in zip(self.n_new, self.read, self.write):
@@ -101,7 +102,7 @@ class DeltaPlan:
             t0 += n
         return torch.cat(out).to(proj.dtype)
 
-    # -- the torch path: the same arithmetic, token by token --------------------------------
+    # -- the torch path: the same arithmetic, token by token (mamba2.py's too) --------------
     def _parts(self, ci: int, cell: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A cell's conv rows, its K half's matrices and its V half's, as flat views."""
         s = self.ssm
@@ -109,7 +110,7 @@ class DeltaPlan:
         cs, in_k = (s.conv - 1) * s.channels, s.heads_in_k * s.dk * s.dv
         return kc[:cs], kc[cs:cs + in_k], vc[:(s.nv - s.heads_in_k) * s.dk * s.dv]
 
-    def _cell(self, ci: int, cell: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def cell(self, ci: int, cell: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A cell's conv rows [K-1, C] and head matrices [nv, dk, dv] (copies: the matrices
         lie in two halves)."""
         s = self.ssm
@@ -117,7 +118,7 @@ class DeltaPlan:
         return conv.view(s.conv - 1, s.channels).clone(), torch.cat([mk, mv]).view(
             s.nv, s.dk, s.dv)
 
-    def _store(self, ci: int, cell: int, conv: torch.Tensor, mats: torch.Tensor) -> None:
+    def store(self, ci: int, cell: int, conv: torch.Tensor, mats: torch.Tensor) -> None:
         dst_conv, mk, mv = self._parts(ci, cell)
         flat = mats.reshape(-1)
         dst_conv.copy_(conv.reshape(-1))
@@ -129,7 +130,7 @@ class DeltaPlan:
         s, eps, T = self.ssm, self.eps, x.shape[0]
         C, K, kd = s.channels, s.conv, s.nk * s.dk
         if read >= 0:
-            conv, S = self._cell(ci, read)
+            conv, S = self.cell(ci, read)
         else:
             conv = x.new_zeros(K - 1, C)
             S = x.new_zeros(s.nv, s.dk, s.dv)
@@ -156,6 +157,6 @@ class DeltaPlan:
             delta = (v[t] - kv_mem) * beta[t][:, None]
             S = S + k[t][:, :, None] * delta[:, None, :]
             o[t] = (S * q[t][:, :, None]).sum(1)
-        self._store(ci, write, xs[T:], S)
+        self.store(ci, write, xs[T:], S)
         o = o * torch.rsqrt((o * o).mean(-1, keepdim=True) + eps) * m.norm * F.silu(z)
         return o.reshape(T, vd)

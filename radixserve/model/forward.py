@@ -82,7 +82,7 @@ class SeqStep:
 
 
 def resolve_deterministic(mode: str, dtype: torch.dtype, kernels_built: bool,
-                          w: ModelWeights, torch_attention: bool = False) -> bool:
+                          w: ModelWeights) -> bool:
     """Whether a token's logits will depend only on its token sequence (docs/PERFORMANCE.md).
 
     Only the bf16 path with our kernels is batch-invariant: torch's f32 matmul and SDPA pick
@@ -90,9 +90,7 @@ def resolve_deterministic(mode: str, dtype: torch.dtype, kernels_built: bool,
     where that path cannot run is an error rather than a mode that silently is not one. `auto`
     is on wherever it costs nothing measurable; torch's int4 kernel (4-bit weights on CPUs
     without AVX512-BF16) would have to skip its dense GEMM on prefill chunks, ~2x slower
-    there, so auto leaves the mode off for it. `torch_attention`: the model's attention runs
-    torch's SDPA (a scale our kernel does not take: Gemma 3 27B), whose blocking, and so a
-    token's bits, depends on how many tokens a call holds."""
+    there, so auto leaves the mode off for it."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"--deterministic must be auto, on or off, got {mode!r}")
     linears = [m for layer in w.layers for m in layer.matrices().values()]
@@ -103,9 +101,6 @@ def resolve_deterministic(mode: str, dtype: torch.dtype, kernels_built: bool,
         why = "the kernels did not build"
     elif not all(m.row_invariant for m in linears):
         why = "some layer matrices run torch's bf16 GEMM, whose rows change with the row count"
-    elif torch_attention:
-        why = ("attention runs torch's SDPA (sliding-window layers), whose bits change with the "
-               "chunking")
     if mode == "on" and why is not None:
         raise ValueError(f"--deterministic on needs bf16 compute with radixserve's kernels "
                          f"({why}); use --deterministic off or auto")
@@ -131,11 +126,8 @@ class Transformer:
         # by the loader when they build (None: torch's ops); f32 (the reference path) stays on
         # torch ops
         self.kern = kern if dtype == torch.bfloat16 else None
-        # our attention kernel scales by 1/sqrt(head_dim): a model with another scale (Gemma 3
-        # 27B) attends with torch's SDPA (torch_step.py's TorchStep._attend_plan)
-        self.torch_attention = hp.attn_scale not in (0.0, hp.head_dim ** -0.5)
         self.deterministic = resolve_deterministic(deterministic, dtype, self.kern is not None,
-                                                   w, self.torch_attention)
+                                                   w)
         self._warned = False
         self.device = w.output_norm.device  # the model's one device (weights.place)
         self.rope = Rope(hp, w.rope_freqs, device=self.device)
@@ -144,7 +136,9 @@ class Transformer:
         self.rope_swa = (Rope(hp, w.rope_freqs, base=hp.rope_base_swa, scale=1.0,
                               device=self.device)
                          if hp.n_layer_swa else self.rope)
-        self.attn_scale = hp.attn_scale or None  # None: SDPA's own 1/sqrt(head_dim)
+        # q.k's scale (Gemma 3 27B's and Granite's are not 1/sqrt(head_dim)): our kernel's and
+        # SDPA's alike
+        self.attn_scale = hp.attn_scale or hp.head_dim ** -0.5
         self.q_dim = hp.n_head * hp.head_dim
         self.kv_dim = hp.n_head_kv * hp.head_dim
         # chosen once here, per layer: the kind of its memory, as (kind, cache index) with
@@ -165,12 +159,14 @@ class Transformer:
 
     @property
     def own_attention(self) -> bool:
-        """Attention runs our kernel (bf16 with the kernels built, the kernel's scale)."""
-        return self.kern is not None and not self.torch_attention
+        """Attention runs our kernel (bf16 with the kernels built)."""
+        return self.kern is not None
 
     def logits(self, hidden: torch.Tensor, needs: list[RowNeed]) -> torch.Tensor:
         """The head over `hidden`'s rows, for samplers that need what `needs` says
-        (model/head.py)."""
+        (model/head.py); a model's logit scale (Granite's) divides the rows first, in f32."""
+        if self.hp.logit_scale != 1.0:
+            hidden = hidden / self.hp.logit_scale
         return self.w.head.logits(hidden, needs)
 
     @torch.inference_mode()
@@ -326,4 +322,5 @@ class Transformer:
                                      [p.pos0 for p in swa.plans], hp.n_swa,
                                      swa.cells, n_new, swa.cos, swa.sin, types)
         return KernelStep(kern, hp.n_head, hp.n_head_kv, hp.head_dim, kinds, layer_kind,
-                         self._norm_pairs, x, hp.rms_eps, hp.n_ff, self._checked)
+                         self._norm_pairs, x, hp.rms_eps, hp.n_ff, self.attn_scale,
+                         self._checked)

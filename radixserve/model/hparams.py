@@ -29,9 +29,11 @@ def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
 
 @dataclass(slots=True, frozen=True)
 class SsmDims:
-    """A Gated DeltaNet layer's sizes (llama.cpp's ssm.* keys): `nk` q/k heads of `dk`, `nv`
-    value heads of `dv` (v-heads stored tiled: head h reads q/k head h % nk), a causal conv of
-    kernel length `conv` over the q/k/v channels."""
+    """A recurrent layer's sizes (llama.cpp's ssm.* keys). Gated DeltaNet: `nk` q/k heads of
+    `dk`, `nv` value heads of `dv` (v-heads stored tiled: head h reads q/k head h % nk), a
+    causal conv of kernel length `conv` over the q/k/v channels. Mamba2: `nk` B/C groups of
+    the state size `dk`, `nv` heads of `dv` (head h reads group h // (nv / nk)), the conv over
+    x/B/C. Either keeps a [dk, dv] matrix a head."""
 
     nk: int
     nv: int
@@ -41,7 +43,7 @@ class SsmDims:
 
     @property
     def channels(self) -> int:
-        """The conv's channels: q, k and v."""
+        """The conv's channels: q, k and v (Mamba2: B, C and x)."""
         return 2 * self.nk * self.dk + self.nv * self.dv
 
     @property
@@ -89,10 +91,13 @@ class HParams:
     l_cache: int = 0  # the short convolution's kernel length (its state: l_cache - 1 rows)
     # rotary dimensions of a head (0: all of head_dim); fewer rotate the first n_rot only
     n_rot: int = 0
-    # Gated DeltaNet (qwen35): per layer, True = a linear-attention layer (a recurrent state of
-    # a conv window and one [dk, dv] matrix a value head); () = none
+    # Gated DeltaNet (qwen35) or Mamba2 (granitehybrid): per layer, True = a recurrent layer (a
+    # state of a conv window and one [dk, dv] matrix a head); () = none
     rec_layers: tuple[bool, ...] = ()
     ssm: SsmDims | None = None  # their dimensions
+    nope: bool = False  # attention without positions (no RoPE): Granite 4.0-H's
+    residual_scale: float = 1.0  # each sublayer's output times this before its residual add
+    logit_scale: float = 1.0  # logits are divided by this (Granite's logits_scaling)
 
     def __post_init__(self) -> None:
         """Fill the defaults that depend on other fields, so hand-built HParams (tests) of
@@ -107,7 +112,7 @@ class HParams:
             raise ValueError(f"rec_layers has {len(self.rec_layers)} entries for "
                              f"{self.n_layer} layers")
         if any(self.rec_layers) and self.ssm is None:
-            raise ValueError("Gated DeltaNet layers need their dimensions (ssm)")
+            raise ValueError("recurrent layers need their dimensions (ssm)")
         if self.n_rot <= 0:
             object.__setattr__(self, "n_rot", self.head_dim)
         if len(self.conv_layers) != self.n_layer:
@@ -146,7 +151,8 @@ class HParams:
 
     @property
     def n_layer_rec(self) -> int:
-        """Gated DeltaNet layers (a recurrent state a sequence, kept whole, no rows)."""
+        """Gated DeltaNet or Mamba2 layers (a recurrent state a sequence, kept whole, no
+        rows)."""
         return sum(self.rec_layers)
 
     @property

@@ -125,14 +125,16 @@ class Kernels:
 
     def attend_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cells: slice | torch.Tensor, *, window: int = 0,
-                      pos0: int = 0, types: KVTypes | None = None) -> torch.Tensor:
+                      pos0: int = 0, types: KVTypes | None = None,
+                      scale: float | None = None) -> torch.Tensor:
         """q [n, n_head, d] rotated queries of a sequence's last n cells, whose K/V are already
         in k, v (one layer of the pool [n_head_kv, n_cells, d]); cells the sequence's cells in
         position order (a run or an int64 index), entry j at position pos0 + j; query i (at
         position p = pos0 + len - n + i) sees the entries at positions k <= p, and with
         window > 0 only those with p - window < k -> [n, n_head * d]. Bitwise the same whatever
         n is and however many older entries precede a query's window (decode_attn.c's blocks,
-        aligned to absolute positions). `types`: the pool's cache types (None: bf16 rows)."""
+        aligned to absolute positions). `types`: the pool's cache types (None: bf16 rows);
+        `scale`: q.k's (None: 1 / sqrt(d))."""
         d = q.shape[-1]
         n_kv, n_cells, g, kt, vt, k_hs, v_hs = pool_args(k, v, q.shape[1], d, types)
         idx, c0, length = _cells_arg(cells, n_cells, self.checks)
@@ -148,7 +150,8 @@ class Kernels:
         arr = ctypes.c_int64 * 1
         rc = self._attn(q.data_ptr(), k.data_ptr(), v.data_ptr(), kt, vt, k_hs, v_hs, 1,
                         (ctypes.c_void_p * 1)(idx), arr(c0), arr(length), arr(n), arr(pos0),
-                        window, n_kv, g, d, d**-0.5, out.data_ptr(), work.data_ptr(),
+                        window, n_kv, g, d, d**-0.5 if scale is None else scale,
+                        out.data_ptr(), work.data_ptr(),
                         work.numel())
         if rc != 0:
             raise ValueError(f"attention kernel refused g={g} d={d} n={n} of {length} (rc {rc})")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from radixserve.model import mamba2
 from radixserve.model.hparams import ACTIVATIONS
 from radixserve.model.quant import Linear
 
@@ -140,6 +141,31 @@ class DeltaNetMixer:
 
 
 @dataclass(slots=True)
+class Mamba2Mixer:
+    """Granite 4.0-H's Mamba2 layer (model/mamba2.py): the in-projection to [z | x B C | dt],
+    the conv and the selective scan over the pool's state cells, the gated group norm, the
+    out-projection (reported in the attention's roles, as the other recurrent mixers')."""
+
+    in_proj: Linear
+    conv: torch.Tensor  # [channels, K] f32
+    conv_bias: torch.Tensor | None  # [channels] f32
+    ssm_a: torch.Tensor  # [nh] f32, -exp(A_log)
+    dt_bias: torch.Tensor  # [nh] f32
+    ssm_d: torch.Tensor  # [nh] f32, the skip's weight
+    norm: torch.Tensor  # [nh * hd] f32
+    out_proj: Linear
+    kind: str = "recurrent"
+
+    def __call__(self, run: Run, li: int, h: torch.Tensor) -> torch.Tensor:
+        assert run.rec is not None
+        y = mamba2.run(run.rec, run.cache_index[li], self, self.in_proj(h, run.inv))
+        return self.out_proj(y, run.inv)
+
+    def matrices(self) -> dict[str, Linear]:
+        return {"wqkv": self.in_proj, "wo": self.out_proj}
+
+
+@dataclass(slots=True)
 class DenseFFN:
     """act(gate) * up, then down: the fused [gate | up] matrix (one larger matmul beats two on
     CPU) and the step's gate (SwiGLU or GeGLU)."""
@@ -183,6 +209,22 @@ class Block:
 
     def matrices(self) -> dict[str, Linear]:
         return {**self.mixer.matrices(), **self.ffn.matrices()}
+
+
+@dataclass(slots=True)
+class ScaledBlock(Block):
+    """Granite's pre-norm block: each sublayer's output times `residual_scale` before its
+    residual add (HF's residual_multiplier), both in f32 as HF's, so the add is not fused
+    into the next norm (one more pass over the residual rows)."""
+
+    residual_scale: float = 1.0
+
+    def __call__(self, run: Run, li: int, x: torch.Tensor, h: torch.Tensor,
+                 nxt: torch.Tensor | None) -> torch.Tensor | None:
+        r = self.residual_scale
+        x.add_(self.mixer(run, li, h).float().mul_(r))
+        x.add_(self.ffn(run, run.step.norm(x, None, self.ffn_norm)).float().mul_(r))
+        return None if nxt is None else run.step.norm(x, None, nxt)
 
 
 @dataclass(slots=True)

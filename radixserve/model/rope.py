@@ -39,7 +39,7 @@ class Rope:
         # partial rotary (n_rot < head_dim): the family ordered each q/k head's dimensions so
         # the rotated pairs are (i, i + head_dim / 2) for i < n_rot / 2 (`rotary_order`); the
         # others turn by angle 0 (cos 1, sin 0: unchanged, exactly)
-        inv[rot:] = 0.0
+        inv[0 if hp.nope else rot:] = 0.0  # NoPE: every pair unchanged
         if freq_factors is not None:
             inv = inv / freq_factors.to("cpu", torch.float64)
         self.inv_freq = inv.to(device or "cpu", torch.float32)

@@ -152,10 +152,11 @@ class KernelStep:
     def __init__(self, kern: Kernels, n_head: int, n_kv: int, head_dim: int,
                  kinds: dict[str, LayerKind], layer_kind: list[tuple[str, int]],
                  norms: list[tuple[torch.Tensor | None, torch.Tensor | None]],
-                 x: torch.Tensor, eps: float, n_ff: int,
+                 x: torch.Tensor, eps: float, n_ff: int, scale: float | None = None,
                  checked: dict[tuple[int, int], torch.Tensor] | None = None) -> None:
-        """`checked`: norm weights already checked (by id and length), shared by the steps of
-        one model so that its weights are checked once, not every step."""
+        """`scale`: q.k's softmax scale (None: 1 / sqrt(head_dim)). `checked`: norm weights already checked (by id and
+        length), shared by the steps of one model so that its weights are checked once, not
+        every step."""
         c = bind(kern.lib)
         self._step, self._post = c.attn_step_win_bf16, c.post_norm_add_bf16
         self._gelu = c.gelu_mul_bf16
@@ -168,6 +169,7 @@ class KernelStep:
         if not (n_head % n_kv == 0 and x.dtype == torch.float32 and x.is_contiguous()):
             raise ValueError("step: bad heads or residual rows")
         self.n_tok, self.n_embd, self.n_ff, self.eps = x.shape[0], x.shape[1], n_ff, eps
+        self.scale = head_dim ** -0.5 if scale is None else scale
         self.g, self.d, self.n_kv = n_head // n_kv, d, n_kv
         self.width, self.row = n_head * d, (n_head + 2 * n_kv) * d
         self.kinds, self.x = kinds, x
@@ -201,7 +203,7 @@ class KernelStep:
         kd, ci, qn, kn = entry
         rc = self._step(qkv.data_ptr(), *kd.rope, kd.k0 + ci * kd.k_layer,
                         kd.v0 + ci * kd.v_layer, *kd.seqs, qn, kn,
-                        self.eps, self.n_kv, self.g, self.d, self.d**-0.5, self.out.data_ptr(),
+                        self.eps, self.n_kv, self.g, self.d, self.scale, self.out.data_ptr(),
                         self.work.data_ptr(), self.work.numel())
         if rc != 0:
             raise ValueError(f"step attention kernel refused the shape (rc {rc})")

@@ -3,9 +3,9 @@ attention kernel where it runs), for the steps the C steps do not take.
 
 Why a step object: Transformer.hidden's layer loop calls one interface, `attend(layer, qkv)`
 plus the glue (`norm`, `post_norm`, `silu`, `gelu`), whichever way a step runs: step.py's
-KernelStep (every architecture's glue in C) or this one. This one runs when that cannot: f32 or no kernels, another attention scale
-than our kernel's, new tokens inside a sequence's cells (--cache-reuse's holes), or a sliding
-plan our kernel does not read. Everything a step shares across layers (plans, masks, the new
+KernelStep (every architecture's glue in C) or this one. This one runs when that cannot: f32 or
+no kernels, new tokens inside a sequence's cells (--cache-reuse's holes), or a sliding plan our
+kernel does not read. Everything a step shares across layers (plans, masks, the new
 cells as index tensors, each kind of layer's cache and RoPE tables) is built once here; each
 layer only picks its kind's (chosen at load: Transformer.layer_kinds).
 
@@ -181,7 +181,7 @@ class TorchStep:
             for b in self.batch:
                 n = len(b.tokens)
                 outs.append(self.kern.attend_causal(q[start : start + n], kl, vl, b.kv_cells,
-                                                    types=self.types))
+                                                    types=self.types, scale=self.tr.attn_scale))
                 start += n
             return outs
         for b, plan in zip(self.batch, plans):
@@ -200,7 +200,8 @@ class TorchStep:
         if plan.tail and self.tr.own_attention:
             assert self.kern is not None
             return self.kern.attend_causal(q.contiguous(), kl, vl, plan.cells,
-                                           window=plan.window, pos0=plan.pos0, types=self.types)
+                                           window=plan.window, pos0=plan.pos0, types=self.types,
+                                           scale=self.tr.attn_scale)
         kt, vt = self.types
         return self._sdpa(q, kt.dequantize(kl[:, plan.cells], q.dtype),
                           vt.dequantize(vl[:, plan.cells], q.dtype), plan.mask)

@@ -18,7 +18,7 @@ import torch
 
 from radixserve.engine.batch import BatchSeq, forward
 from radixserve.memory.pool.pool import KVPool
-from radixserve.model.forward import SeqStep, SwaStep, Transformer, resolve_deterministic
+from radixserve.model.forward import SeqStep, SwaStep, Transformer
 from radixserve.model.hparams import HParams
 from radixserve.model.loader import Model, load_model
 from tests.conftest import make_transformer
@@ -173,16 +173,6 @@ def test_hparams_defaults_keep_full_attention_models_unchanged():
         dataclasses.replace(hp, swa_layers=(True, False))  # one flag per layer
 
 
-def test_deterministic_mode_refuses_torch_attention():
-    """Even where everything else would allow it (no layer matrices at all here), torch's SDPA
-    for the sliding layers keeps the mode off: `on` is an error, `auto` is off."""
-    w = types.SimpleNamespace(layers=[])
-    assert resolve_deterministic("auto", torch.bfloat16, True, w)
-    assert not resolve_deterministic("auto", torch.bfloat16, True, w, torch_attention=True)
-    with pytest.raises(ValueError, match="SDPA"):
-        resolve_deterministic("on", torch.bfloat16, True, w, torch_attention=True)
-
-
 # -- tiny random gemma3: window 16 -----------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -205,7 +195,7 @@ def test_tiny_gemma3_matches_hf_across_the_window(tiny_gemma3: str):
     tr = make_transformer(tiny_gemma3)
     hp = tr.hp
     assert hp.arch == "gemma3" and hp.n_swa == 16 and hp.head_dim == 16
-    assert hp.swa_layers == (True,) * 5 + (False,) and not tr.torch_attention
+    assert hp.swa_layers == (True,) * 5 + (False,) and tr.attn_scale == hp.head_dim ** -0.5
     # HF's Gemma3 scales q.k by query_pre_attn_scalar ** -0.5, 256 unless the config says
     # otherwise (the GGUF has no key for it); llama.cpp and we use head_dim (16 here)
     ref = hf_model(tiny_gemma3, query_pre_attn_scalar=hp.head_dim)
