@@ -201,6 +201,18 @@ def tiny_qwen35_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_granite_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny dense Granite 4.0-H (tests/granite_hf.py's tiny_config: Mamba2, attention,
+    Mamba2, Mamba2; NoPE), written from a random transformers model as llama.cpp's converter
+    writes it, its matrices Q8_0."""
+    from tests.granite_hf import random_granite, tiny_config, write_granite_from_hf
+
+    d = tmp_path_factory.mktemp("tiny-granite")
+    return write_granite_from_hf(str(d / "tiny-granite.gguf"),
+                                 random_granite(tiny_config(), seed=21), "q8_0")
+
+
+@pytest.fixture(scope="session")
 def tiny_path(tiny_paths: dict[str, str]) -> str:
     return tiny_paths["llama"]
 

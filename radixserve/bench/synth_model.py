@@ -40,6 +40,13 @@ and the converter exports it unless told --no-mtp, but the GGUFs users run were 
 without, so the bench shapes have none. The norms are 1 here too (Qwen 3.5's RMSNorm multiplies
 by 1 + weight and the converter stores the +1; the DeltaNet's gated norm is plain).
 
+Granite 4.0-H (`granite-h-1b`, dense) mixes Mamba2 layers with a few attention layers, as
+llama.cpp's converter (GraniteHybridModel) writes it: `granitehybrid.attention.head_count_kv`
+a per-layer array (0 for a Mamba2 layer), the `ssm.*` sizes (time_step_rank is the head
+count), `rope.scaling.finetuned` false (no RoPE); Mamba2 tensors ssm_in ([z | x B C | dt]
+rows), ssm_conv1d and its bias, ssm_dt.bias, ssm_a = -exp(A_log) and ssm_d ([heads, 1]),
+ssm_norm ([groups, inner / groups]) and ssm_out, the small ones F32.
+
 The file is written with F16 weights (norms F32), or Q8_0 through gguf-py; other types (Q4_K_M)
 come from llama.cpp's `llama-quantize` run on the F16 file outside this repo:
 
@@ -95,6 +102,9 @@ class Shape:
     ssm_head_dim: int = 0
     ssm_conv: int = 0
     nextn: int = 0
+    # granitehybrid: `attn_layers` attend, the others are Mamba2 layers of ssm_v_heads heads
+    # of ssm_head_dim in ssm_k_heads B/C groups of state size `ssm_state`
+    ssm_state: int = 0
 
     @property
     def hd(self) -> int:
@@ -165,8 +175,19 @@ SHAPES = {
                          rope_base=1e7, n_ctx_train=4096, arch="qwen35", head_dim=64,
                          rms_eps=1e-6, attn_interval=4, n_rot=16, rope_sections=(3, 3, 2, 0),
                          ssm_k_heads=2, ssm_v_heads=4, ssm_head_dim=32, ssm_conv=4),
+    # the size of IBM's Granite 4.0-H 1B (dense: 40 layers of width 1536, 4 of them attention
+    # without RoPE; Mamba2 heads 48 x 64, state 128, one group, conv 4); the numbers are ours
+    # where a real config might differ, as the weights are random anyway; no multipliers
+    "granite-h-1b": Shape(n_layer=40, n_embd=1536, n_ff=4096, n_head=12, n_head_kv=4,
+                          rope_base=10000.0, n_ctx_train=131072, arch="granitehybrid",
+                          attn_layers=(9, 19, 29, 39), ssm_k_heads=1, ssm_v_heads=48,
+                          ssm_head_dim=64, ssm_state=128, ssm_conv=4),
+    "granite-h-tiny": Shape(n_layer=4, n_embd=128, n_ff=384, n_head=4, n_head_kv=2,
+                            rope_base=10000.0, n_ctx_train=4096, arch="granitehybrid",
+                            attn_layers=(1,), ssm_k_heads=2, ssm_v_heads=8, ssm_head_dim=32,
+                            ssm_state=32, ssm_conv=4),
 }
-ARCHS = ("llama", "lfm2", "qwen2", "qwen3", "gemma3", "qwen35")
+ARCHS = ("llama", "lfm2", "qwen2", "qwen3", "gemma3", "qwen35", "granitehybrid")
 TYPES = {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 _TOKENIZER = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
               "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
@@ -246,7 +267,7 @@ def check_qwen35(shape: Shape) -> None:
 
 def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
     """Write the GGUF at `path` of `shape.arch` (ARCHS: llama, lfm2, qwen2, qwen3, gemma3,
-    qwen35) with llama.cpp's keys and tensor names: weights N(0, 0.02) (the init Llama uses, so
+    qwen35, granitehybrid) with llama.cpp's keys and tensor names: weights N(0, 0.02) (the init Llama uses, so
     activations stay in range through the layers), in `wtype` (TYPES); norms 1, qwen2's q/k/v
     biases N(0, 0.02); lfm2's conv kernels and qwen35's ssm_conv1d, ssm_a and ssm_dt.bias F32
     (the converter's types; ssm_a in [-1, -0.1], ssm_dt.bias about 1: decays that neither
@@ -259,15 +280,16 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
         raise ValueError(f"sliding_window {shape.sliding_window} for {shape.arch}: gemma3 "
                          "needs one, the others have none")
     lfm2, qwen35 = shape.arch == "lfm2", shape.arch == "qwen35"
+    granite = shape.arch == "granitehybrid"
     qk_norm = shape.arch in ("qwen3", "gemma3", "lfm2", "qwen35")
     if qwen35:
         check_qwen35(shape)
     elif shape.attn_interval or shape.nextn:
         raise ValueError(f"attn_interval / nextn are qwen35's, not {shape.arch}'s")
-    attn = (set(shape.attn_layers) if lfm2 else
+    attn = (set(shape.attn_layers) if lfm2 or granite else
             {i for i, r in enumerate(shape.recurrent()) if not r} if qwen35 else
             set(range(shape.n_layer)))
-    if (shape.attn_layers and not lfm2) or not attn <= set(range(shape.n_layer)):
+    if (shape.attn_layers and not (lfm2 or granite)) or not attn <= set(range(shape.n_layer)):
         raise ValueError(f"attention layers {shape.attn_layers} for {shape.arch}, "
                          f"{shape.n_layer} layers")
     qtype = TYPES[wtype]
@@ -280,10 +302,19 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
     w.add_embedding_length(shape.n_embd)
     w.add_feed_forward_length(shape.n_ff)
     w.add_head_count(shape.n_head)
-    if lfm2:
+    if lfm2 or granite:
         w.add_head_count_kv([shape.n_head_kv if i in attn else 0 for i in range(shape.n_layer)])
+    if lfm2:
         w.add_shortconv_l_cache(shape.l_cache)
-    else:
+    if granite:  # GraniteHybridModel's: Mamba2 sizes, NoPE
+        w.add_ssm_conv_kernel(shape.ssm_conv)
+        w.add_ssm_state_size(shape.ssm_state)
+        w.add_ssm_group_count(shape.ssm_k_heads)
+        w.add_ssm_inner_size(shape.ssm_v_heads * shape.ssm_head_dim)
+        w.add_ssm_time_step_rank(shape.ssm_v_heads)
+        w.add_rope_scaling_finetuned(False)
+        w.add_rope_dimension_count(shape.hd)
+    if not (lfm2 or granite):
         w.add_head_count_kv(shape.n_head_kv)
     w.add_rope_freq_base(shape.rope_base)  # gemma3: the global layers' base
     w.add_layer_norm_rms_eps(shape.rms_eps)
@@ -325,7 +356,19 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
         norm(p + "attn_norm.weight")
         # Qwen 3.5's FFN pre-norm is HF's post_attention_layernorm, mapped to ATTN_POST_NORM
         norm(p + ("post_attention_norm.weight" if qwen35 else "ffn_norm.weight"))
-        if qwen35 and i not in attn and i < shape.n_layer:
+        if granite and i not in attn:
+            ng, nh, hd2, ds = (shape.ssm_k_heads, shape.ssm_v_heads, shape.ssm_head_dim,
+                               shape.ssm_state)
+            vd, cc = nh * hd2, nh * hd2 + 2 * ng * ds
+            matrix(p + "ssm_in.weight", vd + cc + nh, d)
+            f32(p + "ssm_conv1d.weight", rng.standard_normal((cc, shape.ssm_conv)) * 0.3)
+            f32(p + "ssm_conv1d.bias", rng.standard_normal(cc) * 0.02)
+            f32(p + "ssm_dt.bias", 1.0 + rng.standard_normal(nh) * 0.1)
+            f32(p + "ssm_a", -rng.uniform(0.1, 1.0, (nh, 1)))
+            f32(p + "ssm_d", np.ones((nh, 1)))
+            f32(p + "ssm_norm.weight", np.ones((ng, vd // ng)))
+            matrix(p + "ssm_out.weight", d, vd)
+        elif qwen35 and i not in attn and i < shape.n_layer:
             nk, nv, sd = shape.ssm_k_heads, shape.ssm_v_heads, shape.ssm_head_dim
             matrix(p + "attn_qkv.weight", 2 * nk * sd + nv * sd, d)
             matrix(p + "attn_gate.weight", nv * sd, d)

@@ -164,9 +164,7 @@ class Transformer:
 
     def logits(self, hidden: torch.Tensor, needs: list[RowNeed]) -> torch.Tensor:
         """The head over `hidden`'s rows, for samplers that need what `needs` says
-        (model/head.py); a model's logit scale (Granite's) divides the rows first, in f32."""
-        if self.hp.logit_scale != 1.0:
-            hidden = hidden / self.hp.logit_scale
+        (model/head.py)."""
         return self.w.head.logits(hidden, needs)
 
     @torch.inference_mode()

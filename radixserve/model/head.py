@@ -79,10 +79,12 @@ class OutputHead:
     of the step's tokens, every row for the full head). The decoded rows are qmm's, which are
     gguf-py's dequantization (bit for bit for Q8_0, the type of the heads in the common
     GGUFs), so either holder gives the same logits. `kern`: our kernels (None: torch's ops; a
-    head in the file's blocks needs them)."""
+    head in the file's blocks needs them). `logit_scale`: logits are divided by it (Granite's
+    logits_scaling), done as the hidden rows divided by it in f32 before the head."""
 
     def __init__(self, w: torch.Tensor | QuantMatrix, shortlist: bool,
-                 kern: Kernels | None = None) -> None:
+                 kern: Kernels | None = None, logit_scale: float = 1.0) -> None:
+        self.logit_scale = logit_scale
         if isinstance(w, QuantMatrix):
             self.w, self.blocks = None, w
             n, d = w.n, w.k
@@ -152,8 +154,14 @@ class OutputHead:
             return F.embedding(tokens, self.w)
         return self.blocks.rows(tokens)
 
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.logit_scale == 1.0 else h / self.logit_scale
+
     def full(self, h: torch.Tensor) -> torch.Tensor:
         """Exact f32 logits [n, V] for normed hidden states h [n, D] f32."""
+        return self._dots(self._scaled(h))
+
+    def _dots(self, h: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None:  # each row decoded once, then head_dots' dot products
             return self.blocks.head_dots(h.contiguous())
         if self.dots is not None:
@@ -164,15 +172,16 @@ class OutputHead:
         """Logits [n, V] for the samplers: exact wherever they look, -inf where they provably
         cannot (rows with a shortlist), or the full f32 head."""
         short = [i for i, nd in enumerate(needs) if 0 < nd.top <= MAX_TOP]
+        h = self._scaled(h)
         if not short or self.q8 is None:
             self.stats.rows_full += len(needs)
-            return self.full(h).cpu()  # the samplers run on the host (a device model's too)
+            return self._dots(h).cpu()  # the samplers run on the host (a device model's too)
         out = torch.empty(h.shape[0], self.shape[0])  # every row filled below
         self._shortlist(h[short], [needs[i] for i in short], out, short)
         rest = sorted(set(range(len(needs))) - set(short))
         if rest:
             idx = torch.tensor(rest)
-            out[idx] = self.full(h[idx])
+            out[idx] = self._dots(h[idx])
         self.stats.rows_full += len(rest)
         self.stats.rows_short += len(short)
         return out

@@ -133,9 +133,11 @@ def load_weights(reader: gguf.GGUFReader, hp: HParams, dtype: torch.dtype,
     tok_embd: torch.Tensor | qmm.QuantMatrix | None = None
     if out is None:
         log.info("output.weight absent: using tied token embeddings as the output head")
-        head = OutputHead(ld.rows("token_embd.weight"), shortlist=packed, kern=kern)
+        head = OutputHead(ld.rows("token_embd.weight"), shortlist=packed, kern=kern,
+                          logit_scale=hp.logit_scale)
     else:
-        head = OutputHead(ld.rows("output.weight"), shortlist=packed, kern=kern)
+        head = OutputHead(ld.rows("output.weight"), shortlist=packed, kern=kern,
+                          logit_scale=hp.logit_scale)
         tok_embd = ld.rows("token_embd.weight", dtype=dtype)
     n_params = sum(int(np.prod(t.shape)) for t in reader.tensors)
     return ModelWeights(tok_embd, ld.norm(fam.output_norm), head, layers,

@@ -129,7 +129,7 @@ _read = functools.cache(gguf.GGUFReader)  # gguf-py parses a 49k-token vocabular
 def rewrite(src: str, dst: Path, drop_keys: tuple[str, ...] = (),
             set_keys: dict[str, object] | None = None,
             tensors: dict[str, np.ndarray] | None = None, arch: str = "lfm2") -> str:
-    """A copy of GGUF `src` with keys dropped or set, tensors replaced (f32), and the
+    """A copy of GGUF `src` with keys dropped or set, tensors replaced or added (f32), and the
     architecture renamed to `arch` (its keys with it). Without its tokenizer: the refusals
     come before the tokenizer is read, and copying a 49k-token vocabulary costs seconds."""
     r = _read(src)
@@ -154,6 +154,9 @@ def rewrite(src: str, dst: Path, drop_keys: tuple[str, ...] = (),
         else:
             w.add_tensor(t.name, np.array(t.data), raw_shape=np.array(t.data).shape,
                          raw_dtype=t.tensor_type)
+    for name, a in (tensors or {}).items():
+        if name not in {t.name for t in r.tensors}:
+            w.add_tensor(name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

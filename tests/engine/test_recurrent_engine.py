@@ -1,5 +1,5 @@
-"""Qwen3.5 (its Gated DeltaNet state kept whole, one state cell a sequence: memory/pool/
-recurrent.py) through the real scheduler: a slot resuming its own state, context checkpoints
+"""Qwen3.5 and Granite 4.0-H (their Gated DeltaNet or Mamba2 state kept whole, one state cell
+a sequence: memory/pool/recurrent.py) through the real scheduler: a slot resuming its own state, context checkpoints
 (the state's snapshots) restoring an earlier prefix, the whole-prompt host cache carrying
 them, slot files, agent sessions on fewer slots than sessions, and the refusals (speculative
 decoding, the disk tier, context shift).
@@ -30,13 +30,18 @@ from tests.engine.test_swa import Ref
 from tests.tiny_gguf import write_tiny_gguf
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
+@pytest.fixture(scope="module", params=["qwen35", "granitehybrid"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Model:
     """A tiny Qwen3.5: 4 layers (three Gated DeltaNet, the last attention), 2 key heads and 4
-    value heads of 16."""
-    d = tmp_path_factory.mktemp("q35e")
-    m = load_model(write_tiny_gguf(str(d / "q35.gguf"), arch="qwen35", ssm_heads=(2, 4),
-                                   seed=21), "bf16", deterministic="on")
+    value heads of 16; or a tiny Granite 4.0-H: 4 layers (three Mamba2, the second attention),
+    8 heads of 16 in 2 groups with a state of 16. Both keep their state whole, a cell a
+    sequence, the same way."""
+    if request.param == "qwen35":
+        d = tmp_path_factory.mktemp("q35e")
+        path = write_tiny_gguf(str(d / "q35.gguf"), arch="qwen35", ssm_heads=(2, 4), seed=21)
+    else:
+        path = request.getfixturevalue("tiny_granite_path")
+    m = load_model(path, "bf16", deterministic="on")
     assert m.deterministic and m.hp.recurrent and m.layout.n_recurrent == 3
     return m
 
@@ -98,18 +103,21 @@ def test_agents_legacy_compute_the_minimum_plus_the_lost_histories(model: Model,
 
 
 def test_a_small_budget_drops_snapshots_and_answers_stay(model: Model, ref: Ref) -> None:
-    """The tree held to a fifth of what the sessions store unbounded (613,547 bytes measured):
+    """The tree held to a fifth of what the sessions store unbounded (Qwen3.5: 120,000 of
+    613,547 bytes measured; Granite, whose snapshots are larger: 216,000 of 1,569,856):
     superseded snapshots (a session's earlier steps) go first, then leaves; a prefix whose
     snapshot went is served up to the nearest kept one, so more is computed than the minimum
-    (346 measured), less than the whole-prompt cache (390), and every answer is unchanged.
-    (At 200,000 bytes only superseded snapshots go, and the minimum still holds.)"""
+    (346 and 287 measured), less than the whole-prompt cache (390), and every answer is
+    unchanged. (At 200,000 bytes Qwen3.5 drops only superseded snapshots, and the minimum
+    still holds.)"""
+    budget = {"qwen35": 120_000, "granitehybrid": 216_000}[model.hp.arch]
     fp = fingerprint_of(build_scheduler(model, ServerConfig(cache_ram_mib=0),
-                                        ServerMetrics()).pool, "qwen35")
-    cache = RadixPromptCache(120_000, fingerprint=fp)
+                                        ServerMetrics()).pool, model.hp.arch)
+    cache = RadixPromptCache(budget, fingerprint=fp)
     finals, sent, minimum, s = run_agents(model, ref, radix=True, chat=True, cache=cache)
     computed = sum(f.timings.prompt_n for f in finals)
     st = cache.stats()
-    assert st["snapshots_dropped"] > 0 and st["evictions"] > 0 and st["bytes"] <= 120_000
+    assert st["snapshots_dropped"] > 0 and st["evictions"] > 0 and st["bytes"] <= budget
     assert minimum == 170 < computed < 390, computed
     # the reuse report says where a snapshot, not the text held, stopped the reuse
     reports = [f.timings.reuse for f in finals]
