@@ -78,8 +78,8 @@ def build_scheduler(model: Model, cfg: ServerConfig, metrics: ServerMetrics,
                   cfg.context_shift and layout.can_shift) for i in range(n_slots)]
     spec = None
     if cfg.spec.enabled and layout.n_recurrent:
-        raise ValueError("speculative decoding is not supported for this model yet: its Gated "
-                         "DeltaNet state is kept only after a sequence's last token, so a "
+        raise ValueError("speculative decoding is not supported for this model yet: its "
+                         "recurrent state is kept only after a sequence's last token, so a "
                          "rejected draft could not be rolled back")
     if cfg.spec.enabled:
         if draft is None:
@@ -105,8 +105,9 @@ def build_scheduler(model: Model, cfg: ServerConfig, metrics: ServerMetrics,
     log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = %s",
              n_slots, n_ctx_slot, unified)
     if layout.n_recurrent:
-        log.info("recurrent layers: %d Gated DeltaNet (state: %.2f MiB a sequence, kept after "
-                 "its last token), snapshots as context checkpoints, max = %d, min spacing = %d",
+        log.info("recurrent layers: %d Gated DeltaNet or Mamba2 (state: %.2f MiB a sequence, "
+                 "kept after its last token), snapshots as context checkpoints, max = %d, "
+                 "min spacing = %d",
                  layout.n_recurrent, layout.state_bytes / 2**20, n_ckpt,
                  cfg.checkpoint_min_step)
     elif not layout.can_shift:

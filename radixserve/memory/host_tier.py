@@ -56,7 +56,7 @@ def make_cache(cfg: ServerConfig, pool: KVPool, arch: str,
     backend = backend_name(cfg)
     if cfg.cache_disk and not pool.layout.rows_every_position:
         raise ValueError("--cache-disk: the disk tier keeps rows a token, and this model's "
-                         "recurrent state has none (Gated DeltaNet layers); run without "
+                         "recurrent state has none (Gated DeltaNet or Mamba2 layers); run without "
                          "--cache-disk")
     if backend == "none":
         return NullPromptCache()

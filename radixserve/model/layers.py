@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 class Run:
     """What every layer of one forward step shares: the step object, the short-convolution
     plan (None without conv layers), each layer's row in its cache, whether matmuls must
-    keep a row's bits independent of the batch (deterministic mode), and the Gated DeltaNet
+    keep a row's bits independent of the batch (deterministic mode), and the recurrent layers'
     plan (None without such layers)."""
 
     step: KernelStep | TorchStep
@@ -45,7 +45,7 @@ class Run:
 class Mixer(Protocol):
     """The part of a layer that mixes positions. `kind` names the memory it keeps ("global" and
     "sliding" attention's K/V rows, "conv" a short convolution's input rows, "recurrent" a
-    Gated DeltaNet's state): the family's memory layout groups layers by it."""
+    Gated DeltaNet's or Mamba2's state): the family's memory layout groups layers by it."""
 
     kind: str
 

@@ -1,9 +1,9 @@
-"""A Gated DeltaNet's recurrent state (Qwen3.5's linear-attention layers) kept whole, one cell a
-sequence, beside the attention layers' K/V cells.
+"""A Gated DeltaNet's or Mamba2's recurrent state (Qwen3.5's linear-attention layers, Granite
+4.0-H's SSM layers) kept whole, one cell a sequence, beside the attention layers' K/V cells.
 
-Unlike a short convolution (conv.py), a delta-rule layer's state after position p is no
-function of a few input rows: it is one [dk, dv] matrix a value head (plus the conv's last
-rows), megabytes a sequence, and it exists only at the positions it was computed at. So the
+Unlike a short convolution (conv.py), a delta-rule or selective-scan layer's state after
+position p is no function of a few input rows: it is one [dk, dv] matrix a head (plus the
+conv's last rows), megabytes a sequence, and it exists only at the positions it was computed at. So the
 window part holds one *state cell* a sequence, at the position of its last token:
 
 - a forward allocates one new state cell at its last new position and reads the cell at the
