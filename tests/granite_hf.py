@@ -14,6 +14,12 @@ The converter's transforms, done here the same way:
   attention.scale / embedding_scale / residual_scale / logit_scale, rope.scaling.finetuned
   false for NoPE (then context_length 2^20), ssm.* sizes (time_step_rank is the head count).
 
+Checked by hand: llama.cpp's convert_hf_to_gguf.py on the same model saved by transformers
+writes the same keys and every tensor bit for bit (after renaming config.json's layer types to
+Granite's own "mamba" / "attention": the converter does not read transformers' newer
+"linear_attention" / "full_attention"), and llama-server's greedy tokens and top
+log-probabilities on the f32 file equal ours (with and without RoPE).
+
 With `wtype` q8_0 the matrices are Q8_0 and the HF model's weights are replaced by their
 dequantized values, so both sides compute with the same weights."""
 
