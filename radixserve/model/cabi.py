@@ -44,6 +44,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     # delta_net.c
     "gdn_step_bf16": (None, [P, I64, I64, P, P, P, P, P, I64, P, I32, P, P, P, I32, I32, I32,
                              I32, F32, P, P]),
+    # mamba2.c
+    "mamba2_step_bf16": (None, [P, I64, I64, P, P, P, P, P, I64, P, P, I32, P, P, P, P, I32,
+                                I32, I32, I32, F32, P, P]),
     # int8_head.c
     "int8_head_available": (I32, []),
     "int8_head": (I32, [P, P, P, P, P, I64, I64, I32, P]),

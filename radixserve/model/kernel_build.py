@@ -59,9 +59,10 @@ _COMMON = ("-O3", "-fopenmp", "-fPIC", "-fno-math-errno")
 # and, except for the sources in _STRICT_FP, sums the compiler may reorder (vectorize)
 _REASSOC = ("-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")
 # sources whose floating-point sums must run exactly as written (no reassociation)
-_STRICT_FP = frozenset({"qmm.c", "i8act.c", "kv_rows.c", "short_conv.c", "delta_net.c"})
+_STRICT_FP = frozenset({"qmm.c", "i8act.c", "kv_rows.c", "short_conv.c", "delta_net.c",
+                        "mamba2.c"})
 # and, of those, the sources whose roundings are exactly as written: no fused multiply-adds
-_NO_CONTRACT = frozenset({"i8act.c", "kv_rows.c", "short_conv.c", "delta_net.c"})
+_NO_CONTRACT = frozenset({"i8act.c", "kv_rows.c", "short_conv.c", "delta_net.c", "mamba2.c"})
 # and sources built without partial redundancy elimination: it translated the gates' division
 # through exp_clamped's clamp into one copy for each arm (5 divisions a vector where 1 does:
 # the SiLU gate 8x slower)

@@ -103,10 +103,12 @@ class Kernels:
         self._bf16_mm = c.bf16_matmul
         self._short_conv = c.short_conv_bf16
         self._gdn = c.gdn_step_bf16
+        self._mamba2 = c.mamba2_step_bf16
         self.has_int8_head = bool(c.int8_head_available())  # every build (VNNI, AVX2, NEON, C)
         self.has_bf16_gemm = bool(c.bf16_gemm_available())  # needs AVX512-BF16
         self._work = torch.empty(0)
         self._gdn_work = torch.empty(0)  # gdn_step's conv outputs, grown to fit a call
+        self._mamba2_work = torch.empty(0)  # mamba2_step's conv outputs, likewise
 
     def _scratch(self, longest: int, n_tok: int, n_kv: int, g: int, d: int) -> torch.Tensor:
         """The attention scratch, grown (never shrunk) to fit a call: it is sized by the
@@ -265,6 +267,80 @@ class Kernels:
                   write.data_ptr(), k.data_ptr(), v.data_ptr(), w, conv_w.data_ptr(), kk,
                   ssm_a.data_ptr(), dt_bias.data_ptr(), norm_w.data_ptr(), nk, nv, dk, dv,
                   eps, self._gdn_work.data_ptr(), out.data_ptr())
+        return out
+
+    def mamba2_step(self, proj: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    n_new: torch.Tensor, read: torch.Tensor, write: torch.Tensor,
+                    conv_w: torch.Tensor, conv_b: torch.Tensor | None, ssm_a: torch.Tensor,
+                    dt_bias: torch.Tensor, ssm_d: torch.Tensor, norm_w: torch.Tensor,
+                    nk: int, nv: int, dk: int, dv: int, eps: float) -> torch.Tensor:
+        """One Mamba2 layer (Granite 4.0-H's SSM layers) for a step's sequences
+        (csrc/mamba2.c; model/mamba2.py's arithmetic): the depthwise causal conv with its bias,
+        the selective scan and the gated group RMS norm, bf16 in and out, the state in f32.
+
+        nk B/C groups of dk (the state size), nv heads of dv, head h in group h // (nv / nk)
+        (nv a multiple of nk). proj bf16 [T, P]: each token's in-projection [z (nv dv) | x
+        (nv dv) | B (nk dk) | C (nk dk) | dt (nv)], x | B | C the Cc = nv dv + 2 nk dk conv
+        channels; k, v f32 [n_cells, W] the layer's state stores, a cell a row, W = (K-1) Cc +
+        ceil(nv / 2) dk dv (k's row: the conv state, K-1 rows of Cc oldest first, then heads
+        0..ceil(nv/2)-1's [dk][dv] matrices; v's row: the other heads' matrices, then padding);
+        n_new, read, write int64 [S]: each sequence's tokens (proj's rows in order), the cell
+        its state is read from (-1: zeros; never written) and the cell it is left in (not the
+        read cell, nor any other sequence's read or write cell). conv_w f32 [Cc, K], conv_b f32
+        [Cc] or None, ssm_a (= -exp(A_log)), dt_bias and ssm_d (the skip) f32 [nv], norm_w f32
+        [nv dv] -> bf16 [T, nv dv].
+
+        Per token, in f32: conv out = silu(taps' sum from j = 0 in order + bias); per head
+        dt = softplus(dt + dt_bias), S = S exp(dt ssm_a) + B (x dt)^T, y = S^T C (the sum over
+        the state index in order), y = (y + ssm_d x) silu(z); per group y times 1 / sqrt(the
+        mean of y^2 over the group's heads, in order, + eps), times norm_w. A token's bits do
+        not depend on the other tokens or sequences of the call, nor on the thread count, and
+        every variant computes the same bits (fixed orders, no reassociation or contraction; exp
+        is the kernel's own, delta_net.c's)."""
+        if not (nk > 0 and nv > 0 and dk > 0 and dv > 0 and nv % nk == 0):
+            raise ValueError(f"mamba2_step needs positive group and head counts and sizes, the "
+                             f"heads a multiple of the groups ({nk}, {nv}, {dk}, {dv})")
+        vd = nv * dv
+        cc = vd + 2 * nk * dk
+        width = vd + cc + nv
+        kk = conv_w.shape[1] if conv_w.dim() == 2 else 0
+        w = (kk - 1) * cc + (nv + 1) // 2 * dk * dv
+        rows = proj.shape[0] if proj.dim() == 2 else 0
+        f32 = (conv_w, ssm_a, dt_bias, ssm_d, norm_w) + (() if conv_b is None else (conv_b,))
+        ok = (proj.dtype == torch.bfloat16 and proj.dim() == 2 and proj.shape[1] == width
+              and rows > 0 and k.dtype == v.dtype == torch.float32 and k.dim() == 2
+              and kk >= 1 and k.shape == v.shape and k.shape[1] == w and k.shape[0] > 0
+              and all(t.dtype == torch.float32 for t in f32)
+              and conv_w.shape == (cc, kk) and (conv_b is None or conv_b.shape == (cc,))
+              and ssm_a.shape == dt_bias.shape == ssm_d.shape == (nv,)
+              and norm_w.shape == (vd,)
+              and n_new.dtype == read.dtype == write.dtype == torch.int64
+              and n_new.dim() == 1 and n_new.numel() > 0
+              and read.shape == write.shape == n_new.shape
+              and all(t.is_contiguous() for t in (proj, k, v, n_new, read, write, *f32)))
+        if not ok:
+            raise ValueError(f"mamba2_step needs contiguous bf16 proj [T, {width}], f32 states "
+                             f"k, v [n_cells, (K-1) {cc} + {(nv + 1) // 2 * dk * dv}], f32 "
+                             f"conv_w [{cc}, K], conv_b [{cc}] or None, ssm_a, dt_bias, ssm_d "
+                             f"[{nv}], norm_w [{vd}] and int64 n_new, read, write [S]")
+        n_cells = k.shape[0]
+        ns, rd, wr = n_new.tolist(), read.tolist(), write.tolist()
+        if min(ns) < 1 or sum(ns) != rows:
+            raise ValueError(f"mamba2_step: n_new {ns} must be >= 1 each and sum to T = {rows}")
+        if not all(-1 <= r < n_cells for r in rd) or not all(0 <= c < n_cells for c in wr):
+            raise IndexError(f"mamba2_step: cells outside a pool of {n_cells} (read {rd}, "
+                             f"write {wr})")
+        if len(set(wr)) != len(wr) or set(wr) & set(rd):
+            raise ValueError(f"mamba2_step: each write cell must be its own, no read cell "
+                             f"(read {rd}, write {wr})")
+        if self._mamba2_work.numel() < rows * cc:
+            self._mamba2_work = torch.empty(rows * cc, dtype=torch.float32)
+        out = torch.empty(rows, vd, dtype=torch.bfloat16)
+        self._mamba2(proj.data_ptr(), rows, len(ns), n_new.data_ptr(), read.data_ptr(),
+                     write.data_ptr(), k.data_ptr(), v.data_ptr(), w, conv_w.data_ptr(),
+                     None if conv_b is None else conv_b.data_ptr(), kk, ssm_a.data_ptr(),
+                     dt_bias.data_ptr(), ssm_d.data_ptr(), norm_w.data_ptr(), nk, nv, dk, dv,
+                     eps, self._mamba2_work.data_ptr(), out.data_ptr())
         return out
 
     def int8_head(self, q8: torch.Tensor, rowsum: torch.Tensor, scale: torch.Tensor,

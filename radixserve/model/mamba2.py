@@ -16,6 +16,8 @@ dv = hd, so the cell (the conv window and a [dk, dv] matrix a head) is the Delta
 Why one token at a time: as for the DeltaNet (delta_net.py), a chunked form (SSD's block
 decomposition) would make a token's state bits depend on where the chunks fall; the recurrence
 in token order gives the same bits whatever the step holds. It is one pass over S a token.
+With the kernels built and bf16 rows one C call a layer runs it (csrc/mamba2.c), else the torch
+ops below (the f32 reference path and tests).
 """
 
 from __future__ import annotations
