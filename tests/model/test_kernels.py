@@ -126,14 +126,15 @@ def test_decode_step_equals_torch_path(kern, threads):
             assert (out[i : i + 1] - ref).abs().max() < 2**-6 * ref.abs().max() + 1e-3
 
 
-def causal_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
     """Reference: q [n, H, d] the last n of the keys k/v [n_kv, L, d]; query i sees the first
-    L - n + i + 1 -> [n, H * d] in float64."""
+    L - n + i + 1 -> [n, H * d] in float64; q.k scaled by `scale` (None: 1 / sqrt(d))."""
     n, heads, d = q.shape
     n_kv, length, _ = k.shape
     kk, vv = k.double().repeat_interleave(heads // n_kv, 0), v.double()
     vv = vv.repeat_interleave(heads // n_kv, 0)
-    s = torch.einsum("nhd,hld->hnl", q.double(), kk) * d**-0.5
+    s = torch.einsum("nhd,hld->hnl", q.double(), kk) * (d**-0.5 if scale is None else scale)
     seen = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]
     p = torch.softmax(s.masked_fill(~seen, -torch.inf), -1)
     return torch.einsum("hnl,hld->nhd", p, vv).reshape(n, -1)
@@ -154,6 +155,23 @@ def test_attend_causal_matches_float64(kern, threads, n_kv, g, d):
             ref = causal_f64(q, pk[:, cells], pv[:, cells])
             err = (kern.attend_causal(q, pk, pv, cells).double() - ref).abs().max().item()
             assert err <= 2**-7 * ref.abs().max().item(), (length, n, err)
+
+
+@pytest.mark.parametrize("d", [64, 32])
+def test_attend_causal_takes_the_models_scale(kern, d):
+    """A scale other than 1/sqrt(d) (Granite's attention multiplier, Gemma 3 27B's) is the
+    kernel's softmax scale, in the AVX-512 path (d 64) and the generic one."""
+    gen = torch.Generator().manual_seed(d)
+    pk = (torch.randn(2, 300, d, generator=gen) * 2).to(BF)
+    pv = torch.randn(2, 300, d, generator=gen).to(BF)
+    q = (torch.randn(5, 4, d, generator=gen) * 2).to(BF)
+    cells = slice(0, 280)
+    for scale in (0.0078125, 0.3):
+        ref = causal_f64(q, pk[:, cells], pv[:, cells], scale)
+        err = (kern.attend_causal(q, pk, pv, cells, scale=scale).double() - ref).abs().max()
+        assert err <= 2**-7 * ref.abs().max(), (scale, err)
+        default = causal_f64(q, pk[:, cells], pv[:, cells])
+        assert (default - ref).abs().max() > 10 * err  # the scale changes the answer
 
 
 @pytest.mark.parametrize("d", [32, 128])

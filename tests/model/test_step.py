@@ -33,13 +33,14 @@ HP = HParams(arch="gemma3", n_layer=2, n_embd=128, n_ff=64, n_head=4, n_head_kv=
              swa_layers=(True, False), rope_base_swa=1e4)
 
 
-@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("window, scale", [(0, None), (40, None), (0, 0.3)])
 @pytest.mark.parametrize("base", [0, 220], ids=["block-0", "across-256"])
-def test_step_attention_equals_norms_rope_store_and_attend(kern, threads, window, base):
+def test_step_attention_equals_norms_rope_store_and_attend(kern, threads, window, base, scale):
     """One call a layer: q/k norms, RoPE, the K/V store and (windowed) attention for three
     sequences (a run of cells, gathered cells starting at a later position, a one-token
-    sequence) equal head_norm + Rope.apply + index_copy + attend_causal, bit for bit; and
-    head_norm is forward.py's rms_norm within a bf16 rounding."""
+    sequence) equal head_norm + Rope.apply + index_copy + attend_causal, bit for bit, with the
+    model's q.k scale (None: 1/sqrt(head_dim)); and head_norm is forward.py's rms_norm within a
+    bf16 rounding."""
     d, nh, nkv = HP.head_dim, HP.n_head, HP.n_head_kv
     rope = Rope(HP, base=HP.rope_base_swa, scale=1.0)
     gen = torch.Generator().manual_seed(window + 1)
@@ -59,7 +60,7 @@ def test_step_attention_equals_norms_rope_store_and_attend(kern, threads, window
     x = torch.zeros(6, HP.n_embd)
     kind = G.LayerKind(pk, pv, cells, pos0, window, dst, n_new, cos, sin)
     step = G.KernelStep(kern, nh, nkv, d, {"k": kind}, [("k", 0), ("k", 1)],
-                       [(qn, kn), (None, None)], x, HP.rms_eps, HP.n_ff)
+                       [(qn, kn), (None, None)], x, HP.rms_eps, HP.n_ff, scale)
     for layer, norms in ((0, True), (1, False)):
         qkv = (torch.randn(6, (nh + 2 * nkv) * d, generator=gen) * 3).to(BF)
         got = step.attend(layer, qkv).clone()
@@ -79,7 +80,7 @@ def test_step_attention_equals_norms_rope_store_and_attend(kern, threads, window
         q, at = qk[:, :nh], 0
         for c, p0, n in zip(cells, pos0, n_new):
             want = kern.attend_causal(q[at : at + n].contiguous(), pk2[layer], pv2[layer], c,
-                                      window=window, pos0=p0)
+                                      window=window, pos0=p0, scale=scale)
             assert torch.equal(got[at : at + n], want), (layer, at)
             at += n
 
