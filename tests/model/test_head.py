@@ -223,3 +223,21 @@ def test_a_head_wider_than_the_int8_sums_keep_exact_is_refused(vnni):
     assert INT8_HEAD_MAX_WIDTH * 255 * 128 <= 2**31 - 1 < (INT8_HEAD_MAX_WIDTH + 1) * 255 * 128
     with pytest.raises(UnsupportedModelError, match=str(INT8_HEAD_MAX_WIDTH)):
         OutputHead(torch.zeros(2, INT8_HEAD_MAX_WIDTH + 64), shortlist=True)
+
+
+def test_a_logit_scale_divides_every_path(vnni):
+    """Granite's logits_scaling: the full head, the shortlist rows and the rows beside them
+    all give the unscaled head's logits divided by the scale (the hidden rows divided first,
+    in f32: within an f32 rounding)."""
+    plain = make_head(vnni=vnni)
+    scaled = set_path(OutputHead(plain.w, shortlist=True, kern=default_kernels(),
+                                 logit_scale=4.0), vnni)
+    h = hidden(16, 2)
+    want = plain.full(h) / 4.0
+    assert torch.allclose(scaled.full(h), want, rtol=1e-6, atol=1e-6)
+    got = scaled.logits(h, [RowNeed(5)] * 8 + [RowNeed(0)] * 8)
+    assert torch.allclose(got[8:], want[8:], rtol=1e-6, atol=1e-6)
+    top = torch.topk(got[:8], 5, dim=1)
+    assert torch.equal(top.indices, torch.topk(want[:8], 5, dim=1).indices)
+    assert torch.allclose(top.values, torch.topk(want[:8], 5, dim=1).values, rtol=1e-6,
+                          atol=1e-6)
