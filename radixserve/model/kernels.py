@@ -76,6 +76,22 @@ def pool_args(k: torch.Tensor, v: torch.Tensor, n_head: int, d: int,
             k.stride(-3) * k.element_size(), v.stride(-3) * v.element_size())
 
 
+
+def _check_state_plan(name: str, n_new: torch.Tensor, read: torch.Tensor,
+                      write: torch.Tensor, rows: int, n_cells: int) -> list[int]:
+    """A recurrent step's plan (gdn_step's, mamba2_step's), checked before C trusts it: each
+    sequence's token count (>= 1, summing to the rows), the cell it reads (-1: none) and the one
+    it writes, inside the pool, each write cell its own and no read cell. Returns n_new."""
+    ns, rd, wr = n_new.tolist(), read.tolist(), write.tolist()
+    if min(ns) < 1 or sum(ns) != rows:
+        raise ValueError(f"{name}: n_new {ns} must be >= 1 each and sum to T = {rows}")
+    if not all(-1 <= r < n_cells for r in rd) or not all(0 <= c < n_cells for c in wr):
+        raise IndexError(f"{name}: cells outside a pool of {n_cells} (read {rd}, write {wr})")
+    if len(set(wr)) != len(wr) or set(wr) & set(rd):
+        raise ValueError(f"{name}: each write cell must be its own, no read cell (read {rd}, "
+                         f"write {wr})")
+    return ns
+
 class Kernels:
     """The bf16 kernels (csrc/): the tiles' products with 8-bit activations, the row-invariant
     bf16 matmul, causal attention reading K/V in place from the pool in fixed blocks (alone, or fused
@@ -250,16 +266,7 @@ class Kernels:
                              f"k, v [n_cells, (K-1) {cc} + {(nv + 1) // 2 * dk * dv}], f32 "
                              f"conv_w [{cc}, K], ssm_a, dt_bias [{nv}], norm_w [{dv}] and int64 "
                              f"n_new, read, write [S]")
-        n_cells = k.shape[0]
-        ns, rd, wr = n_new.tolist(), read.tolist(), write.tolist()
-        if min(ns) < 1 or sum(ns) != rows:
-            raise ValueError(f"gdn_step: n_new {ns} must be >= 1 each and sum to T = {rows}")
-        if not all(-1 <= r < n_cells for r in rd) or not all(0 <= c < n_cells for c in wr):
-            raise IndexError(f"gdn_step: cells outside a pool of {n_cells} (read {rd}, "
-                             f"write {wr})")
-        if len(set(wr)) != len(wr) or set(wr) & set(rd):
-            raise ValueError(f"gdn_step: each write cell must be its own, no read cell "
-                             f"(read {rd}, write {wr})")
+        ns = _check_state_plan("gdn_step", n_new, read, write, rows, k.shape[0])
         if self._gdn_work.numel() < rows * cc:
             self._gdn_work = torch.empty(rows * cc, dtype=torch.float32)
         out = torch.empty(rows, nv * dv, dtype=torch.bfloat16)
@@ -323,16 +330,7 @@ class Kernels:
                              f"k, v [n_cells, (K-1) {cc} + {(nv + 1) // 2 * dk * dv}], f32 "
                              f"conv_w [{cc}, K], conv_b [{cc}] or None, ssm_a, dt_bias, ssm_d "
                              f"[{nv}], norm_w [{vd}] and int64 n_new, read, write [S]")
-        n_cells = k.shape[0]
-        ns, rd, wr = n_new.tolist(), read.tolist(), write.tolist()
-        if min(ns) < 1 or sum(ns) != rows:
-            raise ValueError(f"mamba2_step: n_new {ns} must be >= 1 each and sum to T = {rows}")
-        if not all(-1 <= r < n_cells for r in rd) or not all(0 <= c < n_cells for c in wr):
-            raise IndexError(f"mamba2_step: cells outside a pool of {n_cells} (read {rd}, "
-                             f"write {wr})")
-        if len(set(wr)) != len(wr) or set(wr) & set(rd):
-            raise ValueError(f"mamba2_step: each write cell must be its own, no read cell "
-                             f"(read {rd}, write {wr})")
+        ns = _check_state_plan("mamba2_step", n_new, read, write, rows, k.shape[0])
         if self._mamba2_work.numel() < rows * cc:
             self._mamba2_work = torch.empty(rows * cc, dtype=torch.float32)
         out = torch.empty(rows, vd, dtype=torch.bfloat16)
