@@ -41,6 +41,8 @@ HEAVY: dict[str, float] = {
     "tests/model/test_lfm2.py": 30,  # estimated likewise
     "tests/model/test_qwen35.py": 20,  # a quiet 2-core run of the file alone
     "tests/test_qwen35_files.py": 19,  # likewise
+    "tests/engine/test_recurrent_engine.py": 44,  # likewise (with the machine busy)
+    "tests/model/test_granite_hybrid.py": 37,  # likewise
     "tests/engine/test_swa.py": 30,  # estimated: its tests run on a tiny LFM2 too
     "tests/http/test_radix_http.py": 34,
     "tests/http/test_tools_cache.py": 27,

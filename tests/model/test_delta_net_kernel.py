@@ -14,12 +14,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.model.kernel_variants import (  # noqa: F401 (fixtures)
-    VARIANTS,
-    kern,
-    threads,
-    variant_kernels,
-)
+from tests.model.kernel_variants import kern, threads  # noqa: F401 (fixtures)
+from tests.model.state_step_checks import (check_beside_others, check_chunks_equal_one_call,
+                                           check_every_variant, check_read_cell_untouched)
 
 BF = torch.bfloat16
 EPS = 1e-6
@@ -252,17 +249,6 @@ def test_the_reference_delta_rule_is_transformers():
         torch.testing.assert_close(state[0], S, atol=1e-5, rtol=1e-4)
 
 
-def chained(kern, lay: Layer, proj: torch.Tensor, parts: list[int], read: int,
-            cells: list[int]) -> torch.Tensor:
-    """One sequence's tokens in calls of `parts` tokens, each call's write cell the next one's
-    read cell (cells: the write cells in turn); the outputs concatenated."""
-    outs, t0 = [], 0
-    for n, wr in zip(parts, cells, strict=True):
-        outs.append(lay.run(kern, proj[t0:t0 + n], [n], [read], [wr]))
-        read, t0 = wr, t0 + n
-    return torch.cat(outs)
-
-
 @pytest.mark.parametrize("d,splits", [
     (SMALL, ([7], [1] * 7, [3, 4])), (WIDE, ([7], [1] * 7, [3, 4])),
     (MANY, ([7], [1] * 7, [3, 4])), (SMALL, ([37], [16, 5, 16], [1, 2, 34], [20, 17])),
@@ -271,82 +257,25 @@ def test_chunks_equal_one_call_bitwise(kern, threads, d, splits):
     """A sequence's tokens in one call, one call a token (write -> read cells chained), and in
     other splits (3 + 4; for 37 tokens splits across the conv's chunks of 16): the same output
     bits and the same final state bits; from a read state and from read == -1."""
-    proj = make_proj(d, sum(splits[0]), seed=11)
-    n_cells = max(len(p) for p in splits) + 1
-    for read in (n_cells - 1, -1):
-        runs = []
-        for parts in splits:
-            lay = make_layer(d, n_cells, seed=5)
-            out = chained(kern, lay, proj, parts, read, list(range(len(parts))))
-            last = len(parts) - 1
-            runs.append((out, lay.k[last], lay.v[last, :(d.nv - d.ha) * d.dk * d.dv]))
-        for other in runs[1:]:
-            for a, b in zip(runs[0], other, strict=True):
-                assert torch.equal(a, b), read
+    check_chunks_equal_one_call(kern, make_layer, make_proj, d, splits)
 
 
 def test_a_sequence_beside_others_is_bitwise_the_same(kern):
     """A sequence's outputs and state alone, after another sequence, before two others, on 1
     and on 2 threads: the same bits."""
-    d = SMALL
-    before = torch.get_num_threads()
-    a = make_proj(d, 4, seed=21)
-    others = make_proj(d, 9, seed=22)
-    results = []
-    try:
-        for nthreads in (1, 2):
-            torch.set_num_threads(nthreads)
-            for layout in ("alone", "after", "before"):
-                lay = make_layer(d, 8, seed=6)
-                if layout == "alone":
-                    out = lay.run(kern, a, [4], [3], [0])[:4]
-                elif layout == "after":
-                    out = lay.run(kern, torch.cat([others[:2], a]), [2, 4], [-1, 3], [1, 0])[2:]
-                else:
-                    out = lay.run(kern, torch.cat([a, others]), [4, 6, 3], [3, 3, 7],
-                                  [0, 2, 4])[:4]
-                results.append((out, lay.k[0].clone(), lay.v[0].clone()))
-    finally:
-        torch.set_num_threads(before)
-    for r in results[1:]:
-        for x, y in zip(results[0], r, strict=True):
-            assert torch.equal(x, y)
+    check_beside_others(kern, make_layer, make_proj, SMALL, 2)
 
 
 def test_read_cell_is_untouched_and_minus_one_is_the_zero_state(kern):
     """The read cell keeps its bits (both stores, the whole row); read == -1 gives the bits a
     read of an all-zero cell gives."""
-    d = SMALL
-    proj = make_proj(d, 5, seed=31)
-    lay = make_layer(d, 4, seed=7)
-    k2, v2 = lay.k[2].clone(), lay.v[2].clone()
-    lay.run(kern, proj, [5], [2], [1])
-    assert torch.equal(lay.k[2], k2) and torch.equal(lay.v[2], v2)
-
-    fresh, zeroed = make_layer(d, 4, seed=7), make_layer(d, 4, seed=7)
-    zeroed.k[3] = 0
-    zeroed.v[3] = 0
-    out_fresh = fresh.run(kern, proj, [5], [-1], [0])
-    out_zero = zeroed.run(kern, proj, [5], [3], [0])
-    assert torch.equal(out_fresh, out_zero)
-    assert torch.equal(fresh.k[0], zeroed.k[0]) and torch.equal(fresh.v[0], zeroed.v[0])
-    assert torch.equal(zeroed.k[3], torch.zeros(d.w))  # the zero cell read, not written
+    check_read_cell_untouched(kern, make_layer, make_proj, SMALL, (5,))
 
 
 def test_every_variant_gives_the_same_bits():
     """The file is built without reassociation or contraction and calls the same libm, so every
     x86 variant computes the same bits (a contraction or a reordered sum would show)."""
-    d = SMALL
-    proj = make_proj(d, 9, seed=41)
-    ref = None
-    for name in VARIANTS:
-        lay = make_layer(d, 7, seed=8)
-        out = lay.run(variant_kernels(name), proj, [5, 1, 3], [2, -1, 4], [0, 1, 5])
-        got = (out, lay.k, lay.v)
-        if ref is None:
-            ref = got
-        for x, y in zip(ref, got, strict=True):
-            assert torch.equal(x, y), name
+    check_every_variant(make_layer, make_proj, [SMALL])
 
 
 def test_gdn_step_refuses_what_it_cannot_read(kern):

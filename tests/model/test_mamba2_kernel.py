@@ -18,12 +18,9 @@ import torch
 from radixserve.model import mamba2
 from radixserve.model.delta_net import DeltaPlan
 from radixserve.model.hparams import SsmDims
-from tests.model.kernel_variants import (  # noqa: F401 (fixtures)
-    VARIANTS,
-    kern,
-    threads,
-    variant_kernels,
-)
+from tests.model.kernel_variants import kern, threads  # noqa: F401 (fixtures)
+from tests.model.state_step_checks import (check_beside_others, check_chunks_equal_one_call,
+                                           check_every_variant, check_read_cell_untouched)
 from tests.model.test_delta_net_kernel import exp32, ordered_sum, silu, softplus, sqrt32
 
 BF = torch.bfloat16
@@ -261,17 +258,6 @@ def test_mamba2_run_calls_the_kernel(kern):
     torch.testing.assert_close(via_run.v, torch_f32.v, atol=1e-5, rtol=1e-5)
 
 
-def chained(kern, lay: Layer, proj: torch.Tensor, parts: list[int], read: int,
-            cells: list[int]) -> torch.Tensor:
-    """One sequence's tokens in calls of `parts` tokens, each call's write cell the next one's
-    read cell (cells: the write cells in turn); the outputs concatenated."""
-    outs, t0 = [], 0
-    for n, wr in zip(parts, cells, strict=True):
-        outs.append(lay.run(kern, proj[t0:t0 + n], [n], [read], [wr]))
-        read, t0 = wr, t0 + n
-    return torch.cat(outs)
-
-
 @pytest.mark.parametrize("d,splits", [
     (SMALL, ([7], [1] * 7, [3, 4])), (GRANITE, ([7], [1] * 7, [3, 4])),
     (ODD, ([7], [1] * 7, [1, 6])), (GROUPS, ([7], [1] * 7, [3, 4])),
@@ -279,69 +265,23 @@ def chained(kern, lay: Layer, proj: torch.Tensor, parts: list[int], read: int,
 ], ids=["small", "granite", "odd", "groups", "small-37"])
 def test_chunks_equal_one_call_bitwise(kern, threads, d, splits):
     """A sequence's tokens in one call, one call a token (write -> read cells chained), and in
-    other splits (3 + 4; for 37 tokens splits across the conv's chunks of 16): the same output
-    bits and the same final state bits; from a read state and from read == -1."""
-    proj = make_proj(d, sum(splits[0]), seed=11)
-    n_cells = max(len(p) for p in splits) + 1
-    for read in (n_cells - 1, -1):
-        runs = []
-        for parts in splits:
-            lay = make_layer(d, n_cells, seed=5)
-            out = chained(kern, lay, proj, parts, read, list(range(len(parts))))
-            last = len(parts) - 1
-            runs.append((out, lay.k[last], lay.v[last, :(d.nv - d.ha) * d.dk * d.dv]))
-        for other in runs[1:]:
-            for a, b in zip(runs[0], other, strict=True):
-                assert torch.equal(a, b), read
+    other splits (3 + 4, 1 + 6: fewer than the conv's K-1 rows; for 37 tokens splits across the
+    conv's chunks of 16): the same output bits and the same final state bits; from a read state
+    and from read == -1."""
+    check_chunks_equal_one_call(kern, make_layer, make_proj, d, splits)
 
 
 @pytest.mark.parametrize("d", [SMALL, GROUPS], ids=["small", "groups"])
 def test_a_sequence_beside_others_is_bitwise_the_same(kern, d):
     """A sequence's outputs and state alone, after another sequence, before two others, on 1
     and on 2 threads: the same bits (the norm's token blocks fall differently in each)."""
-    before = torch.get_num_threads()
-    a = make_proj(d, 4, seed=21)
-    others = make_proj(d, 9, seed=22)
-    results = []
-    try:
-        for nthreads in (1, 2):
-            torch.set_num_threads(nthreads)
-            for layout in ("alone", "after", "before"):
-                lay = make_layer(d, 8, seed=6)
-                if layout == "alone":
-                    out = lay.run(kern, a, [4], [3], [0])[:4]
-                elif layout == "after":
-                    out = lay.run(kern, torch.cat([others[:3], a]), [3, 4], [-1, 3], [1, 0])[3:]
-                else:
-                    out = lay.run(kern, torch.cat([a, others]), [4, 6, 3], [3, 3, 7],
-                                  [0, 2, 4])[:4]
-                results.append((out, lay.k[0].clone(), lay.v[0].clone()))
-    finally:
-        torch.set_num_threads(before)
-    for r in results[1:]:
-        for x, y in zip(results[0], r, strict=True):
-            assert torch.equal(x, y)
+    check_beside_others(kern, make_layer, make_proj, d, 3)
 
 
 def test_read_cell_is_untouched_and_minus_one_is_the_zero_state(kern):
     """The read cell keeps its bits (both stores, the whole row); read == -1 gives the bits a
-    read of an all-zero cell gives."""
-    d = SMALL
-    proj = make_proj(d, 5, seed=31)
-    lay = make_layer(d, 4, seed=7)
-    k2, v2 = lay.k[2].clone(), lay.v[2].clone()
-    lay.run(kern, proj, [5], [2], [1])
-    assert torch.equal(lay.k[2], k2) and torch.equal(lay.v[2], v2)
-
-    fresh, zeroed = make_layer(d, 4, seed=7), make_layer(d, 4, seed=7)
-    zeroed.k[3] = 0
-    zeroed.v[3] = 0
-    for n in (5, 2):  # and fewer tokens than the conv's K-1 state rows
-        out_fresh = fresh.run(kern, proj[:n], [n], [-1], [0])
-        out_zero = zeroed.run(kern, proj[:n], [n], [3], [0])
-        assert torch.equal(out_fresh, out_zero)
-        assert torch.equal(fresh.k[0], zeroed.k[0]) and torch.equal(fresh.v[0], zeroed.v[0])
-    assert torch.equal(zeroed.k[3], torch.zeros(d.w))  # the zero cell read, not written
+    read of an all-zero cell gives, also with fewer tokens than the conv's K-1 state rows."""
+    check_read_cell_untouched(kern, make_layer, make_proj, SMALL, (5, 2))
 
 
 def test_a_short_step_keeps_the_older_conv_rows(kern):
@@ -360,17 +300,7 @@ def test_every_variant_gives_the_same_bits():
     """The file is built without reassociation or contraction and with its own exp, so every
     x86 variant computes the same bits (a contraction or a reordered sum would show), with and
     without the conv bias, one group and two."""
-    for d in (SMALL, GROUPS):
-        proj = make_proj(d, 9, seed=41)
-        ref = None
-        for name in VARIANTS:
-            lay = make_layer(d, 7, seed=8)
-            out = lay.run(variant_kernels(name), proj, [5, 1, 3], [2, -1, 4], [0, 1, 5])
-            got = (out, lay.k, lay.v)
-            if ref is None:
-                ref = got
-            for x, y in zip(ref, got, strict=True):
-                assert torch.equal(x, y), (d, name)
+    check_every_variant(make_layer, make_proj, [SMALL, GROUPS])
 
 
 def test_mamba2_step_refuses_what_it_cannot_read(kern):
