@@ -41,6 +41,23 @@ class SsmDims:
     dv: int
     conv: int
 
+    @classmethod
+    def from_keys(cls, get: Any, arch: str, layer: str) -> SsmDims:
+        """From a file's `{arch}.ssm.*` keys (`get` reads one): group_count (nk),
+        time_step_rank (nv), state_size (dk), inner_size (nv dv) and conv_kernel; refused,
+        naming the keys and the `layer` kind, unless nv is a multiple of nk and inner_size of
+        nv, with a kernel of at least 2."""
+        nk, nv = int(get("ssm.group_count")), int(get("ssm.time_step_rank"))
+        dk, inner, conv = (int(get("ssm.state_size")), int(get("ssm.inner_size")),
+                           int(get("ssm.conv_kernel")))
+        if nk <= 0 or nv <= 0 or nv % nk or inner % nv or dk <= 0 or conv < 2:
+            raise UnsupportedModelError(
+                f"{arch}: ssm.group_count {nk}, time_step_rank {nv}, inner_size {inner}, "
+                f"state_size {dk}, conv_kernel {conv} do not describe {layer} heads "
+                "(time_step_rank a multiple of group_count, inner_size a multiple of "
+                "time_step_rank, a kernel of at least 2)")
+        return cls(nk=nk, nv=nv, dk=dk, dv=inner // nv, conv=conv)
+
     @property
     def channels(self) -> int:
         """The conv's channels: q, k and v (Mamba2: B, C and x)."""

@@ -83,10 +83,12 @@ def test_refusals_name_the_key_or_tensor(tmp_path: Path):
     a = "granitehybrid"
     cases = [
         (dict(drop_keys=(f"{a}.ssm.state_size",)), f"{a}.ssm.state_size"),
-        (dict(set_keys={f"{a}.ssm.time_step_rank": 3}), "heads a multiple of the groups"),
+        (dict(set_keys={f"{a}.ssm.time_step_rank": 3}), "Mamba2 heads .time_step_rank a multiple"),
         (dict(set_keys={f"{a}.attention.head_count_kv": 2}), "must list 4 layers"),
         (dict(set_keys={f"{a}.attention.head_count_kv": [0, 0, 0, 0]}), "no attention layer"),
         (dict(set_keys={f"{a}.expert_count": 4}), "experts .* not supported yet"),
+        (dict(set_keys={f"{a}.rope.scaling.finetuned": 1, f"{a}.rope.dimension_count": 8}),
+         "RoPE on part of a 16-wide head"),
         (dict(tensors={"blk.0.ssm_d": np.zeros(3, np.float32)}), "'blk.0.ssm_d' has shape"),
         (dict(tensors={"blk.2.ssm_in.weight": np.zeros((10, 64), np.float32)}),
          "'blk.2.ssm_in.weight'"),

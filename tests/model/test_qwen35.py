@@ -152,7 +152,7 @@ def test_refusals_name_the_key_or_tensor(tmp_path: Path):
     bad_cases = [
         (dict(drop_keys=("qwen35.ssm.conv_kernel",)), "qwen35.ssm.conv_kernel"),
         (dict(drop_keys=("qwen35.rope.dimension_sections",)), "rope.dimension_sections"),
-        (dict(set_keys={"qwen35.ssm.time_step_rank": 3}), "value heads a multiple"),
+        (dict(set_keys={"qwen35.ssm.time_step_rank": 3}), "time_step_rank a multiple of group_count"),
         (dict(tensors={"blk.0.ssm_a": np.zeros(3, np.float32)}), "'blk.0.ssm_a' has shape [3]"),
         (dict(tensors={"blk.3.attn_q.weight": np.zeros((64, 64), np.float32)}),
          "'blk.3.attn_q.weight' has shape [64, 64]"),

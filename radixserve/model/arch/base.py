@@ -11,7 +11,7 @@ from typing import Any
 
 import gguf
 
-from radixserve.memory.layout import FULL, SLIDING, MemoryLayout
+from radixserve.memory.layout import FULL, RECURRENT, SLIDING, MemoryLayout
 from radixserve.model.hparams import (
     HParams,
     UnsupportedModelError,
@@ -109,10 +109,13 @@ class Family:
     def memory_layout(self, hp: HParams) -> MemoryLayout:
         """What each layer keeps of a sequence (memory/layout.py's contract; the pool is built
         from it): attention's K/V rows, over every position or, for a sliding layer, the last
-        n_swa."""
-        kinds = tuple(SLIDING if s else FULL for s in hp.swa_layers)
+        n_swa; a recurrent layer (Gated DeltaNet, Mamba2) its state (its conv's last rows and a
+        [dk, dv] matrix a head), kept whole a sequence."""
+        kinds = tuple(RECURRENT if r else SLIDING if s else FULL
+                      for r, s in zip(hp.rec_layers, hp.swa_layers))
         return MemoryLayout(hp.n_head_kv, hp.head_dim, kinds,
-                            n_swa=hp.n_swa if SLIDING in kinds else 0)
+                            n_swa=hp.n_swa if SLIDING in kinds else 0,
+                            state_width=hp.ssm.cell_width if hp.ssm is not None else 0)
 
     # -- tensors and layers ---------------------------------------------------------------
 

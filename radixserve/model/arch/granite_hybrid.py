@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.memory.layout import FULL, RECURRENT, MemoryLayout
 from radixserve.model.arch.base import Family, Get
 from radixserve.model.hparams import HParams, SsmDims, UnsupportedModelError
 from radixserve.model.layers import Block, DenseFFN, Mamba2Mixer, Mixer, ScaledBlock
@@ -49,15 +48,12 @@ class GraniteHybrid(Family):
 
     def extra(self, get: Get, n_layer: int, n_embd: int, n_head: int,
               head_dim: int) -> dict[str, Any]:
-        nh, ng = int(get("ssm.time_step_rank")), int(get("ssm.group_count"))
-        ds, inner, conv = int(get("ssm.state_size")), int(get("ssm.inner_size")), \
-            int(get("ssm.conv_kernel"))
-        if nh <= 0 or ng <= 0 or nh % ng or inner % nh or ds <= 0 or conv < 2:
-            raise UnsupportedModelError(
-                f"granitehybrid: ssm.time_step_rank {nh}, group_count {ng}, inner_size {inner}, "
-                f"state_size {ds}, conv_kernel {conv} do not describe Mamba2 heads (heads a "
-                "multiple of the groups, inner_size a multiple of the heads, a kernel of at "
-                "least 2)")
+        ssm = SsmDims.from_keys(get, "granitehybrid", "Mamba2")
+        nope = not bool(get("rope.scaling.finetuned", True, required=False))
+        n_rot = int(get("rope.dimension_count", head_dim, required=False))
+        if not nope and n_rot != head_dim:
+            raise UnsupportedModelError(f"granitehybrid.rope.dimension_count {n_rot}: RoPE on "
+                                        f"part of a {head_dim}-wide head is not supported")
 
         def scale(key: str, default: float) -> float:
             v = float(get(key, default, required=False) or default)
@@ -65,19 +61,12 @@ class GraniteHybrid(Family):
                 raise UnsupportedModelError(f"granitehybrid.{key} must be positive, got {v}")
             return v
 
-        return dict(ssm=SsmDims(nk=ng, nv=nh, dk=ds, dv=inner // nh, conv=conv),
-                    nope=not bool(get("rope.scaling.finetuned", True, required=False)),
+        return dict(ssm=ssm,
+                    nope=nope,
                     embd_scale=scale("embedding_scale", 1.0),
                     residual_scale=scale("residual_scale", 1.0),
                     attn_scale=scale("attention.scale", head_dim ** -0.5),
                     logit_scale=scale("logit_scale", 1.0))
-
-    def memory_layout(self, hp: HParams) -> MemoryLayout:
-        """The attention layers' K/V rows; each Mamba2 layer's state (its conv's last rows and
-        a [state, head_dim] matrix a head), kept whole a sequence."""
-        assert hp.ssm is not None
-        kinds = tuple(RECURRENT if r else FULL for r in hp.rec_layers)
-        return MemoryLayout(hp.n_head_kv, hp.head_dim, kinds, state_width=hp.ssm.cell_width)
 
     def block(self, ld: TensorLoader, hp: HParams, i: int) -> Block:
         p = f"blk.{i}."

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from radixserve.memory.layout import FULL, RECURRENT, MemoryLayout
 from radixserve.model.arch.base import Family, Get
 from radixserve.model.hparams import HParams, SsmDims, UnsupportedModelError
 from radixserve.model.layers import Block, DeltaNetMixer, GatedAttention, Mixer
@@ -52,15 +51,7 @@ class Qwen35(Family):
         if not 0 < n_rot <= head_dim or n_rot % 2 or (head_dim - n_rot) % 2:
             raise UnsupportedModelError(f"qwen35.rope.dimension_count {n_rot} does not fit a "
                                         f"{head_dim}-wide head")
-        nk, nv = int(get("ssm.group_count")), int(get("ssm.time_step_rank"))
-        dk, inner, conv = int(get("ssm.state_size")), int(get("ssm.inner_size")), \
-            int(get("ssm.conv_kernel"))
-        if nk <= 0 or nv <= 0 or nv % nk or inner % nv or dk <= 0 or conv < 2:
-            raise UnsupportedModelError(
-                f"qwen35: ssm.group_count {nk}, time_step_rank {nv}, inner_size {inner}, "
-                f"state_size {dk}, conv_kernel {conv} do not describe Gated DeltaNet heads "
-                "(value heads a multiple of the key heads, inner_size a multiple of them, "
-                "a kernel of at least 2)")
+        ssm = SsmDims.from_keys(get, "qwen35", "Gated DeltaNet")
         flags = get("attention.recurrent_layers", None, required=False)
         if flags is not None:
             if not isinstance(flags, (list, tuple)) or len(flags) < n_layer:
@@ -73,14 +64,7 @@ class Qwen35(Family):
                 raise UnsupportedModelError(f"qwen35.full_attention_interval {every} < 1")
             rec = tuple((i + 1) % every != 0 for i in range(n_layer))
         return dict(rec_layers=rec, n_rot=n_rot,
-                    ssm=SsmDims(nk=nk, nv=nv, dk=dk, dv=inner // nv, conv=conv))
-
-    def memory_layout(self, hp: HParams) -> MemoryLayout:
-        """The attention layers' K/V rows; each DeltaNet layer's state (its conv's last rows
-        and a [dk, dv] matrix a value head), kept whole a sequence."""
-        assert hp.ssm is not None
-        kinds = tuple(RECURRENT if r else FULL for r in hp.rec_layers)
-        return MemoryLayout(hp.n_head_kv, hp.head_dim, kinds, state_width=hp.ssm.cell_width)
+                    ssm=ssm)
 
     def block(self, ld: TensorLoader, hp: HParams, i: int) -> Block:
         p = f"blk.{i}."
