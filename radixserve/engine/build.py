@@ -77,10 +77,11 @@ def build_scheduler(model: Model, cfg: ServerConfig, metrics: ServerMetrics,
     slots = [Slot(SlotKV(pool, i, fp, n_ckpt, cfg.checkpoint_min_step), n_ctx_slot,
                   cfg.context_shift and layout.can_shift) for i in range(n_slots)]
     spec = None
-    if cfg.spec.enabled and layout.n_recurrent:
-        raise ValueError("speculative decoding is not supported for this model yet: its "
-                         "recurrent state is kept only after a sequence's last token, so a "
-                         "rejected draft could not be rolled back")
+    if "draft-simple" in cfg.spec.types and layout.rollback_recomputes:
+        raise ValueError("draft-simple is not supported for models with Gated DeltaNet or "
+                         "Mamba2 layers: the draft model's KV rides in the target's cells, "
+                         "which a rejected draft rolls back and recomputes (a recurrent draft "
+                         "would need its own state handling); use ngram-simple or ngram-mod")
     if cfg.spec.enabled:
         if draft is None:
             draft = load_draft(cfg, model)

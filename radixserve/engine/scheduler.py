@@ -234,15 +234,18 @@ class Scheduler:
         for s in owners:
             self._fail(s, TaskError(500, "server_error", f"Compute error: {e}"))
 
-    def _reserve(self, s: Slot, pos0: int, n: int) -> SeqStep | None:
-        """The forward's view of `s` once the memory gave it cells for n tokens at pos0..
-        (a prompt chunk, or the pending token and its draft); None when it has no room."""
+    def _reserve(self, s: Slot, pos0: int, n: int = 0) -> SeqStep | None:
+        """The forward's view of `s` once the memory gave it cells for its tokens at pos0..:
+        n tokens of its prompt, or (generating, at len(s.kv)) the tokens a rollback left to
+        compute again (`s.kv.redo`: engine/speculative.py), the pending token and its draft;
+        None when it has no room."""
         generating = s.state is SlotState.GENERATING
-        cells = self.mem.reserve(s, pos0, n, generating)
+        tokens = ([*s.kv.redo, s.pending, *s.draft] if generating
+                  else s.prompt[pos0 : pos0 + n])
+        cells = self.mem.reserve(s, pos0, len(tokens), generating)
         if cells is None:
             return None
-        tokens = [s.pending, *s.draft] if generating else s.prompt[pos0 : pos0 + n]
-        return seq_step(self.pool, s.kv.seq, tokens, pos0, cells)  # type: ignore[list-item]
+        return seq_step(self.pool, s.kv.seq, tokens, pos0, cells)  # type: ignore[arg-type]
 
     def _schedule(self) -> list[tuple[Slot, SeqStep]]:
         """One decode token per generating slot (and its draft, speculative decoding), then
@@ -253,23 +256,25 @@ class Scheduler:
         gen = []
         for s in self.slots:
             if s.state is SlotState.GENERATING and s.pending is not None:
-                if len(s.kv) + 1 >= s.n_ctx and not self._context_shift(s):
+                if s.n_past + 1 >= s.n_ctx and not self._context_shift(s):
                     continue
                 gen.append(s)
-        drafts = self.spec.drafts(gen, self.n_budget - len(gen)) if self.spec and gen else {}
+        n_fed = sum(1 + len(s.kv.redo) for s in gen)  # pending tokens, and any fed again
+        drafts = self.spec.drafts(gen, self.n_budget - n_fed) if self.spec and gen else {}
         for s in gen:
             s.draft = drafts.get(s.id, [])
             if self.pool.seq_pos_max(s.kv.seq) > len(s.kv) + len(s.draft):
                 s.kv.truncate(len(s.kv))  # cells drafted into for a draft then dropped (n_min)
-            step = self._reserve(s, len(s.kv), 1 + len(s.draft))
+            step = self._reserve(s, len(s.kv))
             if step is None and s.draft:  # no room to verify the draft: plain decoding
-                s.kv.truncate(len(s.kv))
+                if not s.kv.redo:  # cells a draft model took (none with tokens to feed again)
+                    s.kv.truncate(len(s.kv))
                 s.draft = []
-                step = self._reserve(s, len(s.kv), 1)
+                step = self._reserve(s, len(s.kv))
             if step is None:
                 self._fail(s, TaskError(500, "server_error", "Context size has been exceeded."))
                 continue
-            step.n_logits = len(step.tokens)
+            step.n_logits = 1 + len(s.draft)  # no logits for tokens fed again
             batch.append((s, step))
         used, starved = sum(len(b.tokens) for _, b in batch), []
         for s in self.slots:
@@ -302,15 +307,17 @@ class Scheduler:
         now = time.perf_counter()
         rows: list[int] = []
         to_sample: list[Slot] = []
+        pos0: list[int] = []  # each sampled slot's step's first position
         row = -1
         first: list[int] = []  # each sampled slot's first row in `rows`
         for s, b in batch:
             row += b.n_logits
             if s.state is SlotState.GENERATING:  # the draft's tokens wait for verification
-                s.kv.commit(b.pos0, b.tokens[:1])
+                s.kv.commit(b.pos0, b.tokens[: len(b.tokens) - len(s.draft)])
                 first.append(len(rows))
                 rows.extend(range(row - b.n_logits + 1, row + 1))
                 to_sample.append(s)
+                pos0.append(b.pos0)
                 continue
             s.kv.commit(b.pos0, b.tokens)
             self.mem.slide(s, s.task.cache_prompt)
@@ -338,6 +345,7 @@ class Scheduler:
             first.append(len(rows))
             rows.append(row)
             to_sample.append(s)
+            pos0.append(b.pos0)
         if not to_sample:
             return
         if len(rows) < hidden.shape[0]:
@@ -350,13 +358,13 @@ class Scheduler:
         # every slot's first row in one call (one batched argmax for the greedy ones)
         heads = logits if len(first) == logits.shape[0] else logits[first]  # no copy unless drafts
         tokens = sample_batch([s.sampler for s in to_sample], heads)
-        for s, i, t in zip(to_sample, first, tokens):
+        for s, i, t, p0 in zip(to_sample, first, tokens, pos0):
             done = s.accept(t, logits[i], self.tok)
             if s.state is SlotState.GENERATING:
                 if s.draft:
                     assert self.spec is not None
                     done = self.spec.verify(s, t, done, logits[i + 1 : i + 1 + len(s.draft)],
-                                            self.tok, self.metrics)
+                                            self.tok, self.metrics, p0)
                 self.mem.slide(s, s.task.cache_prompt)
             if done:
                 self._finish(s)

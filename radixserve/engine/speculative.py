@@ -10,6 +10,29 @@ target samples at its position - the same sampler, the same random draws, and (d
 mode) the same logits as without speculation: the output is identical, greedy or seeded, and
 the drafts only decide how many tokens one forward yields. Rejected positions leave the KV.
 
+Rollback on recurrent layouts (Qwen3.5's Gated DeltaNet, Granite 4.0-H's Mamba2: the layout's
+`rollback_recomputes`): a state exists only where a step ended, so after a partly rejected
+draft there is no state after the kept tokens to cut back to (the verify step wrote only the
+one after its last fed position); it is recomputed from the last state kept. The step's state
+cell at pos0 - 1 (the one it read) stays alive until verification (the window is pruned only
+after it: `MemoryManager.slide`). Every draft accepted: the step's own state is the
+sequence's, and the old one is pruned as usual. Any rejected: every position from pos0 on goes
+(the old pending token, the accepted drafts and any token the step fed again:
+`SlotKV.rollback`), the cell at pos0 - 1 is again the sequence's last state, and those tokens
+wait in `kv.redo`; the slot's next step feeds them again, at their positions, before its new
+pending token (and any new draft), their logits unused, so their K/V rows and the state are
+recomputed bit for bit (deterministic mode: a token's bits do not depend on the step it is
+in) and the answer is the one without speculation. Drafting reads the text with them
+(`Slot.past`). They are no new tokens: the slot's text, `generated` and every counter stay as
+they are (timings.predicted_n counts each generated token once, prompt_n only prompt tokens,
+draft_n / draft_n_accepted the drafts as verified); only the forward is longer. A task that
+ends right after a rollback keeps the KV of the tokens before pos0 (n_tokens_cached and /slots'
+n_prompt_tokens count those). Every truncation or reset of the slot's KV (task end, cancel,
+failure, slot erase / restore, a new task) empties `redo`.
+
+draft-simple is refused on such a target: the draft model's KV rides in the target's cells
+and drafts from len(kv) on, and a recurrent draft would need its own state handling.
+
 With a draft model, its K/V lives in the target's cells (memory/pool/draft.py) and follows
 them through every tier; `SlotKV.n_draft` says how many of a slot's tokens have draft rows. The draft runs
 every forward the target runs (`follow`, as llama.cpp's draft context processes every batch),
@@ -117,7 +140,7 @@ class Speculator:
         """llama-server's get_n_draft_max: room left in the context, and in n_predict."""
         if not self.spec_of(slot).types:
             return 0
-        n = slot.n_ctx - len(slot.kv) - 2
+        n = slot.n_ctx - slot.n_past - 2
         n_predict = slot.task.n_predict
         if n_predict >= 0:
             n = min(n, n_predict - len(slot.generated) - 1)
@@ -143,10 +166,10 @@ class Speculator:
                     budget -= jobs[-1].n_max
                     break
                 if kind == "ngram-simple":
-                    d = ngram_simple_draft(s.kv.tokens, s.pending, spec.ngram_simple_size_n,
+                    d = ngram_simple_draft(s.past, s.pending, spec.ngram_simple_size_n,
                                            spec.ngram_simple_size_m)
                 elif kind == "ngram-mod" and self.mod is not None:
-                    d = self.mod.draft(s.id, s.kv.tokens, s.pending, n_max)
+                    d = self.mod.draft(s.id, s.past, s.pending, n_max)
                 if d:
                     out[s.id] = d[:n_max]
                     budget -= len(out[s.id])
@@ -156,11 +179,13 @@ class Speculator:
         return out
 
     def verify(self, s: Slot, t: int, done: bool, logits: torch.Tensor, tok: Tokenizer,
-               m: ServerMetrics) -> bool:
+               m: ServerMetrics, pos0: int) -> bool:
         """Speculative decoding (`s.draft` not empty): the target sampled `t` after the pending
         token; while it equals the next draft token, that token's KV is kept and the target's
         next row is sampled in turn (llama.cpp's rule). The rest of the draft leaves the KV;
-        the caller then lets a sliding window slide."""
+        the caller then lets a sliding window slide. `pos0`: the step's first position; a
+        layout that cannot cut a step back (`rollback_recomputes`) rolls back to the state
+        before it, whose tokens the next step computes again (the module's docstring)."""
         n_acc = 0
         for d, row in zip(s.draft, logits):
             if done or t != d:
@@ -169,7 +194,10 @@ class Speculator:
             n_acc += 1
             t = sample_batch([s.sampler], row[None])[0]
             done = s.accept(t, row, tok)
-        s.kv.truncate(len(s.kv))  # rejected positions (their cells) go
+        if n_acc < len(s.draft) and self.pool.layout.rollback_recomputes:
+            s.kv.rollback(pos0)  # back to the state the step read: the step's tokens go to redo
+        else:
+            s.kv.truncate(len(s.kv))  # rejected positions (their cells) go
         s.n_drafted += len(s.draft)
         s.n_draft_accepted += n_acc
         m.n_draft_tokens_total += len(s.draft)

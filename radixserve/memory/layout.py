@@ -38,7 +38,12 @@ What the owner (seq_kv.py), the manager, slot files, the host tiers and the engi
 - `state_bytes`: a RECURRENT layout's state cell a sequence, in bytes;
 - `rows_every_position`: the windowed group has a row for every position (a host tier that
   keeps per-token rows, the radix tree, can hold its memory); False for a RECURRENT state,
-  which only snapshots carry.
+  which only snapshots carry;
+- `rollback_recomputes`: a step cannot be cut back to one of its own positions (a rejected
+  draft): what a later token reads there was never written, since a RECURRENT state is
+  written after the step's last position only; so a rollback inside a step goes back to the
+  state the step read, before its first position, and its kept tokens are computed again
+  (engine/speculative.py). False where every position's rows (or a window of them) are kept.
 
 A layout as held (`held`) may differ from the one declared: `--swa-full` keeps the sliding
 layers' K/V for every position, so they are held as FULL and there is no window.
@@ -148,3 +153,7 @@ class MemoryLayout:
     @property
     def rows_every_position(self) -> bool:
         return self.n_recurrent == 0
+
+    @property
+    def rollback_recomputes(self) -> bool:
+        return self.n_recurrent > 0

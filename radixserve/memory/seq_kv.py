@@ -11,6 +11,13 @@ only writer of a block table), so the rule holds by construction and `check` can
 Cells reserved for a forward (`reserve`) are the one transient exception: they are committed
 (`commit`) when the forward succeeded or dropped with the rest when it failed.
 
+A rollback inside a step (`rollback`: a rejected draft on a layout whose state exists only
+after a step's last position, `layout.rollback_recomputes`) drops every position from the
+step's first on and keeps their tokens as `redo`: tokens of the sequence at positions
+len(tokens).. whose KV is not held, to be fed again, at those positions, by the next forward
+(its `commit` takes them back). Every other change (`truncate`, `drop`, a restore, a shift)
+empties `redo`: the tokens past what is kept go, these with the rest.
+
 Host-cache restores (`restore_from`): a cache never writes the pool. It hands its rows over
 (tiers/base.py's `Restore`: segments of rows in the pool's layout, the tokens they are of, the
 checkpoints that came with them) and this object writes them (`write_restore`); when writing
@@ -69,6 +76,7 @@ class SlotKV:
         self.pool, self.seq = pool, seq
         self._tokens: list[int] = []
         self._ahead: list[tuple[int, list[int]]] = []  # (pos0, tokens), ascending, past tokens
+        self._redo: list[int] = []  # tokens at len(tokens).. rolled back, to feed again
         self.shifted = False  # a context shift ran: the KV must not be reused (docstring)
         self.flushed = False  # an admin flush came while a task ran: never reused either
         # the KV stays out of the host tiers (RAM, disk): an embedding task's, as llama-server
@@ -97,6 +105,12 @@ class SlotKV:
 
     def __len__(self) -> int:
         return len(self._tokens)
+
+    @property
+    def redo(self) -> Sequence[int]:
+        """Tokens at positions len(tokens).. whose KV a rollback dropped (`rollback`): the
+        next forward feeds them again before anything new (read-only)."""
+        return self._redo
 
     @property
     def n_held(self) -> int:
@@ -146,7 +160,7 @@ class SlotKV:
 
     def drop(self) -> None:
         self.pool.seq_rm(self.seq)
-        self._tokens, self._ahead = [], []
+        self._tokens, self._ahead, self._redo = [], [], []
         self.salt = ""
         self.shifted = self.flushed = False
         self.checkpoints = []
@@ -154,15 +168,28 @@ class SlotKV:
         self.n_draft = 0
 
     def truncate(self, n: int) -> None:
-        """Keep the first `n` tokens; everything past them (chunks ahead included) goes."""
+        """Keep the first `n` tokens; everything past them (chunks ahead and `redo`
+        included) goes."""
         self.pool.seq_rm(self.seq, n)
         del self._tokens[n:]
         self._ahead = []
         self._forget_past(n)
 
+    def rollback(self, n: int) -> None:
+        """Keep the first `n` tokens and their KV; the tokens after them become `redo` (their
+        cells go), to be computed again by the next forward. For a layout whose state exists
+        only after a step's last position: a step's KV cut back to the state it read."""
+        redo = list(self._tokens[n:])
+        assert not self._ahead, f"slot {self.seq}: rollback with chunks ahead"
+        self.truncate(n)
+        assert n == 0 or self.swa is None or n - 1 in self.swa.swa.seq_positions(self.seq), \
+            f"slot {self.seq}: no state at position {n - 1} to roll back to"
+        self._redo = redo
+
     def _forget_past(self, n: int) -> None:
-        """Only the first n tokens are what they were: checkpoints, write-through marks and
-        draft rows past them describe other tokens now."""
+        """Only the first n tokens are what they were: checkpoints, write-through marks, draft
+        rows and tokens to compute again past them describe other tokens now."""
+        self._redo = []
         self.saved_upto = min(self.saved_upto, n)
         self.n_draft = min(self.n_draft, n)
         for c in self.checkpoints:
@@ -350,7 +377,7 @@ class SlotKV:
             self.pool.seq_rm(self.seq)  # the cells written so far go
             failed = e
         tokens = [] if failed is not None else list(got.tokens)
-        self._tokens, self._ahead = tokens, []
+        self._tokens, self._ahead, self._redo = tokens, [], []
         self.salt = got.ns
         self.saved_upto = len(tokens) if got.kept else 0  # radix keeps what it gave
         self.n_draft = len(tokens)  # every tier restores the draft rows with the target's
@@ -424,6 +451,7 @@ class SlotKV:
         assert not self._ahead, f"slot {self.seq}: shift with chunks ahead"
         n = len(self._tokens)
         assert 0 <= n_keep and 0 <= n_discard and n_keep + n_discard <= n
+        assert not self._redo, f"slot {self.seq}: shift with tokens to compute again"
         self.shifted = True
         self.checkpoints, self.saved_upto = [], min(self.saved_upto, n_keep)
         try:
@@ -447,6 +475,10 @@ class SlotKV:
         self._place(pos0, tokens)
 
     def _place(self, pos0: int, tokens: list[int]) -> None:
+        if self._redo:  # the tokens rolled back are computed again first, where they were
+            assert pos0 == len(self._tokens) and tokens[: len(self._redo)] == self._redo, \
+                f"slot {self.seq}: a forward after a rollback must feed its tokens again"
+            self._redo = []
         if pos0 == len(self._tokens):
             self._tokens.extend(tokens)
             while self._ahead and self._ahead[0][0] == len(self._tokens):
@@ -473,3 +505,4 @@ class SlotKV:
         for c in self.checkpoints:
             assert c.n_tokens == c.pos_max + 1 <= self.n_held, f"slot {self.seq}: checkpoint"
         assert self.n_draft <= self.n_held, f"slot {self.seq}: draft rows past the tokens"
+        assert not (self._redo and self._ahead), f"slot {self.seq}: redo with chunks ahead"

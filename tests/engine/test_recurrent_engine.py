@@ -1,8 +1,9 @@
 """Qwen3.5 and Granite 4.0-H (their Gated DeltaNet or Mamba2 state kept whole, one state cell
 a sequence: memory/pool/recurrent.py) through the real scheduler: a slot resuming its own state, context checkpoints
 (the state's snapshots) restoring an earlier prefix, the whole-prompt host cache carrying
-them, slot files, agent sessions on fewer slots than sessions, and the refusals (speculative
-decoding, the disk tier, context shift).
+them, slot files, agent sessions on fewer slots than sessions, n-gram speculative decoding
+(a rejected draft rolled back to the state the step read, the kept tokens computed again), and
+the refusals (a draft model, the disk tier, context shift).
 
 Every answer is compared, token for token, with the same prompt computed alone with no cache
 of any kind (deterministic bf16: cached == uncached to the bit), and the reuse figures are
@@ -20,12 +21,17 @@ import pytest
 from radixserve.config import ServerConfig, SpecConfig
 from radixserve.engine.build import build_scheduler
 from radixserve.engine.counters import ServerMetrics
+from radixserve.engine.scheduler import Scheduler
+from radixserve.engine.task import FinalResult
 from radixserve.memory.pool.state import fingerprint_of
+from radixserve.memory.seq_kv import SlotKV
 from radixserve.memory.tiers.radix import RadixPromptCache
 from radixserve.model.loader import Model, load_model
+from radixserve.sampling.chain import SamplingParams
 from tests.engine.test_deterministic import drive, run_to_end
 from tests.engine.test_lfm2_engine import (N_TOOLS, agent_task, check_n_cmpl, rand_tokens,
                                            run_agents)
+from tests.engine.test_speculative import N_PREDICT, plain, spec_sched, task
 from tests.engine.test_swa import Ref
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -52,7 +58,8 @@ def ref(model: Model) -> Ref:
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(spec=SpecConfig(types=("ngram-simple",))), "speculative decoding is not supported"),
+    (dict(spec=SpecConfig(types=["ngram-simple", "draft-simple"], draft_model="default")),
+     "draft-simple is not supported for models with Gated DeltaNet or Mamba2 layers"),
     (dict(cache_disk="DIR"), "--cache-disk: the disk tier keeps rows a token"),
 ])
 def test_what_the_state_cannot_do_is_refused(model: Model, tmp_path: Path, kw: dict,
@@ -215,3 +222,140 @@ def test_a_regenerated_answer_and_an_edited_early_message(model: Model, ref: Ref
     got = chat(edited, starts)
     assert got.timings.cache_n == len(system)
     s.mem.check()
+
+
+# -- speculative decoding: a rejected draft rolled back by recomputing --------------------------
+SPEC_KINDS = {
+    "ngram-simple": dict(types=["ngram-simple"], ngram_simple_size_n=3, ngram_simple_size_m=8),
+    "ngram-mod": dict(types=["ngram-mod"], ngram_mod_n_match=4, ngram_mod_n_min=2,
+                      ngram_mod_n_max=8),
+}
+# the tiny Granite's logits are flat: only a low temperature leaves runs for n-grams to draft
+TEMPERATURE = {"qwen35": 0.7, "granitehybrid": 0.03}
+
+
+@pytest.fixture(scope="module")
+def echo_prompts(model: Model) -> list[list[int]]:
+    """Four prompts that quote their own continuation: a random prompt with, planted early on,
+    its last two tokens, the first three tokens the model answers it with, and six random
+    ones. The tiny models answer in runs of one token, so ngram-simple finds its drafts at the
+    plant (accepted while the answer follows it, rejected where the random tokens start) and
+    ngram-mod its table's runs (accepted) and planted turns (rejected). The plant may change
+    the answer: the tests check the totals over the four."""
+    rng = random.Random(5)
+    s = plain(model)
+    out = []
+    for _ in range(4):
+        r = [rng.randrange(100, 5000) for _ in range(30)]
+        g = drive(s, [task(r, cache_prompt=False)])[0]
+        plant = r[-2:] + g[:3] + [rng.randrange(100, 5000) for _ in range(6)]
+        out.append(r[:10] + plant + r[10:])
+    s.mem.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def echo_reference(model: Model, echo_prompts: list[list[int]]) -> dict[tuple[int, ...],
+                                                                        FinalResult]:
+    """Each echo prompt alone, greedy: one slot, no cache, no speculation."""
+    s = plain(model)
+    return {tuple(p): run_to_end(s, [task(p, cache_prompt=False)])[0] for p in echo_prompts}
+
+
+def spy_rollbacks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of tokens each rollback leaves to compute again (the model runs as is)."""
+    out: list[int] = []
+    rollback = SlotKV.rollback
+
+    def spy(kv: SlotKV, n: int) -> None:
+        out.append(len(kv) - n)
+        rollback(kv, n)
+
+    monkeypatch.setattr(SlotKV, "rollback", spy)
+    return out
+
+
+def check_drafts(s: Scheduler, finals: list[FinalResult], rolled: list[int]) -> None:
+    """Drafts were accepted and rejected (each rejection rolled back by recomputing), and the
+    totals agree with /metrics'."""
+    drafted = sum(f.timings.draft_n or 0 for f in finals)
+    accepted = sum(f.timings.draft_n_accepted for f in finals)
+    assert drafted > accepted > 0, (drafted, accepted)
+    assert rolled and min(rolled) >= 1, rolled  # the old pending token at least
+    m = s.metrics
+    assert (m.n_draft_tokens_total, m.n_draft_accepted_total) == (drafted, accepted)
+
+
+@pytest.mark.parametrize("kind", list(SPEC_KINDS))
+def test_speculation_rolls_back_by_recomputing_and_answers_stay(
+        model: Model, echo_prompts: list[list[int]], echo_reference: dict,
+        monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """n-gram drafts on a recurrent target, two slots side by side, every memory invariant
+    checked after every step: each greedy answer is its prompt's without speculation, token
+    for token and in its text, while drafts were both accepted and rejected. A rejection drops
+    the step back to the state it read and the next step feeds its kept tokens again: they
+    count nowhere (predicted_n is the answer's length, prompt_n the prompt's). The slots'
+    KV, some of it left by a task that ended right after a rollback, then serves the same
+    prompts again, with the same answers."""
+    rolled = spy_rollbacks(monkeypatch)
+    s = spec_sched(model, None, SPEC_KINDS[kind], n_parallel=2, cache_ram_mib=0)
+    finals = run_to_end(s, [task(p) for p in echo_prompts], check_steps=True)
+    for f, p in zip(finals, echo_prompts):
+        want = echo_reference[tuple(p)]
+        assert (f.tokens, f.content) == (want.tokens, want.content)
+        t = f.timings
+        assert (t.predicted_n, t.prompt_n, t.cache_n) == (N_PREDICT, len(p), 0)
+    check_drafts(s, finals, rolled)
+    last = echo_prompts[::-1]  # the slots hold the last two: those first
+    again = run_to_end(s, [task(p) for p in last], check_steps=True)
+    assert [f.tokens for f in again] == [echo_reference[tuple(p)].tokens for p in last]
+    assert all(f.timings.cache_n > 0 for f in again[:2]), [f.timings for f in again]
+    assert not any(slot.kv.redo for slot in s.slots)
+    s.mem.close()
+
+
+def test_seeded_sampling_with_rollbacks_equals_no_speculation(
+        model: Model, echo_prompts: list[list[int]], echo_reference: dict,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seeded sampled answer (temperature > 0: the draws decide, it is not the greedy one)
+    is the same with ngram-simple, rejected drafts rolled back: every row is sampled with the
+    task's chain in the order it would be without speculation, and a recomputed state is the
+    state."""
+    params = SamplingParams(temperature=TEMPERATURE[model.hp.arch], top_k=40, seed=1234)
+    ref = plain(model)
+    want = [drive(ref, [task(p, params=params, cache_prompt=False)])[0] for p in echo_prompts]
+    assert any(w != echo_reference[tuple(p)].tokens for w, p in zip(want, echo_prompts))
+    rolled = spy_rollbacks(monkeypatch)
+    s = spec_sched(model, None, SPEC_KINDS["ngram-simple"], n_parallel=1, cache_ram_mib=0)
+    finals = [run_to_end(s, [task(p, params=params)], check_steps=True)[0]
+              for p in echo_prompts]
+    assert [f.tokens for f in finals] == want
+    check_drafts(s, finals, rolled)
+    s.mem.close()
+
+
+def test_a_rollback_left_at_cancel_is_forgotten(model: Model, echo_prompts: list[list[int]],
+                                                echo_reference: dict) -> None:
+    """A task cancelled while its slot has tokens to compute again: the slot keeps the KV
+    before them (its state the one it read), nothing to re-feed, and the next task on it -
+    the same prompt, its prefix reused - answers as without speculation."""
+    s = spec_sched(model, None, SPEC_KINDS["ngram-simple"], n_parallel=1, cache_ram_mib=0)
+    slot = s.slots[0]
+    for p in echo_prompts:
+        out: list[Any] = []
+        t = task(p)
+        s.submit(t, out.append)
+        while s.has_active() and not slot.kv.redo:
+            s.step()
+            s.check()
+        if slot.kv.redo:
+            break
+    else:
+        pytest.fail("no rollback left tokens to compute again")
+    n = len(slot.kv)
+    s.cancel(t)
+    assert not slot.is_processing and not slot.kv.redo and len(slot.kv) == n
+    s.check()
+    got = run_to_end(s, [task(p)], check_steps=True)[0]
+    assert got.tokens == echo_reference[tuple(p)].tokens and got.timings.cache_n > 0
+    s.mem.close()
