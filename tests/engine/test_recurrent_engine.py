@@ -11,6 +11,7 @@ pinned so a run that silently recomputed everything cannot pass.
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,12 @@ from radixserve.config import ServerConfig, SpecConfig
 from radixserve.engine.build import build_scheduler
 from radixserve.engine.counters import ServerMetrics
 from radixserve.memory.pool.state import fingerprint_of
+from radixserve.memory.tiers.disk_block import SNAP_SUFFIX, SUFFIX
 from radixserve.memory.tiers.radix import RadixPromptCache
 from radixserve.model.loader import Model, load_model
 from tests.engine.test_deterministic import drive, run_to_end
-from tests.engine.test_lfm2_engine import (N_TOOLS, agent_task, check_n_cmpl, rand_tokens,
-                                           run_agents)
+from tests.engine.test_lfm2_engine import (N_SESSIONS, N_STEPS, N_TOOLS, agent_task,
+                                           check_n_cmpl, rand_tokens, run_agents)
 from tests.engine.test_swa import Ref
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -53,7 +55,6 @@ def ref(model: Model) -> Ref:
 
 @pytest.mark.parametrize("kw, words", [
     (dict(spec=SpecConfig(types=("ngram-simple",))), "speculative decoding is not supported"),
-    (dict(cache_disk="DIR"), "--cache-disk: the disk tier keeps rows a token"),
 ])
 def test_what_the_state_cannot_do_is_refused(model: Model, tmp_path: Path, kw: dict,
                                              words: str) -> None:
@@ -215,3 +216,60 @@ def test_a_regenerated_answer_and_an_edited_early_message(model: Model, ref: Ref
     got = chat(edited, starts)
     assert got.timings.cache_n == len(system)
     s.mem.check()
+
+
+def disk_sessions(model: Model, ref: Ref, directory: Path, chat: bool, **kw: Any
+                  ) -> tuple[list[Any], list[list[int]], list[list[int]]]:
+    """Agent sessions as run_agents's (the same tools, histories and steps) on a scheduler
+    with `--cache-disk directory` (blocks of 16 tokens); the scheduler closed at the end (its
+    writes done). Returns (finals, the prompts sent, each session's next prompt)."""
+    rng = random.Random(36)
+    tools = rand_tokens(rng, N_TOOLS)
+    hist = [[3000 + 97 * i] + rand_tokens(rng, 7) for i in range(N_SESSIONS)]
+    s = build_scheduler(model, ServerConfig(n_parallel=2, ctx_size=1024,
+                                            cache_disk=str(directory), cache_disk_block=16,
+                                            **kw), ServerMetrics())
+    finals, sent = [], []
+    for step in range(N_STEPS):
+        prompts = [tools + h for h in hist]
+        got = run_to_end(s, [agent_task(p, chat) for p in prompts], check_steps=True)
+        for i, (p, f) in enumerate(zip(prompts, got)):
+            assert f.tokens == drive(ref.sched, [agent_task(p, chat, cache_prompt=False)])[0]
+            hist[i] = hist[i] + f.tokens + [4000 + 89 * i] + rand_tokens(rng, 5)
+        finals += got
+        sent += prompts
+    s.mem.check()
+    s.mem.close()
+    return finals, sent, [tools + h for h in hist]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_restarted_server_resumes_the_sessions_from_disk_snapshots(model: Model, ref: Ref,
+                                                                     tmp_path: Path,
+                                                                     chat: bool) -> None:
+    """Agent sessions with `--cache-disk`: the attention rows go to block files and the
+    tree's snapshots (the state after each saved prefix) to snapshot files beside them. A new
+    scheduler (new pool and tree: a restart) on the same directory serves each session's next
+    prompt from the deepest snapshot of it on disk (the state after the session's last answer
+    but its last token): it computes 7 tokens a session (the answer's last token and the tool
+    result's 6), as the tree would in RAM, where no cache computes every token; every answer
+    equals its prompt's alone."""
+    finals, sent, nxt = disk_sessions(model, ref, tmp_path, chat)
+    names = [f for _, _, fs in os.walk(tmp_path) for f in fs]
+    assert any(f.endswith(SNAP_SUFFIX) for f in names) and any(f.endswith(SUFFIX) for f in names)
+    s = build_scheduler(model, ServerConfig(n_parallel=2, ctx_size=1024,
+                                            cache_disk=str(tmp_path), cache_disk_block=16),
+                        ServerMetrics())
+    assert s.mem.cache.stats()["bytes"] == 0
+    got = run_to_end(s, [agent_task(p, chat) for p in nxt], check_steps=True)
+    for p, f in zip(nxt, got):
+        assert f.tokens == drive(ref.sched, [agent_task(p, chat, cache_prompt=False)])[0]
+        assert f.timings.prompt_n + f.timings.cache_n == len(p)
+    computed = sum(f.timings.prompt_n for f in got)
+    uncached = sum(map(len, nxt))
+    assert (computed, uncached) == (7 * N_SESSIONS, 550) == (35, 550)
+    fig = s.mem.tier_figures()["disk"]
+    assert fig["hits"] >= 1 and fig["bad_files"] == 0 and fig["snapshots"] > 0
+    assert any(f.timings.reuse is not None and f.timings.reuse.tier == "disk" for f in got)
+    s.mem.check()
+    s.mem.close()
