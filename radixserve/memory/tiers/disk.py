@@ -161,8 +161,10 @@ class DiskTier:
         self.max_blob = max_blob
         self.snapshots = max_blob > 0  # loads serve a prefix only up to a snapshot
         self.snap_known: set[bytes] = set()  # snapshot files' S on disk (as `known`)
-        # the I/O thread's index of snapshot files: P -> {(n, S)}
-        self._snap_index: dict[bytes, set[tuple[int, bytes]]] = {}
+        # the index of snapshot files, P -> {(n, S)}: kept by the I/O thread (an entry is
+        # replaced, never changed in place), read by the engine's `may_have_snapshot`
+        self._snap_index: dict[bytes, frozenset[tuple[int, bytes]]] = {}
+        self.scanned = False  # the directory was read once: the index holds its files
         self.queued: set[bytes] = set()  # keys whose write is queued
         self.epoch = 0  # a flush starts a new one: older jobs and loads are dropped
         self.wake: Callable[[], None] = lambda: None  # the engine: a load finished
@@ -229,6 +231,22 @@ class DiskTier:
         ticket = next(self._tickets)
         self._put(0, _Load(ticket, ns, tokens, j0, keys, self.epoch))
         return ticket
+
+    def may_have_snapshot(self, tokens: list[int], prefixes: list[bytes], floor: int,
+                          j_max: int) -> bool:
+        """Whether the index holds a snapshot of a prefix of `tokens` deeper than `floor`
+        within j_max whole blocks (True until the first scan is done): a load that could find
+        nothing is not worth its round trip. Another process's files join the index at this
+        process's next scan (at most RESCAN_S apart)."""
+        if not self.scanned:
+            return True
+        b, index = self.block, self._snap_index
+        for j in range(floor // b, min(j_max, len(prefixes) - 1) + 1):
+            for n, key in index.get(prefixes[j], ()):
+                if (n // b == j and floor < n <= len(tokens)
+                        and key == self.snap_key(prefixes[j], tokens[j * b:n])):
+                    return True
+        return False
 
     def load_snapshot(self, ns: str, tokens: list[int], j0: int, prefixes: list[bytes],
                       floor: int, j_max: int) -> int:
@@ -353,14 +371,15 @@ class DiskTier:
 
     def _snap_known(self, prefix: bytes, n: int, key: bytes, known: bool) -> None:
         """Index (or forget) a snapshot file (I/O thread)."""
-        entries = self._snap_index.setdefault(prefix, set())
+        entries = self._snap_index.get(prefix, frozenset())
+        entries = entries | {(n, key)} if known else entries - {(n, key)}
+        if entries:
+            self._snap_index[prefix] = entries
+        else:
+            self._snap_index.pop(prefix, None)
         if known:
-            entries.add((n, key))
             self.snap_known.add(key)
         else:
-            entries.discard((n, key))
-            if not entries:
-                del self._snap_index[prefix]
             self.snap_known.discard(key)
 
     def _write(self, job: _Write) -> None:
@@ -649,7 +668,9 @@ class DiskTier:
                 elif (got := snap_name(name[:-len(SNAP_SUFFIX)])) is not None:
                     index.setdefault(got[0], set()).add((got[1], got[2]))
                     snaps[got[2]] = None
-        self.known, self.snap_known, self._snap_index = keys, set(snaps), index
+        self.known, self.snap_known = keys, set(snaps)
+        self._snap_index = {p: frozenset(e) for p, e in index.items()}
+        self.scanned = True
         with self.stats.lock:
             self.stats.evictions += removed
             self.stats.bytes, self.stats.blocks = total, len(keys)
@@ -662,7 +683,7 @@ class DiskTier:
             self.stats.bytes = self.stats.blocks = self.stats.snapshots = 0
         self.known.clear()
         self.snap_known.clear()
-        self._snap_index.clear()
+        self._snap_index = {}
         return removed
 
 

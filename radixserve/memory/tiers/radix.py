@@ -405,6 +405,8 @@ class RadixPromptCache:
         if self.limit_bytes > 0:  # never read more than the tree could hold
             j_max = min(j1, j0 + self.limit_bytes // self.disk.block_bytes)
         prefixes = [self.disk.root(salt), *self.disk.keys(salt, prompt, j1)]
+        if not self.disk.may_have_snapshot(prompt[:n], prefixes, floor, j_max):
+            return None  # no snapshot of it on disk (as last scanned): no round trip
         tag = (salt, prefixes[-1], *prompt[j1 * b:n])
         ticket = self._inflight.get(tag)
         if ticket is None:  # another task may be reading the same file already
