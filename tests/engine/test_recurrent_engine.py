@@ -1,8 +1,9 @@
 """Qwen3.5 and Granite 4.0-H (their Gated DeltaNet or Mamba2 state kept whole, one state cell
 a sequence: memory/pool/recurrent.py) through the real scheduler: a slot resuming its own state, context checkpoints
 (the state's snapshots) restoring an earlier prefix, the whole-prompt host cache carrying
-them, slot files, agent sessions on fewer slots than sessions, and the refusals (speculative
-decoding, the disk tier, context shift).
+them, slot files, agent sessions on fewer slots than sessions, the disk tier (a restarted
+scheduler resuming them from snapshot files), and the refusals (speculative decoding, context
+shift).
 
 Every answer is compared, token for token, with the same prompt computed alone with no cache
 of any kind (deterministic bf16: cached == uncached to the bit), and the reuse figures are

@@ -271,8 +271,9 @@ class DiskTier:
                        Loaded(got.ticket, got.ns, got.tokens, got.start, [], got.epoch))
 
     def flush(self) -> Future[int]:
-        """Drop queued writes and reads and remove every block file in the directory (every
-        model's, every process's); the future gives the number of files removed. The removal
+        """Drop queued writes and reads and remove every block and snapshot file in the
+        directory (every model's, every process's); the future gives the number of files
+        removed. The removal
         goes before any job queued after it (loads included), and a read already running
         belongs to the old epoch: nothing read before the flush reaches the tree after it."""
         self.epoch += 1

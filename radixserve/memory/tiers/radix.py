@@ -352,7 +352,8 @@ class RadixPromptCache:
         return self.disk.figures()
 
     def disk_flush(self) -> Future[int]:
-        """Drop queued disk writes and pending reads; remove the directory's block files."""
+        """Drop queued disk writes and pending reads; remove the directory's block and
+        snapshot files."""
         assert self.disk is not None
         self._inflight.clear()
         return self.disk.flush()
