@@ -30,7 +30,7 @@ from radixserve.config import ServerConfig
 from radixserve.memory.holders import Holder, ModelIdentity
 from radixserve.memory.key import PromptKey
 from radixserve.memory.pool.pool import KVPool
-from radixserve.memory.pool.state import fingerprint_of
+from radixserve.memory.pool.state import fingerprint_of, swa_fingerprint
 from radixserve.memory.prefix_plan import salted_lcp
 from radixserve.memory.tiers.base import NullPromptCache, PromptCache
 from radixserve.memory.tiers.disk import DiskTier
@@ -40,6 +40,7 @@ from radixserve.memory.tiers.radix import RadixPromptCache
 
 log = logging.getLogger(__name__)
 STATS_LOG_INTERVAL_S = 30.0
+SNAPSHOT_HEADER_BOUND = 4096  # a sealed state's bytes past its cell's (its header, the seal)
 
 
 def backend_name(cfg: ServerConfig) -> str:
@@ -54,10 +55,9 @@ def make_cache(cfg: ServerConfig, pool: KVPool, arch: str,
     """The host cache `cfg` describes; with `--cache-disk`, `models` (the target, then a draft
     model) name the disk tier's files."""
     backend = backend_name(cfg)
-    if cfg.cache_disk and not pool.layout.rows_every_position:
-        raise ValueError("--cache-disk: the disk tier keeps rows a token, and this model's "
-                         "recurrent state has none (Gated DeltaNet or Mamba2 layers); run without "
-                         "--cache-disk")
+    if cfg.cache_disk and not pool.layout.rows_every_position and pool.windowed is None:
+        raise ValueError("--cache-disk: this model's recurrent state is kept in no pool the "
+                         "disk tier can snapshot")
     if backend == "none":
         return NullPromptCache()
     limit = cfg.cache_ram_mib * 1024 * 1024 if cfg.cache_ram_mib > 0 else 0
@@ -73,7 +73,9 @@ def make_cache(cfg: ServerConfig, pool: KVPool, arch: str,
 def make_disk(cfg: ServerConfig, pool: KVPool, models: tuple[ModelIdentity, ...]) -> DiskTier:
     """The disk tier, its files keyed by the models' identities and the KV layout: another
     model, quantization, dtype, draft, kernel build or torch never sees them; with
-    `--cache-disk-key`, names and checksums are keyed too (docs/SECURITY.md)."""
+    `--cache-disk-key`, names and checksums are keyed too (docs/SECURITY.md). A recurrent
+    layout (Gated DeltaNet, Mamba2) keeps its state in snapshot files beside the blocks of its
+    attention rows (disk.py): the state's layout names the files too."""
     assert models, "the disk tier needs the model's identity"
     key = load_key(cfg.cache_disk_key) if cfg.cache_disk_key else b""
     layout = pool.row_layout()
@@ -85,8 +87,13 @@ def make_disk(cfg: ServerConfig, pool: KVPool, models: tuple[ModelIdentity, ...]
     for m in models:
         h.update(m.identity(memo))
     h.update(repr(layout).encode())
+    max_blob = 0
+    if not pool.layout.rows_every_position and (w := pool.windowed) is not None:
+        h.update(repr(swa_fingerprint(w, fingerprint_of(pool, ""))).encode())
+        max_blob = pool.layout.state_bytes + SNAPSHOT_HEADER_BOUND
     limit = cfg.cache_disk_mib * 2**20 if cfg.cache_disk_mib > 0 else 0
-    return DiskTier(cfg.cache_disk, limit, cfg.cache_disk_block, h.digest(), layout, key=key)
+    return DiskTier(cfg.cache_disk, limit, cfg.cache_disk_block, h.digest(), layout, key=key,
+                    max_blob=max_blob)
 
 
 class HostTier:

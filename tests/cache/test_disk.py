@@ -23,7 +23,9 @@ import torch
 
 from radixserve.memory.key import PromptKey
 from radixserve.memory.tiers.disk import DiskTier
-from radixserve.memory.tiers.disk_block import DIGEST, FILE_PERSON, SUFFIX, RowSpec, load_key
+from radixserve.memory.checkpoint import seal
+from radixserve.memory.tiers.disk_block import (DIGEST, FILE_PERSON, SNAP_SUFFIX, SUFFIX, RowSpec,
+                                                load_key)
 from radixserve.memory.tiers.radix import RadixPromptCache
 from radixserve.config import ServerConfig
 from radixserve.memory.host_tier import make_disk
@@ -683,3 +685,161 @@ def test_the_weights_digest_memo_is_owner_only_whatever_the_umask(tmp_path, umas
     assert first == hashlib.blake2b(model.read_bytes(), digest_size=16).digest()
     memos[0].write_text("00" * 16)
     assert weights_digest(str(model), str(cache)) == bytes(16)
+
+
+# -- snapshot files (a recurrent layout's state, beside the blocks) -------------------------
+def state(n: int) -> bytes:
+    """A sealed state standing for the one after n tokens (as the tree keeps snapshots)."""
+    return seal(bytes([n % 256]) * (40 + n))
+
+
+def snap_tier(path, **kw) -> DiskTier:
+    return tier(path, max_blob=4096, **kw)
+
+
+def write_snapshot(d: DiskTier, tokens: list[int], n: int, ns: str = "") -> str:
+    """The snapshot file after tokens[:n] (its tail's rows split in pieces as edges split
+    them); returns its path."""
+    j = n // B
+    prefix = ([d.root(ns)] + d.keys(ns, tokens, j))[j]
+    key = d.snap_key(prefix, tokens[j * B:n])
+    rows = block_rows(tokens, j * B, n - j * B)
+    pieces = [[t[:, :, :1], t[:, :, 1:]] if n > j * B else [] for t in rows]
+    assert d.write_snapshot(prefix, key, j * B, tokens[j * B:n], pieces, state(n))
+    d.drain()
+    return d._snap_path(prefix, n, key)
+
+
+def read_snapshot(d: DiskTier, prompt: list[int], j0: int = 0, floor: int = 0,
+                  ns: str = ""):
+    """What a snapshot load of `prompt` (a restore: up to its last token but one) finds."""
+    n = len(prompt) - 1
+    prefixes = [d.root(ns)] + d.keys(ns, prompt, n // B)
+    ticket = d.load_snapshot(ns, prompt[:n], j0, prefixes, floor, n // B)
+    d.drain()
+    got = d.take_loaded()
+    assert [g.ticket for g in got] == [ticket]
+    return got[0]
+
+
+def test_snapshot_files_round_trip_through_a_scan_and_the_deepest_is_found(tmp_path):
+    """Blocks and snapshot files (a tail of 2 tokens at 14, none at 8) written by one tier are
+    found by another on the same directory (its scan indexes them by name): the deepest
+    snapshot of the prompt with the blocks below it and its tail's rows, bit for bit; a
+    prompt ending earlier gets the shallower one, another tail of the same length nothing."""
+    d = snap_tier(tmp_path)
+    write_prompt(d, TOKENS)
+    write_snapshot(d, TOKENS, 14)
+    write_snapshot(d, TOKENS, 8)
+    assert d.figures()["snapshots"] == 2 and d.figures()["snapshot_writes"] == 2
+    d.close()
+    other = snap_tier(tmp_path)  # a restart: only the scan knows the files
+    got = read_snapshot(other, TOKENS)
+    assert (got.start, got.tokens, got.snapshot) == (0, TOKENS[:14], state(14))
+    for i, t in enumerate(got.rows):
+        assert t.dtype == LAYOUT[i].dtype and torch.equal(t, block_rows(TOKENS, 0, 14)[i])
+    got = read_snapshot(other, TOKENS, j0=2)  # the tree holds 8 tokens: blocks 2.. only
+    assert got.start == 8 and torch.equal(got.rows[0], block_rows(TOKENS, 8, 6)[0])
+    got = read_snapshot(other, TOKENS[:14])  # n <= 13: the one at 8, no rows of a tail
+    assert (got.tokens, got.snapshot, got.rows[1].shape[2]) == (TOKENS[:8], state(8), 8)
+    assert read_snapshot(other, TOKENS, floor=14).rows == []  # nothing deeper than held
+    assert read_snapshot(other, TOKENS[:12] + [5, 6, 7]).snapshot == state(8)  # another tail
+    assert read_snapshot(other, TOKENS, ns="tenant").rows == []
+    f = other.figures()
+    assert (f["hits"], f["misses"], f["snapshots"], f["bad_files"]) == (4, 2, 2, 0)
+    other.close()
+
+
+def test_a_prompt_without_a_snapshot_reads_no_block(tmp_path):
+    """Blocks alone serve a recurrent layout nothing: a load finds no snapshot and reads no
+    block; once the directory was scanned, the index tells the engine not to ask at all."""
+    reads: list[str] = []
+    d = snap_tier(tmp_path, fault=reads.append)
+    write_prompt(d, TOKENS)
+    reads.clear()
+    got = read_snapshot(d, TOKENS)
+    assert got.rows == [] and reads == [] and d.figures()["misses"] == 1
+    prefixes = [d.root("")] + d.keys("", TOKENS, 4)
+    assert d.scanned and not d.may_have_snapshot(TOKENS[:17], prefixes, 0, 4)
+    write_snapshot(d, TOKENS, 10)
+    assert d.may_have_snapshot(TOKENS[:17], prefixes, 0, 4)
+    assert not d.may_have_snapshot(TOKENS[:17], prefixes, 10, 4)  # not deeper than held
+    assert not d.may_have_snapshot(TOKENS[:17], prefixes, 0, 1)  # past what may be read
+    assert not d.may_have_snapshot(TOKENS[:8] + [1, 2, 3], prefixes, 0, 4)  # another tail
+    d.close()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "seal", "rename"])
+def test_a_bad_snapshot_file_is_a_miss_and_removed(tmp_path, damage):
+    """A truncated file, flipped bytes, a state whose own seal fails (rewritten with a valid
+    file checksum) or another snapshot's file under this name: a miss, removed; the load
+    falls back to the next snapshot down (at 8) and serving never sees an error."""
+    d = snap_tier(tmp_path)
+    write_prompt(d, TOKENS)
+    deep, shallow = write_snapshot(d, TOKENS, 14), write_snapshot(d, TOKENS, 8)
+    data = bytearray(open(deep, "rb").read())
+    if damage == "truncate":
+        data = data[:len(data) // 2]
+    elif damage == "flip":
+        data[len(data) // 2] ^= 0x04
+    elif damage == "seal":  # the state's CRC broken, the file re-checksummed (as a writer could)
+        blob = bytearray(state(14))
+        blob[3] ^= 1
+        j = 14 // B
+        prefix = d.keys("", TOKENS, j)[j - 1]
+        key = d.snap_key(prefix, TOKENS[j * B:14])
+        rows = [t.view(torch.uint8).numpy() for t in block_rows(TOKENS, j * B, 14 - j * B)]
+        data = bytearray(b"".join(bytes(p) for p in d.format.encode(
+            key, j * B, TOKENS[j * B:14], [[r] for r in rows], bytes(blob))))
+    else:
+        data = bytearray(open(shallow, "rb").read())
+    with open(deep, "wb") as f:
+        f.write(bytes(data))
+    got = read_snapshot(d, TOKENS)
+    assert (got.tokens, got.snapshot) == (TOKENS[:8], state(8))
+    assert d.figures()["bad_files"] == 1 and not os.path.exists(deep) and os.path.exists(shallow)
+    assert d.figures()["snapshots"] == 1
+    d.close()
+
+
+def test_a_snapshot_whose_blocks_went_gives_way_to_a_shallower_one(tmp_path):
+    d = snap_tier(tmp_path)
+    write_prompt(d, TOKENS)
+    write_snapshot(d, TOKENS, 14)
+    write_snapshot(d, TOKENS, 6)
+    os.unlink(d._path(d.keys("", TOKENS, 3)[2]))  # block 2 evicted by someone
+    got = read_snapshot(d, TOKENS)
+    assert (got.tokens, got.snapshot) == (TOKENS[:6], state(6))
+    os.unlink(d._path(d.keys("", TOKENS, 1)[0]))  # and block 0: nothing can serve
+    assert read_snapshot(d, TOKENS).rows == []
+    d.close()
+
+
+def test_the_byte_limit_evicts_snapshot_files_with_blocks(tmp_path):
+    """Blocks and snapshot files share one LRU under the byte limit: the prompts written
+    first lose both kinds (their snapshot is then a miss); one read all along keeps both;
+    what is left fits."""
+    probe = snap_tier(tmp_path / "probe")
+    write_prompt(probe, TOKENS[:9])
+    write_snapshot(probe, TOKENS, 9)
+    size = sum(map(os.path.getsize, files(tmp_path / "probe")))  # 2 blocks and a snapshot
+    probe.close()
+    d = snap_tier(tmp_path / "d", limit=3 * size)
+    prompts = [[p * 100 + i for i in range(10)] for p in range(1, 7)]
+    for i, p in enumerate(prompts):
+        write_prompt(d, p[:9])
+        write_snapshot(d, p, 9)
+        if i >= 1:  # prompt 0 keeps being read (its files touched: the LRU signal)
+            assert read_snapshot(d, prompts[0]).snapshot == state(9)
+    d._put(0, "scan")
+    d.drain()
+    on_disk = files(tmp_path / "d")
+    assert sum(map(os.path.getsize, on_disk)) <= 3 * size
+    assert d.figures()["bytes"] <= 3 * size and d.figures()["evictions"] >= 2 * 3
+    snaps = [f for f in on_disk if f.endswith(SNAP_SUFFIX)]
+    assert 0 < len(snaps) < len(prompts) and d.figures()["snapshots"] == len(snaps)
+    assert read_snapshot(d, prompts[0]).snapshot == state(9)  # kept, blocks and snapshot
+    assert read_snapshot(d, prompts[1]).rows == []  # the oldest: both kinds went
+    gone = [k for k in d.keys("", prompts[1], 2) if os.path.exists(d._path(k))]
+    assert gone == [] and d.figures()["bad_files"] == 0
+    d.close()

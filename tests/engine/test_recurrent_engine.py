@@ -2,8 +2,9 @@
 a sequence: memory/pool/recurrent.py) through the real scheduler: a slot resuming its own state, context checkpoints
 (the state's snapshots) restoring an earlier prefix, the whole-prompt host cache carrying
 them, slot files, agent sessions on fewer slots than sessions, n-gram speculative decoding
-(a rejected draft rolled back to the state the step read, the kept tokens computed again), and
-the refusals (a draft model, the disk tier, context shift).
+(a rejected draft rolled back to the state the step read, the kept tokens computed again), the
+disk tier (a restarted scheduler resuming them from snapshot files), and the refusals (a draft
+model, context shift).
 
 Every answer is compared, token for token, with the same prompt computed alone with no cache
 of any kind (deterministic bf16: cached == uncached to the bit), and the reuse figures are
@@ -12,6 +13,7 @@ pinned so a run that silently recomputed everything cannot pass.
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -25,12 +27,13 @@ from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.task import FinalResult
 from radixserve.memory.pool.state import fingerprint_of
 from radixserve.memory.seq_kv import SlotKV
+from radixserve.memory.tiers.disk_block import SNAP_SUFFIX, SUFFIX
 from radixserve.memory.tiers.radix import RadixPromptCache
 from radixserve.model.loader import Model, load_model
 from radixserve.sampling.chain import SamplingParams
 from tests.engine.test_deterministic import drive, run_to_end
-from tests.engine.test_lfm2_engine import (N_TOOLS, agent_task, check_n_cmpl, rand_tokens,
-                                           run_agents)
+from tests.engine.test_lfm2_engine import (N_SESSIONS, N_STEPS, N_TOOLS, agent_task,
+                                           check_n_cmpl, rand_tokens, run_agents)
 from tests.engine.test_speculative import N_PREDICT, plain, spec_sched, task
 from tests.engine.test_swa import Ref
 from tests.tiny_gguf import write_tiny_gguf
@@ -57,17 +60,11 @@ def ref(model: Model) -> Ref:
     return Ref(model)
 
 
-@pytest.mark.parametrize("kw, words", [
-    (dict(spec=SpecConfig(types=["ngram-simple", "draft-simple"], draft_model="default")),
-     "draft-simple is not supported for models with Gated DeltaNet or Mamba2 layers"),
-    (dict(cache_disk="DIR"), "--cache-disk: the disk tier keeps rows a token"),
-])
-def test_what_the_state_cannot_do_is_refused(model: Model, tmp_path: Path, kw: dict,
-                                             words: str) -> None:
-    if kw.get("cache_disk") == "DIR":
-        kw = {**kw, "cache_disk": str(tmp_path / "disk")}
-    with pytest.raises(ValueError, match=words):
-        build_scheduler(model, ServerConfig(**kw), ServerMetrics())
+def test_a_draft_model_is_refused(model: Model) -> None:
+    spec = SpecConfig(types=["ngram-simple", "draft-simple"], draft_model="default")
+    with pytest.raises(ValueError, match="draft-simple is not supported for models with Gated "
+                                         "DeltaNet or Mamba2 layers"):
+        build_scheduler(model, ServerConfig(spec=spec), ServerMetrics())
 
 
 def test_context_shift_is_off(model: Model) -> None:
@@ -358,4 +355,61 @@ def test_a_rollback_left_at_cancel_is_forgotten(model: Model, echo_prompts: list
     s.check()
     got = run_to_end(s, [task(p)], check_steps=True)[0]
     assert got.tokens == echo_reference[tuple(p)].tokens and got.timings.cache_n > 0
+
+
+def disk_sessions(model: Model, ref: Ref, directory: Path, chat: bool, **kw: Any
+                  ) -> tuple[list[Any], list[list[int]], list[list[int]]]:
+    """Agent sessions as run_agents's (the same tools, histories and steps) on a scheduler
+    with `--cache-disk directory` (blocks of 16 tokens); the scheduler closed at the end (its
+    writes done). Returns (finals, the prompts sent, each session's next prompt)."""
+    rng = random.Random(36)
+    tools = rand_tokens(rng, N_TOOLS)
+    hist = [[3000 + 97 * i] + rand_tokens(rng, 7) for i in range(N_SESSIONS)]
+    s = build_scheduler(model, ServerConfig(n_parallel=2, ctx_size=1024,
+                                            cache_disk=str(directory), cache_disk_block=16,
+                                            **kw), ServerMetrics())
+    finals, sent = [], []
+    for step in range(N_STEPS):
+        prompts = [tools + h for h in hist]
+        got = run_to_end(s, [agent_task(p, chat) for p in prompts], check_steps=True)
+        for i, (p, f) in enumerate(zip(prompts, got)):
+            assert f.tokens == drive(ref.sched, [agent_task(p, chat, cache_prompt=False)])[0]
+            hist[i] = hist[i] + f.tokens + [4000 + 89 * i] + rand_tokens(rng, 5)
+        finals += got
+        sent += prompts
+    s.mem.check()
+    s.mem.close()
+    return finals, sent, [tools + h for h in hist]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_restarted_server_resumes_the_sessions_from_disk_snapshots(model: Model, ref: Ref,
+                                                                     tmp_path: Path,
+                                                                     chat: bool) -> None:
+    """Agent sessions with `--cache-disk`: the attention rows go to block files and the
+    tree's snapshots (the state after each saved prefix) to snapshot files beside them. A new
+    scheduler (new pool and tree: a restart) on the same directory serves each session's next
+    prompt from the deepest snapshot of it on disk (the state after the session's last answer
+    but its last token): it computes 7 tokens a session (the answer's last token and the tool
+    result's 6), as the tree would in RAM, where no cache computes every token; every answer
+    equals its prompt's alone."""
+    finals, sent, nxt = disk_sessions(model, ref, tmp_path, chat)
+    names = [f for _, _, fs in os.walk(tmp_path) for f in fs]
+    assert any(f.endswith(SNAP_SUFFIX) for f in names) and any(f.endswith(SUFFIX) for f in names)
+    s = build_scheduler(model, ServerConfig(n_parallel=2, ctx_size=1024,
+                                            cache_disk=str(tmp_path), cache_disk_block=16),
+                        ServerMetrics())
+    assert s.mem.cache.stats()["bytes"] == 0
+    got = run_to_end(s, [agent_task(p, chat) for p in nxt], check_steps=True)
+    for p, f in zip(nxt, got):
+        assert f.tokens == drive(ref.sched, [agent_task(p, chat, cache_prompt=False)])[0]
+        assert f.timings.prompt_n + f.timings.cache_n == len(p)
+    computed = sum(f.timings.prompt_n for f in got)
+    uncached = sum(map(len, nxt))
+    assert (computed, uncached) == (7 * N_SESSIONS, 550) == (35, 550)
+    fig = s.mem.tier_figures()["disk"]
+    assert (fig["hits"], fig["misses"], fig["bad_files"]) == (N_SESSIONS, 0, 0)
+    assert fig["snapshots"] > 0
+    assert any(f.timings.reuse is not None and f.timings.reuse.tier == "disk" for f in got)
+    s.mem.check()
     s.mem.close()

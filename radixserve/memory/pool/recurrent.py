@@ -16,8 +16,10 @@ window part holds one *state cell* a sequence, at the position of its last token
   by a slot, the whole-prompt host cache and slot files;
 - a host tier that keeps rows a token holds the attention rows only (`row_layout`: the state
   is no row group) and the state as snapshots where they were kept: the radix tree on its
-  nodes (tiers/radix.py), never written through a token at a time; the disk blocks cannot
-  hold it (`layout.rows_every_position` is False);
+  nodes (tiers/radix.py), never written through a token at a time; the disk tier the
+  attention rows in its blocks and each snapshot in a snapshot file beside them, with the
+  rows of its tail past the last whole block (tiers/disk.py; `layout.rows_every_position` is
+  False: a prefix is served only up to a snapshot);
 - a context shift is refused (the state exists only at the positions it was computed at).
 
 A cell's two halves (the window part's K and V rows, f32, never quantized) hold one layer's

@@ -24,6 +24,16 @@ through to disk (in the background), and an evicted leaf's blocks the disk lacks
 before it goes. `disk_lookup` starts reading a prompt's blocks past what RAM and the slots hold;
 `take_disk_loads` puts what was read into the tree (on the engine thread), from where `load`
 hands it over as any other prefix.
+
+A recurrent layout (memory/pool/recurrent.py: the disk tier's `snapshots`): the blocks hold the
+attention rows, and the nodes' snapshots go to snapshot files (disk.py, disk_block.py). Rule:
+whenever a node's blocks are written through (a save completes, a leaf is evicted), the
+snapshots on its path (its own and its ancestors') the disk lacks are written too, the
+deepest first, at most SNAPSHOT_WRITES a call (each is written once: later calls skip what
+is on disk or queued). `disk_lookup` then asks for the deepest snapshot of the prompt (but
+its last token) past what the tree or a slot can resume from; its read brings the blocks
+below it and the tail's rows, and `take_disk_loads` inserts them and attaches the state at
+its depth. No snapshot on the prompt's path: nothing is read (blocks alone serve nothing).
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ from radixserve.memory.pool.pool import KVPool
 from radixserve.memory.pool.state import Fingerprint, get_swa_state
 
 log = logging.getLogger(__name__)
+SNAPSHOT_WRITES = 4  # snapshot files a write-through queues at most (the deepest first)
 
 
 def _to_snapshot(match: RadixMatch) -> RadixMatch:
@@ -98,7 +109,8 @@ class RadixPromptCache:
         self.disk = disk
         self.fp = fingerprint  # names a snapshot's state (a recurrent layout's; see `save`)
         self.snapshots_dropped = 0
-        self._inflight: dict[tuple[str, bytes], int] = {}  # (salt, last key) -> disk ticket
+        # (salt, last key[, the tail's tokens: a snapshot read]) -> disk ticket
+        self._inflight: dict[tuple[object, ...], int] = {}
         self.disk_inserts = 0  # prefixes read from disk into the tree
         self.limit_bytes = limit_bytes  # <= 0: no limit (--cache-ram -1)
         self.min_restore_tokens = min_restore_tokens
@@ -153,7 +165,8 @@ class RadixPromptCache:
             log.warning("radix save of %d tokens failed (%s); cache unchanged", n, e)
             return False
         self.saves += 1
-        self._to_disk(node)
+        # the end node's edge, and every new row (snapshots may have split their edge)
+        self._to_disk(node, min(m, node.depth - len(node.tokens)))
         self.update()
         return True
 
@@ -339,7 +352,8 @@ class RadixPromptCache:
         return self.disk.figures()
 
     def disk_flush(self) -> Future[int]:
-        """Drop queued disk writes and pending reads; remove the directory's block files."""
+        """Drop queued disk writes and pending reads; remove the directory's block and
+        snapshot files."""
         assert self.disk is not None
         self._inflight.clear()
         return self.disk.flush()
@@ -354,6 +368,8 @@ class RadixPromptCache:
         or a slot holds already); the ticket `take_disk_loads` will return, or None."""
         if self.disk is None:
             return None
+        if self.disk.snapshots:
+            return self._snapshot_lookup(key, n_have)
         prompt, salt = key.tokens, key.ns
         b = self.disk.block
         j1 = (len(prompt) - 1) // b
@@ -370,6 +386,33 @@ class RadixPromptCache:
         if ticket is None:  # another task may be reading the same blocks already
             ticket = self.disk.load(salt, prompt[:j1 * b], j0, keys[j0:])
             self._inflight[(salt, keys[-1])] = ticket
+        return ticket
+
+    def _snapshot_lookup(self, key: PromptKey, n_have: int) -> int | None:
+        """`disk_lookup` for a recurrent layout: read the deepest snapshot file of a prefix of
+        the prompt (all but its last token) deeper than what the tree can resume from and
+        `n_have`, and the blocks below it the tree lacks (chosen on the I/O thread, which
+        indexes the files)."""
+        assert self.disk is not None
+        prompt, salt = key.tokens, key.ns
+        n = len(prompt) - 1
+        b = self.disk.block
+        match = self.tree.match(prompt, salt)
+        floor = max(_to_snapshot(RadixMatch(min(match.length, n), match.path)).length, n_have)
+        if n <= floor:
+            return None
+        j0, j1 = match.length // b, n // b
+        j_max = j1
+        if self.limit_bytes > 0:  # never read more than the tree could hold
+            j_max = min(j1, j0 + self.limit_bytes // self.disk.block_bytes)
+        prefixes = [self.disk.root(salt), *self.disk.keys(salt, prompt, j1)]
+        if not self.disk.may_have_snapshot(prompt[:n], prefixes, floor, j_max):
+            return None  # no snapshot of it on disk (as last scanned): no round trip
+        tag = (salt, prefixes[-1], *prompt[j1 * b:n])
+        ticket = self._inflight.get(tag)
+        if ticket is None:  # another task may be reading the same file already
+            ticket = self.disk.load_snapshot(salt, prompt[:n], j0, prefixes, floor, j_max)
+            self._inflight[tag] = ticket
         return ticket
 
     def take_disk_loads(self) -> list[int]:
@@ -392,6 +435,9 @@ class RadixPromptCache:
         rows that no longer join the stored prefix are dropped)."""
         end = len(got.tokens)
         m = self.tree.match(got.tokens, got.ns).length
+        if got.snapshot:
+            self._insert_snapshot(got, m)
+            return
         if not got.start <= m < end:
             return
         cut = m - got.start
@@ -402,9 +448,30 @@ class RadixPromptCache:
         self.disk_inserts += 1
         self.update()
 
-    def _to_disk(self, node: RadixNode) -> None:
-        """Queue the disk writes of the whole blocks on `node`'s edge (its path gives the rows
-        of blocks that start above it) that the disk lacks."""
+    def _insert_snapshot(self, got: Loaded, m: int) -> None:
+        """A snapshot read: the rows the tree lacks (`m`: its match now), then the state on
+        the node ending at its depth (unless one is there already)."""
+        end = len(got.tokens)
+        if m < got.start:
+            return  # the tree lost the rows below the read meanwhile
+        cut = min(m, end) - got.start
+        rows = [] if m >= end else got.rows if cut == 0 else [own_rows(t[:, :, cut:])
+                                                              for t in got.rows]
+        if 0 < self.limit_bytes < sum(t.nbytes for t in rows) + len(got.snapshot):
+            return
+        if rows:
+            node = self.tree.insert(got.tokens, rows[0], rows[1], tuple(rows[2:]), got.ns)
+        else:
+            node = self.tree.node_at(self.tree.match(got.tokens, got.ns).path[-1], end)
+            self.tree.touch(node)
+        if not node.snapshot:
+            self.tree.attach(node, got.snapshot)
+        self.disk_inserts += 1
+        self.update()
+
+    def _to_disk(self, node: RadixNode, lo: int | None = None) -> None:
+        """Queue the disk writes of the whole blocks on `node`'s edge, or from depth `lo` on
+        (its path gives the rows of blocks that start above), that the disk lacks."""
         disk = self.disk
         if disk is None:
             return
@@ -413,7 +480,7 @@ class RadixPromptCache:
         assert root is not None
         b, depth = disk.block, node.depth
         tokens = [t for n in path for t in n.tokens]
-        j_first = (depth - len(node.tokens)) // b
+        j_first = (depth - len(node.tokens) if lo is None else lo) // b
         keys = disk.keys(root.ns, tokens, depth // b)
         for j in range(j_first, depth // b):
             if keys[j] in disk.known or keys[j] in disk.queued:
@@ -427,6 +494,36 @@ class RadixPromptCache:
                 for i, t in enumerate(n.rows()):
                     pieces[i].append(t[:, :, max(a, lo) - lo:min(z, n.depth) - lo])
             disk.write(keys[j], a, tokens[a:z], pieces)
+        if disk.snapshots:
+            self._snapshots_to_disk(path, tokens, [disk.root(root.ns), *keys])
+
+    def _snapshots_to_disk(self, path: list[RadixNode], tokens: list[int],
+                           prefixes: list[bytes]) -> None:
+        """Queue the snapshot files of the snapshots on `path` the disk lacks, the deepest
+        first, at most SNAPSHOT_WRITES (`prefixes`: P of each j down the path)."""
+        disk = self.disk
+        assert disk is not None
+        b, queued = disk.block, 0
+        for node in reversed(path):
+            if queued >= SNAPSHOT_WRITES:
+                return
+            if not node.snapshot:
+                continue
+            d = node.depth
+            j = d // b
+            a = j * b
+            key = disk.snap_key(prefixes[j], tokens[a:d])
+            if key in disk.snap_known or key in disk.queued:
+                continue
+            pieces: list[list[torch.Tensor]] = [[] for _ in node.rows()]
+            for n in path:
+                lo = n.depth - len(n.tokens)
+                if n.depth <= a or lo >= d:
+                    continue
+                for i, t in enumerate(n.rows()):
+                    pieces[i].append(t[:, :, max(a, lo) - lo:min(d, n.depth) - lo])
+            queued += disk.write_snapshot(prefixes[j], key, a, tokens[a:d], pieces,
+                                          node.snapshot)
 
     def stats(self) -> dict[str, float]:
         t = self.tree
