@@ -20,8 +20,8 @@ sequence's, and the old one is pruned as usual. Any rejected: every position fro
 (the old pending token, the accepted drafts and any token the step fed again:
 `SlotKV.rollback`), the cell at pos0 - 1 is again the sequence's last state, and those tokens
 wait in `kv.redo`; the slot's next step feeds them again, at their positions, before its new
-pending token (and any new draft), their logits unused, so their K/V rows and the state are
-recomputed bit for bit (deterministic mode: a token's bits do not depend on the step it is
+pending token (with no draft: `n_draft_max`), their logits unused, so their K/V rows and the
+state are recomputed bit for bit (deterministic mode: a token's bits do not depend on the step it is
 in) and the answer is the one without speculation. Drafting reads the text with them
 (`Slot.past`). They are no new tokens: the slot's text, `generated` and every counter stay as
 they are (timings.predicted_n counts each generated token once, prompt_n only prompt tokens,
@@ -137,8 +137,12 @@ class Speculator:
             self.mod.begin(slot.id, slot.prompt)
 
     def n_draft_max(self, slot: Slot) -> int:
-        """llama-server's get_n_draft_max: room left in the context, and in n_predict."""
-        if not self.spec_of(slot).types:
+        """llama-server's get_n_draft_max: room left in the context, and in n_predict. None
+        while a rollback's tokens wait to be fed again: that step brings the state up to the
+        pending token first (drafting on top of it, a rejection would roll back to the same
+        position again, and the tokens fed again would grow with every partly rejected
+        draft)."""
+        if not self.spec_of(slot).types or slot.kv.redo:
             return 0
         n = slot.n_ctx - slot.n_past - 2
         n_predict = slot.task.n_predict

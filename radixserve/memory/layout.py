@@ -15,9 +15,9 @@ A layout's author (a model family) states, and nothing else:
   of `conv_rows` input rows a sequence, each `conv_width` wide; llama.cpp's n_embd_r is
   conv_rows * conv_width). A layer's index in its group follows from the order (`place`);
 - `n_swa` when there are SLIDING layers; `conv_rows` (the kernel length - 1) and `conv_width`
-  when there are CONV layers; `state_width` when there are RECURRENT layers (a Gated DeltaNet or Mamba2:
-  a state a sequence that is no function of a few rows, kept whole: each half of a layer's
-  state cell, in f32 floats).
+  when there are CONV layers; `state_width` when there are RECURRENT layers (a Gated DeltaNet
+  or Mamba2: a state a sequence that is no function of a few rows, kept whole: each half of a
+  layer's state cell, in f32 floats).
 
 At most one group keeps a window (SLIDING, CONV or RECURRENT): a pool has one window part. A
 RECURRENT layer's window is one position: the state after the sequence's last token, which

@@ -154,9 +154,9 @@ class KernelStep:
                  norms: list[tuple[torch.Tensor | None, torch.Tensor | None]],
                  x: torch.Tensor, eps: float, n_ff: int, scale: float | None = None,
                  checked: dict[tuple[int, int], torch.Tensor] | None = None) -> None:
-        """`scale`: q.k's softmax scale (None: 1 / sqrt(head_dim)). `checked`: norm weights already checked (by id and
-        length), shared by the steps of one model so that its weights are checked once, not
-        every step."""
+        """`scale`: q.k's softmax scale (None: 1 / sqrt(head_dim)). `checked`: norm weights
+        already checked (by id and length), shared by the steps of one model so that its
+        weights are checked once, not every step."""
         c = bind(kern.lib)
         self._step, self._post = c.attn_step_win_bf16, c.post_norm_add_bf16
         self._gelu = c.gelu_mul_bf16

@@ -133,8 +133,9 @@ class TensorLoader:
                biases: list[np.ndarray] | None = None) -> Linear:
         """One linear of the row-concatenated matrices `names` (rows un-permuted where `heads`
         gives a head count, taken in the order an array gives: a name may appear twice, each
-        time for some of its rows): packed 4-bit tiles, 8-bit tiles, the file's own blocks, or dense;
-        parts that cannot share one matrix (_run_key) become a ConcatLinear of runs that can."""
+        time for some of its rows; biases follow their rows): packed 4-bit tiles, 8-bit tiles,
+        the file's own blocks, or dense; parts that cannot share one matrix (_run_key) become
+        a ConcatLinear of runs that can."""
         ts = [self.tensor(n) for n in names]
         kinds = [self._run_key(t) for t in ts]
         if len(set(kinds)) > 1:  # e.g. Q4_K_M: attn_v in Q6_K next to Q4_K q/k
@@ -149,7 +150,10 @@ class TensorLoader:
                             None if biases is None else [biases[i] for i in run])
                 for run in runs
             ])
-        bias = None if biases is None else torch.from_numpy(np.concatenate(biases)).to(self.dtype)
+        # a bias is a vector over the matrix's rows: in the rows' order (un-permuted with them)
+        bias = None if biases is None else torch.from_numpy(np.concatenate(
+            [b if h is None else b[_order(len(b), h)] for b, h in zip(biases, heads)])
+        ).to(self.dtype)
         route = kinds[0][0]
         qtype = ts[0].tensor_type
         if route in ("q4-tiles", "torch-int4"):

@@ -292,8 +292,8 @@ def test_speculation_rolls_back_by_recomputing_and_answers_stay(
     for token and in its text, while drafts were both accepted and rejected. A rejection drops
     the step back to the state it read and the next step feeds its kept tokens again: they
     count nowhere (predicted_n is the answer's length, prompt_n the prompt's). The slots'
-    KV, some of it left by a task that ended right after a rollback, then serves the same
-    prompts again, with the same answers."""
+    KV then serves the same prompts again, with the same answers (a task ending with tokens
+    still to feed again: test_a_rollback_left_at_cancel_is_forgotten)."""
     rolled = spy_rollbacks(monkeypatch)
     s = spec_sched(model, None, SPEC_KINDS[kind], n_parallel=2, cache_ram_mib=0)
     finals = run_to_end(s, [task(p) for p in echo_prompts], check_steps=True)
@@ -328,6 +328,39 @@ def test_seeded_sampling_with_rollbacks_equals_no_speculation(
               for p in echo_prompts]
     assert [f.tokens for f in finals] == want
     check_drafts(s, finals, rolled)
+    s.mem.close()
+
+
+def test_rollbacks_do_not_pile_up(model: Model, echo_prompts: list[list[int]],
+                                  echo_reference: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafts forced to be partly rejected every time ([pending, pending, a token the tiny
+    models never answer]): after a rollback the slot feeds its kept tokens again with no draft,
+    so the state catches up and the next draft starts past them; what a step feeds again
+    stays below the draft's length, and the whole forward below four tokens a generated one
+    (drafting on top of the tokens to feed again fed 15 a generated token). The answer is the
+    one without speculation."""
+    import radixserve.engine.speculative as speculative
+
+    monkeypatch.setattr(speculative, "ngram_simple_draft",
+                        lambda past, pending, n, m: [pending, pending, 4321])
+    fed: list[tuple[int, int]] = []
+    schedule = Scheduler._schedule
+
+    def spy(self: Scheduler) -> list[Any]:
+        batch = schedule(self)
+        fed.extend((len(b.tokens), len(sl.kv.redo)) for sl, b in batch)
+        return batch
+
+    monkeypatch.setattr(Scheduler, "_schedule", spy)
+    rolled = spy_rollbacks(monkeypatch)
+    s = spec_sched(model, None, SPEC_KINDS["ngram-simple"], n_parallel=1, cache_ram_mib=0)
+    p = echo_prompts[0]
+    fed.clear()
+    f = run_to_end(s, [task(p, cache_prompt=False)], check_steps=True)[0]
+    assert f.tokens == echo_reference[tuple(p)].tokens
+    assert rolled and max(redo for _, redo in fed) <= 3, fed
+    decode = sum(n for n, _ in fed) - len(p)  # the prompt's chunks, then the decode steps
+    assert decode < 4 * N_PREDICT, (decode, fed)
     s.mem.close()
 
 

@@ -125,7 +125,7 @@ def test_a_state_restored_resumes_exactly(tiny_bf16: str):
     m = load_model(tiny_bf16, "bf16", deterministic="on")
     whole = logits_in_chunks(m, TOKENS, [N])
     pool = model_pool(m, 256, 2, True, 64)
-    fp = fingerprint_of(pool, "qwen35")
+    fp = fingerprint_of(pool, m.hp.arch)
     forward(m.transformer, pool, [BatchSeq(0, TOKENS[:40], 0, 1)])
     ck, state = get_swa_state(pool, 0, fp), get_state(pool, 0, fp)
     assert len(ck) >= m.layout.state_bytes

@@ -124,3 +124,22 @@ def test_perf_routes_prints_the_table_and_the_models_routes(tiny_path, capsys, m
     assert " q4-tiles+i8-tiles x2 " in lines["wqkv"] and " qmm-f32 x2 " in lines["w_down"]
     # f32 in its blocks holds the file's bytes; Q4_1's tiles 0.625 bytes a weight (the file's)
     assert re.search(r"held ([\d.]+) MiB, file \1 MiB", lines["w_down"])
+
+
+def test_a_bias_follows_its_rows_when_they_are_reordered():
+    """llama's Q/K rows are stored permuted (the converter permutes q/k biases alike): the
+    loader un-permutes a bias with its rows, so the linear is the file's W x + b in the
+    un-permuted order (and a row order given as an array moves the bias too)."""
+    from radixserve.model.tensors import _order
+
+    n_head, n = 4, 32
+    t = tensor(Q.F16, n, seed=2)
+    w = t.data.astype(np.float32)
+    b = np.arange(n, dtype=np.float32) / 8
+    x = torch.randn(3, KDIM)
+    for heads in (n_head, np.arange(n)[::-1].copy()):
+        lin = TensorLoader(SimpleNamespace(tensors=[t]), torch.float32, packed=False,
+                           kern=None).linear(["w"], [heads], [b])
+        order = _order(n, heads)
+        want = (x @ torch.from_numpy(w).T + torch.from_numpy(b))[:, order]
+        assert torch.allclose(lin(x, False), want, atol=1e-5), heads

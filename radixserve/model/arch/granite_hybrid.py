@@ -71,7 +71,8 @@ class GraniteHybrid(Family):
     def block(self, ld: TensorLoader, hp: HParams, i: int) -> Block:
         p = f"blk.{i}."
         mixer = self.mixer(ld, hp, i)
-        for name in ("attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"):
+        for name in ("attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias",
+                     "ssm_in.bias", "ssm_out.bias"):
             if ld.tensor(p + name, required=False) is not None:
                 raise UnsupportedModelError(f"granitehybrid: {p + name} is not supported")
         return ScaledBlock(ld.norm(p + "attn_norm.weight"), mixer, ld.norm(p + "ffn_norm.weight"),
