@@ -15,6 +15,55 @@ from tests.model.kernel_variants import VARIANTS, variant_kernels
 
 MakeLayer = Callable[[Any, int, int], Any]
 MakeProj = Callable[[Any, int, int], torch.Tensor]
+# (the output before its bf16 rounding, the conv state after, the matrices after) of one
+# sequence's step from a layer's cell `read`
+Reference = Callable[[Any, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+BF = torch.bfloat16
+
+# a call of three sequences: (tokens, read cell, write cell)
+SEQS = [(5, 2, 0), (1, -1, 1), (3, 4, 5)]
+# and one whose sequences span several of the conv's chunks of 16 tokens
+LONG = [(40, 2, 0), (17, -1, 1), (3, 2, 5)]
+
+
+def matrices(d: Any, k: torch.Tensor, v: torch.Tensor, cell: int) -> torch.Tensor:
+    """A cell's [nv, dk, dv] matrices (heads 0..ha-1 in k's row, the rest in v's)."""
+    hd = d.dk * d.dv
+    first = k[cell, (d.K - 1) * d.cc:].view(d.ha, d.dk, d.dv)
+    rest = v[cell, :(d.nv - d.ha) * hd].view(d.nv - d.ha, d.dk, d.dv)
+    return torch.cat([first, rest])
+
+
+def conv_state(d: Any, k: torch.Tensor, cell: int) -> torch.Tensor:
+    """A cell's conv rows [K-1, Cc], oldest first."""
+    return k[cell, :(d.K - 1) * d.cc].view(d.K - 1, d.cc)
+
+
+def check_against_reference(kern: Any, make_layer: MakeLayer, make_proj: MakeProj,
+                            reference: Reference, d: Any, seqs: list[tuple[int, int, int]],
+                            seed: int) -> None:
+    """`seqs` in one call: each output within bf16's rounding of the reference, each write
+    cell's state within f32 roundings of it (its conv rows exactly the inputs), and nothing else
+    in the stores changed: not the read cells, other cells, or v's padding."""
+    lay = make_layer(d, 7, seed)
+    T = sum(n for n, _, _ in seqs)
+    proj = make_proj(d, T, 3)
+    before = lay.clone()
+    out = lay.run(kern, proj, *map(list, zip(*seqs, strict=True)))
+    assert out.dtype == BF and out.shape == (T, d.nv * d.dv)
+    t0 = 0
+    for n, rd, wr in seqs:
+        y, new_conv, S = reference(before, proj[t0:t0 + n], rd)
+        torch.testing.assert_close(out[t0:t0 + n].float(), y.to(BF).float(), atol=2e-2,
+                                   rtol=1e-2)
+        assert torch.equal(conv_state(d, lay.k, wr), new_conv)
+        torch.testing.assert_close(matrices(d, lay.k, lay.v, wr), S, atol=1e-6, rtol=1e-6)
+        t0 += n
+    written = [wr for _, _, wr in seqs]
+    kept = [c for c in range(7) if c not in written]
+    assert torch.equal(lay.k[kept], before.k[kept]) and torch.equal(lay.v[kept], before.v[kept])
+    pad = (d.nv - d.ha) * d.dk * d.dv
+    assert torch.equal(lay.v[written, pad:], before.v[written, pad:])
 
 
 def chained(kern: Any, lay: Any, proj: torch.Tensor, parts: list[int], read: int,

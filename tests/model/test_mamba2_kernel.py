@@ -19,8 +19,10 @@ from radixserve.model import mamba2
 from radixserve.model.delta_net import DeltaPlan
 from radixserve.model.hparams import SsmDims
 from tests.model.kernel_variants import kern, threads  # noqa: F401 (fixtures)
-from tests.model.state_step_checks import (check_beside_others, check_chunks_equal_one_call,
-                                           check_every_variant, check_read_cell_untouched)
+from tests.model.state_step_checks import (LONG, SEQS, check_against_reference,
+                                           check_beside_others, check_chunks_equal_one_call,
+                                           check_every_variant, check_read_cell_untouched,
+                                           conv_state, matrices)
 from tests.model.test_delta_net_kernel import exp32, ordered_sum, silu, softplus, sqrt32
 
 BF = torch.bfloat16
@@ -120,18 +122,6 @@ def make_proj(d: Dims, T: int, seed: int) -> torch.Tensor:
     return proj.to(BF)
 
 
-def matrices(d: Dims, k: torch.Tensor, v: torch.Tensor, cell: int) -> torch.Tensor:
-    """A cell's [nv, dk, dv] matrices (heads 0..ha-1 in k's row, the rest in v's)."""
-    hd = d.dk * d.dv
-    first = k[cell, (d.K - 1) * d.cc:].view(d.ha, d.dk, d.dv)
-    rest = v[cell, :(d.nv - d.ha) * hd].view(d.nv - d.ha, d.dk, d.dv)
-    return torch.cat([first, rest])
-
-
-def conv_state(d: Dims, k: torch.Tensor, cell: int) -> torch.Tensor:
-    return k[cell, :(d.K - 1) * d.cc].view(d.K - 1, d.cc)
-
-
 def reference_seq(lay: Layer, proj: torch.Tensor, read: int):
     """One sequence's step in plain torch f32, the kernel's math in its order: (the output
     before its bf16 rounding [n, nv dv], the conv state after [K-1, Cc], the matrices after
@@ -168,48 +158,17 @@ def reference_seq(lay: Layer, proj: torch.Tensor, read: int):
     return out.reshape(n, vd), xs[n:], S
 
 
-# a call of three sequences: (tokens, read cell, write cell)
-SEQS = [(5, 2, 0), (1, -1, 1), (3, 4, 5)]
-# and one whose sequences span several of the conv's chunks of 16 tokens
-LONG = [(40, 2, 0), (17, -1, 1), (3, 2, 5)]
-
-
-def check_against_reference(kern, d: Dims, seqs, seed: int) -> None:
-    """`seqs` in one call: each output within bf16's rounding of the reference, each write
-    cell's state within f32 roundings of it (its conv rows exactly the inputs), and nothing else
-    in the stores changed: not the read cells, other cells, or v's padding."""
-    lay = make_layer(d, 7, seed=seed)
-    T = sum(n for n, _, _ in seqs)
-    proj = make_proj(d, T, seed=3)
-    before = lay.clone()
-    out = lay.run(kern, proj, *map(list, zip(*seqs, strict=True)))
-    assert out.dtype == BF and out.shape == (T, d.vd)
-    t0 = 0
-    for n, rd, wr in seqs:
-        y, new_conv, S = reference_seq(before, proj[t0:t0 + n], rd)
-        torch.testing.assert_close(out[t0:t0 + n].float(), y.to(BF).float(), atol=2e-2,
-                                   rtol=1e-2)
-        assert torch.equal(conv_state(d, lay.k, wr), new_conv)
-        torch.testing.assert_close(matrices(d, lay.k, lay.v, wr), S, atol=1e-6, rtol=1e-6)
-        t0 += n
-    written = [wr for _, _, wr in seqs]
-    kept = [c for c in range(7) if c not in written]
-    assert torch.equal(lay.k[kept], before.k[kept]) and torch.equal(lay.v[kept], before.v[kept])
-    pad = (d.nv - d.ha) * d.dk * d.dv
-    assert torch.equal(lay.v[written, pad:], before.v[written, pad:])
-
-
 @pytest.mark.parametrize("d", DIMS, ids=IDS)
 def test_mamba2_step_matches_the_torch_reference(kern, threads, d):
     """Three sequences in one call (a prefill of 5 reading a state, a first token from the zero
     state, 3 tokens) against the reference (check_against_reference)."""
-    check_against_reference(kern, d, SEQS, seed=d.dk + d.nv)
+    check_against_reference(kern, make_layer, make_proj, reference_seq, d, SEQS, d.dk + d.nv)
 
 
 def test_long_sequences_match_the_torch_reference(kern, threads):
     """Sequences of 40 and 17 tokens (several conv chunks each) beside one of 3, two of them
     reading the same cell, against the reference."""
-    check_against_reference(kern, SMALL, LONG, seed=4)
+    check_against_reference(kern, make_layer, make_proj, reference_seq, SMALL, LONG, 4)
 
 
 def torch_path(lay: Layer, proj: torch.Tensor, seqs, kern=None) -> torch.Tensor:
