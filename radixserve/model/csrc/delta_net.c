@@ -35,11 +35,9 @@
 #include <string.h>
 
 #include "common.h"
+#include "conv_step.h"
 #include "exp_f.h"
 
-#define CONV_BLOCK 64   /* channels the conv computes at once (their taps' weights in a block) */
-#define CONV_GROUP 1024 /* about the channels of a conv task: several tasks even for one token */
-#define CONV_TOKENS 16  /* tokens a conv task: its input rows stay in cache across its blocks */
 /* columns of S a block of the delta rule's sweeps: its three accumulators stay in registers
  * (AVX-512: 32 of 512 bits; else 16 of 256 or 128 bits) */
 #if defined(__AVX512F__)
@@ -147,13 +145,6 @@ static void update_pass(float *S, int dk, int dv, const float *kn, const float *
                      kv2 + j0);
 }
 
-/* wt[j][c] = w[c][j] for a block of nc <= CONV_BLOCK channels of the conv's K taps. */
-static inline __attribute__((always_inline)) void taps_T(const float *w, int nc, int K,
-                                                         float *wt) {
-    for (int c = 0; c < nc; c++)
-        for (int j = 0; j < K; j++) wt[j * CONV_BLOCK + c] = w[c * K + j];
-}
-
 /* A token's gates of v-head h from its proj row: beta and the decay. */
 static void gates(const uint16_t *prow, int64_t Cc, int nv, int dv, int h, const float *ssm_a,
                   const float *dt_bias, float *beta, float *decay) {
@@ -199,46 +190,12 @@ void gdn_step_bf16(const uint16_t *proj, int64_t T, int64_t n_seq, const int64_t
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < c0[n_seq] * n_grp; task++) {
             const int64_t chunk = task / n_grp, g0 = (task % n_grp) * grp;
-            int64_t s = 0, hi = n_seq; /* the chunk's sequence: c0[s] <= chunk < c0[s + 1] */
-            while (hi - s > 1) {
-                const int64_t mid = (s + hi) / 2;
-                if (c0[mid] <= chunk) s = mid; else hi = mid;
-            }
+            const int64_t s = chunk_seq(c0, n_seq, chunk);
             const int64_t n = n_new[s], u0 = (chunk - c0[s]) * CONV_TOKENS;
             const int64_t u1 = u0 + CONV_TOKENS < n ? u0 + CONV_TOKENS : n;
             const int64_t g1 = g0 + grp < Cc ? g0 + grp : Cc;
             const float *old = reads[s] >= 0 ? ks + reads[s] * W : 0;
-            float wt[K][CONV_BLOCK], acc[CONV_BLOCK];
-            for (int64_t b0 = g0; b0 < g1; b0 += CONV_BLOCK) {
-                const int nc = (int)(g1 - b0 < CONV_BLOCK ? g1 - b0 : CONV_BLOCK);
-                if (K == 4) /* Qwen3.5's: the transposition vectorizes */
-                    taps_T(conv_w + b0 * 4, nc, 4, &wt[0][0]);
-                else
-                    taps_T(conv_w + b0 * K, nc, K, &wt[0][0]);
-                for (int64_t u = u0; u < u1; u++) {
-                    for (int j = 0; j < K; j++) {
-                        const int64_t x = u + j; /* xs's row: K-1 state rows, then the inputs */
-                        if (x < K - 1) {
-                            const float *r = old ? old + x * Cc + b0 : 0;
-#pragma omp simd
-                            for (int c = 0; c < nc; c++) {
-                                float p = wt[j][c] * (r ? r[c] : 0.f);
-                                acc[c] = j ? acc[c] + p : p;
-                            }
-                        } else {
-                            const uint16_t *r = proj + (t0[s] + x - (K - 1)) * P + b0;
-#pragma omp simd
-                            for (int c = 0; c < nc; c++) {
-                                float p = wt[j][c] * bf16_to_f32(r[c]);
-                                acc[c] = j ? acc[c] + p : p;
-                            }
-                        }
-                    }
-                    float *o = work + (t0[s] + u) * Cc + b0;
-#pragma omp simd
-                    for (int c = 0; c < nc; c++) o[c] = silu(acc[c]);
-                }
-            }
+            conv_chunk(conv_w, 0, K, old, proj, P, t0[s], u0, u1, g0, g1, Cc, work);
             for (int64_t u = u0; u < u1; u++) { /* the group's q, k heads, LANES at a time */
                 float *row = work + (t0[s] + u) * Cc;
                 const int64_t qk1 = g1 < QK ? g1 : QK;
@@ -252,20 +209,8 @@ void gdn_step_bf16(const uint16_t *proj, int64_t T, int64_t n_seq, const int64_t
                     norm_lanes(x, nx, dk, eps, m, 0, inv); /* a q head's times 1 / sqrt(dk) */
                 }
             }
-            if (u1 == n) {
-                float *nst = ks + writes[s] * W;
-                for (int64_t r = 0; r < K - 1; r++) {
-                    const int64_t x = n + r;
-                    float *d = nst + r * Cc;
-                    if (x < K - 1) {
-                        const float *src = old ? old + x * Cc : 0;
-                        for (int64_t c = g0; c < g1; c++) d[c] = src ? src[c] : 0.f;
-                    } else {
-                        const uint16_t *src = proj + (t0[s] + x - (K - 1)) * P;
-                        for (int64_t c = g0; c < g1; c++) d[c] = bf16_to_f32(src[c]);
-                    }
-                }
-            }
+            if (u1 == n)
+                conv_state_write(ks + writes[s] * W, old, proj, P, t0[s], n, K, g0, g1, Cc);
         }
         /* (the barrier: every conv output is in work, q and k normalized) */
 

@@ -37,11 +37,9 @@
 #include <string.h>
 
 #include "common.h"
+#include "conv_step.h"
 #include "exp_f.h"
 
-#define CONV_BLOCK 64   /* channels the conv computes at once (their taps' weights in a block) */
-#define CONV_GROUP 1024 /* about the channels of a conv task: several tasks even for one token */
-#define CONV_TOKENS 16  /* tokens a conv task: its input rows stay in cache across its blocks */
 /* columns of S a block of the scan's sweep: its two arrays (the sums, x dt) stay in registers;
  * Granite's dv = 64 is whole blocks on every build */
 #if defined(__AVX512F__)
@@ -99,13 +97,6 @@ static void scan_pass(const float *src, float *dst, int dk, int dv, float dA, co
         scan_block(src ? src + j0 : 0, dst + j0, dk, dv, dv - j0, dA, B, C, xdt + j0, y + j0);
 }
 
-/* wt[j][c] = w[c][j] for a block of nc <= CONV_BLOCK channels of the conv's K taps. */
-static inline __attribute__((always_inline)) void taps_T(const float *w, int nc, int K,
-                                                         float *wt) {
-    for (int c = 0; c < nc; c++)
-        for (int j = 0; j < K; j++) wt[j * CONV_BLOCK + c] = w[c * K + j];
-}
-
 /* proj [T, P] bf16, P = 2 nv dv + 2 nk dk + nv: each token's z (nv dv), then its conv input
  * (the Cc = nv dv + 2 nk dk channels x | B | C), then dt (nv). n_new, reads, writes [n_seq]:
  * the tokens of each sequence (proj's rows in order), the cell of its state before them (-1:
@@ -142,67 +133,15 @@ void mamba2_step_bf16(const uint16_t *proj, int64_t T, int64_t n_seq, const int6
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < c0[n_seq] * n_grp; task++) {
             const int64_t chunk = task / n_grp, g0 = (task % n_grp) * CONV_GROUP;
-            int64_t s = 0, hi = n_seq; /* the chunk's sequence: c0[s] <= chunk < c0[s + 1] */
-            while (hi - s > 1) {
-                const int64_t mid = (s + hi) / 2;
-                if (c0[mid] <= chunk) s = mid; else hi = mid;
-            }
+            const int64_t s = chunk_seq(c0, n_seq, chunk);
             const int64_t n = n_new[s], u0 = (chunk - c0[s]) * CONV_TOKENS;
             const int64_t u1 = u0 + CONV_TOKENS < n ? u0 + CONV_TOKENS : n;
             const int64_t g1 = g0 + CONV_GROUP < Cc ? g0 + CONV_GROUP : Cc;
             const float *old = reads[s] >= 0 ? ks + reads[s] * W : 0;
             const uint16_t *in = proj + VD; /* the conv's inputs in a proj row */
-            float wt[K][CONV_BLOCK], acc[CONV_BLOCK];
-            for (int64_t b0 = g0; b0 < g1; b0 += CONV_BLOCK) {
-                const int nc = (int)(g1 - b0 < CONV_BLOCK ? g1 - b0 : CONV_BLOCK);
-                if (K == 4) /* Granite's: the transposition vectorizes */
-                    taps_T(conv_w + b0 * 4, nc, 4, &wt[0][0]);
-                else
-                    taps_T(conv_w + b0 * K, nc, K, &wt[0][0]);
-                const float *bias = conv_b ? conv_b + b0 : 0;
-                for (int64_t u = u0; u < u1; u++) {
-                    for (int j = 0; j < K; j++) {
-                        const int64_t x = u + j; /* xs's row: K-1 state rows, then the inputs */
-                        if (x < K - 1) {
-                            const float *r = old ? old + x * Cc + b0 : 0;
-#pragma omp simd
-                            for (int c = 0; c < nc; c++) {
-                                float p = wt[j][c] * (r ? r[c] : 0.f);
-                                acc[c] = j ? acc[c] + p : p;
-                            }
-                        } else {
-                            const uint16_t *r = in + (t0[s] + x - (K - 1)) * P + b0;
-#pragma omp simd
-                            for (int c = 0; c < nc; c++) {
-                                float p = wt[j][c] * bf16_to_f32(r[c]);
-                                acc[c] = j ? acc[c] + p : p;
-                            }
-                        }
-                    }
-                    float *o = work + (t0[s] + u) * Cc + b0;
-                    if (bias) {
-#pragma omp simd
-                        for (int c = 0; c < nc; c++) o[c] = silu(acc[c] + bias[c]);
-                    } else {
-#pragma omp simd
-                        for (int c = 0; c < nc; c++) o[c] = silu(acc[c]);
-                    }
-                }
-            }
-            if (u1 == n) {
-                float *nst = ks + writes[s] * W;
-                for (int64_t r = 0; r < K - 1; r++) {
-                    const int64_t x = n + r;
-                    float *d = nst + r * Cc;
-                    if (x < K - 1) {
-                        const float *src = old ? old + x * Cc : 0;
-                        for (int64_t c = g0; c < g1; c++) d[c] = src ? src[c] : 0.f;
-                    } else {
-                        const uint16_t *src = in + (t0[s] + x - (K - 1)) * P;
-                        for (int64_t c = g0; c < g1; c++) d[c] = bf16_to_f32(src[c]);
-                    }
-                }
-            }
+            conv_chunk(conv_w, conv_b, K, old, in, P, t0[s], u0, u1, g0, g1, Cc, work);
+            if (u1 == n)
+                conv_state_write(ks + writes[s] * W, old, in, P, t0[s], n, K, g0, g1, Cc);
         }
         /* (the barrier: every conv output is in work) */
 
