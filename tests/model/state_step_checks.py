@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 from tests.model.kernel_variants import VARIANTS, variant_kernels
@@ -159,3 +160,25 @@ def check_every_variant(make_layer: MakeLayer, make_proj: MakeProj, dims: list[A
                 ref = got
             for x, y in zip(ref, got, strict=True):
                 assert torch.equal(x, y), (d, name)
+
+
+def check_plan_refusals(call: Callable[..., Any]) -> None:
+    """`call(**kw)` (the kernel on a 3-token step of one sequence, read cell 1, write cell 2, in
+    a 4-cell store, with `kw` replacing arguments) refuses a bad plan before C sees it: token
+    counts that do not add up or are not int64, read / write lists of another length, a write
+    cell shared or read, and cells outside the store."""
+    bad = [
+        dict(n_new=torch.tensor([2])),
+        dict(n_new=torch.tensor([3, 0]), read=torch.tensor([1, 0]), write=torch.tensor([2, 3])),
+        dict(n_new=torch.tensor([3], dtype=torch.int32)), dict(read=torch.tensor([2])),
+        dict(write=torch.tensor([1, 2])),
+        dict(n_new=torch.tensor([1, 2]), read=torch.tensor([0, 1]), write=torch.tensor([2, 2])),
+        dict(n_new=torch.tensor([1, 2]), read=torch.tensor([0, 2]), write=torch.tensor([2, 3])),
+    ]
+    for kw in bad:
+        with pytest.raises(ValueError):
+            call(**kw)
+    for cells in (dict(read=torch.tensor([4])), dict(read=torch.tensor([-2])),
+                  dict(write=torch.tensor([4])), dict(write=torch.tensor([-1]))):
+        with pytest.raises(IndexError):
+            call(**cells)
