@@ -77,11 +77,26 @@ def pool_args(k: torch.Tensor, v: torch.Tensor, n_head: int, d: int,
 
 
 
-def _check_state_plan(name: str, n_new: torch.Tensor, read: torch.Tensor,
-                      write: torch.Tensor, rows: int, n_cells: int) -> list[int]:
-    """A recurrent step's plan (gdn_step's, mamba2_step's), checked before C trusts it: each
-    sequence's token count (>= 1, summing to the rows), the cell it reads (-1: none) and the one
-    it writes, inside the pool, each write cell its own and no read cell. Returns n_new."""
+def _check_state_step(name: str, proj: torch.Tensor, width: int, k: torch.Tensor,
+                      v: torch.Tensor, w: int, n_new: torch.Tensor, read: torch.Tensor,
+                      write: torch.Tensor, weights: str) -> list[int]:
+    """A recurrent step's buffers and plan (gdn_step's, mamba2_step's), checked before C trusts
+    them: contiguous bf16 proj [T, width], f32 state stores k, v [n_cells, w], int64 n_new,
+    read, write [S]; each sequence's token count (>= 1, summing to T), the cell it reads (-1:
+    none) and the one it writes, inside the pool, each write cell its own and no read cell.
+    `weights` describes the kernel's weights in the refusal. Returns n_new."""
+    rows = proj.shape[0] if proj.dim() == 2 else 0
+    ok = (proj.dtype == torch.bfloat16 and proj.dim() == 2 and proj.shape[1] == width
+          and rows > 0 and k.dtype == v.dtype == torch.float32 and k.dim() == 2
+          and k.shape == v.shape and k.shape[1] == w and k.shape[0] > 0
+          and n_new.dtype == read.dtype == write.dtype == torch.int64
+          and n_new.dim() == 1 and n_new.numel() > 0
+          and read.shape == write.shape == n_new.shape
+          and all(t.is_contiguous() for t in (proj, k, v, n_new, read, write)))
+    if not ok:
+        raise ValueError(f"{name} needs contiguous bf16 proj [T, {width}], f32 states k, v "
+                         f"[n_cells, {w}], {weights} and int64 n_new, read, write [S]")
+    n_cells = k.shape[0]
     ns, rd, wr = n_new.tolist(), read.tolist(), write.tolist()
     if min(ns) < 1 or sum(ns) != rows:
         raise ValueError(f"{name}: n_new {ns} must be >= 1 each and sum to T = {rows}")
@@ -91,6 +106,7 @@ def _check_state_plan(name: str, n_new: torch.Tensor, read: torch.Tensor,
         raise ValueError(f"{name}: each write cell must be its own, no read cell (read {rd}, "
                          f"write {wr})")
     return ns
+
 
 class Kernels:
     """The bf16 kernels (csrc/): the tiles' products with 8-bit activations, the row-invariant
@@ -123,8 +139,8 @@ class Kernels:
         self.has_int8_head = bool(c.int8_head_available())  # every build (VNNI, AVX2, NEON, C)
         self.has_bf16_gemm = bool(c.bf16_gemm_available())  # needs AVX512-BF16
         self._work = torch.empty(0)
-        self._gdn_work = torch.empty(0)  # gdn_step's conv outputs, grown to fit a call
-        self._mamba2_work = torch.empty(0)  # mamba2_step's conv outputs, likewise
+        # the recurrent steps' conv outputs (gdn_step's, mamba2_step's), grown to fit a call
+        self._state_work = torch.empty(0)
 
     def _scratch(self, longest: int, n_tok: int, n_kv: int, g: int, d: int) -> torch.Tensor:
         """The attention scratch, grown (never shrunk) to fit a call: it is sized by the
@@ -133,6 +149,12 @@ class Kernels:
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=torch.float32)
         return self._work
+
+    def _work_for(self, floats: int) -> torch.Tensor:
+        """The recurrent steps' f32 scratch, grown (never shrunk) to `floats`."""
+        if self._state_work.numel() < floats:
+            self._state_work = torch.empty(floats, dtype=torch.float32)
+        return self._state_work
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cells: slice | torch.Tensor) -> torch.Tensor:
@@ -249,31 +271,21 @@ class Kernels:
         width = cc + nv * dv + 2 * nv
         kk = conv_w.shape[1] if conv_w.dim() == 2 else 0
         w = (kk - 1) * cc + (nv + 1) // 2 * dk * dv
-        rows = proj.shape[0] if proj.dim() == 2 else 0
-        ok = (proj.dtype == torch.bfloat16 and proj.dim() == 2 and proj.shape[1] == width
-              and rows > 0 and k.dtype == v.dtype == torch.float32 and k.dim() == 2
-              and kk >= 1 and k.shape == v.shape and k.shape[1] == w and k.shape[0] > 0
-              and conv_w.dtype == ssm_a.dtype == dt_bias.dtype == norm_w.dtype == torch.float32
-              and conv_w.shape == (cc, kk) and ssm_a.shape == dt_bias.shape == (nv,)
-              and norm_w.shape == (dv,)
-              and n_new.dtype == read.dtype == write.dtype == torch.int64
-              and n_new.dim() == 1 and n_new.numel() > 0
-              and read.shape == write.shape == n_new.shape
-              and all(t.is_contiguous() for t in (proj, k, v, n_new, read, write, conv_w,
-                                                   ssm_a, dt_bias, norm_w)))
+        weights = f"f32 conv_w [{cc}, K >= 1], ssm_a, dt_bias [{nv}], norm_w [{dv}]"
+        ok = (kk >= 1 and conv_w.dtype == ssm_a.dtype == dt_bias.dtype == norm_w.dtype
+              == torch.float32 and conv_w.shape == (cc, kk)
+              and ssm_a.shape == dt_bias.shape == (nv,) and norm_w.shape == (dv,)
+              and all(t.is_contiguous() for t in (conv_w, ssm_a, dt_bias, norm_w)))
         if not ok:
-            raise ValueError(f"gdn_step needs contiguous bf16 proj [T, {width}], f32 states "
-                             f"k, v [n_cells, (K-1) {cc} + {(nv + 1) // 2 * dk * dv}], f32 "
-                             f"conv_w [{cc}, K], ssm_a, dt_bias [{nv}], norm_w [{dv}] and int64 "
-                             f"n_new, read, write [S]")
-        ns = _check_state_plan("gdn_step", n_new, read, write, rows, k.shape[0])
-        if self._gdn_work.numel() < rows * cc:
-            self._gdn_work = torch.empty(rows * cc, dtype=torch.float32)
+            raise ValueError(f"gdn_step needs {weights}")
+        ns = _check_state_step("gdn_step", proj, width, k, v, w, n_new, read, write, weights)
+        rows = proj.shape[0]
+        work = self._work_for(rows * cc)
         out = torch.empty(rows, nv * dv, dtype=torch.bfloat16)
         self._gdn(proj.data_ptr(), rows, len(ns), n_new.data_ptr(), read.data_ptr(),
                   write.data_ptr(), k.data_ptr(), v.data_ptr(), w, conv_w.data_ptr(), kk,
                   ssm_a.data_ptr(), dt_bias.data_ptr(), norm_w.data_ptr(), nk, nv, dk, dv,
-                  eps, self._gdn_work.data_ptr(), out.data_ptr())
+                  eps, work.data_ptr(), out.data_ptr())
         return out
 
     def mamba2_step(self, proj: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -312,33 +324,24 @@ class Kernels:
         width = vd + cc + nv
         kk = conv_w.shape[1] if conv_w.dim() == 2 else 0
         w = (kk - 1) * cc + (nv + 1) // 2 * dk * dv
-        rows = proj.shape[0] if proj.dim() == 2 else 0
         f32 = (conv_w, ssm_a, dt_bias, ssm_d, norm_w) + (() if conv_b is None else (conv_b,))
-        ok = (proj.dtype == torch.bfloat16 and proj.dim() == 2 and proj.shape[1] == width
-              and rows > 0 and k.dtype == v.dtype == torch.float32 and k.dim() == 2
-              and kk >= 1 and k.shape == v.shape and k.shape[1] == w and k.shape[0] > 0
-              and all(t.dtype == torch.float32 for t in f32)
+        weights = (f"f32 conv_w [{cc}, K >= 1], conv_b [{cc}] or None, ssm_a, dt_bias, ssm_d "
+                   f"[{nv}], norm_w [{vd}]")
+        ok = (kk >= 1 and all(t.dtype == torch.float32 and t.is_contiguous() for t in f32)
               and conv_w.shape == (cc, kk) and (conv_b is None or conv_b.shape == (cc,))
               and ssm_a.shape == dt_bias.shape == ssm_d.shape == (nv,)
-              and norm_w.shape == (vd,)
-              and n_new.dtype == read.dtype == write.dtype == torch.int64
-              and n_new.dim() == 1 and n_new.numel() > 0
-              and read.shape == write.shape == n_new.shape
-              and all(t.is_contiguous() for t in (proj, k, v, n_new, read, write, *f32)))
+              and norm_w.shape == (vd,))
         if not ok:
-            raise ValueError(f"mamba2_step needs contiguous bf16 proj [T, {width}], f32 states "
-                             f"k, v [n_cells, (K-1) {cc} + {(nv + 1) // 2 * dk * dv}], f32 "
-                             f"conv_w [{cc}, K], conv_b [{cc}] or None, ssm_a, dt_bias, ssm_d "
-                             f"[{nv}], norm_w [{vd}] and int64 n_new, read, write [S]")
-        ns = _check_state_plan("mamba2_step", n_new, read, write, rows, k.shape[0])
-        if self._mamba2_work.numel() < rows * cc:
-            self._mamba2_work = torch.empty(rows * cc, dtype=torch.float32)
+            raise ValueError(f"mamba2_step needs {weights}")
+        ns = _check_state_step("mamba2_step", proj, width, k, v, w, n_new, read, write, weights)
+        rows = proj.shape[0]
+        work = self._work_for(rows * cc)
         out = torch.empty(rows, vd, dtype=torch.bfloat16)
         self._mamba2(proj.data_ptr(), rows, len(ns), n_new.data_ptr(), read.data_ptr(),
                      write.data_ptr(), k.data_ptr(), v.data_ptr(), w, conv_w.data_ptr(),
                      None if conv_b is None else conv_b.data_ptr(), kk, ssm_a.data_ptr(),
                      dt_bias.data_ptr(), ssm_d.data_ptr(), norm_w.data_ptr(), nk, nv, dk, dv,
-                     eps, self._mamba2_work.data_ptr(), out.data_ptr())
+                     eps, work.data_ptr(), out.data_ptr())
         return out
 
     def int8_head(self, q8: torch.Tensor, rowsum: torch.Tensor, scale: torch.Tensor,
