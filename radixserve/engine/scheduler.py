@@ -267,8 +267,7 @@ class Scheduler:
                 s.kv.truncate(len(s.kv))  # cells drafted into for a draft then dropped (n_min)
             step = self._reserve(s, len(s.kv))
             if step is None and s.draft:  # no room to verify the draft: plain decoding
-                if not s.kv.redo:  # cells a draft model took (none with tokens to feed again)
-                    s.kv.truncate(len(s.kv))
+                s.kv.truncate(len(s.kv))  # (a slot with tokens to feed again has no draft)
                 s.draft = []
                 step = self._reserve(s, len(s.kv))
             if step is None:

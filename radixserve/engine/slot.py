@@ -80,15 +80,9 @@ class Slot:
         return self.kv.tokens
 
     @property
-    def past(self) -> Sequence[int]:
-        """The text before the pending token: the tokens the KV holds, then those a rollback
-        left to compute again (`kv.redo`, engine/speculative.py)."""
-        redo = self.kv.redo
-        return [*self.kv.tokens, *redo] if redo else self.kv.tokens
-
-    @property
     def n_past(self) -> int:
-        """len(past): the pending token's position."""
+        """The pending token's position: the tokens the KV holds, and those a rollback left to
+        compute again (`kv.redo`, engine/speculative.py)."""
         return len(self.kv) + len(self.kv.redo)
 
     @property

@@ -17,14 +17,12 @@ one after its last fed position); it is recomputed from the last state kept. The
 cell at pos0 - 1 (the one it read) stays alive until verification (the window is pruned only
 after it: `MemoryManager.slide`). Every draft accepted: the step's own state is the
 sequence's, and the old one is pruned as usual. Any rejected: every position from pos0 on goes
-(the old pending token, the accepted drafts and any token the step fed again:
-`SlotKV.rollback`), the cell at pos0 - 1 is again the sequence's last state, and those tokens
+(the old pending token and the accepted drafts: `SlotKV.rollback`), the cell at pos0 - 1 is again the sequence's last state, and those tokens
 wait in `kv.redo`; the slot's next step feeds them again, at their positions, before its new
 pending token (with no draft: `n_draft_max`), their logits unused, so their K/V rows and the
-state are recomputed bit for bit (deterministic mode: a token's bits do not depend on the step it is
-in) and the answer is the one without speculation. Drafting reads the text with them
-(`Slot.past`). They are no new tokens: the slot's text, `generated` and every counter stay as
-they are (timings.predicted_n counts each generated token once, prompt_n only prompt tokens,
+state are recomputed bit for bit (deterministic mode: a token's bits do not depend on the step
+it is in) and the answer is the one without speculation. They are no new tokens: the slot's
+text, `generated` and every counter stay as they are (timings.predicted_n counts each generated token once, prompt_n only prompt tokens,
 draft_n / draft_n_accepted the drafts as verified); only the forward is longer. A task that
 ends right after a rollback keeps the KV of the tokens before pos0 (n_tokens_cached and /slots'
 n_prompt_tokens count those). Every truncation or reset of the slot's KV (task end, cancel,
@@ -144,7 +142,7 @@ class Speculator:
         draft)."""
         if not self.spec_of(slot).types or slot.kv.redo:
             return 0
-        n = slot.n_ctx - slot.n_past - 2
+        n = slot.n_ctx - len(slot.kv) - 2
         n_predict = slot.task.n_predict
         if n_predict >= 0:
             n = min(n, n_predict - len(slot.generated) - 1)
@@ -170,10 +168,10 @@ class Speculator:
                     budget -= jobs[-1].n_max
                     break
                 if kind == "ngram-simple":
-                    d = ngram_simple_draft(s.past, s.pending, spec.ngram_simple_size_n,
+                    d = ngram_simple_draft(s.kv.tokens, s.pending, spec.ngram_simple_size_n,
                                            spec.ngram_simple_size_m)
                 elif kind == "ngram-mod" and self.mod is not None:
-                    d = self.mod.draft(s.id, s.past, s.pending, n_max)
+                    d = self.mod.draft(s.id, s.kv.tokens, s.pending, n_max)
                 if d:
                     out[s.id] = d[:n_max]
                     budget -= len(out[s.id])
