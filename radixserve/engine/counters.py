@@ -37,6 +37,7 @@ class ServerMetrics:
     checkpoints: int = 0
     checkpoint_bytes: int = 0
     checkpoints_created_total: int = 0
+    checkpoints_dropped_total: int = 0  # to stay within --cache-ram
     checkpoints_restored_total: int = 0
     # speculative decoding (llama-server's spec_decode_* counters)
     n_draft_tokens_total: int = 0  # draft tokens proposed

@@ -115,7 +115,11 @@ class Scheduler:
             self.mem.after_launch()
         self.metrics.requests_deferred = len(self.deferred)
         self.metrics.requests_processing = sum(s.is_processing for s in self.slots)
-        self.metrics.checkpoints, self.metrics.checkpoint_bytes = self.mem.checkpoints()
+        self._count_checkpoints()
+
+    def _count_checkpoints(self) -> None:
+        m = self.metrics
+        m.checkpoints, m.checkpoint_bytes, m.checkpoints_dropped_total = self.mem.checkpoints()
 
     def poll_io(self) -> None:
         """Take finished disk reads into the radix tree and let their tasks go on (the engine
@@ -288,7 +292,7 @@ class Scheduler:
                 take, made = self.mem.checkpoint_chunk(s, p0, take, s.task.user_starts,
                                                        s.task.id)
                 self.metrics.checkpoints_created_total += made
-                self.metrics.checkpoints, self.metrics.checkpoint_bytes = self.mem.checkpoints()
+                self._count_checkpoints()
             step = self._reserve(s, p0, take) if take > 0 else None
             if step is None:
                 starved.append(s)

@@ -10,9 +10,13 @@ host-cache entries (counted in their size) and in slot files (the SCKP appendix)
 
 from __future__ import annotations
 
+import itertools
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+_BORN = itertools.count()  # the order checkpoints were made in: the oldest go first
 
 
 class CheckpointError(ValueError):
@@ -42,6 +46,7 @@ class Checkpoint:
     draft: bytes = b""  # a draft model's (none yet; carried through the formats)
     speculative: bytes = b""
     id_task: int = -1  # the task that made it; -1: restored from a cache or a file
+    born: int = field(default_factory=lambda: next(_BORN), compare=False, repr=False)
 
     @property
     def size(self) -> int:

@@ -16,6 +16,11 @@
   unified KV, cleared: only then do its cells become usable by the active slots. llama.cpp does
   this after the new task took its slot; with the radix backend we do it just before (the new
   task's own slot excepted), so the new prompt can already restore what the idle slots held.
+- The slots' own context checkpoints count under `--cache-ram` with the cache (a model with
+  no byte limit keeps llama-server's count, `--ctx-checkpoints`, alone): a buffer the cache
+  holds too (a saved slot's checkpoints are the tree's snapshots, the same bytes) is counted
+  once, by the cache. The cache evicts to what the slots' checkpoints leave of the budget;
+  when those alone exceed it, the oldest go first (`update`), from every slot.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ import time
 from collections.abc import Sequence
 
 from radixserve.config import ServerConfig
+from radixserve.memory.checkpoint import Checkpoint
 from radixserve.memory.holders import Holder, ModelIdentity
 from radixserve.memory.key import PromptKey
 from radixserve.memory.pool.pool import KVPool
 from radixserve.memory.pool.state import fingerprint_of, swa_fingerprint
+from radixserve.memory.seq_kv import SlotKV
 from radixserve.memory.prefix_plan import salted_lcp
 from radixserve.memory.tiers.base import NullPromptCache, PromptCache
 from radixserve.memory.tiers.disk import DiskTier
@@ -107,6 +114,57 @@ class HostTier:
             log.warning("--cache-idle-slots requires --cache-ram, disabling")
             self.idle_slots = False
         self._t_log = time.monotonic()
+        self.limit = int(self.cache.stats()["limit_bytes"])  # --cache-ram; 0: no limit
+        self._slots: Sequence[Holder] = ()  # whose checkpoints count under `limit`
+        self.checkpoints_dropped = 0  # slots' checkpoints dropped to fit the budget
+
+    # -- the slots' own checkpoints under --cache-ram ------------------------------------------
+    def count_checkpoints(self, slots: Sequence[Holder]) -> None:
+        """Count `slots`' context checkpoints under --cache-ram (where there is a byte limit
+        and the layout takes checkpoints)."""
+        if self.limit > 0 and self.pool.layout.needs_checkpoints:
+            self._slots = slots
+            self.cache.beside = lambda held: sum(c.size for c in self._own(held))
+
+    def _own(self, held: set[int]) -> list[Checkpoint]:
+        """The slots' checkpoints whose buffers are not in `held` (the cache's), each once."""
+        own = {id(c.target): c for s in self._slots for c in s.kv.checkpoints
+               if id(c.target) not in held}
+        return list(own.values())
+
+    def update(self) -> None:
+        """The cache within what the slots' own checkpoints leave of the budget; a snapshot
+        it dropped goes from the slots too (one eviction order: kept by a slot it would free
+        nothing); then, if the cache could not make room (locked, pinned), the slots' own
+        checkpoints go, oldest first."""
+        if not self._slots:
+            self.cache.update()
+            return
+        before = self.cache.holds()
+        self.cache.update()
+        held = self.cache.holds()
+        self._drop(before - held)
+        own = sorted(self._own(held), key=lambda c: c.born)
+        total, room = sum(c.size for c in own), self.limit - self.cache.stats()["bytes"]
+        gone: set[int] = set()
+        for c in own:
+            if total <= room:
+                break
+            gone.add(id(c.target))
+            total -= c.size
+        if gone:
+            log.info("dropped %d context checkpoints of the slots to stay within --cache-ram "
+                     "(%.1f MiB): they keep %.1f MiB the cache does not", len(gone),
+                     self.limit / 2**20, total / 2**20)
+        self._drop(gone)
+
+    def _drop(self, buffers: set[int]) -> None:
+        """The slots' checkpoints whose buffers are `buffers` (ids) dropped."""
+        n = sum(id(c.target) in buffers for s in self._slots for c in s.kv.checkpoints)
+        if n:
+            for s in self._slots:
+                s.kv.drop_checkpoints(buffers)
+            self.checkpoints_dropped += n
 
     def consulted(self, update_cache: bool) -> PromptCache | None:
         """The cache when a new prompt may restore from it: always for the radix backend (hits
@@ -129,8 +187,18 @@ class HostTier:
         declines: over its budget, or a sliding window that dropped the rows). No update()
         here: a radix save enforces its limit itself, and the legacy cache evicts after the
         load, as llama.cpp (the scheduler calls it)."""
-        if slot.kv.save_to(self.cache):
+        if self.save(slot.kv):
             log.debug("slot %d: saved %d tokens to the host cache", slot.id, len(slot.kv))
+
+    def save(self, kv: SlotKV) -> bool:
+        """`kv` into the host cache; a snapshot the save's own eviction dropped goes from the
+        slots too (as in `update`)."""
+        if not self._slots:
+            return kv.save_to(self.cache)
+        before = self.cache.holds()
+        saved = kv.save_to(self.cache)
+        self._drop(before - self.cache.holds())
+        return saved
 
     def cache_idle_slots(self, slots: Sequence[Holder], exclude: Holder | None = None) -> None:
         """`--cache-idle-slots`: save every idle slot's KV to the cache and, with unified KV
@@ -141,11 +209,11 @@ class HostTier:
         for s in slots:
             if s.is_processing or not len(s.kv) or s is exclude:
                 continue
-            saved |= s.kv.save_to(self.cache)
+            saved |= self.save(s.kv)
             if self.pool.unified:
                 s.kv.drop()
         if saved:
-            self.cache.update()
+            self.update()
         now = time.monotonic()
         log_stats = getattr(self.cache, "log_stats", None)
         if log_stats is not None and now - self._t_log > STATS_LOG_INTERVAL_S:
@@ -161,8 +229,8 @@ class HostTier:
         for s in slots:
             if not s.is_processing and len(s.kv) and s is not exclude:
                 log.warning("purging slot %d with %d tokens", s.id, len(s.kv))
-                if s.kv.save_to(self.cache):
-                    self.cache.update()
+                if self.save(s.kv):
+                    self.update()
                 s.kv.drop()
                 return True
         return False

@@ -52,6 +52,7 @@ class MemoryManager:
         self._from_disk: set[int] = set()  # task ids whose disk read ended (reuse report)
         self._disk_asked: set[int] = set()  # task ids whose disk lookup was made
         self._waiters: dict[int, PromptKey] = {}  # tasks waiting for a prefill's prefix
+        host.count_checkpoints(slots)
 
     @property
     def cache(self) -> PromptCache:
@@ -70,7 +71,7 @@ class MemoryManager:
         for slot in self.slots:
             if len(slot.kv):
                 self.host.offer(slot)
-        self.host.cache.update()
+        self.host.update()
         return self.host.cache, self.host.misses
 
     def carry_misses(self, n: int) -> None:
@@ -137,7 +138,7 @@ class MemoryManager:
         if loads is not None and host is not None and host.stats()["loads"] == loads:
             self.host.misses += 1
         if update_cache:
-            self.host.cache.update()
+            self.host.update()
         return plan, why
 
     def forget(self, task_id: int) -> None:
@@ -207,7 +208,10 @@ class MemoryManager:
         (the chunk's length, taken)."""
         forks = self._forks(slot)
         take = self._cut(slot, p0, take, user_starts, forks)
-        return take, self._checkpoint(slot, p0, take, user_starts, task_id, forks)
+        made = self._checkpoint(slot, p0, take, user_starts, task_id, forks)
+        if made:
+            self.host.update()  # the checkpoint's bytes count under --cache-ram
+        return take, made
 
     def _forks(self, s: Holder) -> tuple[int, ...]:
         """Where a layout whose state has no rows a token (memory/pool/recurrent.py: its state
@@ -277,7 +281,7 @@ class MemoryManager:
             return
         if (kv.window_unsaved() and self.host.cache.load_always and cache_prompt
                 and kv.reusable):
-            kv.save_to(self.host.cache)
+            self.host.save(kv)
         kv.prune()
 
     def release(self, slot: Holder, task: Request, answered: bool) -> None:
@@ -289,9 +293,9 @@ class MemoryManager:
         kv.truncate(len(kv))  # cancelled mid-prompt: drop KV past the contiguous prefix
         if not kv.reusable:
             kv.drop()
-        elif (self.disk is not None or pin_s) and kv.save_to(self.host.cache):
+        elif (self.disk is not None or pin_s) and self.host.save(kv):
             # on disk now, not only when the slot is reused: a restart; pinned: in the tree
-            self.host.cache.update()
+            self.host.update()
         if pin_s and answered and kv.reusable and not self.host.cache.pin(
                 task.pin_key, pin_s):
             log.warning("slot %d: task %d's prompt (%d tokens) not pinned: over "
@@ -334,12 +338,12 @@ class MemoryManager:
             out["disk"] = self.disk.disk_figures()
         return out
 
-    def checkpoints(self) -> tuple[int, int]:
-        """Context checkpoints the slots keep: (count, bytes)."""
+    def checkpoints(self) -> tuple[int, int, int]:
+        """Context checkpoints the slots keep: (count, bytes, dropped to fit --cache-ram)."""
         if not self.pool.layout.needs_checkpoints:
-            return 0, 0
+            return 0, 0, 0
         return (sum(len(s.kv.checkpoints) for s in self.slots),
-                sum(s.kv.checkpoint_bytes for s in self.slots))
+                sum(s.kv.checkpoint_bytes for s in self.slots), self.host.checkpoints_dropped)
 
     def set_disk_wake(self, wake: Callable[[], None]) -> None:
         """Have the disk tier (when on) call `wake` when a read ends, from its I/O thread."""

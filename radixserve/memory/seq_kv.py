@@ -294,6 +294,10 @@ class SlotKV:
                  ck.pos_min, ck.pos_max, n, ck.size / MiB)
         return ck
 
+    def drop_checkpoints(self, buffers: set[int]) -> None:
+        """Drop the checkpoints whose state buffers' ids are in `buffers` (a byte budget)."""
+        self.checkpoints = [c for c in self.checkpoints if id(c.target) not in buffers]
+
     def set_checkpoints(self, cks: list[Checkpoint]) -> None:
         """Checkpoints that came with restored tokens (host cache, slot file): id_task -1,
         and only those that fit what is held and that this model's sliding part would load."""

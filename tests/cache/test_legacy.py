@@ -175,3 +175,21 @@ def test_update_enforces_bytes_then_soft_token_limit(env):
     c2.update()
     assert c2.n_tokens() == 90 and c2.size() <= c2.limit_size
     c2.check()
+
+
+def test_bytes_counted_beside_the_entries_shrink_their_room(env):
+    """What `beside` counts outside the cache (the slots' own checkpoints) comes off the byte
+    limit: the entries that fit the whole limit are evicted, oldest first, to fit the rest,
+    and `beside` sees the buffers the entries hold (none here: no checkpoints)."""
+    tr, pool, fp = env
+    c = LegacyPromptCache(100 * per_token(pool, fp), 100000, fp)
+    for seq, toks in enumerate((T[:30], U[:30], W[:30])):
+        fill(tr, pool, seq, toks)
+        assert c.save(pool, seq, PromptKey("", toks))
+    assert c.n_tokens() == 90
+    seen = []
+    c.beside = lambda held: seen.append(held) or 45 * per_token(pool, fp)
+    c.update()
+    assert [e.tokens for e in c.states] == [W[:30]] and seen[0] == set()
+    assert c.size() <= c.limit_size - 45 * per_token(pool, fp)
+    c.check()

@@ -106,27 +106,54 @@ def test_agents_legacy_compute_the_minimum_plus_the_lost_histories(model: Model,
     assert (computed, minimum) == (390, 170)
 
 
+def _held_bytes(s: Scheduler, cache: RadixPromptCache) -> int:
+    """What --cache-ram counts: the tree, and the slots' checkpoints it does not hold, once."""
+    held = cache.holds()
+    own = {id(c.target): c.size for x in s.slots for c in x.kv.checkpoints
+           if id(c.target) not in held}
+    return int(cache.stats()["bytes"]) + sum(own.values())
+
+
 def test_a_small_budget_drops_snapshots_and_answers_stay(model: Model, ref: Ref) -> None:
-    """The tree held to a fifth of what the sessions store unbounded (Qwen3.5: 120,000 of
-    613,547 bytes measured; Granite, whose snapshots are larger: 216,000 of 1,569,856):
-    superseded snapshots (a session's earlier steps) go first, then leaves; a prefix whose
+    """The budget at a quarter of what the sessions hold unbounded, the tree and the slots'
+    own checkpoints counted together (Qwen3.5: 250,000 of 1,023,054 bytes measured; Granite,
+    whose snapshots are larger: 400,000 of 1,800,592): superseded snapshots (a session's
+    earlier steps) go first, from the tree and the slots alike, then leaves; a prefix whose
     snapshot went is served up to the nearest kept one, so more is computed than the minimum
-    (346 and 287 measured), less than the whole-prompt cache (390), and every answer is
-    unchanged. (At 200,000 bytes Qwen3.5 drops only superseded snapshots, and the minimum
-    still holds.)"""
-    budget = {"qwen35": 120_000, "granitehybrid": 216_000}[model.hp.arch]
+    (316 measured on both), less than the whole-prompt cache (390), and every answer is
+    unchanged."""
+    budget = {"qwen35": 250_000, "granitehybrid": 400_000}[model.hp.arch]
     fp = fingerprint_of(build_scheduler(model, ServerConfig(cache_ram_mib=0),
                                         ServerMetrics()).pool, model.hp.arch)
     cache = RadixPromptCache(budget, fingerprint=fp)
     finals, sent, minimum, s = run_agents(model, ref, radix=True, chat=True, cache=cache)
     computed = sum(f.timings.prompt_n for f in finals)
     st = cache.stats()
-    assert st["snapshots_dropped"] > 0 and st["evictions"] > 0 and st["bytes"] <= budget
+    assert st["snapshots_dropped"] > 0 and st["evictions"] > 0
+    assert _held_bytes(s, cache) <= budget
     assert minimum == 170 < computed < 390, computed
     # the reuse report says where a snapshot, not the text held, stopped the reuse
     reports = [f.timings.reuse for f in finals]
     short = [r for r in reports if r is not None and r.n_tokens < r.n_held - 1]
     assert short and all(r.limit == "snapshot" for r in short), short
+    s.mem.check()
+
+
+def test_the_slots_checkpoints_alone_over_the_budget_go_oldest_first(model: Model,
+                                                                     ref: Ref) -> None:
+    """A budget below what one round's prompts checkpoint in the slots (about 2.3 states):
+    the tree keeps nothing, the slots drop their oldest checkpoints so what they keep stays
+    within it, and every answer is unchanged (recomputed, never wrong)."""
+    budget = int(2.3 * model.layout.state_bytes)
+    fp = fingerprint_of(build_scheduler(model, ServerConfig(cache_ram_mib=0),
+                                        ServerMetrics()).pool, model.hp.arch)
+    cache = RadixPromptCache(budget, fingerprint=fp)
+    finals, sent, minimum, s = run_agents(model, ref, radix=True, chat=True, cache=cache)
+    n, n_bytes, dropped = s.mem.checkpoints()
+    assert dropped > 0 and 0 < n_bytes <= budget and n <= 2
+    assert s.metrics.checkpoints_dropped_total == dropped
+    assert _held_bytes(s, cache) <= budget
+    assert sum(f.timings.prompt_n for f in finals) > 390
     s.mem.check()
 
 

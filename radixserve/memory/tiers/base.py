@@ -177,7 +177,16 @@ class PromptCache(Protocol):
         ...
 
     def update(self) -> None:
-        """Enforce the size limits (evict)."""
+        """Enforce the size limits (evict), in what `beside` leaves of them."""
+        ...
+
+    # bytes held outside the cache under its limit (the slots' own checkpoints), given the
+    # buffers the cache holds itself (`holds`: those are counted once, by the cache); None:
+    # nothing outside counts
+    beside: Callable[[set[int]], int] | None
+
+    def holds(self) -> set[int]:
+        """The ids of the state buffers (snapshots, checkpoints) the cache holds."""
         ...
 
     def clear(self) -> tuple[int, int]:
@@ -221,8 +230,13 @@ class NullPromptCache:
              key: PromptKey) -> Restore | None:
         return None
 
+    beside = None
+
     def update(self) -> None:
         pass
+
+    def holds(self) -> set[int]:
+        return set()
 
     def clear(self) -> tuple[int, int]:
         return 0, 0

@@ -113,6 +113,7 @@ class RadixPromptCache:
         self._inflight: dict[tuple[object, ...], int] = {}
         self.disk_inserts = 0  # prefixes read from disk into the tree
         self.limit_bytes = limit_bytes  # <= 0: no limit (--cache-ram -1)
+        self.beside: Callable[[set[int]], int] | None = None
         self.min_restore_tokens = min_restore_tokens
         self.fault_after_tokens = fault_after_tokens
         self.fault_restores_left = fault_restores  # None: every restore faults
@@ -174,15 +175,17 @@ class RadixPromptCache:
                    found: RadixMatch) -> dict[int, bytes]:
         """{depth: state} a save of n tokens attaches, for a layout whose recurrent state has no
         rows a token (memory/layout.py's rows_every_position): the slot's checkpoints, and its
-        state after its last token when it holds exactly those n and the tree (`found`: its
-        match of the tokens) has none there yet (the same tokens give the same state: a slot
-        saved again costs no copy). Empty for the others."""
+        state after its last token when it holds exactly those n; none where the tree
+        (`found`: its match of the tokens) has one already (the same tokens give the same
+        state: a slot saved again costs no copy, and the buffer a slot shares stays). Empty
+        for the others."""
         w = pool.windowed
         if pool.layout.rows_every_position or w is None or self.fp is None:
             return {}
-        out = {c.n_tokens: c.target for c in checkpoints if 0 < c.n_tokens <= n}
-        end = found.path[-1] if found.length == n and found.path else None
-        if end is not None and end.depth == n and end.snapshot:
+        have = {p.depth for p in found.path if p.snapshot and p.depth <= found.length}
+        out = {c.n_tokens: c.target for c in checkpoints
+               if 0 < c.n_tokens <= n and c.n_tokens not in have}
+        if n in have:
             return out
         if pool.seq_len(seq) == n and w.snapshot_from(seq) == n - 1:
             out[n] = seal(get_swa_state(w, seq, self.fp))
@@ -265,11 +268,17 @@ class RadixPromptCache:
         pins past their time are released first)."""
         self.expire_pins()
         if self.limit_bytes > 0:
-            self.snapshots_dropped += self.tree.drop_snapshots(self.limit_bytes)
+            room = self.limit_bytes
+            if self.beside is not None:
+                room = max(0, room - self.beside(self.holds()))
+            self.snapshots_dropped += self.tree.drop_snapshots(room)
             on_evict = self._to_disk if self.disk is not None else None
-            nodes, tokens = self.tree.evict(self.limit_bytes, on_evict)
+            nodes, tokens = self.tree.evict(room, on_evict)
             self.evictions += nodes
             self.evicted_tokens += tokens
+
+    def holds(self) -> set[int]:
+        return {id(n.snapshot) for n in self.tree.nodes() if n.snapshot}
 
     # ##### Pins (`prompt_cache_retention`) #####
     def pin(self, key: PromptKey, seconds: float, now: float | None = None) -> bool:
