@@ -119,7 +119,8 @@ class Scheduler:
 
     def _count_checkpoints(self) -> None:
         m = self.metrics
-        m.checkpoints, m.checkpoint_bytes, m.checkpoints_dropped_total = self.mem.checkpoints()
+        m.checkpoints, m.checkpoint_bytes = self.mem.checkpoints()
+        m.checkpoints_dropped_total += self.mem.take_checkpoints_dropped()
 
     def poll_io(self) -> None:
         """Take finished disk reads into the radix tree and let their tasks go on (the engine

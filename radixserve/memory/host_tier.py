@@ -19,8 +19,10 @@
 - The slots' own context checkpoints count under `--cache-ram` with the cache (a model with
   no byte limit keeps llama-server's count, `--ctx-checkpoints`, alone): a buffer the cache
   holds too (a saved slot's checkpoints are the tree's snapshots, the same bytes) is counted
-  once, by the cache. The cache evicts to what the slots' checkpoints leave of the budget;
-  when those alone exceed it, the oldest go first (`update`), from every slot.
+  once, by the cache. The slots' own hold at most half the budget (the oldest go first, from
+  every slot: the other half is for what sessions left in the cache), the cache evicts to what
+  they leave, and a snapshot it drops goes from the slots too (`update`, `save`,
+  `take_disk_loads`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import hashlib
 import logging
 import time
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 from radixserve.config import ServerConfig
 from radixserve.memory.checkpoint import Checkpoint
@@ -46,6 +49,7 @@ from radixserve.memory.tiers.legacy import LegacyPromptCache
 from radixserve.memory.tiers.radix import RadixPromptCache
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 STATS_LOG_INTERVAL_S = 30.0
 SNAPSHOT_HEADER_BOUND = 4096  # a sealed state's bytes past its cell's (its header, the seal)
 
@@ -121,50 +125,77 @@ class HostTier:
     # -- the slots' own checkpoints under --cache-ram ------------------------------------------
     def count_checkpoints(self, slots: Sequence[Holder]) -> None:
         """Count `slots`' context checkpoints under --cache-ram (where there is a byte limit
-        and the layout takes checkpoints)."""
-        if self.limit > 0 and self.pool.layout.needs_checkpoints:
+        and the layout takes checkpoints); no slots: stop (the slots and their pool go, the
+        cache stays: sleep)."""
+        if slots and self.limit > 0 and self.pool.layout.needs_checkpoints:
             self._slots = slots
             self.cache.beside = lambda held: sum(c.size for c in self._own(held))
+        else:
+            self._slots, self.cache.beside = (), None
 
-    def _own(self, held: set[int]) -> list[Checkpoint]:
+    def _own(self, held: Mapping[int, bytes]) -> list[Checkpoint]:
         """The slots' checkpoints whose buffers are not in `held` (the cache's), each once."""
         own = {id(c.target): c for s in self._slots for c in s.kv.checkpoints
                if id(c.target) not in held}
-        return list(own.values())
+        return sorted(own.values(), key=lambda c: c.born)
 
     def update(self) -> None:
-        """The cache within what the slots' own checkpoints leave of the budget; a snapshot
-        it dropped goes from the slots too (one eviction order: kept by a slot it would free
+        """The slots' own checkpoints within half the budget (the oldest go: the cache keeps
+        room for what the sessions left in it); the cache within what they leave, a snapshot
+        it drops going from the slots too (one eviction order: kept by a slot it would free
         nothing); then, if the cache could not make room (locked, pinned), the slots' own
-        checkpoints go, oldest first."""
+        again, oldest first."""
         if not self._slots:
             self.cache.update()
             return
         before = self.cache.holds()
-        self.cache.update()
-        held = self.cache.holds()
-        self._drop(before - held)
-        own = sorted(self._own(held), key=lambda c: c.born)
-        total, room = sum(c.size for c in own), self.limit - self.cache.stats()["bytes"]
-        gone: set[int] = set()
+        self._fit_own(before, self.limit // 2)
+        self._evicting(self.cache.update, before)
+        self._fit_own(self.cache.holds(), self.limit - int(self.cache.stats()["bytes"]))
+
+    def _fit_own(self, held: Mapping[int, bytes], room: int) -> None:
+        """The slots' own checkpoints (not in `held`) within `room` bytes, the oldest
+        dropped first."""
+        own = self._own(held)
+        total = sum(c.size for c in own)
+        gone: dict[int, bytes] = {}
         for c in own:
             if total <= room:
                 break
-            gone.add(id(c.target))
+            gone[id(c.target)] = c.target
             total -= c.size
         if gone:
             log.info("dropped %d context checkpoints of the slots to stay within --cache-ram "
                      "(%.1f MiB): they keep %.1f MiB the cache does not", len(gone),
                      self.limit / 2**20, total / 2**20)
-        self._drop(gone)
+            self._drop(gone)
 
-    def _drop(self, buffers: set[int]) -> None:
-        """The slots' checkpoints whose buffers are `buffers` (ids) dropped."""
+    def _evicting(self, op: Callable[[], T], before: Mapping[int, bytes] | None = None) -> T:
+        """Run `op` (a cache operation that may evict); the snapshots it dropped go from the
+        slots too. `before` (the buffers held before, kept alive so no id is reused
+        meanwhile)."""
+        if not self._slots:
+            return op()
+        if before is None:
+            before = self.cache.holds()
+        out = op()
+        held = self.cache.holds()
+        self._drop({i: b for i, b in before.items() if i not in held})
+        return out
+
+    def _drop(self, buffers: Mapping[int, bytes]) -> None:
+        """The slots' checkpoints whose buffers are `buffers` (by id) dropped."""
         n = sum(id(c.target) in buffers for s in self._slots for c in s.kv.checkpoints)
         if n:
             for s in self._slots:
                 s.kv.drop_checkpoints(buffers)
             self.checkpoints_dropped += n
+
+    def take_disk_loads(self) -> list[int]:
+        """Finished disk reads into the tree (whose room they may make by evicting)."""
+        disk = self.cache.disk_tier()
+        assert disk is not None
+        return self._evicting(disk.take_disk_loads)
 
     def consulted(self, update_cache: bool) -> PromptCache | None:
         """The cache when a new prompt may restore from it: always for the radix backend (hits
@@ -193,12 +224,7 @@ class HostTier:
     def save(self, kv: SlotKV) -> bool:
         """`kv` into the host cache; a snapshot the save's own eviction dropped goes from the
         slots too (as in `update`)."""
-        if not self._slots:
-            return kv.save_to(self.cache)
-        before = self.cache.holds()
-        saved = kv.save_to(self.cache)
-        self._drop(before - self.cache.holds())
-        return saved
+        return self._evicting(lambda: kv.save_to(self.cache))
 
     def cache_idle_slots(self, slots: Sequence[Holder], exclude: Holder | None = None) -> None:
         """`--cache-idle-slots`: save every idle slot's KV to the cache and, with unified KV

@@ -72,6 +72,7 @@ class MemoryManager:
             if len(slot.kv):
                 self.host.offer(slot)
         self.host.update()
+        self.host.count_checkpoints(())  # the cache outlives the slots: it holds none of them
         return self.host.cache, self.host.misses
 
     def carry_misses(self, n: int) -> None:
@@ -167,7 +168,7 @@ class MemoryManager:
         """Take finished disk reads into the radix tree; True when a waiting task may go on."""
         if self.disk is None:
             return False
-        done = set(self.disk.take_disk_loads())
+        done = set(self.host.take_disk_loads())
         if not done:
             return False
         # their prefixes are in the tree now, read from disk
@@ -338,12 +339,17 @@ class MemoryManager:
             out["disk"] = self.disk.disk_figures()
         return out
 
-    def checkpoints(self) -> tuple[int, int, int]:
-        """Context checkpoints the slots keep: (count, bytes, dropped to fit --cache-ram)."""
+    def checkpoints(self) -> tuple[int, int]:
+        """Context checkpoints the slots keep: (count, bytes)."""
         if not self.pool.layout.needs_checkpoints:
-            return 0, 0, 0
+            return 0, 0
         return (sum(len(s.kv.checkpoints) for s in self.slots),
-                sum(s.kv.checkpoint_bytes for s in self.slots), self.host.checkpoints_dropped)
+                sum(s.kv.checkpoint_bytes for s in self.slots))
+
+    def take_checkpoints_dropped(self) -> int:
+        """Checkpoints the slots dropped to stay within --cache-ram since the last call."""
+        n, self.host.checkpoints_dropped = self.host.checkpoints_dropped, 0
+        return n
 
     def set_disk_wake(self, wake: Callable[[], None]) -> None:
         """Have the disk tier (when on) call `wake` when a read ends, from its I/O thread."""

@@ -51,7 +51,7 @@ planner never reuses KV across salts; `save_to` files it under its own salt.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 import torch
 
@@ -294,7 +294,7 @@ class SlotKV:
                  ck.pos_min, ck.pos_max, n, ck.size / MiB)
         return ck
 
-    def drop_checkpoints(self, buffers: set[int]) -> None:
+    def drop_checkpoints(self, buffers: Container[int]) -> None:
         """Drop the checkpoints whose state buffers' ids are in `buffers` (a byte budget)."""
         self.checkpoints = [c for c in self.checkpoints if id(c.target) not in buffers]
 

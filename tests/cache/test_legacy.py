@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixserve.memory.checkpoint import Checkpoint
 from radixserve.memory.key import PromptKey
 from radixserve.memory.tiers.base import STAT_NAMES
 from radixserve.memory.tiers.legacy import LegacyPromptCache
@@ -190,6 +191,23 @@ def test_bytes_counted_beside_the_entries_shrink_their_room(env):
     seen = []
     c.beside = lambda held: seen.append(held) or 45 * per_token(pool, fp)
     c.update()
-    assert [e.tokens for e in c.states] == [W[:30]] and seen[0] == set()
+    assert [e.tokens for e in c.states] == [W[:30]] and seen[0] == {}
     assert c.size() <= c.limit_size - 45 * per_token(pool, fp)
+    c.check()
+
+
+def test_a_saved_entrys_checkpoints_are_counted_once(env):
+    """The checkpoints an entry is saved with count in its size, not again as the slot's own
+    (`beside`): 30 tokens held, then 20 tokens with a checkpoint of 30 tokens' bytes, fit a
+    limit of 100 tokens without evicting the first entry."""
+    tr, pool, fp = env
+    c = LegacyPromptCache(100 * per_token(pool, fp), 100000, fp)
+    fill(tr, pool, 0, T[:30])
+    assert c.save(pool, 0, PromptKey("", T[:30]))
+    ck = Checkpoint(20, 0, 19, b"x" * (30 * per_token(pool, fp) - 8))
+    c.beside = lambda held: 0 if id(ck.target) in held else ck.size
+    fill(tr, pool, 1, U[:20])
+    assert c.save(pool, 1, PromptKey("", U[:20]), [ck])
+    assert [e.tokens for e in c.states] == [T[:30], U[:20]]
+    assert c.counters["evicted_fifo"] == 0
     c.check()

@@ -33,7 +33,7 @@ Rules every backend keeps (SGLang-style contracts):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -183,10 +183,10 @@ class PromptCache(Protocol):
     # bytes held outside the cache under its limit (the slots' own checkpoints), given the
     # buffers the cache holds itself (`holds`: those are counted once, by the cache); None:
     # nothing outside counts
-    beside: Callable[[set[int]], int] | None
+    beside: Callable[[Mapping[int, bytes]], int] | None
 
-    def holds(self) -> set[int]:
-        """The ids of the state buffers (snapshots, checkpoints) the cache holds."""
+    def holds(self) -> dict[int, bytes]:
+        """The state buffers (snapshots, checkpoints) the cache holds, by id."""
         ...
 
     def clear(self) -> tuple[int, int]:
@@ -235,8 +235,8 @@ class NullPromptCache:
     def update(self) -> None:
         pass
 
-    def holds(self) -> set[int]:
-        return set()
+    def holds(self) -> dict[int, bytes]:
+        return {}
 
     def clear(self) -> tuple[int, int]:
         return 0, 0

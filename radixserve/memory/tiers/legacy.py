@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from radixserve.memory.tiers.base import Restore, Segment, stats_dict
@@ -57,7 +57,7 @@ class LegacyPromptCache:
         self.limit_size = max(0, limit_bytes)  # 0: no byte limit (--cache-ram -1)
         self.limit_tokens = limit_tokens  # n_ctx: soft, raised to what the bytes allow
         self.fp = fingerprint
-        self.beside: Callable[[set[int]], int] | None = None
+        self.beside: Callable[[Mapping[int, bytes]], int] | None = None
         self.states: deque[CacheEntry] = deque()  # oldest first: eviction is FIFO
         self._bytes = 0
         self._tokens = 0
@@ -67,14 +67,17 @@ class LegacyPromptCache:
                              evicted_tokens=0, alloc_failures=0)
 
     # -- sizes -----------------------------------------------------------------------------
-    def _room(self) -> int:
-        """The byte limit less what `beside` counts outside the entries."""
+    def _room(self, saving: Sequence[Checkpoint] = ()) -> int:
+        """The byte limit less what `beside` counts outside the entries (`saving`: the
+        checkpoints of the entry being made, counted in its size)."""
         if self.beside is None:
             return self.limit_size
-        return max(0, self.limit_size - self.beside(self.holds()))
+        held = self.holds()
+        held.update((id(c.target), c.target) for c in saving)
+        return max(0, self.limit_size - self.beside(held))
 
-    def holds(self) -> set[int]:
-        return {id(c.target) for e in self.states for c in e.checkpoints}
+    def holds(self) -> dict[int, bytes]:
+        return {id(c.target): c.target for e in self.states for c in e.checkpoints}
 
     def size(self) -> int:
         return self._bytes
@@ -121,7 +124,8 @@ class LegacyPromptCache:
         for e in [e for e in same if common_prefix(e.tokens, tokens) == len(e.tokens)]:
             log.debug(" - removing obsolete cached prompt with length %d", len(e.tokens))
             self._remove(e, "obsolete")
-        while self.limit_size > 0 and self.states and self._bytes + size > self._room():
+        while (self.limit_size > 0 and self.states
+               and self._bytes + size > self._room(checkpoints)):
             log.warning(" - making room for prompt cache entry, removing oldest entry "
                         "(size = %.3f MiB)", self.states[0].size / MiB)
             self._pop_front("fifo")

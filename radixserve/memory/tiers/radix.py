@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -113,7 +113,7 @@ class RadixPromptCache:
         self._inflight: dict[tuple[object, ...], int] = {}
         self.disk_inserts = 0  # prefixes read from disk into the tree
         self.limit_bytes = limit_bytes  # <= 0: no limit (--cache-ram -1)
-        self.beside: Callable[[set[int]], int] | None = None
+        self.beside: Callable[[Mapping[int, bytes]], int] | None = None
         self.min_restore_tokens = min_restore_tokens
         self.fault_after_tokens = fault_after_tokens
         self.fault_restores_left = fault_restores  # None: every restore faults
@@ -177,14 +177,20 @@ class RadixPromptCache:
         rows a token (memory/layout.py's rows_every_position): the slot's checkpoints, and its
         state after its last token when it holds exactly those n; none where the tree
         (`found`: its match of the tokens) has one already (the same tokens give the same
-        state: a slot saved again costs no copy, and the buffer a slot shares stays). Empty
+        state: a slot saved again costs no copy), and a checkpoint there takes the tree's
+        buffer, so the slot and the tree hold one copy (--cache-ram counts it once). Empty
         for the others."""
         w = pool.windowed
         if pool.layout.rows_every_position or w is None or self.fp is None:
             return {}
-        have = {p.depth for p in found.path if p.snapshot and p.depth <= found.length}
-        out = {c.n_tokens: c.target for c in checkpoints
-               if 0 < c.n_tokens <= n and c.n_tokens not in have}
+        have = {p.depth: p.snapshot for p in found.path if p.snapshot and p.depth <= found.length}
+        out = {}
+        for c in checkpoints:
+            if 0 < c.n_tokens <= n:
+                if c.n_tokens in have:
+                    c.target = have[c.n_tokens]  # one buffer for both (see the docstring)
+                else:
+                    out[c.n_tokens] = c.target
         if n in have:
             return out
         if pool.seq_len(seq) == n and w.snapshot_from(seq) == n - 1:
@@ -277,8 +283,8 @@ class RadixPromptCache:
             self.evictions += nodes
             self.evicted_tokens += tokens
 
-    def holds(self) -> set[int]:
-        return {id(n.snapshot) for n in self.tree.nodes() if n.snapshot}
+    def holds(self) -> dict[int, bytes]:
+        return {id(n.snapshot): n.snapshot for n in self.tree.nodes() if n.snapshot}
 
     # ##### Pins (`prompt_cache_retention`) #####
     def pin(self, key: PromptKey, seconds: float, now: float | None = None) -> bool:
