@@ -341,3 +341,16 @@ def test_cache_disk_key_names_a_readable_secret_file(tmp_path: Path) -> None:
         parse_serve(["--cache-disk-key", str(tmp_path / "missing")], {})
     with pytest.raises(ValueError, match="--cache-disk-key .* needs --cache-disk"):
         parse_serve(["--cache-disk-key", str(key)], {}).cfg.validate()
+
+
+@pytest.mark.parametrize("argv,env", [(["--cpu-moe"], {}), (["-ncmoe", "4"], {}),
+                                      (["-ot", "exps=CPU"], {}),
+                                      ([], {"LLAMA_ARG_CPU_MOE": "1"}),
+                                      ([], {"LLAMA_ARG_N_CPU_MOE": "8"})])
+def test_the_moe_placement_flags_are_accepted_and_say_why_nothing_changes(argv, env):
+    """llama-server's flags that keep expert tensors in host memory: accepted (a user's
+    command line for a MoE model starts), the server's config unchanged, and one note saying
+    the CPU holds them there already."""
+    p = parse_serve(argv, env)
+    assert p.cfg == parse_serve([], {}).cfg
+    assert len(p.notes) == 1 and "in host memory already" in p.notes[0], p.notes

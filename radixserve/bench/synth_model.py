@@ -47,6 +47,12 @@ count), `rope.scaling.finetuned` false (no RoPE); Mamba2 tensors ssm_in ([z | x 
 rows), ssm_conv1d and its bias, ssm_dt.bias, ssm_a = -exp(A_log) and ssm_d ([heads, 1]),
 ssm_norm ([groups, inner / groups]) and ssm_out, the small ones F32.
 
+Qwen3 MoE (`qwen3moe-30b-a3b`: Qwen3-30B-A3B's layer, 8 of its 48 layers) is qwen3's attention
+with a mixture-of-experts FFN in every layer, as Qwen2MoeModel writes it: ffn_gate_inp (the
+router, F32) and ffn_gate_exps / ffn_up_exps / ffn_down_exps ([experts, rows, cols], each
+expert's rows in the weight type), the `expert_count`, `expert_used_count` and
+`expert_feed_forward_length` keys beside the dense `feed_forward_length`.
+
 The file is written with F16 weights (norms F32), or Q8_0 through gguf-py; other types (Q4_K_M)
 come from llama.cpp's `llama-quantize` run on the F16 file outside this repo:
 
@@ -105,6 +111,11 @@ class Shape:
     # granitehybrid: `attn_layers` attend, the others are Mamba2 layers of ssm_v_heads heads
     # of ssm_head_dim in ssm_k_heads B/C groups of state size `ssm_state`
     ssm_state: int = 0
+    # qwen3moe: every layer's FFN is `n_expert` experts of width `n_ff_exp`, `n_expert_used` a
+    # token (n_ff is the dense width the config also names, written as feed_forward_length)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
 
     @property
     def hd(self) -> int:
@@ -186,8 +197,19 @@ SHAPES = {
                             rope_base=10000.0, n_ctx_train=4096, arch="granitehybrid",
                             attn_layers=(1,), ssm_k_heads=2, ssm_v_heads=8, ssm_head_dim=32,
                             ssm_state=32, ssm_conv=4),
+    # Qwen/Qwen3-30B-A3B's layer (config.json: hidden 2048, 32 heads of 128 on 4 KV heads,
+    # 128 experts of 768, 8 a token, intermediate_size 6144, rope_theta 1e6, rms_norm_eps
+    # 1e-6, max_position_embeddings 40960, untied) with 8 of its 48 layers: a Q8_0 file of
+    # 5 GB instead of 32 (the vocabulary: see above)
+    "qwen3moe-30b-a3b": Shape(n_layer=8, n_embd=2048, n_ff=6144, n_head=32, n_head_kv=4,
+                              rope_base=1e6, n_ctx_train=40960, arch="qwen3moe",
+                              head_dim=128, rms_eps=1e-6, n_expert=128, n_expert_used=8,
+                              n_ff_exp=768),
+    "qwen3moe-tiny": Shape(n_layer=2, n_embd=128, n_ff=384, n_head=4, n_head_kv=2,
+                           rope_base=1e6, n_ctx_train=4096, arch="qwen3moe", head_dim=64,
+                           rms_eps=1e-6, n_expert=8, n_expert_used=2, n_ff_exp=64),
 }
-ARCHS = ("llama", "lfm2", "qwen2", "qwen3", "gemma3", "qwen35", "granitehybrid")
+ARCHS = ("llama", "lfm2", "qwen2", "qwen3", "gemma3", "qwen35", "granitehybrid", "qwen3moe")
 TYPES = {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 _TOKENIZER = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
               "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
@@ -267,7 +289,7 @@ def check_qwen35(shape: Shape) -> None:
 
 def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
     """Write the GGUF at `path` of `shape.arch` (ARCHS: llama, lfm2, qwen2, qwen3, gemma3,
-    qwen35, granitehybrid) with llama.cpp's keys and tensor names: weights N(0, 0.02) (the init Llama uses, so
+    qwen35, granitehybrid, qwen3moe) with llama.cpp's keys and tensor names: weights N(0, 0.02) (the init Llama uses, so
     activations stay in range through the layers), in `wtype` (TYPES); norms 1, qwen2's q/k/v
     biases N(0, 0.02); lfm2's conv kernels and qwen35's ssm_conv1d, ssm_a and ssm_dt.bias F32
     (the converter's types; ssm_a in [-1, -0.1], ssm_dt.bias about 1: decays that neither
@@ -281,7 +303,11 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
                          "needs one, the others have none")
     lfm2, qwen35 = shape.arch == "lfm2", shape.arch == "qwen35"
     granite = shape.arch == "granitehybrid"
-    qk_norm = shape.arch in ("qwen3", "gemma3", "lfm2", "qwen35")
+    moe = shape.arch == "qwen3moe"
+    if moe != (shape.n_expert > 0):
+        raise ValueError(f"n_expert {shape.n_expert} for {shape.arch}: qwen3moe needs experts, "
+                         "the others have none")
+    qk_norm = shape.arch in ("qwen3", "gemma3", "lfm2", "qwen35", "qwen3moe")
     if qwen35:
         check_qwen35(shape)
     elif shape.attn_interval or shape.nextn:
@@ -324,9 +350,13 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
         add_qwen35_keys(w, shape, shape.recurrent())
     if shape.arch == "llama":  # the converter writes it for llama only (n_rot: the head size)
         w.add_rope_dimension_count(shape.hd)
-    if shape.arch in ("qwen3", "gemma3"):  # their config.json's head_dim
+    if shape.arch in ("qwen3", "gemma3", "qwen3moe"):  # their config.json's head_dim
         w.add_key_length(shape.hd)
         w.add_value_length(shape.hd)
+    if moe:  # Qwen2MoeModel's (and the base model's) expert keys
+        w.add_expert_count(shape.n_expert)
+        w.add_expert_used_count(shape.n_expert_used)
+        w.add_expert_feed_forward_length(shape.n_ff_exp)
     if shape.arch == "gemma3":
         w.add_sliding_window(shape.sliding_window)
     add_default_tokenizer(w)
@@ -337,6 +367,18 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
             w.add_tensor(name, a.astype(np.float16))
         else:
             w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+
+    def experts(name: str, rows: int, cols: int) -> None:
+        """[n_expert, rows, cols], an expert at a time (a 30B layer's are 200M weights)."""
+        parts = []
+        for _ in range(shape.n_expert):
+            a = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.02)
+            parts.append(a.astype(np.float16) if qtype == gguf.GGMLQuantizationType.F16
+                         else gguf.quants.quantize(a, qtype))
+        if qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(name, np.stack(parts))
+        else:
+            w.add_tensor(name, np.stack(parts), raw_dtype=qtype)
 
     def norm(name: str, n: int = shape.n_embd) -> None:
         w.add_tensor(name, np.ones(n, np.float32))
@@ -413,6 +455,13 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
             w.add_tensor(p + "shortconv.conv.weight", kernel)
             matrix(p + "shortconv.in_proj.weight", 3 * d, d)
             matrix(p + "shortconv.out_proj.weight", d, d)
+        if moe:  # the router F32 (the converter keeps it so), each expert's rows in wtype
+            f32(p + "ffn_gate_inp.weight",
+                rng.standard_normal((shape.n_expert, d), dtype=np.float32) * np.float32(0.02))
+            experts(p + "ffn_gate_exps.weight", shape.n_ff_exp, d)
+            experts(p + "ffn_up_exps.weight", shape.n_ff_exp, d)
+            experts(p + "ffn_down_exps.weight", d, shape.n_ff_exp)
+            continue
         matrix(p + "ffn_gate.weight", shape.n_ff, d)
         matrix(p + "ffn_up.weight", shape.n_ff, d)
         matrix(p + "ffn_down.weight", d, shape.n_ff)

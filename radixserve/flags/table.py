@@ -31,6 +31,9 @@ from radixserve.text.builtin_templates import BUILTIN_NAMES
 
 GPU = "the whole model and its KV pool sit on one device (--device, -ngl 0 or all)"
 PLACEMENT = "threads are placed by the OS and PyTorch"
+# --cpu-moe / --n-cpu-moe / -ot: where llama-server keeps tensors in host memory beside a GPU
+HOST_TENSORS = ("on the CPU every tensor, the experts' included, is in host memory already; "
+                "with --device cuda the whole model sits on the device (no tensor kept back)")
 NO_MULTIMODAL = "no multimodal input without a projector"
 DRAFT_THREADS = "the draft model runs on the target's threads (-t), placed by the OS and PyTorch"
 DRAFT_DEVICE = "the draft model runs where the target model runs"
@@ -463,10 +466,10 @@ SERVE_FLAGS: list[Flag] = [
          "CUDA<N>", set_("device", parse_device), env="LLAMA_ARG_DEVICE"),
     flag("--list-devices", ACT, "print the devices (the CPU, each CUDA device) and exit",
          _exit(list_devices)),
-    flag("-ot, --override-tensor <tensor name pattern>=<buffer type>,...", NA, GPU,
+    flag("-ot, --override-tensor <tensor name pattern>=<buffer type>,...", NA, HOST_TENSORS,
          env="LLAMA_ARG_OVERRIDE_TENSOR"),
-    flag("-cmoe, --cpu-moe", NA, GPU, env="LLAMA_ARG_CPU_MOE"),
-    flag("-ncmoe, --n-cpu-moe N", NA, GPU, check(I), env="LLAMA_ARG_N_CPU_MOE"),
+    flag("-cmoe, --cpu-moe", NA, HOST_TENSORS, env="LLAMA_ARG_CPU_MOE"),
+    flag("-ncmoe, --n-cpu-moe N", NA, HOST_TENSORS, check(I), env="LLAMA_ARG_N_CPU_MOE"),
     flag("-ncffn, --n-cpu-ffn N", NA, GPU, check(I), env="LLAMA_ARG_N_CPU_FFN"),
     flag("-ngl, --gpu-layers, --n-gpu-layers N", H, "0: the model runs on the CPU; auto, all "
          "or every layer's count: all of it on --device (a part is refused: no CPU/GPU split)",

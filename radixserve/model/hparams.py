@@ -75,6 +75,37 @@ class SsmDims:
         return (self.conv - 1) * self.channels + self.heads_in_k * self.dk * self.dv
 
 
+GATINGS = ("softmax", "sigmoid", "softmax_weight")
+
+
+@dataclass(slots=True, frozen=True)
+class MoeDims:
+    """A mixture-of-experts FFN (llama.cpp's expert_* keys): `n_expert` FFNs of width `n_ff`
+    a layer, `n_used` of them run a token. `gating`: how the router's logits become weights:
+    "softmax" over every expert, "sigmoid" each alone, "softmax_weight" a softmax over the
+    chosen experts' logits only; `norm_w`: the chosen weights renormalized to sum 1;
+    `w_scale`: they are then scaled by it; the first `n_dense_lead` layers have a dense FFN
+    instead."""
+
+    n_expert: int
+    n_used: int
+    n_ff: int
+    gating: str = "softmax"
+    norm_w: bool = True
+    w_scale: float = 1.0
+    n_dense_lead: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.n_used <= self.n_expert or self.n_ff <= 0:
+            raise UnsupportedModelError(
+                f"expert_count {self.n_expert}, expert_used_count {self.n_used}, "
+                f"expert_feed_forward_length {self.n_ff} do not describe experts (1 <= used "
+                "<= count, a width > 0)")
+        if self.gating not in GATINGS:
+            raise UnsupportedModelError(f"expert gating {self.gating!r} is not supported "
+                                        f"(supported: {', '.join(GATINGS)})")
+
+
 @dataclass(slots=True, frozen=True)
 class HParams:
     arch: str
@@ -115,6 +146,7 @@ class HParams:
     nope: bool = False  # attention without positions (no RoPE): Granite 4.0-H's
     residual_scale: float = 1.0  # each sublayer's output times this before its residual add
     logit_scale: float = 1.0  # logits are divided by this (Granite's logits_scaling)
+    moe: MoeDims | None = None  # mixture-of-experts FFNs (None: dense ones)
 
     def __post_init__(self) -> None:
         """Fill the defaults that depend on other fields, so hand-built HParams (tests) of

@@ -165,6 +165,14 @@ class Mamba2Mixer:
         return {"wqkv": self.in_proj, "wo": self.out_proj}
 
 
+class FFN(Protocol):
+    """A block's feed-forward part: a dense gated FFN, or a mixture of experts (moe.py)."""
+
+    def __call__(self, run: Run, h: torch.Tensor) -> torch.Tensor: ...
+
+    def matrices(self) -> dict[str, Linear]: ...
+
+
 @dataclass(slots=True)
 class DenseFFN:
     """act(gate) * up, then down: the fused [gate | up] matrix (one larger matmul beats two on
@@ -196,7 +204,7 @@ class Block:
     attn_norm: torch.Tensor
     mixer: Mixer
     ffn_norm: torch.Tensor
-    ffn: DenseFFN
+    ffn: FFN
 
     def __call__(self, run: Run, li: int, x: torch.Tensor, h: torch.Tensor,
                  nxt: torch.Tensor | None) -> torch.Tensor | None:

@@ -177,6 +177,30 @@ class TensorLoader:
         w = torch.from_numpy(np.concatenate(arrays)).to(self.dtype).contiguous()
         return DenseLinear(w, bias, self.kern)
 
+    def experts(self, names: list[str], n_expert: int, shape: tuple[int, int]
+                ) -> list[Linear]:
+        """Each expert's linear of the row-concatenated 3-D tensors `names` ([n_expert, rows,
+        cols] each, `shape` = (rows, cols) per expert, checked): expert e's slice of every
+        tensor, fused as `linear` fuses whole matrices."""
+        for n in names:
+            self.expect(n, (n_expert, *shape))
+        out = []
+        for e in range(n_expert):
+            views = []
+            for n in names:
+                t = self.tensors[n]
+                view = f"{n}[{e}]"
+                per = t.n_bytes // n_expert
+                self.tensors[view] = gguf.ReaderTensor(
+                    name=view, tensor_type=t.tensor_type, shape=t.shape[:2].copy(),
+                    n_elements=t.n_elements // n_expert, n_bytes=per,
+                    data_offset=t.data_offset + e * per, data=t.data[e], field=t.field)
+                views.append(view)
+            out.append(self.linear(views, [None] * len(views)))
+            for v in views:
+                del self.tensors[v]
+        return out
+
     def norm(self, name: str, required: bool = True) -> torch.Tensor | None:
         """A norm's weight vector, f32 (norms are computed in f32 whatever the compute dtype)."""
         return self.torch(name, required, f32=True)

@@ -14,13 +14,18 @@ import gguf
 from radixserve.memory.layout import FULL, RECURRENT, SLIDING, MemoryLayout
 from radixserve.model.hparams import (
     HParams,
+    MoeDims,
     UnsupportedModelError,
     field_value,
     int_or_none,
     pooling_name,
 )
-from radixserve.model.layers import Attention, Block, DenseFFN, Mixer
+from radixserve.model.layers import FFN, Attention, Block, DenseFFN, Mixer
+from radixserve.model.moe import ExpertMatrices, MoEFFN, Router
 from radixserve.model.tensors import TensorLoader
+
+# llama_expert_gating_func_type's values this engine runs
+GATING_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
 
 # reads `{arch}.key` (default when absent; absent and required: UnsupportedModelError naming it)
 Get = Callable[..., Any]
@@ -147,6 +152,45 @@ class Family:
         return Attention(hp.layer_kind(i), wqkv, ld.linear([p + "attn_output.weight"], [None]),
                          q_norm, k_norm)
 
-    def ffn(self, ld: TensorLoader, hp: HParams, p: str) -> DenseFFN:
+    def ffn(self, ld: TensorLoader, hp: HParams, p: str) -> FFN:
         return DenseFFN(ld.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], [None, None]),
                         ld.linear([p + "ffn_down.weight"], [None]), self.act)
+
+    # -- mixture of experts ---------------------------------------------------------------
+
+    def moe_dims(self, get: Get, arch: str, gating: str | None = "softmax",
+                 norm_w: bool = True, n_dense_lead: int = 0) -> MoeDims:
+        """The experts' sizes from `{arch}.expert_*` (the expert width defaults to
+        feed_forward_length / expert_used_count, as llama.cpp's); `gating` and `norm_w` where
+        the family fixes them in code, as llama.cpp does (gating None: the file's
+        `expert_gating_func`, required)."""
+        n_expert, n_used = int(get("expert_count")), int(get("expert_used_count"))
+        n_ff = get("expert_feed_forward_length", None, required=False)
+        if n_ff is None:
+            n_ff = int(get("feed_forward_length")) // max(1, n_used)
+        scale = float(get("expert_weights_scale", 0.0, required=False) or 0.0)
+        if gating is None:
+            code = int(get("expert_gating_func"))
+            if code not in GATING_FUNCS:
+                raise UnsupportedModelError(f"{arch}.expert_gating_func {code} is not supported "
+                                            f"(supported: {sorted(GATING_FUNCS)})")
+            gating = GATING_FUNCS[code]
+        return MoeDims(n_expert, n_used, int(n_ff), gating, norm_w, scale, n_dense_lead)
+
+    def moe_ffn(self, ld: TensorLoader, hp: HParams, p: str, select_bias: bool = False
+                ) -> MoEFFN:
+        """The router (ffn_gate_inp) and each expert's SwiGLU from ffn_{gate,up,down}_exps
+        (gate and up fused an expert), shapes checked against the metadata; `select_bias`:
+        the router's selection bias (ffn_exp_probs_b.bias), required."""
+        m, e = hp.moe, hp.n_embd
+        assert m is not None
+        ld.expect(p + "ffn_gate_inp.weight", (m.n_expert, e))
+        bias = None
+        if select_bias:
+            ld.expect(p + "ffn_exp_probs_b.bias", (m.n_expert,))
+            bias = ld.torch(p + "ffn_exp_probs_b.bias", f32=True)
+        gate_up = ld.experts([p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"],
+                             m.n_expert, (m.n_ff, e))
+        down = ld.experts([p + "ffn_down_exps.weight"], m.n_expert, (e, m.n_ff))
+        return MoEFFN(Router(ld.rows(p + "ffn_gate_inp.weight")), ExpertMatrices(gate_up),
+                      ExpertMatrices(down), m, bias, ld.kern)

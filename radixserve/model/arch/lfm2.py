@@ -1,5 +1,9 @@
 """LiquidAI LFM2: a hybrid of gated short-convolution layers and attention layers (with per-head
-q/k norms), SwiGLU FFNs everywhere, the final norm stored as `token_embd_norm`.
+q/k norms), SwiGLU FFNs everywhere, the final norm stored as `token_embd_norm`. LFM2-MoE
+(`lfm2moe`: LFM2-8B-A1B, LFM2-24B-A2B) is the same hybrid with a mixture-of-experts FFN after
+the first `leading_dense_block_count` layers (model/moe.py): sigmoid gating as the file's
+`expert_gating_func` says, a per-expert bias (ffn_exp_probs_b) added for choosing only, the
+chosen weights renormalized (llama.cpp always does for this family).
 
 The layer pattern is read as llama.cpp reads it (LLM_ARCH_LFM2): a per-layer
 `attention.head_count_kv` array whose 0 entries are the short-convolution layers; the kernel
@@ -14,7 +18,7 @@ from typing import Any
 from radixserve.memory.layout import CONV, FULL, MemoryLayout
 from radixserve.model.arch.base import Family, Get
 from radixserve.model.hparams import HParams, UnsupportedModelError
-from radixserve.model.layers import Mixer, ShortConvMixer
+from radixserve.model.layers import FFN, Mixer, ShortConvMixer
 from radixserve.model.tensors import TensorLoader
 
 
@@ -63,4 +67,22 @@ class Lfm2(Family):
                               ld.linear([p + "out_proj.weight"], [None]))
 
 
-FAMILIES = [Lfm2()]
+class Lfm2Moe(Lfm2):
+    archs = ("lfm2moe",)
+
+    def extra(self, get: Get, n_layer: int, n_embd: int, n_head: int,
+              head_dim: int) -> dict[str, Any]:
+        n_dense = int(get("leading_dense_block_count", 0, required=False) or 0)
+        if not 0 <= n_dense <= n_layer:
+            raise UnsupportedModelError(f"lfm2moe.leading_dense_block_count {n_dense} of "
+                                        f"{n_layer} layers")
+        return {"moe": self.moe_dims(get, "lfm2moe", gating=None, n_dense_lead=n_dense)}
+
+    def ffn(self, ld: TensorLoader, hp: HParams, p: str) -> FFN:
+        assert hp.moe is not None
+        if int(p.split(".")[1]) < hp.moe.n_dense_lead:
+            return super().ffn(ld, hp, p)
+        return self.moe_ffn(ld, hp, p, select_bias=True)
+
+
+FAMILIES = [Lfm2(), Lfm2Moe()]

@@ -1,0 +1,146 @@
+"""A mixture-of-experts FFN: a router scores every expert for each token, the `n_used` best run,
+and their outputs are summed with the router's weights (llama.cpp's build_moe_ffn).
+
+Only the chosen experts' matrices are read: the tokens of a step are grouped by expert, and each
+expert's own matrices (`ExpertMatrices`: one linear an expert, in the same packed layouts as
+every layer matrix) run once over its tokens. A token's bits do not depend on the tokens beside
+it: each expert's matmul keeps a row's result independent of the row count (deterministic mode,
+as every layer matrix), and a token's expert outputs are summed in the order the router ranked
+them, whoever else shares its batch or its experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.model import qmm
+from radixserve.model.hparams import MoeDims
+from radixserve.model.kernels import Kernels
+from radixserve.model.quant import Linear
+
+if TYPE_CHECKING:
+    from radixserve.model.layers import Run
+
+
+class ExpertMatrices(Linear):
+    """One role's matrices over a layer's experts (their fused gate/up, or their down), an
+    expert's own linear each: reported as one matrix (its routes, its bytes, whether every
+    expert's rows are batch-invariant), run an expert at a time."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts = parts
+        self.n_out, self.bias = parts[0].n_out, None
+        self.row_invariant = all(p.row_invariant for p in parts)
+        self.route = "+".join(sorted({p.route for p in parts}))
+
+    def __getitem__(self, e: int) -> Linear:
+        return self.parts[e]
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __call__(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        raise TypeError("expert matrices run one expert at a time")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+class Router(Linear):
+    """The router's [n_expert, n_embd] matrix, its logits exact f32 dot products of the
+    token's row: with our kernels the file's own rows (qmm.c's head dots, each logit one
+    fixed-order sum, so a token's choice never depends on its batch), else an f32 matmul.
+    Choices near a tie flip on the rounding of a logit, so it is not rounded to the compute
+    dtype as a layer matrix's output would be."""
+
+    def __init__(self, w: torch.Tensor | qmm.QuantMatrix) -> None:
+        self.w, self.bias, self.n_out = w, None, w.n if isinstance(w, qmm.QuantMatrix) else \
+            w.shape[0]
+        self.row_invariant = isinstance(w, qmm.QuantMatrix)
+        self.route = "qmm-f32" if self.row_invariant else "torch-dense"
+
+    def __call__(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        h = x.float().contiguous()
+        if isinstance(self.w, qmm.QuantMatrix):
+            return self.w.head_dots(h)
+        return F.linear(h, self.w)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.raw.nbytes if isinstance(self.w, qmm.QuantMatrix) else self.w.nbytes
+
+
+def route(logits: torch.Tensor, dims: MoeDims, select_bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's f32 logits [T, n_expert] -> (the chosen experts [T, n_used], best first;
+    their weights [T, n_used] f32), as build_moe_ffn: probabilities by the gating function, a
+    selection bias added for choosing only, then the weights renormalized (clamped below as
+    llama.cpp does) and scaled."""
+    if dims.gating == "softmax":
+        probs = torch.softmax(logits, dim=-1)
+    elif dims.gating == "sigmoid":
+        probs = torch.sigmoid(logits)
+    else:  # softmax_weight: the softmax is over the chosen logits, below
+        probs = logits
+    chooser = probs if select_bias is None else probs + select_bias
+    idx = torch.topk(chooser, dims.n_used, dim=-1, sorted=True).indices
+    w = probs.gather(1, idx)
+    if dims.gating == "softmax_weight":
+        w = torch.softmax(w, dim=-1)
+    if dims.norm_w:
+        w = w / w.sum(dim=-1, keepdim=True).clamp_min(6.103515625e-5)
+    if dims.w_scale not in (0.0, 1.0):
+        w = w * dims.w_scale
+    return idx, w
+
+
+@dataclass(slots=True)
+class MoEFFN:
+    """Router, experts (SwiGLU: act(gate) * up, then down, each expert's own matrices) and
+    the weighted sum of the chosen experts' outputs."""
+
+    router: Router
+    gate_up: ExpertMatrices  # an expert's [2 n_ff, n_embd] each
+    down: ExpertMatrices  # an expert's [n_embd, n_ff] each
+    dims: MoeDims
+    select_bias: torch.Tensor | None = None  # [n_expert] f32, added for choosing only
+    kern: Kernels | None = None  # our kernels (None: torch's ops)
+
+    def __call__(self, run: Run, h: torch.Tensor) -> torch.Tensor:
+        idx, w = route(self.router(h), self.dims, self.select_bias)
+        n_tok, k = idx.shape
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, rank) slots grouped by expert
+        counts = torch.bincount(flat, minlength=self.dims.n_expert).tolist()
+        ys = torch.empty(n_tok * k, h.shape[1], dtype=torch.float32)
+        at = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            slots = order[at:at + n]
+            at += n
+            x = h.index_select(0, slots // k)
+            y = self.down[e](self._swiglu(self.gate_up[e](x, run.inv)), run.inv)
+            ys.index_copy_(0, slots, y.float())
+        ys = ys.view(n_tok, k, -1)
+        out = ys[:, 0] * w[:, :1]
+        for j in range(1, k):  # rank order, whatever the batch
+            out.add_(ys[:, j] * w[:, j:j + 1])
+        return out.to(h.dtype)
+
+    def _swiglu(self, gu: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of an expert's fused rows (our kernel on bf16 rows, as the dense
+        FFN's)."""
+        if self.kern is not None and gu.dtype == torch.bfloat16:
+            return self.kern.silu_mul(gu.contiguous())
+        n = gu.shape[1] // 2
+        return F.silu(gu[:, :n]) * gu[:, n:]
+
+    def matrices(self) -> dict[str, Linear]:
+        return {"ffn_router": self.router, "ffn_gate_up_exps": self.gate_up,
+                "ffn_down_exps": self.down}
