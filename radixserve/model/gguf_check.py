@@ -58,6 +58,15 @@ class GGUFFile:
     path: str
     fields: dict[str, Field]
     tensors: list[gguf.ReaderTensor]
+    mapping: mmap.mmap | None = None  # the file's pages the tensors are views of
+
+    def release(self) -> None:
+        """Drop the pages of the file read so far from this process's memory: the loader has
+        copied what it keeps (packed, decoded or as the file's blocks), and a page read again
+        comes back from the file. So loading never holds a model twice (its file's pages
+        and its packed weights), which a model near the machine's memory would not survive."""
+        if self.mapping is not None and len(self.mapping):
+            self.mapping.madvise(mmap.MADV_DONTNEED)
 
 
 class _Cursor:
@@ -130,7 +139,8 @@ def read_gguf(path: str) -> GGUFFile:
         view = data[start:start + n_bytes].view(item).reshape(shape)
         tensors.append(gguf.ReaderTensor(name, qtype, np.array(dims, dtype=np.uint64), n,
                                          n_bytes, start, view, gguf.ReaderField(start, name)))
-    return GGUFFile(path, {k: Field(k, v) for k, v in kv.items()}, tensors)
+    return GGUFFile(path, {k: Field(k, v) for k, v in kv.items()}, tensors,
+                    getattr(data, "_mmap", None))
 
 
 # a tensor's table entry, checked: name, dims, type, elements, bytes, where its data starts

@@ -63,6 +63,7 @@ class TensorLoader:
     def __init__(self, reader: gguf.GGUFReader, dtype: torch.dtype, packed: bool,
                  kern: Kernels | None = None) -> None:
         self.tensors = {t.name: t for t in reader.tensors}
+        self.reader = reader
         self.dtype, self.packed = dtype, packed
         self.kern = kern  # our kernels (None: torch's ops), as load_model was given them
         self.build = build_for(kern, dtype)  # the route table's row for this load
@@ -200,6 +201,13 @@ class TensorLoader:
             for v in views:
                 del self.tensors[v]
         return out
+
+    def release(self) -> None:
+        """The file's pages read so far dropped from memory (gguf_check.GGUFFile.release),
+        where the reader maps the file."""
+        release = getattr(self.reader, "release", None)
+        if release is not None:
+            release()
 
     def norm(self, name: str, required: bool = True) -> torch.Tensor | None:
         """A norm's weight vector, f32 (norms are computed in f32 whatever the compute dtype)."""

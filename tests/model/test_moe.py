@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -244,8 +245,8 @@ def test_lfm2moe_refusals_name_the_key_or_tensor(tmp_path: Path, tiny_lfm2moe: s
         (dict(drop_keys=("lfm2moe.expert_gating_func",)), "lfm2moe.expert_gating_func"),
         (dict(set_keys={"lfm2moe.expert_gating_func": 4}), "expert_gating_func 4"),
         (dict(set_keys={"lfm2moe.leading_dense_block_count": 5}), "leading_dense_block_count 5"),
-        (dict(tensors={"blk.2.ffn_exp_probs_b.bias": np.zeros(7, np.float32)}),
-         "'blk.2.ffn_exp_probs_b.bias' has shape [7]"),
+        (dict(tensors={"blk.2.exp_probs_b.bias": np.zeros(7, np.float32)}),
+         "'blk.2.exp_probs_b.bias' has shape [7]"),
         (dict(set_keys={"lfm2moe.leading_dense_block_count": 0}), "'blk.0.ffn_gate_inp.weight'"),
     ]
     for i, (kw, msg) in enumerate(cases):
@@ -254,3 +255,19 @@ def test_lfm2moe_refusals_name_the_key_or_tensor(tmp_path: Path, tiny_lfm2moe: s
                       **kw)
         with pytest.raises(UnsupportedModelError, match=msg.replace("[", r"\[")):
             load_model(bad, "f32")
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "lfm2moe"])
+def test_every_tensor_name_is_one_llama_cpp_knows_for_the_architecture(
+        tiny_bf16: str, tiny_lfm2moe: str, family: str):
+    """The test files' tensor names are gguf-py's for the architecture (MODEL_TENSORS): a name
+    llama.cpp does not read (the expert bias is exp_probs_b, not ffn_exp_probs_b) would make
+    a file only we load, and a loader that reads it would refuse the real ones."""
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == family)
+    path = tiny_bf16 if family == "qwen3moe" else tiny_lfm2moe
+    known = set()
+    for t in gguf.MODEL_TENSORS[arch]:
+        pattern = gguf.TENSOR_NAMES[t]
+        known |= {pattern.format(bid=i) for i in range(8)} if "{bid}" in pattern else {pattern}
+    names = {t.name.rsplit(".", 1)[0] for t in gguf.GGUFReader(path).tensors}
+    assert names and names <= known, sorted(names - known)

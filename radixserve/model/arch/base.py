@@ -125,7 +125,11 @@ class Family:
     # -- tensors and layers ---------------------------------------------------------------
 
     def layers(self, ld: TensorLoader, hp: HParams) -> list[Block]:
-        return [self.block(ld, hp, i) for i in range(hp.n_layer)]
+        out = []
+        for i in range(hp.n_layer):
+            out.append(self.block(ld, hp, i))
+            ld.release()  # a layer's pages of the file, once its weights are held
+        return out
 
     def block(self, ld: TensorLoader, hp: HParams, i: int) -> Block:
         p = f"blk.{i}."
@@ -181,14 +185,14 @@ class Family:
                 ) -> MoEFFN:
         """The router (ffn_gate_inp) and each expert's SwiGLU from ffn_{gate,up,down}_exps
         (gate and up fused an expert), shapes checked against the metadata; `select_bias`:
-        the router's selection bias (ffn_exp_probs_b.bias), required."""
+        the router's selection bias (exp_probs_b.bias), required."""
         m, e = hp.moe, hp.n_embd
         assert m is not None
         ld.expect(p + "ffn_gate_inp.weight", (m.n_expert, e))
         bias = None
         if select_bias:
-            ld.expect(p + "ffn_exp_probs_b.bias", (m.n_expert,))
-            bias = ld.torch(p + "ffn_exp_probs_b.bias", f32=True)
+            ld.expect(p + "exp_probs_b.bias", (m.n_expert,))
+            bias = ld.torch(p + "exp_probs_b.bias", f32=True)
         gate_up = ld.experts([p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"],
                              m.n_expert, (m.n_ff, e))
         down = ld.experts([p + "ffn_down_exps.weight"], m.n_expert, (e, m.n_ff))

@@ -2,7 +2,7 @@
 q/k norms), SwiGLU FFNs everywhere, the final norm stored as `token_embd_norm`. LFM2-MoE
 (`lfm2moe`: LFM2-8B-A1B, LFM2-24B-A2B) is the same hybrid with a mixture-of-experts FFN after
 the first `leading_dense_block_count` layers (model/moe.py): sigmoid gating as the file's
-`expert_gating_func` says, a per-expert bias (ffn_exp_probs_b) added for choosing only, the
+`expert_gating_func` says, a per-expert bias (exp_probs_b) added for choosing only, the
 chosen weights renormalized (llama.cpp always does for this family).
 
 The layer pattern is read as llama.cpp reads it (LLM_ARCH_LFM2): a per-layer
