@@ -178,7 +178,9 @@ def print_routes(model_path: str, dtype: str, weights: str,
 # the GGUF tensors each layer matrix is made of (a fused one of several)
 _PARTS = {"wqkv": ("attn_q", "attn_k", "attn_v", "attn_qkv", "shortconv.in_proj"),
           "wo": ("attn_output", "shortconv.out_proj"),
-          "w_gate_up": ("ffn_gate", "ffn_up"), "w_down": ("ffn_down",)}
+          "w_gate_up": ("ffn_gate", "ffn_up"), "w_down": ("ffn_down",),
+          "ffn_router": ("ffn_gate_inp",), "ffn_gate_up_exps": ("ffn_gate_exps", "ffn_up_exps"),
+          "ffn_down_exps": ("ffn_down_exps",)}
 
 
 def layer_file_bytes(model_path: str) -> dict[str, int]:

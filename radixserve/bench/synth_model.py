@@ -51,7 +51,10 @@ Qwen3 MoE (`qwen3moe-30b-a3b`: Qwen3-30B-A3B's layer, 8 of its 48 layers) is qwe
 with a mixture-of-experts FFN in every layer, as Qwen2MoeModel writes it: ffn_gate_inp (the
 router, F32) and ffn_gate_exps / ffn_up_exps / ffn_down_exps ([experts, rows, cols], each
 expert's rows in the weight type), the `expert_count`, `expert_used_count` and
-`expert_feed_forward_length` keys beside the dense `feed_forward_length`.
+`expert_feed_forward_length` keys beside the dense `feed_forward_length`. LFM2-MoE
+(`lfm2moe-8b-a1b`: LFM2-8B-A1B's layer, 8 of its 24 layers) is LFM2 with the same experts after
+`leading_dense_block_count` dense layers, sigmoid gating (`expert_gating_func` 2) and a
+per-expert selection bias `exp_probs_b.bias` (F32), as LFM2MoeModel writes it.
 
 The file is written with F16 weights (norms F32), or Q8_0 through gguf-py; other types (Q4_K_M)
 come from llama.cpp's `llama-quantize` run on the F16 file outside this repo:
@@ -116,6 +119,7 @@ class Shape:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    n_dense_lead: int = 0  # lfm2moe: the first layers' FFNs are dense (n_ff wide)
 
     @property
     def hd(self) -> int:
@@ -205,11 +209,22 @@ SHAPES = {
                               rope_base=1e6, n_ctx_train=40960, arch="qwen3moe",
                               head_dim=128, rms_eps=1e-6, n_expert=128, n_expert_used=8,
                               n_ff_exp=768),
+    # LiquidAI/LFM2-8B-A1B's layer (config.json: hidden 2048, 32 heads on 8 KV heads, 32
+    # experts of 1792, 4 a token, the first 2 layers dense of 7168, conv_L_cache 3, rope_theta
+    # 1e6, tied) with 8 of its 24 layers, attention at 2 and 6 (the vocabulary: see above)
+    "lfm2moe-8b-a1b": Shape(n_layer=8, n_embd=2048, n_ff=7168, n_head=32, n_head_kv=8,
+                            rope_base=1e6, n_ctx_train=128000, arch="lfm2moe",
+                            attn_layers=(2, 6), n_expert=32, n_expert_used=4, n_ff_exp=1792,
+                            n_dense_lead=2),
+    "lfm2moe-tiny": Shape(n_layer=4, n_embd=128, n_ff=384, n_head=4, n_head_kv=2,
+                          rope_base=1e6, n_ctx_train=4096, arch="lfm2moe", attn_layers=(1,),
+                          n_expert=8, n_expert_used=2, n_ff_exp=64, n_dense_lead=1),
     "qwen3moe-tiny": Shape(n_layer=2, n_embd=128, n_ff=384, n_head=4, n_head_kv=2,
                            rope_base=1e6, n_ctx_train=4096, arch="qwen3moe", head_dim=64,
                            rms_eps=1e-6, n_expert=8, n_expert_used=2, n_ff_exp=64),
 }
-ARCHS = ("llama", "lfm2", "qwen2", "qwen3", "gemma3", "qwen35", "granitehybrid", "qwen3moe")
+ARCHS = ("llama", "lfm2", "qwen2", "qwen3", "gemma3", "qwen35", "granitehybrid", "qwen3moe",
+         "lfm2moe")
 TYPES = {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 _TOKENIZER = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
               "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
@@ -289,7 +304,7 @@ def check_qwen35(shape: Shape) -> None:
 
 def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
     """Write the GGUF at `path` of `shape.arch` (ARCHS: llama, lfm2, qwen2, qwen3, gemma3,
-    qwen35, granitehybrid, qwen3moe) with llama.cpp's keys and tensor names: weights N(0, 0.02) (the init Llama uses, so
+    qwen35, granitehybrid, qwen3moe, lfm2moe) with llama.cpp's keys and tensor names: weights N(0, 0.02) (the init Llama uses, so
     activations stay in range through the layers), in `wtype` (TYPES); norms 1, qwen2's q/k/v
     biases N(0, 0.02); lfm2's conv kernels and qwen35's ssm_conv1d, ssm_a and ssm_dt.bias F32
     (the converter's types; ssm_a in [-1, -0.1], ssm_dt.bias about 1: decays that neither
@@ -301,13 +316,13 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
     if (shape.sliding_window > 0) != (shape.arch == "gemma3"):
         raise ValueError(f"sliding_window {shape.sliding_window} for {shape.arch}: gemma3 "
                          "needs one, the others have none")
-    lfm2, qwen35 = shape.arch == "lfm2", shape.arch == "qwen35"
+    lfm2, qwen35 = shape.arch in ("lfm2", "lfm2moe"), shape.arch == "qwen35"
     granite = shape.arch == "granitehybrid"
-    moe = shape.arch == "qwen3moe"
+    moe = shape.arch in ("qwen3moe", "lfm2moe")
     if moe != (shape.n_expert > 0):
-        raise ValueError(f"n_expert {shape.n_expert} for {shape.arch}: qwen3moe needs experts, "
-                         "the others have none")
-    qk_norm = shape.arch in ("qwen3", "gemma3", "lfm2", "qwen35", "qwen3moe")
+        raise ValueError(f"n_expert {shape.n_expert} for {shape.arch}: qwen3moe and lfm2moe "
+                         "need experts, the others have none")
+    qk_norm = shape.arch in ("qwen3", "gemma3", "lfm2", "qwen35", "qwen3moe", "lfm2moe")
     if qwen35:
         check_qwen35(shape)
     elif shape.attn_interval or shape.nextn:
@@ -353,10 +368,13 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
     if shape.arch in ("qwen3", "gemma3", "qwen3moe"):  # their config.json's head_dim
         w.add_key_length(shape.hd)
         w.add_value_length(shape.hd)
-    if moe:  # Qwen2MoeModel's (and the base model's) expert keys
+    if moe:  # Qwen2MoeModel's and LFM2MoeModel's (and the base model's) expert keys
         w.add_expert_count(shape.n_expert)
         w.add_expert_used_count(shape.n_expert_used)
         w.add_expert_feed_forward_length(shape.n_ff_exp)
+    if shape.arch == "lfm2moe":
+        w.add_leading_dense_block_count(shape.n_dense_lead)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if shape.arch == "gemma3":
         w.add_sliding_window(shape.sliding_window)
     add_default_tokenizer(w)
@@ -455,9 +473,12 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
             w.add_tensor(p + "shortconv.conv.weight", kernel)
             matrix(p + "shortconv.in_proj.weight", 3 * d, d)
             matrix(p + "shortconv.out_proj.weight", d, d)
-        if moe:  # the router F32 (the converter keeps it so), each expert's rows in wtype
+        if moe and i >= shape.n_dense_lead:  # the router (and LFM2's bias) F32, as the
+            # converter keeps them, each expert's rows in wtype
             f32(p + "ffn_gate_inp.weight",
                 rng.standard_normal((shape.n_expert, d), dtype=np.float32) * np.float32(0.02))
+            if shape.arch == "lfm2moe":
+                f32(p + "exp_probs_b.bias", rng.standard_normal(shape.n_expert) * 0.01)
             experts(p + "ffn_gate_exps.weight", shape.n_ff_exp, d)
             experts(p + "ffn_up_exps.weight", shape.n_ff_exp, d)
             experts(p + "ffn_down_exps.weight", d, shape.n_ff_exp)

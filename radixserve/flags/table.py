@@ -32,8 +32,8 @@ from radixserve.text.builtin_templates import BUILTIN_NAMES
 GPU = "the whole model and its KV pool sit on one device (--device, -ngl 0 or all)"
 PLACEMENT = "threads are placed by the OS and PyTorch"
 # --cpu-moe / --n-cpu-moe / -ot: where llama-server keeps tensors in host memory beside a GPU
-HOST_TENSORS = ("on the CPU every tensor, the experts' included, is in host memory already; "
-                "with --device cuda the whole model sits on the device (no tensor kept back)")
+HOST_TENSORS = ("on the CPU every tensor, the experts' included, is in host memory already, "
+                "and mixture-of-experts models run on the CPU only")
 NO_MULTIMODAL = "no multimodal input without a projector"
 DRAFT_THREADS = "the draft model runs on the target's threads (-t), placed by the OS and PyTorch"
 DRAFT_DEVICE = "the draft model runs where the target model runs"

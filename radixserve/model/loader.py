@@ -16,7 +16,7 @@ from radixserve.model.device import DeviceError, device_name, resolve_device
 from radixserve.model.forward import Transformer
 from radixserve.model.gguf_check import read_gguf
 from radixserve.model.arch import read_hparams
-from radixserve.model.hparams import HParams
+from radixserve.model.hparams import HParams, UnsupportedModelError
 from radixserve.model.kernel_config import KernelConfig
 from radixserve.model.kernels import Kernels
 from radixserve.model.arch import memory_layout
@@ -169,6 +169,10 @@ def load_model(path: str | None = "default", dtype: str = "auto", device: str = 
     reader = read_gguf(path)  # its structure checked (naming a malformed tensor) first
     hp = read_hparams(reader)
     dev = resolve_device(device, gpu_layers, hp.n_layer)
+    if hp.moe is not None and dev.type != "cpu":
+        raise UnsupportedModelError(f"{hp.arch}: mixture-of-experts models run on the CPU only "
+                                    f"(their experts are this engine's packed matrices); "
+                                    f"--device {dev} is not supported for them")
     # our kernels read CPU memory only: a model for another device is built on torch's ops
     # (every choice made while loading: dense panels, int8 head, glue)
     kern = None

@@ -75,6 +75,25 @@ class Router(Linear):
         return self.w.raw.nbytes if isinstance(self.w, qmm.QuantMatrix) else self.w.nbytes
 
 
+def exact_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + e^-x) rounded to f32 with the same bits whichever rows share the call: torch's
+    sigmoid (and exp) take a vectorized path for most elements and a scalar one for a tail
+    whose place depends on the tensor's size and the threads, and the two can differ by an
+    ulp, which a near-tie turns into another expert. Here e^-x is csrc/exp_f.h's evaluation
+    in double (clamp, the 2^n split, a degree-8 polynomial, an exact power-of-two scaling)
+    out of torch ops that are each correctly rounded, so no path can differ (within 2 ulp of
+    torch's sigmoid)."""
+    d = (-x.double()).clamp(-708.0, 708.0)  # 2^n stays a normal double; f32 rounds the rest
+    shift = 6755399441055744.0  # 1.5 * 2^52: adding it rounds to an integer
+    n = (d * 1.4426950408889634 + shift) - shift
+    r = d - n * 0.6931471805599453
+    p = torch.full_like(r, 1.0 / 40320)
+    for c in (1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0):
+        p = p * r + c
+    two_n = ((n.to(torch.int64) + 1023) << 52).view(torch.float64)  # 2^n, exactly
+    return (1.0 / (1.0 + p * two_n)).float()
+
+
 def route(logits: torch.Tensor, dims: MoeDims, select_bias: torch.Tensor | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The router's f32 logits [T, n_expert] -> (the chosen experts [T, n_used], best first;
@@ -84,7 +103,7 @@ def route(logits: torch.Tensor, dims: MoeDims, select_bias: torch.Tensor | None 
     if dims.gating == "softmax":
         probs = torch.softmax(logits, dim=-1)
     elif dims.gating == "sigmoid":
-        probs = torch.sigmoid(logits)
+        probs = exact_sigmoid(logits)
     else:  # softmax_weight: the softmax is over the chosen logits, below
         probs = logits
     chooser = probs if select_bias is None else probs + select_bias

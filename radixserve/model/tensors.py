@@ -94,18 +94,19 @@ class TensorLoader:
             return None
         return torch.from_numpy(a).to(torch.float32 if f32 else self.dtype).contiguous()
 
-    def rows(self, name: str, dtype: torch.dtype | None = None
+    def rows(self, name: str, dtype: torch.dtype | None = None, blocks: bool | None = None
              ) -> torch.Tensor | qmm.QuantMatrix:
         """A table read by rows (the token embedding, the output head): in the file's own
-        blocks (csrc/qmm.c decodes the rows a step needs) when the weights are packed and our
-        kernels run its type, else dense in `dtype` (default f32). The head's rows are f32
-        exactly either way; Gemma 3's tied Q8_0 table costs 178 MB held so, 671 MB as f32."""
+        blocks (csrc/qmm.c decodes the rows a step needs) when the weights are packed (or
+        `blocks`) and our kernels run its type, else dense in `dtype` (default f32). The head's
+        rows are f32 exactly either way; Gemma 3's tied Q8_0 table costs 178 MB held so, 671 MB
+        as f32."""
         t = self.tensor(name)
         assert t is not None
         kern = self.kern
         qtype = t.tensor_type
-        if (self.packed and kern is not None and qmm.available(kern.lib) and len(t.shape) == 2
-                and qtype in QMM_ROW_TYPES):
+        if ((self.packed if blocks is None else blocks) and kern is not None
+                and qmm.available(kern.lib) and len(t.shape) == 2 and qtype in QMM_ROW_TYPES):
             k = int(t.shape[0])
             try:
                 qmm.row_bytes(kern.lib, int(qtype), k)

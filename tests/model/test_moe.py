@@ -22,7 +22,8 @@ import transformers
 from radixserve.engine.batch import BatchSeq, forward
 from radixserve.model.hparams import MoeDims, UnsupportedModelError
 from radixserve.model.loader import Model, load_model
-from radixserve.model.moe import MoEFFN, route
+from radixserve.model import loader, moe
+from radixserve.model.moe import MoEFFN, exact_sigmoid, route
 from tests.conftest import model_pool
 from tests.model.kernel_variants import VARIANTS, config_for
 from tests.model.test_lfm2 import TOKENS, check_against_hf, chunked, rewrite
@@ -146,13 +147,42 @@ def test_gatings_and_the_selection_bias():
     assert torch.allclose(w.sum(), torch.tensor(2.5))
 
 
+@pytest.mark.parametrize("gating", ["softmax", "sigmoid"])
+def test_a_rows_routing_bits_do_not_depend_on_the_rows_beside_it(gating: str):
+    """route() on 132 rows of 8 experts and on each row alone: the same experts and the same
+    weight bits. (torch's sigmoid gives 26 of these rows other bits in the batch: its
+    vectorized and scalar paths differ by an ulp, exact_sigmoid's cannot.)"""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(132, 8, generator=g) * 3
+    bias = 0.1 * torch.randn(8, generator=g) if gating == "sigmoid" else None
+    dims = MoeDims(8, 3, 16, gating)
+    idx, w = route(logits, dims, bias)
+    for i in range(132):
+        one_idx, one_w = route(logits[i:i + 1].clone(), dims, bias)
+        assert torch.equal(one_idx, idx[i:i + 1]) and torch.equal(one_w, w[i:i + 1]), i
+
+
+def test_exact_sigmoid_is_torchs_within_2_ulp():
+    x = torch.cat([torch.randn(100_000) * 10, torch.tensor([-800.0, 800.0, 0.0])])
+    a, b = exact_sigmoid(x), torch.sigmoid(x)
+    assert (a.view(torch.int32) - b.view(torch.int32)).abs().max() <= 2
+    assert exact_sigmoid(torch.tensor([float("inf"), -float("inf")])).tolist() == [1.0, 0.0]
+
+
 def test_only_the_chosen_experts_run(tiny_bf16: str, monkeypatch: pytest.MonkeyPatch):
-    """A decode step reads only the experts the router chose for its token: every other
-    expert's matrices are never called."""
+    """A decode step runs exactly the experts the router chose for its token, gate/up and
+    down, each over one row: every other expert's matrices are never called."""
     m = load_model(tiny_bf16, "bf16", deterministic="on")
     ffns = [b.ffn for b in m.transformer.w.layers]
     assert all(isinstance(f, MoEFFN) for f in ffns)
-    ran: list[tuple[int, int, int]] = []  # (layer, expert, rows)
+    ran: list[tuple[int, int, int]] = []  # (layer, expert, rows) of gate/up, then of down
+    chose: list[list[int]] = []
+
+    def spy_route(*a, **kw):
+        idx, w = route(*a, **kw)
+        chose.append(idx[0].tolist())
+        return idx, w
+    monkeypatch.setattr(moe, "route", spy_route)
 
     class Spy:
         def __init__(self, li: int, e: int, lin) -> None:
@@ -163,15 +193,17 @@ def test_only_the_chosen_experts_run(tiny_bf16: str, monkeypatch: pytest.MonkeyP
             return self.lin(x, inv)
 
     for li, f in enumerate(ffns):
-        monkeypatch.setattr(f.gate_up, "parts",
-                            [Spy(li, e, lin) for e, lin in enumerate(f.gate_up.parts)])
+        for mats in (f.gate_up, f.down):
+            monkeypatch.setattr(mats, "parts",
+                                [Spy(li, e, lin) for e, lin in enumerate(mats.parts)])
     pool = model_pool(m, 256, 1, True, 64)
     forward(m.transformer, pool, [BatchSeq(0, TOKENS[:20], 0, 1)])
     ran.clear()
+    chose.clear()
     forward(m.transformer, pool, [BatchSeq(0, [TOKENS[20]], 20, 1)])
-    per_layer = [[e for li2, e, _ in ran if li2 == li] for li in range(len(ffns))]
-    assert all(len(es) == 3 and len(set(es)) == 3 for es in per_layer), per_layer
-    assert all(rows == 1 for _, _, rows in ran)
+    per_layer = [sorted(e for li2, e, _ in ran if li2 == li) for li in range(len(ffns))]
+    assert per_layer == [sorted(c + c) for c in chose], (per_layer, chose)
+    assert all(rows == 1 for _, _, rows in ran) and len(chose) == len(ffns)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -271,3 +303,20 @@ def test_every_tensor_name_is_one_llama_cpp_knows_for_the_architecture(
         known |= {pattern.format(bid=i) for i in range(8)} if "{bid}" in pattern else {pattern}
     names = {t.name.rsplit(".", 1)[0] for t in gguf.GGUFReader(path).tensors}
     assert names and names <= known, sorted(names - known)
+
+
+def test_an_moe_model_off_the_cpu_is_refused_in_one_line(tiny_bf16: str,
+                                                        monkeypatch: pytest.MonkeyPatch):
+    """Before any weight is read (a device this machine lacks stands in as torch's meta
+    device): the experts are this engine's packed matrices."""
+    monkeypatch.setattr(loader, "resolve_device", lambda *a: torch.device("meta"))
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts models run on the CPU"):
+        load_model(tiny_bf16, "f32", device="cuda")
+
+
+def test_the_dequant_path_keeps_the_router_exact_and_deterministic(tiny_bf16: str):
+    """--weights dequant: the router still runs our exact dots on the file's rows, so
+    deterministic mode holds there too, with the same logits as the packed path's router."""
+    m = load_model(tiny_bf16, "bf16", weights="dequant", deterministic="on")
+    assert m.deterministic
+    assert all(b.ffn.router.route == "qmm-f32" for b in m.transformer.w.layers)

@@ -163,16 +163,18 @@ class Family:
     # -- mixture of experts ---------------------------------------------------------------
 
     def moe_dims(self, get: Get, arch: str, gating: str | None = "softmax",
-                 norm_w: bool = True, n_dense_lead: int = 0) -> MoeDims:
-        """The experts' sizes from `{arch}.expert_*` (the expert width defaults to
-        feed_forward_length / expert_used_count, as llama.cpp's); `gating` and `norm_w` where
-        the family fixes them in code, as llama.cpp does (gating None: the file's
-        `expert_gating_func`, required)."""
+                 norm_w: bool = True, n_dense_lead: int = 0, width_required: bool = False
+                 ) -> MoeDims:
+        """The experts' sizes from `{arch}.expert_*` (the expert width, unless
+        `width_required`, defaults to feed_forward_length / expert_used_count, as llama.cpp's);
+        `gating` and `norm_w` where the family fixes them in code, as llama.cpp does (gating
+        None: the file's `expert_gating_func`, required). No weight scale: llama.cpp reads none
+        for these families."""
         n_expert, n_used = int(get("expert_count")), int(get("expert_used_count"))
-        n_ff = get("expert_feed_forward_length", None, required=False)
+        n_ff = get("expert_feed_forward_length", None, required=width_required)
         if n_ff is None:
             n_ff = int(get("feed_forward_length")) // max(1, n_used)
-        scale = float(get("expert_weights_scale", 0.0, required=False) or 0.0)
+        scale = 0.0
         if gating is None:
             code = int(get("expert_gating_func"))
             if code not in GATING_FUNCS:
@@ -196,5 +198,7 @@ class Family:
         gate_up = ld.experts([p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"],
                              m.n_expert, (m.n_ff, e))
         down = ld.experts([p + "ffn_down_exps.weight"], m.n_expert, (e, m.n_ff))
-        return MoEFFN(Router(ld.rows(p + "ffn_gate_inp.weight")), ExpertMatrices(gate_up),
+        # the router's exact dots on the file's rows wherever our kernels run (dequant too)
+        router = Router(ld.rows(p + "ffn_gate_inp.weight", blocks=True))
+        return MoEFFN(router, ExpertMatrices(gate_up),
                       ExpertMatrices(down), m, bias, ld.kern)

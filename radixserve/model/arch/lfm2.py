@@ -76,7 +76,8 @@ class Lfm2Moe(Lfm2):
         if not 0 <= n_dense <= n_layer:
             raise UnsupportedModelError(f"lfm2moe.leading_dense_block_count {n_dense} of "
                                         f"{n_layer} layers")
-        return {"moe": self.moe_dims(get, "lfm2moe", gating=None, n_dense_lead=n_dense)}
+        return {"moe": self.moe_dims(get, "lfm2moe", gating=None, n_dense_lead=n_dense,
+                                     width_required=True)}
 
     def ffn(self, ld: TensorLoader, hp: HParams, p: str) -> FFN:
         assert hp.moe is not None
