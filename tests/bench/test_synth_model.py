@@ -194,3 +194,44 @@ def test_the_command_refuses_an_unknown_type(tmp_path, capsys):
         main([str(tmp_path / "m.gguf"), "--type", "q4_k_m"])
     assert "invalid choice" in capsys.readouterr().err
     assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-tiny", "lfm2moe-tiny"])
+def test_the_moe_shapes_are_written_as_llama_cpp_names_them_and_load(tmp_path, name):
+    """The mixture-of-experts shapes: every tensor name one gguf-py knows for the
+    architecture, the expert keys (LFM2-MoE's dense leading layers, sigmoid gating and its
+    selection bias), the experts stacked [experts, rows, cols] in the weight type beside an
+    F32 router, loaded with those sizes; the real shapes keep the real models' layer."""
+    shape = SHAPES[name]
+    arch = shape.arch
+    path = write(str(tmp_path / "m.gguf"), shape, "q8_0")
+    r = gguf.GGUFReader(path)
+    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    known = set()
+    for kind in gguf.MODEL_TENSORS[arch_id]:
+        pattern = gguf.TENSOR_NAMES[kind]
+        known |= {pattern.format(bid=i) for i in range(shape.n_layer)}
+    t = {x.name: x for x in r.tensors}
+    assert {n.rsplit(".", 1)[0] for n in t} <= known
+    f = {k: v.contents() for k, v in r.fields.items() if k.startswith(arch + ".")}
+    assert (f[f"{arch}.expert_count"], f[f"{arch}.expert_used_count"],
+            f[f"{arch}.expert_feed_forward_length"]) == (shape.n_expert, shape.n_expert_used,
+                                                         shape.n_ff_exp)
+    first = shape.n_dense_lead
+    gate = t[f"blk.{first}.ffn_gate_exps.weight"]
+    assert list(gate.shape) == [shape.n_embd, shape.n_ff_exp, shape.n_expert]
+    assert gate.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    assert t[f"blk.{first}.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    if arch == "lfm2moe":
+        assert f["lfm2moe.leading_dense_block_count"] == 1
+        assert f["lfm2moe.expert_gating_func"] == 2
+        assert "blk.0.ffn_gate.weight" in t and "blk.0.ffn_gate_inp.weight" not in t
+        assert f"blk.{first}.exp_probs_b.bias" in t
+    m = load_model(path, "bf16")
+    assert m.hp.moe is not None and (m.hp.moe.n_expert, m.hp.moe.n_used, m.hp.moe.n_ff,
+                                     m.hp.moe.n_dense_lead) == (shape.n_expert,
+                                                                shape.n_expert_used,
+                                                                shape.n_ff_exp, first)
+    real = SHAPES["qwen3moe-30b-a3b" if arch == "qwen3moe" else "lfm2moe-8b-a1b"]
+    assert (real.n_embd, real.n_expert, real.n_expert_used, real.n_ff_exp) == (
+        (2048, 128, 8, 768) if arch == "qwen3moe" else (2048, 32, 4, 1792))
