@@ -133,6 +133,13 @@ class MoEFFN:
     def __call__(self, run: Run, h: torch.Tensor) -> torch.Tensor:
         idx, w = route(self.router(h), self.dims, self.select_bias)
         n_tok, k = idx.shape
+        if n_tok == 1:  # a decode step's token: its experts in rank order, nothing to group
+            out = None
+            for j, e in enumerate(idx[0].tolist()):
+                y = self._expert(run, e, h).float() * w[:, j:j + 1]
+                out = y if out is None else out.add_(y)
+            assert out is not None
+            return out.to(h.dtype)
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, rank) slots grouped by expert
         counts = torch.bincount(flat, minlength=self.dims.n_expert).tolist()
@@ -143,14 +150,17 @@ class MoEFFN:
                 continue
             slots = order[at:at + n]
             at += n
-            x = h.index_select(0, slots // k)
-            y = self.down[e](self._swiglu(self.gate_up[e](x, run.inv)), run.inv)
-            ys.index_copy_(0, slots, y.float())
+            ys.index_copy_(0, slots, self._expert(run, e, h.index_select(0, slots // k)).float())
         ys = ys.view(n_tok, k, -1)
         out = ys[:, 0] * w[:, :1]
         for j in range(1, k):  # rank order, whatever the batch
             out.add_(ys[:, j] * w[:, j:j + 1])
         return out.to(h.dtype)
+
+    def _expert(self, run: Run, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e's SwiGLU over the rows x (the same bits for a row whatever rows share it:
+        each matrix is row-invariant)."""
+        return self.down[e](self._swiglu(self.gate_up[e](x, run.inv)), run.inv)
 
     def _swiglu(self, gu: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of an expert's fused rows (our kernel on bf16 rows, as the dense

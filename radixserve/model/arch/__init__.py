@@ -36,9 +36,12 @@ def registry() -> dict[str, Family]:
 
 # architectures known and not served yet, with why (one line at start-up, as any refusal)
 NOT_YET = {
-    "qwen35moe": "Qwen3.5 mixture-of-experts needs expert layers, not supported yet",
-    "qwen3next": "Qwen3-Next (a mixture-of-experts Gated DeltaNet) needs expert layers, not "
+    "qwen35moe": "Qwen3.5 mixture-of-experts (routed experts beside a gated shared expert) is "
+                 "not supported yet",
+    "qwen3next": "Qwen3-Next (a mixture-of-experts Gated DeltaNet with a shared expert) is not "
                  "supported yet",
+    "gpt-oss": "gpt-oss (MXFP4 experts, attention sinks, the harmony chat format) is not "
+               "supported yet",
 }
 
 
