@@ -147,31 +147,39 @@ def _tensors(model: transformers.PreTrainedModel) -> dict[str, tuple[str, np.nda
     return out
 
 
-def write_qwen3moe_from_hf(path: str, model: transformers.PreTrainedModel,
-                           wtype: str = "f32") -> str:
-    """`model` as the converter writes it (see the module's docstring), matrices in `wtype`
-    (f32 or q8_0; norms and the router F32). With q8_0 the model's own weights become the
-    dequantized ones."""
+def _writer(path: str, arch: str, model: transformers.PreTrainedModel,
+            wtype: str) -> gguf.GGUFWriter:
+    """A writer of `arch` with the keys both families' converters write alike."""
     if wtype not in ("f32", "q8_0"):
         raise ValueError(f"wtype {wtype!r}: f32 or q8_0")
     cfg = model.config
-    w = gguf.GGUFWriter(path, "qwen3moe")
-    w.add_name("qwen3moe-from-hf")
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"{arch}-from-hf")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_expert_count(cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if wtype == "f32"
                     else gguf.LlamaFileType.MOSTLY_Q8_0)
+    return w
+
+
+def write_qwen3moe_from_hf(path: str, model: transformers.PreTrainedModel,
+                           wtype: str = "f32") -> str:
+    """`model` as the converter writes it (see the module's docstring), matrices in `wtype`
+    (f32 or q8_0; norms and the router F32). With q8_0 the model's own weights become the
+    dequantized ones."""
+    cfg = model.config
+    w = _writer(path, "qwen3moe", model, wtype)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
     add_default_tokenizer(w)
     write_tensors(w, model, wtype)
     return path
@@ -183,25 +191,11 @@ def write_lfm2moe_from_hf(path: str, model: transformers.PreTrainedModel,
     layer (0 for a conv layer), the expert keys, leading_dense_block_count,
     expert_gating_func sigmoid, shortconv.l_cache; the conv kernels squeezed to [D, L] and the
     expert bias as exp_probs_b.bias, both F32."""
-    if wtype not in ("f32", "q8_0"):
-        raise ValueError(f"wtype {wtype!r}: f32 or q8_0")
     cfg = model.config
-    w = gguf.GGUFWriter(path, "lfm2moe")
-    w.add_name("lfm2moe-from-hf")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
+    w = _writer(path, "lfm2moe", model, wtype)
     w.add_head_count_kv([cfg.num_key_value_heads if t == "full_attention" else 0
                          for t in cfg.layer_types])
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.norm_eps)
-    w.add_expert_count(cfg.num_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if wtype == "f32"
-                    else gguf.LlamaFileType.MOSTLY_Q8_0)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_leading_dense_block_count(cfg.num_dense_layers)
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_vocab_size(cfg.vocab_size)

@@ -52,6 +52,20 @@ def chunked(n: int, size: int) -> list[int]:
     return [size] * (n // size) + ([n % size] if n % size else [])
 
 
+def beside_another(m: Model, ids: list[int]) -> torch.Tensor:
+    """Every position's logits of `ids` fed in chunks of 9, each step beside a decode token of
+    another sequence (its tokens `ids` shifted by one) in a fresh two-sequence pool."""
+    pool = model_pool(m, 256, 2, True, 64)
+    other = [t + 1 for t in ids]
+    got, pos = [], 0
+    for c in chunked(len(ids), 9):
+        out = forward(m.transformer, pool, [BatchSeq(1, other[pos:pos + c], pos, 1),
+                                            BatchSeq(0, ids[pos:pos + c], pos, c)])
+        got.append(out[1:])
+        pos += c
+    return torch.cat(got)
+
+
 @pytest.fixture(scope="module", params=[False, True], ids=["f32-weights", "quantized"])
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
     d = tmp_path_factory.mktemp("lfm2")

@@ -26,7 +26,7 @@ from radixserve.model import loader, moe
 from radixserve.model.moe import MoEFFN, exact_sigmoid, route
 from tests.conftest import model_pool
 from tests.model.kernel_variants import VARIANTS, config_for
-from tests.model.test_lfm2 import TOKENS, check_against_hf, chunked, rewrite
+from tests.model.test_lfm2 import TOKENS, beside_another, check_against_hf, chunked, rewrite
 from tests.model.test_lfm2 import logits_in_chunks as lfm2_chunks
 from tests.moe_hf import (random_moe, tiny_lfm2moe_config, tiny_qwen3moe_config,
                           write_lfm2moe_from_hf, write_qwen3moe_from_hf)
@@ -220,15 +220,7 @@ def test_bits_do_not_depend_on_chunking_or_batch(tiny_bf16: str, tiny_lfm2moe: s
     one = chunks_of(m, TOKENS, [N])
     for size in (60, 7, 1):
         assert torch.equal(chunks_of(m, TOKENS, chunked(N, size)), one), size
-    pool = model_pool(m, 256, 2, True, 64)
-    other = [t + 1 for t in TOKENS]
-    got, pos = [], 0
-    for c in chunked(N, 9):
-        out = forward(m.transformer, pool, [BatchSeq(1, other[pos:pos + c], pos, 1),
-                                            BatchSeq(0, TOKENS[pos:pos + c], pos, c)])
-        got.append(out[1:])
-        pos += c
-    assert torch.equal(torch.cat(got), one)
+    assert torch.equal(beside_another(m, TOKENS), one)
 
 
 def test_bf16_follows_f32(tiny_bf16: str):

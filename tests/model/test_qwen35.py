@@ -25,7 +25,7 @@ from radixserve.model.hparams import UnsupportedModelError
 from radixserve.model.loader import Model, load_model
 from tests.conftest import model_pool
 from tests.model.kernel_variants import VARIANTS, config_for
-from tests.model.test_lfm2 import TOKENS, check_against_hf, chunked, rewrite
+from tests.model.test_lfm2 import TOKENS, beside_another, check_against_hf, chunked, rewrite
 from tests.model.test_lfm2 import logits_in_chunks as lfm2_chunks
 from tests.qwen35_hf import hf_qwen35_from_gguf
 from tests.tiny_gguf import write_tiny_gguf
@@ -106,15 +106,7 @@ def test_bits_do_not_depend_on_chunking_or_batch(tiny_bf16: str, variant: str):
     one = logits_in_chunks(m, TOKENS, [N])
     for size in (60, 7, 1):
         assert torch.equal(logits_in_chunks(m, TOKENS, chunked(N, size)), one), size
-    pool = model_pool(m, 256, 2, True, 64)
-    other = [t + 1 for t in TOKENS]
-    got, pos = [], 0
-    for c in chunked(N, 9):
-        out = forward(m.transformer, pool, [BatchSeq(1, other[pos:pos + c], pos, 1),
-                                            BatchSeq(0, TOKENS[pos:pos + c], pos, c)])
-        got.append(out[1:])
-        pos += c
-    assert torch.equal(torch.cat(got), one)
+    assert torch.equal(beside_another(m, TOKENS), one)
 
 
 def test_a_state_restored_resumes_exactly(tiny_bf16: str):
