@@ -198,9 +198,11 @@ class TensorLoader:
                     n_elements=t.n_elements // n_expert, n_bytes=per,
                     data_offset=t.data_offset + e * per, data=t.data[e], field=t.field)
                 views.append(view)
-            out.append(self.linear(views, [None] * len(views)))
-            for v in views:
-                del self.tensors[v]
+            try:
+                out.append(self.linear(views, [None] * len(views)))
+            finally:  # the views name no tensor of the file
+                for v in views:
+                    del self.tensors[v]
         return out
 
     def release(self) -> None:
