@@ -33,6 +33,7 @@ import torch
 import transformers
 
 from radixserve.bench.synth_model import add_default_tokenizer, default_tokenizer_fields
+from tests.hf_random import randomize
 
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
@@ -83,26 +84,20 @@ def random_granite(config: transformers.GraniteMoeHybridConfig, seed: int = 0
     embedding_multiplier), norm weights 1 + N(0, 0.1), A_log = log U(0.2, 2), dt_bias
     1 + N(0, 0.3), D 1 + N(0, 0.3), conv kernels N(0, 0.3) and biases N(0, 0.1)."""
     torch.manual_seed(seed)
-    model = transformers.GraniteMoeHybridForCausalLM(config).to(torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            z = torch.randn(p.shape, generator=g)
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * z)
-            elif name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(0.2, 2.0, generator=g).log())
-            elif name.endswith(("dt_bias", ".D")):
-                p.copy_(1 + 0.3 * z)
-            elif name.endswith("conv1d.weight"):
-                p.copy_(0.3 * z)
-            elif name.endswith("conv1d.bias"):
-                p.copy_(0.1 * z)
-            elif name.endswith("embed_tokens.weight"):
-                p.copy_(0.5 / config.embedding_multiplier * z)
-            else:
-                p.copy_(z / p.shape[-1] ** 0.5)
-    return model.eval()
+
+    def mamba(name: str, p: torch.Tensor, z: torch.Tensor,
+              g: torch.Generator) -> torch.Tensor | None:
+        if name.endswith("norm.weight"):
+            return None
+        if name.endswith("A_log"):
+            return torch.empty(p.shape).uniform_(0.2, 2.0, generator=g).log()
+        if name.endswith(("dt_bias", ".D")):
+            return 1 + 0.3 * z
+        if name.endswith("conv1d.weight"):
+            return 0.3 * z
+        return 0.1 * z if name.endswith("conv1d.bias") else None
+    return randomize(transformers.GraniteMoeHybridForCausalLM(config), seed,
+                     0.5 / config.embedding_multiplier, mamba)
 
 
 def permute(a: np.ndarray, n_head: int) -> np.ndarray:

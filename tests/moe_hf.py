@@ -33,6 +33,7 @@ import torch
 import transformers
 
 from radixserve.bench.synth_model import add_default_tokenizer, default_tokenizer_fields
+from tests.hf_random import randomize
 
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
@@ -89,18 +90,7 @@ def random_moe(config: transformers.PretrainedConfig, seed: int = 0) -> transfor
     matrices N(0, 1/sqrt(fan_in)) (the router's too, so its choices are not near-ties),
     the embedding N(0, 0.5), norm weights 1 + N(0, 0.1)."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            z = torch.randn(p.shape, generator=g)
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * z)
-            elif name.endswith("embed_tokens.weight"):
-                p.copy_(0.5 * z)
-            else:
-                p.copy_(z / p.shape[-1] ** 0.5)
-    return model.eval()
+    return randomize(transformers.AutoModelForCausalLM.from_config(config), seed, 0.5)
 
 
 def tiny_lfm2moe_config(**kw: object) -> transformers.Lfm2MoeConfig:

@@ -150,8 +150,10 @@ class HostTier:
             return
         before = self.cache.holds()
         self._fit_own(before, self.limit // 2)
-        self._evicting(self.cache.update, before)
-        self._fit_own(self.cache.holds(), self.limit - int(self.cache.stats()["bytes"]))
+        self.cache.update()
+        held = self.cache.holds()
+        self._drop({i: b for i, b in before.items() if i not in held})
+        self._fit_own(held, self.limit - int(self.cache.stats()["bytes"]))
 
     def _fit_own(self, held: Mapping[int, bytes], room: int) -> None:
         """The slots' own checkpoints (not in `held`) within `room` bytes, the oldest
@@ -170,14 +172,12 @@ class HostTier:
                      self.limit / 2**20, total / 2**20)
             self._drop(gone)
 
-    def _evicting(self, op: Callable[[], T], before: Mapping[int, bytes] | None = None) -> T:
+    def _evicting(self, op: Callable[[], T]) -> T:
         """Run `op` (a cache operation that may evict); the snapshots it dropped go from the
-        slots too. `before` (the buffers held before, kept alive so no id is reused
-        meanwhile)."""
+        slots too (the buffers held before are kept alive meanwhile, so no id is reused)."""
         if not self._slots:
             return op()
-        if before is None:
-            before = self.cache.holds()
+        before = self.cache.holds()
         out = op()
         held = self.cache.holds()
         self._drop({i: b for i, b in before.items() if i not in held})

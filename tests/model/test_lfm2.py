@@ -52,6 +52,17 @@ def chunked(n: int, size: int) -> list[int]:
     return [size] * (n // size) + ([n % size] if n % size else [])
 
 
+def check_bits_do_not_depend_on_chunking_or_batch(
+        m: Model, chunks_of: Callable[[Model, list[int], list[int]], torch.Tensor]) -> None:
+    """TOKENS' logits (fed by `chunks_of`) bit for bit in one chunk, in chunks of 60, 7 and
+    1, and beside another sequence's decode tokens."""
+    n = len(TOKENS)
+    one = chunks_of(m, TOKENS, [n])
+    for size in (60, 7, 1):
+        assert torch.equal(chunks_of(m, TOKENS, chunked(n, size)), one), size
+    assert torch.equal(beside_another(m, TOKENS), one)
+
+
 def beside_another(m: Model, ids: list[int]) -> torch.Tensor:
     """Every position's logits of `ids` fed in chunks of 9, each step beside a decode token of
     another sequence (its tokens `ids` shifted by one) in a fresh two-sequence pool."""

@@ -26,7 +26,9 @@ from radixserve.model import loader, moe
 from radixserve.model.moe import MoEFFN, exact_sigmoid, route
 from tests.conftest import model_pool
 from tests.model.kernel_variants import VARIANTS, config_for
-from tests.model.test_lfm2 import TOKENS, beside_another, check_against_hf, chunked, rewrite
+from tests.model.test_lfm2 import (TOKENS, check_against_hf,
+                                   check_bits_do_not_depend_on_chunking_or_batch,
+                                   rewrite)
 from tests.model.test_lfm2 import logits_in_chunks as lfm2_chunks
 from tests.moe_hf import (random_moe, tiny_lfm2moe_config, tiny_qwen3moe_config,
                           write_lfm2moe_from_hf, write_qwen3moe_from_hf)
@@ -217,10 +219,7 @@ def test_bits_do_not_depend_on_chunking_or_batch(tiny_bf16: str, tiny_lfm2moe: s
     chunks_of = logits_in_chunks if family == "qwen3moe" else lfm2_chunks
     m = load_model(path, "bf16", kernels=config_for(variant), deterministic="on")
     assert m.deterministic
-    one = chunks_of(m, TOKENS, [N])
-    for size in (60, 7, 1):
-        assert torch.equal(chunks_of(m, TOKENS, chunked(N, size)), one), size
-    assert torch.equal(beside_another(m, TOKENS), one)
+    check_bits_do_not_depend_on_chunking_or_batch(m, chunks_of)
 
 
 def test_bf16_follows_f32(tiny_bf16: str):

@@ -25,7 +25,9 @@ from radixserve.model.hparams import UnsupportedModelError
 from radixserve.model.loader import Model, load_model
 from tests.conftest import model_pool
 from tests.model.kernel_variants import VARIANTS, config_for
-from tests.model.test_lfm2 import TOKENS, beside_another, check_against_hf, chunked, rewrite
+from tests.model.test_lfm2 import (TOKENS, check_against_hf,
+                                   check_bits_do_not_depend_on_chunking_or_batch,
+                                   rewrite)
 from tests.model.test_lfm2 import logits_in_chunks as lfm2_chunks
 from tests.qwen35_hf import hf_qwen35_from_gguf
 from tests.tiny_gguf import write_tiny_gguf
@@ -103,10 +105,7 @@ def test_bits_do_not_depend_on_chunking_or_batch(tiny_bf16: str, variant: str):
     computed beside another sequence in the same steps."""
     m = load_model(tiny_bf16, "bf16", kernels=config_for(variant), deterministic="on")
     assert m.deterministic
-    one = logits_in_chunks(m, TOKENS, [N])
-    for size in (60, 7, 1):
-        assert torch.equal(logits_in_chunks(m, TOKENS, chunked(N, size)), one), size
-    assert torch.equal(beside_another(m, TOKENS), one)
+    check_bits_do_not_depend_on_chunking_or_batch(m, logits_in_chunks)
 
 
 def test_a_state_restored_resumes_exactly(tiny_bf16: str):
