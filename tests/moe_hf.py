@@ -26,6 +26,7 @@ compute with the same weights."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import gguf
 import numpy as np
@@ -195,18 +196,30 @@ def write_lfm2moe_from_hf(path: str, model: transformers.PreTrainedModel,
     return path
 
 
-def write_tensors(w: gguf.GGUFWriter, model: transformers.PreTrainedModel, wtype: str) -> None:
-    """The tensors (`_tensors`), then the file; q8_0: every matrix but the router's, and the
-    HF model's weights replaced by the dequantized ones."""
-    q8 = gguf.GGMLQuantizationType.Q8_0
+def _restore_halves(params: dict[str, torch.nn.Parameter], base: str, part: str,
+                    t: torch.Tensor) -> None:
+    """A fused [E, 2 F, D] gate_up_proj's gate or up half set back (Qwen3 MoE, LFM2-MoE)."""
+    half = params[base].shape[1] // 2
+    (params[base][:, :half] if part == "gate" else params[base][:, half:]).copy_(t)
+
+
+def write_tensors(w: gguf.GGUFWriter, model: transformers.PreTrainedModel, wtype: str,
+                  tensors: dict[str, tuple[str, np.ndarray]] | None = None,
+                  restore: Callable[..., None] = _restore_halves) -> None:
+    """The tensors (`_tensors`'s unless given), then the file; q8_0: every matrix but the
+    router's, mxfp4: those with the experts' in MXFP4, and the HF model's weights replaced by
+    the dequantized ones (a part of an HF tensor, "name:part", by `restore`)."""
     dequantized: dict[str, np.ndarray] = {}
-    for out, (hf, a) in _tensors(model).items():
-        if (wtype == "q8_0" and a.ndim >= 2 and a.shape[-1] % 32 == 0
+    for out, (hf, a) in (_tensors(model) if tensors is None else tensors).items():
+        if (wtype in ("q8_0", "mxfp4") and a.ndim >= 2 and a.shape[-1] % 32 == 0
                 and "ffn_gate_inp" not in out and "_norm." not in out
-                and "shortconv.conv." not in out):
-            blocks = gguf.quants.quantize(a, q8)
-            w.add_tensor(out, blocks, raw_dtype=q8)
-            dequantized[hf] = gguf.quants.dequantize(blocks, q8).reshape(a.shape)
+                and "shortconv.conv." not in out and not out.endswith(".bias")):
+            q = gguf.GGMLQuantizationType.Q8_0
+            if wtype == "mxfp4" and "_exps." in out:
+                q = gguf.GGMLQuantizationType.MXFP4
+            blocks = gguf.quants.quantize(a, q)
+            w.add_tensor(out, blocks, raw_dtype=q)
+            dequantized[hf] = gguf.quants.dequantize(blocks, q).reshape(a.shape)
         else:
             w.add_tensor(out, a)
     w.write_header_to_file()
@@ -218,9 +231,122 @@ def write_tensors(w: gguf.GGUFWriter, model: transformers.PreTrainedModel, wtype
         for name, a in dequantized.items():
             base, _, part = name.partition(":")
             t = torch.from_numpy(np.ascontiguousarray(a))
-            if not part:
+            if part:
+                restore(params, base, part, t)
+            else:
                 params[base].copy_(t)
-                continue
-            half = params[base].shape[1] // 2
-            dst = params[base][:, :half] if part == "gate" else params[base][:, half:]
-            dst.copy_(t)
+
+
+# gpt-oss (GptOssForCausalLM) -> llama.cpp's GptOssModel names
+_GPTOSS_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.sinks": "attn_sinks.weight",
+    **{f"self_attn.{x}_proj.{kind}": f"attn_{x}.{kind}" for x in "qkv"
+       for kind in ("weight", "bias")},
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "mlp.router.weight": "ffn_gate_inp.weight",
+    "mlp.router.bias": "ffn_gate_inp.bias",
+    "mlp.experts.down_proj_bias": "ffn_down_exps.bias",
+}
+
+
+def tiny_gptoss_config(**kw: object) -> transformers.GptOssConfig:
+    """A 4-layer gpt-oss on the default model's vocabulary: sliding (window 8) and full
+    layers alternating, 8 experts of width 32, 3 used a token, 4 heads of 16 on 2 KV heads,
+    YaRN x32 over 4096 positions with the correction range truncated (llama.cpp always
+    truncates it; the released config says not to, a difference in the last digits of a few
+    frequencies)."""
+    args: dict[str, object] = dict(
+        vocab_size=len(default_tokenizer_fields()["tokenizer.ggml.tokens"]),
+        hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=3,
+        sliding_window=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": True,
+                         "original_max_position_embeddings": 4096, "rope_theta": 150000.0})
+    args.update(kw)
+    return transformers.GptOssConfig(**args)
+
+
+def _gptoss_tensors(model: transformers.PreTrainedModel) -> dict[str, tuple[str, np.ndarray]]:
+    """{GGUF name: (HF name[:part], the converted f32 array)}, as GptOssModel.modify_tensors
+    converts unquantized experts: gate_up_proj [E, D, 2 F] transposed to [E, 2 F, D] and its
+    interleaved rows split (gate the even, up the odd), its bias likewise; down_proj
+    transposed to [E, D, F]."""
+    out: dict[str, tuple[str, np.ndarray]] = {}
+    for name, t in model.state_dict().items():
+        a = np.ascontiguousarray(t.detach().float().numpy())
+        if name in _GLOBAL:
+            out[_GLOBAL[name]] = (name, a)
+            continue
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if m is None:
+            raise ValueError(f"{name!r} has no GGUF counterpart")
+        p, key = f"blk.{m[1]}.", m[2]
+        if key == "mlp.experts.gate_up_proj":
+            a = a.transpose(0, 2, 1)
+            out[p + "ffn_gate_exps.weight"] = (name + ":gate", np.ascontiguousarray(a[:, ::2]))
+            out[p + "ffn_up_exps.weight"] = (name + ":up", np.ascontiguousarray(a[:, 1::2]))
+        elif key == "mlp.experts.gate_up_proj_bias":
+            out[p + "ffn_gate_exps.bias"] = (name, np.ascontiguousarray(a[:, ::2]))
+            out[p + "ffn_up_exps.bias"] = (name, np.ascontiguousarray(a[:, 1::2]))
+        elif key == "mlp.experts.down_proj":
+            out[p + "ffn_down_exps.weight"] = (name + ":down",
+                                               np.ascontiguousarray(a.transpose(0, 2, 1)))
+        elif key in _GPTOSS_LAYER:
+            out[p + _GPTOSS_LAYER[key]] = (name, a)
+        else:
+            raise ValueError(f"{name!r} has no GGUF counterpart")
+    return out
+
+
+def _restore_gptoss(params: dict[str, torch.nn.Parameter], base: str, part: str,
+                    t: torch.Tensor) -> None:
+    """A dequantized expert matrix set back into GptOss's layout (_gptoss_tensors inverted)."""
+    if part == "down":
+        params[base].copy_(t.transpose(1, 2))
+    else:
+        first = 0 if part == "gate" else 1  # gate the even columns, up the odd
+        params[base][:, :, first::2].copy_(t.transpose(1, 2))
+
+
+def write_gptoss_from_hf(path: str, model: transformers.PreTrainedModel,
+                         wtype: str = "f32") -> str:
+    """`model` (GptOssForCausalLM) as GptOssModel writes it: the keys (sliding_window,
+    expert_feed_forward_length, YaRN's), sinks, biases and the experts converted
+    (_gptoss_tensors); `wtype` f32, q8_0, or mxfp4 (q8_0 with the experts in MXFP4, as the
+    released files hold them)."""
+    if wtype not in ("f32", "q8_0", "mxfp4"):
+        raise ValueError(f"wtype {wtype!r}: f32, q8_0 or mxfp4")
+    cfg = model.config
+    rope = cfg.rope_parameters
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    w.add_name("gpt-oss-from-hf")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if wtype == "f32"
+                    else gguf.LlamaFileType.MOSTLY_Q8_0)
+    add_default_tokenizer(w)
+    write_tensors(w, model, wtype, _gptoss_tensors(model), _restore_gptoss)
+    return path

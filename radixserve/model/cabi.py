@@ -22,7 +22,7 @@ import torch
 
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SEQS = [I32, P, P, P, P]  # n_seq, cells, c0, len, n_new
-_ATTN = [I32, I32, I32, F32, P, P, I64]  # n_kv, g, d, scale, out, work, work_floats
+_ATTN = [I32, I32, I32, F32, P, P, P, I64]  # n_kv, g, d, scale, sinks, out, work, work_floats
 _KV = [I32, I32, I64, I64]  # K and V cache types (kv_types.py), K and V head strides in bytes
 # name -> (return type, argument types), in csrc's prototypes' order
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {

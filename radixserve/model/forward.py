@@ -131,10 +131,12 @@ class Transformer:
         self._warned = False
         self.device = w.output_norm.device  # the model's one device (weights.place)
         self.rope = Rope(hp, w.rope_freqs, device=self.device)
-        # sliding layers: their own base, never position scaling (llama.cpp's
-        # rope_freq_scale_train_swa = 1); a pool re-rotates their cache with this one
-        self.rope_swa = (Rope(hp, w.rope_freqs, base=hp.rope_base_swa, scale=1.0,
-                              device=self.device)
+        # sliding layers: their own base, and no position scaling (llama.cpp's
+        # rope_freq_scale_train_swa = 1) unless the family scales them as the global ones
+        # (gpt-oss); a pool re-rotates their cache with this one
+        scaled = hp.rope_swa_scaled
+        self.rope_swa = (Rope(hp, w.rope_freqs, base=hp.rope_base_swa,
+                              scale=None if scaled else 1.0, device=self.device, yarn=scaled)
                          if hp.n_layer_swa else self.rope)
         # q.k's scale (Gemma 3 27B's and Granite's are not 1/sqrt(head_dim)): our kernel's and
         # SDPA's alike

@@ -75,6 +75,22 @@ class SsmDims:
         return (self.conv - 1) * self.channels + self.heads_in_k * self.dk * self.dv
 
 
+@dataclass(slots=True, frozen=True)
+class YarnDims:
+    """YaRN rope scaling (llama.cpp's rope.scaling.* keys, as llama_context resolves them):
+    each rotary pair's frequency mixed between interpolated (divided by `factor`) and the
+    original by a ramp over the pairs between the correction dims of `beta_fast` and
+    `beta_slow` rotations in `n_ctx_orig` positions, times `ext_factor`; cos and sin scaled by
+    `mscale`."""
+
+    factor: float
+    n_ctx_orig: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    ext_factor: float = 1.0
+    mscale: float = 1.0
+
+
 GATINGS = ("softmax", "sigmoid", "softmax_weight")
 
 
@@ -147,6 +163,9 @@ class HParams:
     residual_scale: float = 1.0  # each sublayer's output times this before its residual add
     logit_scale: float = 1.0  # logits are divided by this (Granite's logits_scaling)
     moe: MoeDims | None = None  # mixture-of-experts FFNs (None: dense ones)
+    yarn: YarnDims | None = None  # YaRN rope scaling (None: none, or linear by the field above)
+    # the sliding layers' RoPE scaled as the global ones' (gpt-oss); else never (Gemma 3's)
+    rope_swa_scaled: bool = False
 
     def __post_init__(self) -> None:
         """Fill the defaults that depend on other fields, so hand-built HParams (tests) of

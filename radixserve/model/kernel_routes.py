@@ -27,8 +27,11 @@ if TYPE_CHECKING:
 
 Q = gguf.GGMLQuantizationType
 Q4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)  # one affine map a group of 4-bit codes: the 4-bit tiles
-I8_TYPES = (Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q5_K, Q.Q6_K)  # int8 codes and f32 scales: 8-bit tiles
 FLOAT_TYPES = (Q.F16, Q.BF16, Q.F32)
+# int8 codes and f32 scales: 8-bit tiles (MXFP4's E2M1 values, doubled, are the codes -12..12
+# and its E8M0 scale, halved, a power of two: the same weights exactly)
+I8_TYPES = (Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q5_K, Q.Q6_K, Q.MXFP4)
+BLOCK_READ_TYPES = (*Q4_TYPES, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q5_K, Q.Q6_K, *FLOAT_TYPES)
 TILE_ROWS = 16  # the tiles' rows (i8act.c): a matrix whose rows are not a multiple falls back
 
 
@@ -109,13 +112,15 @@ def route_for(build: str, qtype: Q, n_rows: int, packed: bool = True) -> str:
     name = TABLE[build, kind_of(qtype) if packed else "other"]
     if name in FALLBACK and n_rows % TILE_ROWS:
         name = FALLBACK[name][0]
+        if name.startswith("qmm") and qtype not in BLOCK_READ_TYPES:  # qmm.c cannot read it
+            name = TABLE[build, "other"]
     return name
 
 
 def table_text(build: str | None = None) -> str:
     """The table as text, one build's rows (all builds when None)."""
     lines = [f"{'build':<11} {'GGUF types':<34} {'route':<12} few rows | many rows"]
-    types = {"4-bit": "Q4_0 Q4_1 Q4_K", "5-8-bit": "Q5_0 Q5_1 Q8_0 Q5_K Q6_K",
+    types = {"4-bit": "Q4_0 Q4_1 Q4_K", "5-8-bit": "Q5_0 Q5_1 Q8_0 Q5_K Q6_K MXFP4",
              "float": "F16 BF16 F32", "other": "any other (dequantized at load)"}
     for b in BUILDS if build is None else (build,):
         for kind in KINDS:
@@ -123,5 +128,7 @@ def table_text(build: str | None = None) -> str:
             lines.append(f"{b:<11} {types[kind]:<34} {r.name:<12} {r.few} | {r.many}")
     for name, (to, why) in FALLBACK.items():
         lines.append(f"  {name} -> {to} where {why}")
+    lines.append(f"  i8-tiles -> the build's 'other' route for MXFP4 (qmm.c does not read it) "
+                 f"where rows not a multiple of {TILE_ROWS}")
     lines.append("  q4-tiles -> torch-int4 where a scale or offset exceeds f16's range")
     return "\n".join(lines)

@@ -166,7 +166,8 @@ class Kernels:
     def attend_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cells: slice | torch.Tensor, *, window: int = 0,
                       pos0: int = 0, types: KVTypes | None = None,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [n, n_head, d] rotated queries of a sequence's last n cells, whose K/V are already
         in k, v (one layer of the pool [n_head_kv, n_cells, d]); cells the sequence's cells in
         position order (a run or an int64 index), entry j at position pos0 + j; query i (at
@@ -174,7 +175,8 @@ class Kernels:
         window > 0 only those with p - window < k -> [n, n_head * d]. Bitwise the same whatever
         n is and however many older entries precede a query's window (decode_attn.c's blocks,
         aligned to absolute positions). `types`: the pool's cache types (None: bf16 rows);
-        `scale`: q.k's (None: 1 / sqrt(d))."""
+        `scale`: q.k's (None: 1 / sqrt(d)); `sinks`: f32 [n_head], a logit a head that joins
+        its softmax and adds no value (gpt-oss; None: none)."""
         d = q.shape[-1]
         n_kv, n_cells, g, kt, vt, k_hs, v_hs = pool_args(k, v, q.shape[1], d, types)
         idx, c0, length = _cells_arg(cells, n_cells, self.checks)
@@ -184,6 +186,9 @@ class Kernels:
             raise ValueError("attention needs contiguous bf16 queries [n <= cells, n_head, d]")
         if not (0 <= window < 2**62 and 0 <= pos0 < 2**62):
             raise ValueError(f"attention needs window >= 0 and pos0 >= 0 ({window}, {pos0})")
+        if sinks is not None and not (sinks.dtype == torch.float32 and sinks.is_contiguous()
+                                      and sinks.shape == (q.shape[1],)):
+            raise ValueError("attention sinks must be contiguous f32 [n_head]")
         # the scratch holds the blocks the list spans: from its first block's start
         work = self._scratch(max(length + pos0 % ATTN_BLOCK, n_cells), n, n_kv, g, d)
         out = torch.empty(n, q.shape[1] * d, dtype=torch.bfloat16)
@@ -191,7 +196,8 @@ class Kernels:
         rc = self._attn(q.data_ptr(), k.data_ptr(), v.data_ptr(), kt, vt, k_hs, v_hs, 1,
                         (ctypes.c_void_p * 1)(idx), arr(c0), arr(length), arr(n), arr(pos0),
                         window, n_kv, g, d, d**-0.5 if scale is None else scale,
-                        out.data_ptr(), work.data_ptr(),
+                        None if sinks is None else sinks.data_ptr(), out.data_ptr(),
+                        work.data_ptr(),
                         work.numel())
         if rc != 0:
             raise ValueError(f"attention kernel refused g={g} d={d} n={n} of {length} (rc {rc})")

@@ -58,7 +58,7 @@ class Mixer(Protocol):
 class Attention:
     """Self-attention: fused q/k/v projection (biases included where the file has them), the
     per-head q/k RMS norms where the family has them, RoPE, the K/V store and attention (the
-    step's), the output projection. `kind`: "global" or "sliding" (the step knows its window
+    step's, with the layer's sinks where it has them), the output projection. `kind`: "global" or "sliding" (the step knows its window
     and RoPE base by the layer's kind)."""
 
     kind: str
@@ -66,9 +66,10 @@ class Attention:
     wo: Linear
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # f32 [n_head]: a logit a head in its softmax (gpt-oss)
 
     def __call__(self, run: Run, li: int, h: torch.Tensor) -> torch.Tensor:
-        return self.wo(run.step.attend(li, self.wqkv(h, run.inv)), run.inv)
+        return self.wo(run.step.attend(li, self.wqkv(h, run.inv), self.sinks), run.inv)
 
     def matrices(self) -> dict[str, Linear]:
         return {"wqkv": self.wqkv, "wo": self.wo}

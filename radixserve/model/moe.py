@@ -58,21 +58,23 @@ class Router(Linear):
     Choices near a tie flip on the rounding of a logit, so it is not rounded to the compute
     dtype as a layer matrix's output would be."""
 
-    def __init__(self, w: torch.Tensor | qmm.QuantMatrix) -> None:
-        self.w, self.bias, self.n_out = w, None, w.n if isinstance(w, qmm.QuantMatrix) else \
+    def __init__(self, w: torch.Tensor | qmm.QuantMatrix, bias: torch.Tensor | None = None
+                 ) -> None:
+        """`bias`: f32 [n_expert] added to the logits (gpt-oss's), or None."""
+        self.w, self.bias, self.n_out = w, bias, w.n if isinstance(w, qmm.QuantMatrix) else \
             w.shape[0]
         self.row_invariant = isinstance(w, qmm.QuantMatrix)
         self.route = "qmm-f32" if self.row_invariant else "torch-dense"
 
     def __call__(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         h = x.float().contiguous()
-        if isinstance(self.w, qmm.QuantMatrix):
-            return self.w.head_dots(h)
-        return F.linear(h, self.w)
+        y = self.w.head_dots(h) if isinstance(self.w, qmm.QuantMatrix) else F.linear(h, self.w)
+        return y if self.bias is None else y + self.bias
 
     @property
     def nbytes(self) -> int:
-        return self.w.raw.nbytes if isinstance(self.w, qmm.QuantMatrix) else self.w.nbytes
+        b = 0 if self.bias is None else self.bias.nbytes
+        return b + (self.w.raw.nbytes if isinstance(self.w, qmm.QuantMatrix) else self.w.nbytes)
 
 
 def exact_sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -92,6 +94,19 @@ def exact_sigmoid(x: torch.Tensor) -> torch.Tensor:
         p = p * r + c
     two_n = ((n.to(torch.int64) + 1023) << 52).view(torch.float64)  # 2^n, exactly
     return (1.0 / (1.0 + p * two_n)).float()
+
+
+# gpt-oss's clamped SwiGLU (llama.cpp's swiglu_oai fixes them in code, as HF's config does)
+OAI_ALPHA, OAI_LIMIT = 1.702, 7.0
+
+
+def swiglu_oai(gu: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's expert gate on fused [gate | up] rows, f32: gate clamped above at 7 and up to
+    [-7, 7], then gate * sigmoid(1.702 gate) * (up + 1). Row-invariant: exact_sigmoid."""
+    n = gu.shape[1] // 2
+    g = gu[:, :n].float().clamp(max=OAI_LIMIT)
+    u = gu[:, n:].float().clamp(-OAI_LIMIT, OAI_LIMIT)
+    return g * exact_sigmoid(g * OAI_ALPHA) * (u + 1)
 
 
 def route(logits: torch.Tensor, dims: MoeDims, select_bias: torch.Tensor | None = None
@@ -121,7 +136,8 @@ def route(logits: torch.Tensor, dims: MoeDims, select_bias: torch.Tensor | None 
 @dataclass(slots=True)
 class MoEFFN:
     """Router, experts (SwiGLU: act(gate) * up, then down, each expert's own matrices) and
-    the weighted sum of the chosen experts' outputs."""
+    the weighted sum of the chosen experts' outputs. `act`: "silu", or "swiglu_oai"
+    (gpt-oss's clamped gate)."""
 
     router: Router
     gate_up: ExpertMatrices  # an expert's [2 n_ff, n_embd] each
@@ -129,6 +145,7 @@ class MoEFFN:
     dims: MoeDims
     select_bias: torch.Tensor | None = None  # [n_expert] f32, added for choosing only
     kern: Kernels | None = None  # our kernels (None: torch's ops)
+    act: str = "silu"
 
     def __call__(self, run: Run, h: torch.Tensor) -> torch.Tensor:
         idx, w = route(self.router(h), self.dims, self.select_bias)
@@ -164,7 +181,9 @@ class MoEFFN:
 
     def _swiglu(self, gu: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of an expert's fused rows (our kernel on bf16 rows, as the dense
-        FFN's)."""
+        FFN's), or gpt-oss's gate."""
+        if self.act == "swiglu_oai":
+            return swiglu_oai(gu).to(gu.dtype)
         if self.kern is not None and gu.dtype == torch.bfloat16:
             return self.kern.silu_mul(gu.contiguous())
         n = gu.shape[1] // 2

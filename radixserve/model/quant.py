@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from radixserve.model import qmm
 from radixserve.model.kernel_matrix import BF16_PANEL, Bf16Matrix
-from radixserve.model.kernel_routes import FLOAT_TYPES, I8_TYPES, Q4_TYPES, build_for, route_for
+from radixserve.model.kernel_routes import BLOCK_READ_TYPES, FLOAT_TYPES, Q4_TYPES, build_for, route_for
 from radixserve.model.kernels import Kernels
 
 GROUP = 32
@@ -49,7 +49,7 @@ Q = gguf.GGMLQuantizationType
 PACKED_TYPES = Q4_TYPES
 # the types csrc/qmm.c reads in the file's blocks: every layer matrix where the route table
 # says so, and the rows of the embedding and the head on every build
-QMM_ROW_TYPES = (*Q4_TYPES, *I8_TYPES, *FLOAT_TYPES)
+QMM_ROW_TYPES = BLOCK_READ_TYPES
 # torch's int4 kernel: chunks of this many rows or more run as a dense bf16 matmul on weights
 # unpacked for that call, as it is compute-bound there and loses to a bf16 GEMM (except in
 # deterministic mode: other bits). Our tiles outrun the GEMM at every size and never switch.
@@ -57,7 +57,7 @@ DENSE_FROM_ROWS = 96
 TILE = 16  # rows per tile (csrc/i8act.c)
 # I8Linear: i8act.c's 8-bit tile format of each type (its F_I8, F_I8H, F_I8M: a scale a group,
 # a scale a half group for Q6_K's sub-blocks of 16, a scale and an offset)
-I8_FORMATS = {Q.Q8_0: 1, Q.Q5_0: 1, Q.Q6_K: 2, Q.Q5_1: 3, Q.Q5_K: 3}
+I8_FORMATS = {Q.Q8_0: 1, Q.Q5_0: 1, Q.Q6_K: 2, Q.Q5_1: 3, Q.Q5_K: 3, Q.MXFP4: 1}
 # each 8-bit tile format's code range
 I8_CODES = {1: (-128, 127), 2: (-32, 31), 3: (0, 31)}
 F16_MAX = float(np.finfo(np.float16).max)
@@ -350,6 +350,24 @@ def raw_rows(t: gguf.ReaderTensor) -> np.ndarray:
     return np.asarray(t.data).view(np.uint8).reshape(n, -1)
 
 
+MXFP4_BLOCK = 17  # an E8M0 scale byte, then 16 bytes of E2M1 codes (low nibbles first)
+
+
+def mxfp4_codes(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MXFP4 rows raw (uint8 [n, k / 32 * 17]) as qmm.codes gives other types: int8 codes c
+    [n, k] (the E2M1 values doubled: -12..12), f32 scales d [n, k / 16] (the E8M0 scale
+    halved, 2^(e - 128), as ggml's e8m0_to_fp32_half) and zero offsets; d c is gguf-py's
+    weight exactly (a power of two times a small integer)."""
+    n = raw.shape[0]
+    if raw.ndim != 2 or k % GROUP or raw.shape[1] != k // GROUP * MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 rows of {k} weights need {k // GROUP * MXFP4_BLOCK} bytes")
+    b = raw.reshape(n, k // GROUP, MXFP4_BLOCK)
+    values = np.array(gguf.quants.MXFP4.kvalues, dtype=np.int8)
+    c = values[_nibbles(b[..., 1:])].reshape(n, k)
+    d = gguf.quants.MXFP4.e8m0_to_fp32_half(b[..., 0].astype(np.uint32)).astype(np.float32)
+    return c, np.repeat(d, 2, axis=1), np.zeros((n, k // GROUP), np.float32)
+
+
 # The tiles' order of each 8 weights of a group (csrc/i8act.c): position p holds weight PERM[p],
 # the 4-bit tiles' nibble order, which the activation codes take too
 PERM = np.array([0, 4, 1, 5, 2, 6, 3, 7])
@@ -456,7 +474,7 @@ class QuantLinear(Linear):
 
 
 class I8Linear(QuantLinear):
-    """Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K weights as int8 codes in 16-row tiles with f32 scales
+    """Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K / MXFP4 weights as int8 codes in 16-row tiles with f32 scales
     (csrc/i8act.c, 8-bit activations): 1.125-1.25 bytes a weight, d c + m gguf-py's weights
     bit for bit, each row's bits the same at any row count.
 
@@ -470,7 +488,8 @@ class I8Linear(QuantLinear):
         if len(fmts) != 1:
             raise ValueError("one 8-bit matrix needs one tile format")
         fmt = fmts.pop()
-        codes = [qmm.codes(kern.lib, int(t), raw, k) for t, raw in parts]
+        codes = [mxfp4_codes(raw, k) if t == Q.MXFP4 else qmm.codes(kern.lib, int(t), raw, k)
+                 for t, raw in parts]
         c, d, m = (np.concatenate([cd[i] for cd in codes]) for i in range(3))
         self.n_out, self.n_in, self.bias = c.shape[0], k, bias
         self.mat = kern.tiles(pack_i8(c, d, m, fmt), fmt, self.n_out, k)

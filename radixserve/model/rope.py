@@ -6,13 +6,39 @@ rotations compose, so rotating by `delta` moves a key from position p to p + del
 
 Gemma 3's sliding-window layers rotate with their own base (10000) and no position scaling,
 its global layers with the file's base and linear scaling: one Rope each (`base`, `scale`).
+YaRN (gpt-oss) mixes each pair's frequency between interpolated and original and scales the
+tables by its mscale, as ggml's rope_yarn; a K-shift rotates without that scale (the stored
+keys have it already).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from radixserve.model.hparams import HParams
+from radixserve.model.hparams import HParams, YarnDims
+
+
+def yarn_corr_dims(n_dims: int, n_ctx_orig: int, base: float, beta_fast: float,
+                   beta_slow: float) -> tuple[float, float]:
+    """The pairs between which YaRN's ramp runs (ggml_rope_yarn_corr_dims: the dims whose
+    wavelength makes beta_fast and beta_slow turns in n_ctx_orig positions, floored and
+    ceiled, within [0, n_dims - 1])."""
+    def dim(rot: float) -> float:
+        return n_dims * math.log(n_ctx_orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    return max(0.0, math.floor(dim(beta_fast))), min(n_dims - 1.0, math.ceil(dim(beta_slow)))
+
+
+def yarn_inv_freq(inv: torch.Tensor, y: YarnDims, n_dims: int, base: float) -> torch.Tensor:
+    """inv (f64, a pair each) under YaRN: pair i's frequency is the interpolated inv / factor
+    mixed with the original by ramp(i) * ext_factor, ramp 1 below the correction range and 0
+    above it (ggml's rope_yarn_ramp)."""
+    lo, hi = yarn_corr_dims(n_dims, y.n_ctx_orig, base, y.beta_fast, y.beta_slow)
+    i = torch.arange(inv.shape[0], dtype=torch.float64)
+    mix = (1 - ((i - lo) / max(0.001, hi - lo)).clamp(0, 1)) * y.ext_factor
+    return inv / y.factor * (1 - mix) + inv * mix
 
 
 def rotary_order(head_dim: int, n_rot: int) -> list[int]:
@@ -30,9 +56,10 @@ def rotary_order(head_dim: int, n_rot: int) -> list[int]:
 class Rope:
     def __init__(self, hp: HParams, freq_factors: torch.Tensor | None = None,
                  base: float | None = None, scale: float | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, yarn: bool = True) -> None:
         """`base` / `scale` default to the model's (global layers'): hp.rope_base and
-        hp.rope_scale_linear; the tables are computed on `device` (the model's)."""
+        hp.rope_scale_linear; `yarn`: the model's YaRN applies (hp.yarn, where it has one);
+        the tables are computed on `device` (the model's)."""
         half, rot = hp.head_dim // 2, hp.n_rot // 2
         base = hp.rope_base if base is None else base
         inv = 1.0 / (base ** (torch.arange(0, half, dtype=torch.float64) * 2 / hp.n_rot))
@@ -42,15 +69,23 @@ class Rope:
         inv[0 if hp.nope else rot:] = 0.0  # NoPE: every pair unchanged
         if freq_factors is not None:
             inv = inv / freq_factors.to("cpu", torch.float64)
+        self.mscale = 1.0
+        if yarn and hp.yarn is not None:
+            inv = yarn_inv_freq(inv, hp.yarn, hp.n_rot, base)
+            self.mscale = hp.yarn.mscale
         self.inv_freq = inv.to(device or "cpu", torch.float32)
         self.scale = hp.rope_scale_linear if scale is None else scale
         self.half = half
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, scaled: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables [n, 1, head_dim] for integer positions [n]: (cos, cos) and (-sin, sin), so a
-        rotation is x * cos + swap_halves(x) * sin: four ops a call instead of ten."""
+        rotation is x * cos + swap_halves(x) * sin: four ops a call instead of ten. `scaled`:
+        times YaRN's mscale (a pure rotation without)."""
         ang = positions.to(torch.float32)[:, None] / self.scale * self.inv_freq[None, :]
         c, s = ang.cos(), ang.sin()
+        if scaled and self.mscale != 1.0:
+            c, s = c * self.mscale, s * self.mscale
         return torch.cat((c, c), -1)[:, None], torch.cat((-s, s), -1)[:, None]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -60,5 +95,5 @@ class Rope:
         return torch.addcmul(xf * cos, swapped, sin).to(x.dtype)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.cos_sin(positions.to(self.inv_freq.device))
+        cos, sin = self.cos_sin(positions.to(self.inv_freq.device), scaled=False)
         return self.apply(x, cos, sin)

@@ -189,9 +189,11 @@ class KernelStep:
         self.act = torch.empty(self.n_tok, n_ff, dtype=torch.bfloat16)
         self.out = torch.empty(self.n_tok, self.width, dtype=torch.bfloat16)
 
-    def attend(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, qkv: torch.Tensor, sinks: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """qkv [T, (n_head + 2 n_head_kv) d] bf16, layer `layer`'s fused projections -> its
-        attention outputs [T, n_head d]; q/k normed, rotated, K/V stored on the way."""
+        attention outputs [T, n_head d]; q/k normed, rotated, K/V stored on the way. `sinks`:
+        the layer's f32 [n_head] attention sinks (None: none)."""
         if not (qkv.dtype == torch.bfloat16 and qkv.is_contiguous()
                 and qkv.shape == (self.n_tok, self.row)):
             raise ValueError("step: bad qkv rows")
@@ -203,7 +205,8 @@ class KernelStep:
         kd, ci, qn, kn = entry
         rc = self._step(qkv.data_ptr(), *kd.rope, kd.k0 + ci * kd.k_layer,
                         kd.v0 + ci * kd.v_layer, *kd.seqs, qn, kn,
-                        self.eps, self.n_kv, self.g, self.d, self.scale, self.out.data_ptr(),
+                        self.eps, self.n_kv, self.g, self.d, self.scale,
+                        self._weight(sinks, self.g * self.n_kv), self.out.data_ptr(),
                         self.work.data_ptr(), self.work.numel())
         if rc != 0:
             raise ValueError(f"step attention kernel refused the shape (rc {rc})")

@@ -179,13 +179,15 @@ class TensorLoader:
         w = torch.from_numpy(np.concatenate(arrays)).to(self.dtype).contiguous()
         return DenseLinear(w, bias, self.kern)
 
-    def experts(self, names: list[str], n_expert: int, shape: tuple[int, int]
-                ) -> list[Linear]:
+    def experts(self, names: list[str], n_expert: int, shape: tuple[int, int],
+                biases: list[str] | None = None) -> list[Linear]:
         """Each expert's linear of the row-concatenated 3-D tensors `names` ([n_expert, rows,
         cols] each, `shape` = (rows, cols) per expert, checked): expert e's slice of every
-        tensor, fused as `linear` fuses whole matrices."""
+        tensor, fused as `linear` fuses whole matrices; `biases`: a [n_expert, rows] tensor
+        for each of `names` (already checked), expert e's row its bias."""
         for n in names:
             self.expect(n, (n_expert, *shape))
+        bias = None if biases is None else [self.array(n) for n in biases]
         out = []
         for e in range(n_expert):
             views = []
@@ -199,7 +201,8 @@ class TensorLoader:
                     data_offset=t.data_offset + e * per, data=t.data[e], field=t.field)
                 views.append(view)
             try:
-                out.append(self.linear(views, [None] * len(views)))
+                out.append(self.linear(views, [None] * len(views),
+                                       None if bias is None else [b[e] for b in bias]))
             finally:  # the views name no tensor of the file
                 for v in views:
                     del self.tensors[v]

@@ -143,17 +143,20 @@ class TorchStep:
             self.kinds["sliding"] = (ks, vs, swa.plans, swa.cos, swa.sin, swa_idx, tr.rope_swa)
         self.layer_kind = tr.layer_kinds[split]
 
-    def attend(self, li: int, qkv: torch.Tensor) -> torch.Tensor:
+    def attend(self, li: int, qkv: torch.Tensor, sinks: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """Layer li's fused projections [T, (n_head + 2 n_head_kv) d] -> its attention outputs
-        [T, n_head d], in its kind's cache (row ci of it)."""
+        [T, n_head d], in its kind's cache (row ci of it); `sinks` its f32 [n_head] attention
+        sinks (None: none)."""
         name, ci = self.layer_kind[li]
         kc, vc, plans, cos, sin, idx, rope = self.kinds[name]
-        outs = self._attention(kc[ci], vc[ci], li, plans, qkv, cos, sin, idx, rope)
+        outs = self._attention(kc[ci], vc[ci], li, plans, qkv, cos, sin, idx, rope, sinks)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _attention(self, kl: torch.Tensor, vl: torch.Tensor, li: int, plans: list[Plan] | None,
                    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   cell_idx: torch.Tensor, rope: Rope) -> list[torch.Tensor]:
+                   cell_idx: torch.Tensor, rope: Rope,
+                   sinks: torch.Tensor | None) -> list[torch.Tensor]:
         """Rotate q/k with `rope`, store this layer's K/V at `cell_idx`, attend per sequence:
         with our causal kernel when `plans` is None, else each plan's (attend_plan)."""
         tr = self.tr
@@ -181,17 +184,18 @@ class TorchStep:
             for b in self.batch:
                 n = len(b.tokens)
                 outs.append(self.kern.attend_causal(q[start : start + n], kl, vl, b.kv_cells,
-                                                    types=self.types, scale=self.tr.attn_scale))
+                                                    types=self.types, scale=self.tr.attn_scale,
+                                                    sinks=sinks))
                 start += n
             return outs
         for b, plan in zip(self.batch, plans):
             n = len(b.tokens)
-            outs.append(self._attend_plan(q[start : start + n], kl, vl, plan))
+            outs.append(self._attend_plan(q[start : start + n], kl, vl, plan, sinks))
             start += n
         return outs
 
     def _attend_plan(self, q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor,
-                     plan: Plan) -> torch.Tensor:
+                     plan: Plan, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One sequence's attention in one layer, global or sliding: q [n, n_head, d], kl/vl the
         layer [n_head_kv, n_cells, d]. bf16 steps whose new tokens end the plan's contiguous
         cells run our kernel (fixed position-aligned blocks, the window applied by position:
@@ -201,10 +205,28 @@ class TorchStep:
             assert self.kern is not None
             return self.kern.attend_causal(q.contiguous(), kl, vl, plan.cells,
                                            window=plan.window, pos0=plan.pos0, types=self.types,
-                                           scale=self.tr.attn_scale)
+                                           scale=self.tr.attn_scale, sinks=sinks)
         kt, vt = self.types
-        return self._sdpa(q, kt.dequantize(kl[:, plan.cells], q.dtype),
-                          vt.dequantize(vl[:, plan.cells], q.dtype), plan.mask)
+        k, v = kt.dequantize(kl[:, plan.cells], q.dtype), vt.dequantize(vl[:, plan.cells], q.dtype)
+        if sinks is not None:
+            return self._with_sinks(q, k, v, plan.mask, sinks)
+        return self._sdpa(q, k, v, plan.mask)
+
+    def _with_sinks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor | None, sinks: torch.Tensor) -> torch.Tensor:
+        """_sdpa's attention with a sink logit a head in each softmax (SDPA takes none), in
+        f32 as HF's eager gpt-oss attention: [scores | sink], softmax, the sink's share
+        dropped."""
+        hp, scale = self.tr.hp, self.tr.attn_scale
+        n, hk, g, d = q.shape[0], hp.n_head_kv, hp.n_group, hp.head_dim
+        qf = q.float().view(n, hk, g, d).permute(1, 2, 0, 3).reshape(hk, g * n, d)
+        s = torch.matmul(qf, k.float().transpose(1, 2)) * scale  # [hk, g n, L]
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        sk = sinks.float().view(hk, g, 1, 1).expand(hk, g, n, 1).reshape(hk, g * n, 1)
+        p = torch.softmax(torch.cat([s, sk], dim=-1), dim=-1)[..., :-1]
+        o = torch.matmul(p, v.float()).view(hk, g, n, d).permute(2, 0, 1, 3)
+        return o.reshape(n, hp.n_head * d).to(q.dtype)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None) -> torch.Tensor:

@@ -92,6 +92,31 @@ def test_every_variant_equals_the_replay(variant: str, case: str) -> None:
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_mxfp4_on_the_8_bit_tiles_is_gguf_pys_weights_and_the_replay(variant: str) -> None:
+    """MXFP4 blocks (gguf-py's quantizer, weights over 12 orders of magnitude, a block of
+    zeros) as 8-bit tiles (quant.mxfp4_codes: E2M1 values doubled, E8M0 scales halved): the
+    tiles hold gguf-py's dequantized weights exactly, and each variant's products equal the
+    replay of format 1."""
+    import gguf
+
+    rng = np.random.default_rng(4)
+    n, k = 32, 32 * 5
+    w = (rng.standard_normal((n, k)) * 10.0 ** rng.uniform(-6, 6, (n, 1))).astype(F32)
+    w[3, 32:64] = 0
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.MXFP4)
+    c, d, m = quant.mxfp4_codes(raw, k)
+    assert c.min() >= -12 and c.max() <= 12 and not m.any()
+    tiles = quant.pack_i8(c, d, m, 1)
+    want_w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4)
+    assert np.array_equal(quant.tile_weights(tiles, 1).numpy(), want_w)
+    mat = variant_kernels(variant).tiles(tiles, 1, n, k)
+    x = (torch.randn(9, k, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
+    assert torch.equal(mat.matmul(x), replay(x, 1, c, d, m))
+    with pytest.raises(ValueError, match="MXFP4 rows of 160 weights"):
+        quant.mxfp4_codes(raw[:, :-1], k)
+
+
 def test_codes_outside_a_formats_range_are_refused() -> None:
     """The builds' integer sums are exact only for each format's codes (AVX2 takes Q6_K's as
     c + 32 into vpmaddubsw, and Q5's as unsigned): pack_i8 refuses any other."""

@@ -127,16 +127,20 @@ def test_decode_step_equals_torch_path(kern, threads):
 
 
 def causal_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: q [n, H, d] the last n of the keys k/v [n_kv, L, d]; query i sees the first
-    L - n + i + 1 -> [n, H * d] in float64; q.k scaled by `scale` (None: 1 / sqrt(d))."""
+    L - n + i + 1 -> [n, H * d] in float64; q.k scaled by `scale` (None: 1 / sqrt(d));
+    `sinks` [H]: a logit a head in the softmax, its share dropped (HF's gpt-oss)."""
     n, heads, d = q.shape
     n_kv, length, _ = k.shape
     kk, vv = k.double().repeat_interleave(heads // n_kv, 0), v.double()
     vv = vv.repeat_interleave(heads // n_kv, 0)
     s = torch.einsum("nhd,hld->hnl", q.double(), kk) * (d**-0.5 if scale is None else scale)
     seen = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]
-    p = torch.softmax(s.masked_fill(~seen, -torch.inf), -1)
+    s = s.masked_fill(~seen, -torch.inf)
+    if sinks is not None:
+        s = torch.cat([s, sinks.double()[:, None, None].expand(heads, n, 1)], -1)
+    p = torch.softmax(s, -1)[..., :length]
     return torch.einsum("hnl,hld->nhd", p, vv).reshape(n, -1)
 
 
@@ -172,6 +176,30 @@ def test_attend_causal_takes_the_models_scale(kern, d):
         assert err <= 2**-7 * ref.abs().max(), (scale, err)
         default = causal_f64(q, pk[:, cells], pv[:, cells])
         assert (default - ref).abs().max() > 10 * err  # the scale changes the answer
+
+
+@pytest.mark.parametrize("d", [64, 32])
+def test_attend_causal_takes_attention_sinks(kern, threads, d):
+    """gpt-oss's sinks (a logit a query head that joins its softmax, with no value) within
+    two bf16 steps of float64, whether a sink dominates the head's keys or not, in the
+    AVX-512 path (d 64) and the generic one; the sinks change the answer, and a chunk's query
+    equals itself alone over its prefix, bit for bit."""
+    gen = torch.Generator().manual_seed(d + 7)
+    pk = (torch.randn(2, 600, d, generator=gen) * 2).to(BF)
+    pv = torch.randn(2, 600, d, generator=gen).to(BF)
+    q = (torch.randn(40, 6, d, generator=gen) * 2).to(BF)
+    cells = torch.randperm(600, generator=gen)[:530]
+    sinks = torch.tensor([-30.0, 0.0, 2.5, 8.0, 40.0, -1.0])
+    ref = causal_f64(q, pk[:, cells], pv[:, cells], sinks=sinks)
+    got = kern.attend_causal(q, pk, pv, cells, sinks=sinks)
+    err = (got.double() - ref).abs().max()
+    assert err <= 2**-7 * ref.abs().max(), err
+    assert (causal_f64(q, pk[:, cells], pv[:, cells]) - ref).abs().max() > 10 * err
+    alone = torch.cat([kern.attend_causal(q[i : i + 1], pk, pv, cells[: 530 - 40 + i + 1],
+                                          sinks=sinks) for i in range(40)])
+    assert torch.equal(got, alone)
+    with pytest.raises(ValueError, match="sinks"):
+        kern.attend_causal(q, pk, pv, cells, sinks=sinks[:4])
 
 
 @pytest.mark.parametrize("d", [32, 128])

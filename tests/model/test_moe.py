@@ -311,9 +311,3 @@ def test_the_dequant_path_keeps_the_router_exact_and_deterministic(tiny_bf16: st
     m = load_model(tiny_bf16, "bf16", weights="dequant", deterministic="on")
     assert m.deterministic
     assert all(b.ffn.router.route == "qmm-f32" for b in m.transformer.w.layers)
-
-
-def test_gpt_oss_is_refused_by_name_with_why(tmp_path: Path, tiny_bf16: str):
-    bad = rewrite(tiny_bf16, tmp_path / "oss.gguf", arch="gpt-oss")
-    with pytest.raises(UnsupportedModelError, match="'gpt-oss': .*MXFP4.*not supported yet"):
-        load_model(bad, "f32")

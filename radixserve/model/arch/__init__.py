@@ -40,8 +40,6 @@ NOT_YET = {
                  "not supported yet",
     "qwen3next": "Qwen3-Next (a mixture-of-experts Gated DeltaNet with a shared expert) is not "
                  "supported yet",
-    "gpt-oss": "gpt-oss (MXFP4 experts, attention sinks, the harmony chat format) is not "
-               "supported yet",
 }
 
 

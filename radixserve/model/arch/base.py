@@ -6,6 +6,7 @@ differently; the registry (model/arch/__init__.py) finds it by the `FAMILIES` li
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from radixserve.model.hparams import (
     HParams,
     MoeDims,
     UnsupportedModelError,
+    YarnDims,
     field_value,
     int_or_none,
     pooling_name,
@@ -29,6 +31,51 @@ GATING_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
 
 # reads `{arch}.key` (default when absent; absent and required: UnsupportedModelError naming it)
 Get = Callable[..., Any]
+
+
+def rope_scaling(get: Get) -> tuple[float, YarnDims | None]:
+    """(the linear position scale, YaRN's dims or None) from `rope.scaling.*`, as llama.cpp
+    resolves them: linear divides positions by the factor; YaRN's mscale is 1 + 0.1 ln(factor)
+    times `rope.scaling.attn_factor` (llama_context replaces the file's yarn_attn_factor
+    unless ext_factor is 0; it is 1 by default)."""
+    kind = get("rope.scaling.type", "none", required=False)
+    factor = float(get("rope.scaling.factor", 1.0, required=False) or 1.0)
+    if kind in (None, "none"):
+        return 1.0, None
+    if kind == "linear":
+        return factor, None
+    if kind != "yarn":
+        raise UnsupportedModelError(f"unsupported rope scaling type {kind!r}")
+    if float(get("rope.scaling.yarn_log_multiplier", 0.0, required=False) or 0.0):
+        raise UnsupportedModelError("YaRN with rope.scaling.yarn_log_multiplier (DeepSeek's "
+                                    "mscale_all_dim) is not supported")
+    ext = float(get("rope.scaling.yarn_ext_factor", -1.0, required=False))
+    ext = 1.0 if ext < 0 else ext
+    n_orig = int(get("rope.scaling.original_context_length", None, required=False)
+                 or get("context_length", 2048, required=False))
+    mscale = float(get("rope.scaling.attn_factor", 1.0, required=False) or 1.0)
+    if ext == 0:
+        mscale *= float(get("rope.scaling.yarn_attn_factor", 1.0, required=False))
+    elif factor > 1:
+        mscale *= 1.0 + 0.1 * math.log(factor)
+    return 1.0, YarnDims(factor, n_orig,
+                         float(get("rope.scaling.yarn_beta_fast", 32.0, required=False)),
+                         float(get("rope.scaling.yarn_beta_slow", 1.0, required=False)),
+                         ext, mscale)
+
+
+def swa_pattern(get: Get, n_layer: int, default: int) -> tuple[bool, ...]:
+    """Which layers slide, as llama.cpp's load_swa_pattern: per-layer flags where
+    `attention.sliding_window_pattern` is an array (as newer converters write), else its
+    number n (the family's `default` when absent): the last layer of every n is global."""
+    pattern = get("attention.sliding_window_pattern", default, required=False)
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != n_layer:
+            raise UnsupportedModelError(f"sliding_window_pattern has {len(pattern)} entries "
+                                        f"for {n_layer} layers")
+        return tuple(bool(x) for x in pattern)
+    n = int(pattern)
+    return tuple(n == 0 or il % n < n - 1 for il in range(n_layer))
 
 
 class Family:
@@ -61,14 +108,7 @@ class Family:
         head_dim = int(get("attention.key_length", n_embd // n_head))
         tokens = field_value(reader, "tokenizer.ggml.tokens")
         n_vocab = int(get("vocab_size", len(tokens) if tokens is not None else None))
-        scaling_type = get("rope.scaling.type", "none", required=False)
-        factor = float(get("rope.scaling.factor", 1.0, required=False) or 1.0)
-        if scaling_type in (None, "none"):
-            scale = 1.0
-        elif scaling_type == "linear":
-            scale = factor
-        else:
-            raise UnsupportedModelError(f"unsupported rope scaling type {scaling_type!r}")
+        scale, yarn = rope_scaling(get)
         extra.update(self.extra(get, n_layer, n_embd, n_head, head_dim))
         return HParams(
             arch=arch,
@@ -84,6 +124,7 @@ class Family:
             rope_base=float(get("rope.freq_base", 10000.0, required=False)),
             rope_neox=True,
             rope_scale_linear=scale,
+            yarn=yarn,
             name=str(field_value(reader, "general.name", arch)),
             file_type=int_or_none(field_value(reader, "general.file_type")),
             pooling=pooling_name(get("pooling_type", None, required=False)),
@@ -142,7 +183,8 @@ class Family:
 
     def attention(self, ld: TensorLoader, hp: HParams, i: int) -> Attention:
         """Layer i's attention: q/k/v fused (with their biases when the file has all three:
-        qwen2's), the output projection, the q/k norms where the family has them."""
+        qwen2's), the output projection (with its bias where the file has one), the q/k norms
+        where the family has them."""
         p = f"blk.{i}."
         biases = [ld.array(p + f"attn_{n}.bias", required=False) for n in "qkv"]
         if any(b is not None for b in biases) and any(b is None for b in biases):
@@ -153,8 +195,9 @@ class Family:
         # the q/k norms: required where the family has them, used wherever a file has them
         q_norm = ld.norm(p + "attn_q_norm.weight", required=self.qk_norm)
         k_norm = ld.norm(p + "attn_k_norm.weight", required=self.qk_norm)
-        return Attention(hp.layer_kind(i), wqkv, ld.linear([p + "attn_output.weight"], [None]),
-                         q_norm, k_norm)
+        o_bias = ld.array(p + "attn_output.bias", required=False)  # gpt-oss's
+        wo = ld.linear([p + "attn_output.weight"], [None], None if o_bias is None else [o_bias])
+        return Attention(hp.layer_kind(i), wqkv, wo, q_norm, k_norm)
 
     def ffn(self, ld: TensorLoader, hp: HParams, p: str) -> FFN:
         return DenseFFN(ld.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], [None, None]),
@@ -183,11 +226,13 @@ class Family:
             gating = GATING_FUNCS[code]
         return MoeDims(n_expert, n_used, int(n_ff), gating, norm_w, scale, n_dense_lead)
 
-    def moe_ffn(self, ld: TensorLoader, hp: HParams, p: str, select_bias: bool = False
-                ) -> MoEFFN:
+    def moe_ffn(self, ld: TensorLoader, hp: HParams, p: str, select_bias: bool = False,
+                biases: bool = False, act: str = "silu") -> MoEFFN:
         """The router (ffn_gate_inp) and each expert's SwiGLU from ffn_{gate,up,down}_exps
         (gate and up fused an expert), shapes checked against the metadata; `select_bias`:
-        the router's selection bias (exp_probs_b.bias), required."""
+        the router's selection bias (exp_probs_b.bias), required; `biases`: the router's and
+        every expert matrix's biases (gpt-oss's `.bias` of each), required; `act`: the
+        experts' gate (MoEFFN's)."""
         m, e = hp.moe, hp.n_embd
         assert m is not None
         ld.expect(p + "ffn_gate_inp.weight", (m.n_expert, e))
@@ -195,10 +240,21 @@ class Family:
         if select_bias:
             ld.expect(p + "exp_probs_b.bias", (m.n_expert,))
             bias = ld.torch(p + "exp_probs_b.bias", f32=True)
-        gate_up = ld.experts([p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"],
-                             m.n_expert, (m.n_ff, e))
-        down = ld.experts([p + "ffn_down_exps.weight"], m.n_expert, (e, m.n_ff))
+
+        def role(names: list[str], shape: tuple[int, int]) -> ExpertMatrices:
+            b = None
+            if biases:
+                b = [p + n.removesuffix(".weight") + ".bias" for n in names]
+                for n in b:
+                    ld.expect(n, (m.n_expert, shape[0]))
+            return ExpertMatrices(ld.experts([p + n for n in names], m.n_expert, shape, b))
+
+        gate_up = role(["ffn_gate_exps.weight", "ffn_up_exps.weight"], (m.n_ff, e))
+        down = role(["ffn_down_exps.weight"], (e, m.n_ff))
+        router_bias = None
+        if biases:
+            ld.expect(p + "ffn_gate_inp.bias", (m.n_expert,))
+            router_bias = ld.torch(p + "ffn_gate_inp.bias", f32=True)
         # the router's exact dots on the file's rows wherever our kernels run (dequant too)
-        router = Router(ld.rows(p + "ffn_gate_inp.weight", blocks=True))
-        return MoEFFN(router, ExpertMatrices(gate_up),
-                      ExpertMatrices(down), m, bias, ld.kern)
+        router = Router(ld.rows(p + "ffn_gate_inp.weight", blocks=True), router_bias)
+        return MoEFFN(router, gate_up, down, m, bias, ld.kern, act)

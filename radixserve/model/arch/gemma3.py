@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.model.arch.base import Family, Get
+from radixserve.model.arch.base import Family, Get, swa_pattern
 from radixserve.model.hparams import HParams, UnsupportedModelError
 from radixserve.model.layers import Block, PostNormBlock
 from radixserve.model.tensors import TensorLoader
@@ -32,17 +32,7 @@ class Gemma3(Family):
         if cap:  # Gemma 3 has none (Gemma 2 had); the output head does not implement it
             raise UnsupportedModelError(f"final logit softcapping ({cap}) is not supported")
         n_swa = int(get("attention.sliding_window", 0, required=False) or 0)
-        pattern = get("attention.sliding_window_pattern", SWA_PATTERN, required=False)
-        if n_swa <= 0:
-            swa: tuple[bool, ...] = (False,) * n_layer
-        elif isinstance(pattern, (list, tuple)):  # per-layer flags, as newer converters write
-            if len(pattern) != n_layer:
-                raise UnsupportedModelError(f"sliding_window_pattern has {len(pattern)} entries "
-                                            f"for {n_layer} layers")
-            swa = tuple(bool(x) for x in pattern)
-        else:  # llama.cpp's set_swa_pattern(n): the last layer of every n is global
-            n = int(pattern)
-            swa = tuple(n == 0 or il % n < n - 1 for il in range(n_layer))
+        swa = swa_pattern(get, n_layer, SWA_PATTERN) if n_swa > 0 else (False,) * n_layer
         # gemma_pytorch's query_pre_attn_scalar: n_embd / n_head for the 27B (62 layers), else
         # head_dim (llama.cpp keys the rule on the layer count too)
         scale = (n_embd // n_head) ** -0.5 if n_layer == 62 else head_dim ** -0.5

@@ -638,14 +638,17 @@ ONE_COPY static void attend_block(const uint16_t *q, const uint8_t *kh, const ui
 }
 
 /* A query's nb block partials -> its g output rows: each block rescaled by e^(m_b - M), summed
- * in block order. */
-ONE_COPY static void merge_blocks(const float *parts, int64_t nb, int g, int d, uint16_t *out) {
+ * in block order. sk (NULL: none): the g heads' sinks (gpt-oss), a logit each that joins the
+ * softmax's max and sum after the blocks but adds no value, so a head can attend to nothing. */
+ONE_COPY static void merge_blocks(const float *parts, int64_t nb, int g, int d, const float *sk,
+                                  uint16_t *out) {
     for (int a = 0; a < g; a++) {
         float M = -INFINITY, L = 0.f, o[MAXD];
         for (int64_t b = 0; b < nb; b++) {
             float m = parts[(b * g + a) * (2 + d)];
             M = m > M ? m : M;
         }
+        if (sk) M = sk[a] > M ? sk[a] : M;
         for (int x = 0; x < d; x++) o[x] = 0.f;
         for (int64_t b = 0; b < nb; b++) {
             const float *pa = parts + (b * g + a) * (2 + d);
@@ -653,6 +656,7 @@ ONE_COPY static void merge_blocks(const float *parts, int64_t nb, int g, int d, 
             L += pa[1] * w;
             for (int x = 0; x < d; x++) o[x] += pa[2 + x] * w;
         }
+        if (sk) L += exp_clamped(sk[a] - M);
         for (int x = 0; x < d; x++) out[a * d + x] = f32_to_bf16(o[x] / L);
     }
 }
@@ -775,7 +779,8 @@ static int run(const uint16_t *qkv, const float *cos, const float *sin, const in
                int64_t v_hs, int n_seq,
                const int64_t *const *cells, const int64_t *c0, const int64_t *len,
                const int64_t *n_new, const int64_t *pos0, int64_t window, int n_kv, int g,
-               int d, float scale, uint16_t *out, float *work, int64_t work_floats) {
+               int d, float scale, const float *sinks, uint16_t *out, float *work,
+               int64_t work_floats) {
     if (g < 1 || g > MAXG || d < 2 || d > MAXD || d % 2 || n_kv < 1 || n_seq < 1 || window < 0
         || kv_row_bytes(kt, d) == 0 || kv_row_bytes(vt, d) == 0)
         return -1;
@@ -872,7 +877,8 @@ static int run(const uint16_t *qkv, const float *cos, const float *sin, const in
                 int sq = seq_of(n_new, t, &i);
                 span_t sp;
                 int64_t nbq = span_of(pos0 ? pos0[sq] : 0, len[sq], n_new[sq], i, window, &sp);
-                merge_blocks(shared + p * pf, nbq, g, d, out + (t * nh + h * g) * d);
+                merge_blocks(shared + p * pf, nbq, g, d, sinks ? sinks + h * g : NULL,
+                             out + (t * nh + h * g) * d);
             }
         } else {
             /* consecutive items are neighbouring queries of one KV head: K/V stay in cache */
@@ -889,7 +895,8 @@ static int run(const uint16_t *qkv, const float *cos, const float *sin, const in
                                  d, scale,
                                  s, mine + b * gd);
                 }
-                merge_blocks(mine, nbq, g, d, out + (t * nh + h * g) * d);
+                merge_blocks(mine, nbq, g, d, sinks ? sinks + h * g : NULL,
+                             out + (t * nh + h * g) * d);
             }
         }
     }
@@ -900,15 +907,17 @@ static int run(const uint16_t *qkv, const float *cos, const float *sin, const in
  * window: pos0[s] the position of sequence s's first entry (NULL: 0), window > 0 the window (a
  * query at p sees p - window < k <= p), 0 plain causal. Returns 0, -1 when g, d or a
  * sequence's counts are outside the kernel's bounds or a window or position is negative, -2
- * when work is too small. */
+ * when work is too small. sinks: f32 [n_kv g], a logit a query head in the softmax (NULL: none).
+ */
 int attn_causal_win_bf16(const uint16_t *q, const uint8_t *k, const uint8_t *v, int kt, int vt,
                          int64_t k_hs, int64_t v_hs, int n_seq, const int64_t *const *cells,
                          const int64_t *c0, const int64_t *len, const int64_t *n_new,
                          const int64_t *pos0, int64_t window, int n_kv, int g, int d,
-                         float scale, uint16_t *out, float *work, int64_t work_floats) {
+                         float scale, const float *sinks, uint16_t *out, float *work,
+                         int64_t work_floats) {
     return run(NULL, NULL, NULL, NULL, NULL, NULL, 0.f, q, (uint8_t *)k, (uint8_t *)v, kt, vt,
-               k_hs, v_hs, n_seq, cells, c0, len, n_new, pos0, window, n_kv, g, d, scale, out,
-               work, work_floats);
+               k_hs, v_hs, n_seq, cells, c0, len, n_new, pos0, window, n_kv, g, d, scale, sinks,
+               out, work, work_floats);
 }
 
 /* A layer of a step (radixserve/model/step.py, every architecture), from the fused projection
@@ -918,7 +927,7 @@ int attn_causal_win_bf16(const uint16_t *q, const uint8_t *k, const uint8_t *v, 
  * as llama's layers; the norms of attn_head_norm_bf16, bit for bit) before RoPE; q and k
  * rotated, k and v stored at dst, then the attention of attn_causal_win_bf16 with pos0 /
  * window (a sliding layer's window, its list starting at pos0[s]; NULL and 0: plain causal
- * from position 0).
+ * from position 0) and sinks.
  * Saves the ~10 torch ops a layer that norm, rotate, slice and index_copy. */
 int attn_step_win_bf16(const uint16_t *qkv, const float *cos, const float *sin, uint8_t *k,
                        uint8_t *v, int kt, int vt, int64_t k_hs, int64_t v_hs,
@@ -926,9 +935,10 @@ int attn_step_win_bf16(const uint16_t *qkv, const float *cos, const float *sin, 
                        const int64_t *const *cells, const int64_t *c0, const int64_t *len,
                        const int64_t *n_new, const int64_t *pos0, int64_t window,
                        const float *qn, const float *kn, float eps, int n_kv, int g, int d,
-                       float scale, uint16_t *out, float *work, int64_t work_floats) {
+                       float scale, const float *sinks, uint16_t *out, float *work,
+                       int64_t work_floats) {
     return run(qkv, cos, sin, dst, qn, kn, eps, NULL, k, v, kt, vt, k_hs, v_hs, n_seq, cells,
-               c0, len, n_new, pos0, window, n_kv, g, d, scale, out, work, work_floats);
+               c0, len, n_new, pos0, window, n_kv, g, d, scale, sinks, out, work, work_floats);
 }
 
 /* y [rows, nh, d] = norm_row of the nh heads of d bf16 that start each row of x (row stride
