@@ -645,8 +645,9 @@ def parse_chat(body: Any, ctx: ParseContext) -> ParsedRequest:
     else:  # the tools' grammar (a request's own grammar or schema is part of it, or refused)
         try:
             grammar = grammars.check(plan.grammar, ctx.tokenizer)
-        except ValueError as e:
-            raise invalid_request(f"Field 'tools': {e}") from None
+        except ValueError as e:  # harmony builds one for a JSON schema too
+            raise invalid_request(f"Field '{'tools' if req.tools else 'json_schema'}': {e}"
+                                  ) from None
     parsed = build_task(req, tokens, n_probs, ctx, grammar=grammar)
     parsed.chat_output = plan.output
     parsed.prefill = plan.prefill

@@ -12,11 +12,15 @@ llama-server's chat formats (llama.cpp common/chat.cpp, 2025), chosen from the t
   prompt says so, and minja's polyfills describe the tools (chat_caps.py);
 - **content**: no tools (or tool_choice "none"): the reply is content, with a leading
   `<think>...</think>` split off as reasoning when the template thinks (`<think>` in it).
+- **harmony** (the template writes `<|channel|>`: gpt-oss), with or without tools: OpenAI's
+  harmony messages, `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final
+  <|message|>...`; calls are commentary messages to `functions.NAME` (chat_parse.py).
 
-hermes and llama3 get a grammar only when a call is required (tool_choice "required" or a
-named function). With "auto" llama.cpp uses a lazy grammar that starts constraining once the
-model opens a call; there is no lazy grammar here, so the reply is free and parsed as it comes
-(a malformed call stays content).
+hermes, llama3 and harmony get a grammar only when a call is required (tool_choice "required"
+or a named function), harmony also for a JSON schema (after its analysis messages, a final
+message whose body is the JSON). With "auto" llama.cpp uses a lazy grammar that starts
+constraining once the model opens a call; there is no lazy grammar here, so the reply is free
+and parsed as it comes (a malformed call stays content).
 """
 
 from __future__ import annotations
@@ -28,7 +32,15 @@ from typing import Any
 
 from radixserve.text import grammar as grammars
 from radixserve.text.chat_caps import TemplateCaps, add_system, render, template_caps
-from radixserve.text.chat_parse import THINK_CLOSE, THINK_OPEN, OutputFormat
+from radixserve.text.chat_parse import (
+    CHANNEL,
+    END,
+    MESSAGE,
+    START,
+    THINK_CLOSE,
+    THINK_OPEN,
+    OutputFormat,
+)
 from radixserve.text.chat_template import ChatTemplate
 
 REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
@@ -36,6 +48,7 @@ TOOL_CHOICES = ("auto", "none", "required")
 RESPOND_IN_JSON = ("Respond in JSON format, either with `tool_call` (a request to call tools) or "
                    "with `response` reply to the user's request")
 NO_PARAMETERS = {"type": "object", "properties": {}}
+_RETURN = "<|return|>"
 
 
 @dataclass(slots=True)
@@ -120,6 +133,8 @@ def check_reasoning_format(value: Any) -> str:
 
 def _kind(source: str, use_tools: bool, schema: Any) -> str:
     """llama.cpp's choice of format, in its order (only the formats implemented here)."""
+    if CHANNEL in source:
+        return "harmony"
     if not use_tools:
         return "content"
     if schema is None and "<tool_call>" in source:
@@ -142,9 +157,12 @@ def plan_chat(t: ChatTemplate, inp: ChatInputs) -> ChatPlan:
         raise ValueError("Cannot use custom grammar constraints with tools.")
     caps = template_caps(t)
     kind = _kind(t.source, use_tools, inp.json_schema)
+    if kind == "harmony" and inp.json_schema is not None and inp.custom_grammar:
+        raise ValueError("Cannot use both json_schema and grammar")
     text = _prompt(t, caps, inp, kind, tools if use_tools else None)
 
-    thinks = THINK_OPEN in t.source and kind != "generic"  # generic replies are JSON only
+    # generic replies are JSON only; harmony always may think (its analysis channel)
+    thinks = kind == "harmony" or (THINK_OPEN in t.source and kind != "generic")
     thinking_open = thinks and text.endswith((THINK_OPEN, THINK_OPEN + "\n"))
     if thinking_open and inp.variables.get("enable_thinking", True) is False:
         text, thinking_open = text + THINK_CLOSE, False  # as llama.cpp: close the thought
@@ -157,12 +175,17 @@ def plan_chat(t: ChatTemplate, inp: ChatInputs) -> ChatPlan:
     if kind == "generic":
         grammar = grammars.from_json_schema(generic_schema(
             tools, parallel, choice != "required", inp.json_schema))
+    elif kind == "harmony" and (inp.json_schema is not None or use_tools and choice == "required"):
+        grammar = grammars.from_lark(_harmony_lark(tools, inp.json_schema))
     elif kind in ("hermes", "llama3") and choice == "required":
         grammar = grammars.from_lark(_call_lark(kind, tools, parallel, thinking_open))
     mode = ("deepseek" if reasoning == "auto" else reasoning) if thinks else "none"
     output = None
-    if inp.parse_output and (use_tools or mode != "none"):
-        output = OutputFormat(kind, mode, thinking_open, kind == "generic" and parallel)
+    if inp.parse_output and (use_tools or mode != "none" or kind == "harmony"):
+        harmony = kind == "harmony"  # a JSON schema's reply is a final message: no calls
+        output = OutputFormat(kind, mode, thinking_open, kind == "generic" and parallel,
+                              tools=harmony and use_tools and inp.json_schema is None,
+                              final_open=harmony and bool(inp.prefill))
     return ChatPlan(text, grammar, output, inp.prefill)
 
 
@@ -173,6 +196,8 @@ def _prompt(t: ChatTemplate, caps: TemplateCaps, inp: ChatInputs, kind: str,
     messages, variables = inp.messages, dict(inp.variables)
     if kind == "generic":
         messages = add_system(messages, RESPOND_IN_JSON)
+    if kind == "harmony":
+        messages = [_harmony_message(m) for m in messages]
     if kind == "llama3":
         variables |= {"date_string": time.strftime("%d %b %Y"), "tools_in_user_message": False,
                       "builtin_tools": None}
@@ -182,7 +207,26 @@ def _prompt(t: ChatTemplate, caps: TemplateCaps, inp: ChatInputs, kind: str,
         text = text[len(inp.bos) :]
     if inp.eos and text.endswith(inp.eos) and not inp.prefill:
         text = text[: -len(inp.eos)]
+    if kind == "harmony" and not inp.add_generation_prompt:
+        # the template ends a final assistant message with `<|return|>`, which only ever ends
+        # a reply: a conversation that goes on needs `<|end|>` there
+        at = text.rfind(_RETURN)
+        if at >= 0:
+            text = text[:at] + END + text[at + len(_RETURN) :]
+    if kind == "harmony" and inp.prefill:  # the reply continues a final message
+        return text + CHANNEL + "final" + MESSAGE + inp.prefill
     return text + inp.prefill
+
+
+def _harmony_message(m: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message as the gpt-oss template reads it: its reasoning as `thinking`, and
+    with tool calls, no content (the template writes one or the other as the analysis)."""
+    if not isinstance(m.get("reasoning_content"), str):
+        return m
+    m = {**m, "thinking": m["reasoning_content"]}
+    if m.get("tool_calls"):
+        m.pop("content", None)
+    return m
 
 
 def _call_schema(tool: dict[str, Any], args_key: str = "arguments") -> dict[str, Any]:
@@ -242,3 +286,33 @@ def _call_lark(kind: str, tools: list[dict[str, Any]], parallel: bool, thinking_
     return (f"start: {start}{calls}\n"
             'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
             f"body: %json {body}\n")
+
+
+def _harmony_lark(tools: list[dict[str, Any]], schema: Any) -> str:
+    """llama.cpp's gpt-oss grammar: analysis messages (and, before a call, preambles), then
+    a final message whose body is the JSON `schema`, else a call to one of `tools` (recipient
+    in the role or the channel header) with its arguments. Markup tokens are written as
+    special tokens: the model must write them as such."""
+    head = (f"start: (pre {END} {START} \"assistant\")* tail\n"
+            f"analysis: ({CHANNEL} \"commentary\" \" to=assistant\"?)? {CHANNEL} "
+            f"\"analysis\" {MESSAGE} TEXT\n"
+            "TEXT: /(.|\\n)*/\n"
+            "ctype: \" \" <|constrain|>? CTYPE | <|constrain|> CTYPE\n"
+            "CTYPE: /[A-Za-z0-9_-]+/\n")
+    if schema is not None:
+        return (head + "pre: analysis\n"
+                f"tail: {CHANNEL} \"final\" ctype? {MESSAGE} body\n"
+                f"body: %json {_guided(schema)}\n")
+    lines = [head, f"pre: analysis | {CHANNEL} \"commentary\" {MESSAGE} TEXT\n",
+             f"channel: {CHANNEL} (\"commentary\" | \"analysis\")\n",
+             "tail: " + " | ".join(f"call{i}" for i in range(len(tools))) + "\n"]
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        to = json.dumps(" to=functions." + fn["name"])
+        lines.append(f"call{i}: ({to} channel | channel {to}) ctype? {MESSAGE} args{i}\n"
+                     f"args{i}: %json {_guided(fn['parameters'])}\n")
+    return "".join(lines)
+
+
+def _guided(schema: Any) -> str:
+    return json.dumps({**schema, "x-guidance": grammars.JSON_OPTIONS})

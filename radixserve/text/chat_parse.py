@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 import string
 from dataclasses import dataclass, field
@@ -31,7 +32,8 @@ log = logging.getLogger(__name__)
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
-FORMATS = ("content", "generic", "hermes", "llama3")
+CHANNEL, MESSAGE, END, START = "<|channel|>", "<|message|>", "<|end|>", "<|start|>"
+FORMATS = ("content", "generic", "hermes", "llama3", "harmony")
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -207,6 +209,81 @@ def _generic(text: str, partial: bool, fmt: OutputFormat) -> tuple[list[_Call], 
 _PARSERS = {"hermes": _hermes, "llama3": _llama3, "generic": _generic}
 
 
+# ------------------------------------------------------------------ harmony (gpt-oss)
+
+_NEXT_MESSAGE = START + "assistant"
+# what follows `<|start|>assistant` up to `<|message|>`: a recipient in the role or the
+# channel header, the channel, a content type (`json`, `<|constrain|>json`); gpt-oss-20b
+# sometimes opens with a stray `<|channel|>commentary` before the real channel
+_HEADER = re.compile(
+    r"(?: to=(?P<role_to>[^\s<]+))?"
+    r"(?:<\|channel\|>commentary(?: to=assistant)?(?=<\|channel\|>))?"
+    r"<\|channel\|>(?P<channel>[A-Za-z0-9_-]+)"
+    r"(?: to=(?P<to>[^\s<]+))?"
+    r"(?:\s*(?:<\|constrain\|>)?[A-Za-z0-9_-]+)?\s*\Z")
+
+
+def _harmony(text: str, partial: bool, fmt: OutputFormat) -> tuple[list[_Call], str, str]:
+    """(calls, content, reasoning) of a harmony reply: messages `HEADER<|message|>BODY<|end|>`
+    joined by `<|start|>assistant` (the prompt wrote the first one's). llama.cpp's rules:
+    analysis bodies are the reasoning (with reasoning_format none, the analysis messages stay
+    in the content as written), commentary without a recipient (a preamble) is content and
+    the reply goes on; a final message, a call to `functions.NAME` (when tools are on) or a
+    call to any other recipient (dropped: a builtin tool's) ends it. A header not yet closed
+    by `<|message|>` is held back (dropped when the reply ends there); text that cannot be a
+    header is content as written."""
+    if fmt.final_open:
+        text = CHANNEL + "final" + MESSAGE + text
+    calls: list[_Call] = []
+    content: list[str] = []
+    thought: list[str] = []
+    pos = 0
+    while True:
+        rest = text[pos:]
+        if not (rest.startswith((CHANNEL, " to=")) or CHANNEL.startswith(rest)
+                or " to=".startswith(rest)):
+            content.append(rest)
+            break
+        k = text.find(MESSAGE, pos)
+        header = _HEADER.match(text, pos, k) if k >= 0 else None
+        if header is None:
+            if k >= 0:
+                content.append(rest)
+            break
+        body_at = k + len(MESSAGE)
+        e = text.find(END, body_at)
+        body = text[body_at : e if e >= 0 else len(text)]
+        if e < 0 and partial:
+            body = _hold_prefix_of(body, END)
+        to, channel = header["role_to"] or header["to"], header["channel"]
+        if to is not None and to != "assistant":
+            if fmt.tools and to.startswith("functions."):
+                calls.append(_Call(to[len("functions.") :], body.strip()))
+            break
+        if channel == "analysis" and fmt.reasoning == "none":
+            content.append(text[pos:body_at] + body + (END if e >= 0 else ""))
+        elif channel == "analysis":
+            thought.append(body)
+        else:
+            content.append(body)
+            if channel != "commentary":
+                break
+        if e < 0:
+            break
+        pos = e + len(END)
+        if text.startswith(_NEXT_MESSAGE, pos):
+            pos += len(_NEXT_MESSAGE)
+            continue
+        # plain text after a message is content; another role's message is not the reply's
+        if not (_NEXT_MESSAGE.startswith(text[pos:]) or text.startswith(START, pos)):
+            content.append(text[pos:])
+        break
+    reasoning = "".join(thought)
+    if not reasoning.strip(" \n\r\t"):  # llama.cpp drops a whitespace-only thought
+        reasoning = ""
+    return calls, "".join(content), reasoning
+
+
 # ------------------------------------------------------------------ reasoning
 
 
@@ -250,6 +327,8 @@ class OutputFormat:
     reasoning: str = "none"  # none | deepseek | deepseek-legacy
     thinking_open: bool = False  # the prompt ends inside `<think>`
     model_ids: bool = False  # generic with parallel calls: the model writes each call's id
+    tools: bool = False  # harmony: `functions.*` calls are tool calls (else dropped)
+    final_open: bool = False  # harmony: the prompt ends inside a final message (a prefill)
 
     def parser(self) -> MessageParser:
         return MessageParser(self)
@@ -264,12 +343,16 @@ class MessageParser:
         self._ids: list[str] = []
 
     def parse(self, text: str, partial: bool = False) -> ParsedMessage:
-        reasoning, pre, rest = _split_reasoning(text, partial, self.fmt)
-        parse = _PARSERS.get(self.fmt.kind)
-        calls, content = parse(rest, partial, self.fmt) if parse else ([], rest)
+        if self.fmt.kind == "harmony":
+            calls, content, reasoning = _harmony(text, partial, self.fmt)
+        else:
+            reasoning, pre, rest = _split_reasoning(text, partial, self.fmt)
+            parse = _PARSERS.get(self.fmt.kind)
+            calls, content = parse(rest, partial, self.fmt) if parse else ([], rest)
+            content = pre + content
         while len(self._ids) < len(calls):
             self._ids.append(random_call_id())
-        return ParsedMessage(pre + content, reasoning, [
+        return ParsedMessage(content, reasoning, [
             ToolCall(c.name, c.arguments, c.id or self._ids[i]) for i, c in enumerate(calls)])
 
 

@@ -58,6 +58,7 @@ _EOG_TEXTS = (
     "<|end_of_text|>",
     "<end_of_utterance>",
 )
+_HARMONY_MARKUP = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 # FIM tokens in llama.cpp's order (pre, suf, mid, pad, rep, sep): the GGUF key, the deprecated
 # key that overrides it when present (tokenizer.ggml.prefix_token_id...), and the texts searched
 # for when neither names a token in the vocabulary
@@ -249,6 +250,16 @@ class Tokenizer:
                 self._types[tid] = CONTROL
                 eog.add(tid)
         eog |= {self.eos_id, self.eot_id, self.eom_id}
+        # gpt-oss (harmony): its message markup is text the chat parser reads, so it is always
+        # rendered and parsed, and `<|end|>` only closes a message (`<|return|>` and `<|call|>`
+        # end the reply): the model goes on after its analysis message
+        for text in _HARMONY_MARKUP:
+            if (tid := self._ids.get(text)) is not None:
+                self._types[tid] = USER_DEFINED
+        end, ret, call = (self._ids.get(t) for t in ("<|end|>", "<|return|>", "<|call|>"))
+        if None not in (end, ret, call) and {end, ret, call} <= eog:
+            eog.discard(end)
+            self._types[end] = USER_DEFINED
         return frozenset(i for i in eog if i is not None)
 
     def _piece(self, tid: int) -> bytes:

@@ -26,6 +26,7 @@ from radixserve.text.chat_template import ChatTemplate
 from tests.http.harness import running_server
 from tests.http.test_app import ScriptedEngine, assert_error, final
 from tests.text.chat_templates import QWEN3
+from tests.text.test_harmony import GPT_OSS
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -163,6 +164,26 @@ def test_reasoning_content(model: Model) -> None:
     c, _ = client(m, scripted(text), reasoning_format="none")
     assert message_of(c.post("/v1/chat/completions", json={"messages": ASK}).json()) == {
         "role": "assistant", "content": text}
+
+
+def test_harmony_reasoning_and_calls(model: Model) -> None:
+    m = dataclasses.replace(model, chat_template=ChatTemplate(GPT_OSS))
+    text = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+            "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+            '{"city": "Paris"}')
+    c, _ = client(m, scripted(text))
+    body = {"messages": ASK, "tools": TOOLS}
+    msg = message_of(c.post("/v1/chat/completions", json=body).json())
+    assert msg["reasoning_content"] == "Need the weather." and msg["content"] is None
+    assert msg["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                "arguments": '{"city": "Paris"}'}
+    streamed, finish = reassemble(sse(c.post("/v1/chat/completions",
+                                             json={**body, "stream": True})))
+    assert finish == "tool_calls" and streamed["reasoning_content"] == "Need the weather."
+    assert streamed["tool_calls"][0]["function"] == msg["tool_calls"][0]["function"]
+    c, _ = client(m, scripted("<|channel|>final<|message|>Sunny."))
+    assert message_of(c.post("/v1/chat/completions", json={"messages": ASK}).json()) == {
+        "role": "assistant", "content": "Sunny."}
 
 
 def test_hermes_calls_with_a_tools_template(model: Model) -> None:
