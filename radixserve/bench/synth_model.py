@@ -120,6 +120,9 @@ class Shape:
     n_expert_used: int = 0
     n_ff_exp: int = 0
     n_dense_lead: int = 0  # lfm2moe: the first layers' FFNs are dense (n_ff wide)
+    # gpt-oss: YaRN's factor over the original context (0: no rope scaling)
+    yarn_factor: float = 0.0
+    yarn_orig_ctx: int = 0
 
     @property
     def hd(self) -> int:
@@ -222,10 +225,27 @@ SHAPES = {
     "qwen3moe-tiny": Shape(n_layer=2, n_embd=128, n_ff=384, n_head=4, n_head_kv=2,
                            rope_base=1e6, n_ctx_train=4096, arch="qwen3moe", head_dim=64,
                            rms_eps=1e-6, n_expert=8, n_expert_used=2, n_ff_exp=64),
+    # openai/gpt-oss-20b's layer (config.json: hidden 2880, 64 heads of 64 on 8 KV heads, 32
+    # experts of 2880, 4 a token, sliding window 128 on every other layer, rope_theta 150000
+    # with YaRN x32 over 4096, max_position_embeddings 131072, untied) with 4 of its 24
+    # layers (two sliding, two full); at `mxfp4` its experts are MXFP4 and the rest Q8_0 (the
+    # vocabulary: see above)
+    "gpt-oss-20b": Shape(n_layer=4, n_embd=2880, n_ff=2880, n_head=64, n_head_kv=8,
+                         rope_base=150000.0, n_ctx_train=131072, arch="gpt-oss", head_dim=64,
+                         sliding_window=128, n_expert=32, n_expert_used=4, n_ff_exp=2880,
+                         yarn_factor=32.0, yarn_orig_ctx=4096),
+    "gpt-oss-tiny": Shape(n_layer=2, n_embd=128, n_ff=128, n_head=4, n_head_kv=2,
+                          rope_base=150000.0, n_ctx_train=131072, arch="gpt-oss", head_dim=32,
+                          sliding_window=16, n_expert=8, n_expert_used=2, n_ff_exp=128,
+                          yarn_factor=32.0, yarn_orig_ctx=4096),
 }
 ARCHS = ("llama", "lfm2", "qwen2", "qwen3", "gemma3", "qwen35", "granitehybrid", "qwen3moe",
-         "lfm2moe")
-TYPES = {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+         "lfm2moe", "gpt-oss")
+# mxfp4: the experts' matrices MXFP4 (random codes and scales, the type's own values), the
+# other matrices Q8_0
+TYPES = {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+         "mxfp4": gguf.GGMLQuantizationType.Q8_0}
+MXFP4_E = 120  # the blocks' E8M0 exponent: weights up to 12 * 2^(120 - 128) = 0.047
 _TOKENIZER = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
               "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
               "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
@@ -313,15 +333,16 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
         raise ValueError(f"weight type {wtype!r}: one of {', '.join(TYPES)}")
     if shape.arch not in ARCHS:
         raise ValueError(f"architecture {shape.arch!r}: one of {', '.join(ARCHS)}")
-    if (shape.sliding_window > 0) != (shape.arch == "gemma3"):
+    oss = shape.arch == "gpt-oss"
+    if (shape.sliding_window > 0) != (shape.arch in ("gemma3", "gpt-oss")):
         raise ValueError(f"sliding_window {shape.sliding_window} for {shape.arch}: gemma3 "
-                         "needs one, the others have none")
+                         "and gpt-oss need one, the others have none")
     lfm2, qwen35 = shape.arch in ("lfm2", "lfm2moe"), shape.arch == "qwen35"
     granite = shape.arch == "granitehybrid"
-    moe = shape.arch in ("qwen3moe", "lfm2moe")
+    moe = shape.arch in ("qwen3moe", "lfm2moe", "gpt-oss")
     if moe != (shape.n_expert > 0):
-        raise ValueError(f"n_expert {shape.n_expert} for {shape.arch}: qwen3moe and lfm2moe "
-                         "need experts, the others have none")
+        raise ValueError(f"n_expert {shape.n_expert} for {shape.arch}: qwen3moe, lfm2moe and "
+                         "gpt-oss need experts, the others have none")
     qk_norm = shape.arch in ("qwen3", "gemma3", "lfm2", "qwen35", "qwen3moe", "lfm2moe")
     if qwen35:
         check_qwen35(shape)
@@ -365,7 +386,7 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
         add_qwen35_keys(w, shape, shape.recurrent())
     if shape.arch == "llama":  # the converter writes it for llama only (n_rot: the head size)
         w.add_rope_dimension_count(shape.hd)
-    if shape.arch in ("qwen3", "gemma3", "qwen3moe"):  # their config.json's head_dim
+    if shape.arch in ("qwen3", "gemma3", "qwen3moe", "gpt-oss"):  # their config.json's head_dim
         w.add_key_length(shape.hd)
         w.add_value_length(shape.hd)
     if moe:  # Qwen2MoeModel's and LFM2MoeModel's (and the base model's) expert keys
@@ -375,8 +396,14 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
     if shape.arch == "lfm2moe":
         w.add_leading_dense_block_count(shape.n_dense_lead)
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    if shape.arch == "gemma3":
+    if shape.arch in ("gemma3", "gpt-oss"):
         w.add_sliding_window(shape.sliding_window)
+    if shape.yarn_factor:  # the base model's rope-scaling keys, as GptOssModel gets them
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(shape.yarn_factor)
+        w.add_rope_scaling_orig_ctx_len(shape.yarn_orig_ctx)
+        w.add_rope_scaling_yarn_beta_fast(32.0)
+        w.add_rope_scaling_yarn_beta_slow(1.0)
     add_default_tokenizer(w)
 
     def matrix(name: str, rows: int, cols: int) -> None:
@@ -388,6 +415,13 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
 
     def experts(name: str, rows: int, cols: int) -> None:
         """[n_expert, rows, cols], an expert at a time (a 30B layer's are 200M weights)."""
+        if wtype == "mxfp4":  # random blocks: the exponent, then 16 bytes of codes
+            mx = gguf.GGMLQuantizationType.MXFP4
+            blocks = rng.integers(0, 256, (shape.n_expert, rows, cols // 32, 17), np.uint8)
+            blocks[..., 0] = MXFP4_E
+            w.add_tensor(name, blocks.reshape(shape.n_expert, rows, cols // 32 * 17),
+                         raw_dtype=mx)
+            return
         parts = []
         for _ in range(shape.n_expert):
             a = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.02)
@@ -414,8 +448,9 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
     for i in range(shape.n_layer + shape.nextn):
         p = f"blk.{i}."
         norm(p + "attn_norm.weight")
-        # Qwen 3.5's FFN pre-norm is HF's post_attention_layernorm, mapped to ATTN_POST_NORM
-        norm(p + ("post_attention_norm.weight" if qwen35 else "ffn_norm.weight"))
+        # Qwen 3.5's and gpt-oss's FFN pre-norm is HF's post_attention_layernorm, mapped to
+        # ATTN_POST_NORM
+        norm(p + ("post_attention_norm.weight" if qwen35 or oss else "ffn_norm.weight"))
         if granite and i not in attn:
             ng, nh, hd2, ds = (shape.ssm_k_heads, shape.ssm_v_heads, shape.ssm_head_dim,
                                shape.ssm_state)
@@ -456,10 +491,13 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
             matrix(p + "attn_k.weight", shape.n_head_kv * hd, d)
             matrix(p + "attn_v.weight", shape.n_head_kv * hd, d)
             matrix(p + "attn_output.weight", d, shape.n_head * hd)
-            if shape.arch == "qwen2":
+            if shape.arch in ("qwen2", "gpt-oss"):
                 bias(p + "attn_q.bias", shape.n_head * hd)
                 bias(p + "attn_k.bias", shape.n_head_kv * hd)
                 bias(p + "attn_v.bias", shape.n_head_kv * hd)
+            if oss:  # the output's bias and a sink logit a head
+                bias(p + "attn_output.bias", d)
+                f32(p + "attn_sinks.weight", rng.standard_normal(shape.n_head))
             if qk_norm:
                 norm(p + "attn_q_norm.weight", hd)
                 norm(p + "attn_k_norm.weight", hd)
@@ -482,6 +520,11 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
             experts(p + "ffn_gate_exps.weight", shape.n_ff_exp, d)
             experts(p + "ffn_up_exps.weight", shape.n_ff_exp, d)
             experts(p + "ffn_down_exps.weight", d, shape.n_ff_exp)
+            if oss:  # the router's and every expert's biases, F32
+                bias(p + "ffn_gate_inp.bias", shape.n_expert)
+                for n, rows in (("gate", shape.n_ff_exp), ("up", shape.n_ff_exp), ("down", d)):
+                    f32(p + f"ffn_{n}_exps.bias",
+                        rng.standard_normal((shape.n_expert, rows)) * 0.02)
             continue
         matrix(p + "ffn_gate.weight", shape.n_ff, d)
         matrix(p + "ffn_up.weight", shape.n_ff, d)

@@ -196,15 +196,17 @@ def test_the_command_refuses_an_unknown_type(tmp_path, capsys):
     assert not (tmp_path / "m.gguf").exists()
 
 
-@pytest.mark.parametrize("name", ["qwen3moe-tiny", "lfm2moe-tiny"])
+@pytest.mark.parametrize("name", ["qwen3moe-tiny", "lfm2moe-tiny", "gpt-oss-tiny"])
 def test_the_moe_shapes_are_written_as_llama_cpp_names_them_and_load(tmp_path, name):
     """The mixture-of-experts shapes: every tensor name one gguf-py knows for the
     architecture, the expert keys (LFM2-MoE's dense leading layers, sigmoid gating and its
-    selection bias), the experts stacked [experts, rows, cols] in the weight type beside an
-    F32 router, loaded with those sizes; the real shapes keep the real models' layer."""
+    selection bias; gpt-oss's window, YaRN, sinks and biases), the experts stacked [experts,
+    rows, cols] in the weight type (gpt-oss's MXFP4) beside an F32 router, loaded with those
+    sizes; the real shapes keep the real models' layer."""
     shape = SHAPES[name]
     arch = shape.arch
-    path = write(str(tmp_path / "m.gguf"), shape, "q8_0")
+    oss = arch == "gpt-oss"
+    path = write(str(tmp_path / "m.gguf"), shape, "mxfp4" if oss else "q8_0")
     r = gguf.GGUFReader(path)
     arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     known = set()
@@ -220,8 +222,14 @@ def test_the_moe_shapes_are_written_as_llama_cpp_names_them_and_load(tmp_path, n
     first = shape.n_dense_lead
     gate = t[f"blk.{first}.ffn_gate_exps.weight"]
     assert list(gate.shape) == [shape.n_embd, shape.n_ff_exp, shape.n_expert]
-    assert gate.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    assert gate.tensor_type == (gguf.GGMLQuantizationType.MXFP4 if oss else
+                                gguf.GGMLQuantizationType.Q8_0)
     assert t[f"blk.{first}.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    if oss:
+        assert f["gpt-oss.attention.sliding_window"] == shape.sliding_window
+        assert f["gpt-oss.rope.scaling.type"] == "yarn"
+        assert {"blk.1.attn_sinks.weight", "blk.1.attn_output.bias", "blk.1.ffn_gate_inp.bias",
+                "blk.1.ffn_down_exps.bias"} <= set(t)
     if arch == "lfm2moe":
         assert f["lfm2moe.leading_dense_block_count"] == 1
         assert f["lfm2moe.expert_gating_func"] == 2
@@ -232,6 +240,8 @@ def test_the_moe_shapes_are_written_as_llama_cpp_names_them_and_load(tmp_path, n
                                      m.hp.moe.n_dense_lead) == (shape.n_expert,
                                                                 shape.n_expert_used,
                                                                 shape.n_ff_exp, first)
-    real = SHAPES["qwen3moe-30b-a3b" if arch == "qwen3moe" else "lfm2moe-8b-a1b"]
-    assert (real.n_embd, real.n_expert, real.n_expert_used, real.n_ff_exp) == (
-        (2048, 128, 8, 768) if arch == "qwen3moe" else (2048, 32, 4, 1792))
+    real = SHAPES[{"qwen3moe": "qwen3moe-30b-a3b", "lfm2moe": "lfm2moe-8b-a1b",
+                   "gpt-oss": "gpt-oss-20b"}[arch]]
+    assert (real.n_embd, real.n_expert, real.n_expert_used, real.n_ff_exp) == {
+        "qwen3moe": (2048, 128, 8, 768), "lfm2moe": (2048, 32, 4, 1792),
+        "gpt-oss": (2880, 32, 4, 2880)}[arch]
