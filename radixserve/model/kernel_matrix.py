@@ -13,8 +13,8 @@ import torch
 if TYPE_CHECKING:
     from radixserve.model.kernels import Kernels
 
-# csrc/i8act.c's tile formats (its F_Q4, F_I8*) -> bytes per (tile, group)
-TILE_BLOCK_BYTES = {0: 320, 1: 576, 2: 640, 3: 640}
+# csrc/i8act.c's tile formats (its F_Q4, F_I8*, F_MX) -> bytes per (tile, group)
+TILE_BLOCK_BYTES = {0: 320, 1: 576, 2: 640, 3: 640, 4: 320}
 
 
 class _KernelMatrix:

@@ -28,10 +28,7 @@ if TYPE_CHECKING:
 Q = gguf.GGMLQuantizationType
 Q4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)  # one affine map a group of 4-bit codes: the 4-bit tiles
 FLOAT_TYPES = (Q.F16, Q.BF16, Q.F32)
-# int8 codes and f32 scales: 8-bit tiles (MXFP4's E2M1 values, doubled, are the codes -12..12
-# and its E8M0 scale, halved, a power of two: the same weights exactly)
-I8_TYPES = (Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q5_K, Q.Q6_K, Q.MXFP4)
-BLOCK_READ_TYPES = (*Q4_TYPES, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q5_K, Q.Q6_K, *FLOAT_TYPES)
+I8_TYPES = (Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q5_K, Q.Q6_K)  # int8 codes and f32 scales: 8-bit tiles
 TILE_ROWS = 16  # the tiles' rows (i8act.c): a matrix whose rows are not a multiple falls back
 
 
@@ -47,6 +44,9 @@ ROUTES = {r.name: r for r in (
     Route("q4-tiles", "i8act.c 4-bit tiles, 8-bit activations",
           "i8act.c 4-bit tiles, 8-bit activations",
           "4-bit codes in 16-row tiles, f16 scale and offset a group"),
+    Route("mxfp4-tiles", "i8act.c 4-bit tiles through MXFP4's table, 8-bit activations",
+          "i8act.c 4-bit tiles through MXFP4's table, 8-bit activations",
+          "MXFP4's 4-bit codes in 16-row tiles, an f32 scale a group"),
     Route("i8-tiles", "i8act.c 8-bit tiles, 8-bit activations",
           "i8act.c 8-bit tiles, 8-bit activations",
           "int8 codes in 16-row tiles, f32 scales (and offsets) a group"),
@@ -64,17 +64,20 @@ ROUTES = {r.name: r for r in (
 # the kernel builds (model/kernel_build.py's VARIANTS), and "none": no kernels of ours
 # (RADIXSERVE_KERNELS=0, no compiler) or a compute dtype they do not take (f16, f32)
 BUILDS = ("avx512bf16", "avx512", "avxvnni", "avx2", "neon", "generic", "none")
-KINDS = ("4-bit", "5-8-bit", "float", "other")
-_TILES = {"4-bit": "q4-tiles", "5-8-bit": "i8-tiles", "float": "qmm-f32", "other": "torch-dense"}
+KINDS = ("4-bit", "5-8-bit", "mxfp4", "float", "other")
+_TILES = {"4-bit": "q4-tiles", "5-8-bit": "i8-tiles", "mxfp4": "mxfp4-tiles", "float": "qmm-f32",
+          "other": "torch-dense"}
 TABLE: dict[tuple[str, str], str] = {
     ("avx512bf16", "4-bit"): "q4-tiles",
     ("avx512bf16", "5-8-bit"): "i8-tiles",
+    ("avx512bf16", "mxfp4"): "mxfp4-tiles",
     ("avx512bf16", "float"): "bf16-panels",
     ("avx512bf16", "other"): "bf16-panels",  # dequantized at load
     **{(b, kind): r for b in ("avx512", "avxvnni", "avx2", "neon", "generic")
        for kind, r in _TILES.items()},
     ("none", "4-bit"): "torch-int4",
     ("none", "5-8-bit"): "torch-dense",
+    ("none", "mxfp4"): "torch-dense",
     ("none", "float"): "torch-dense",
     ("none", "other"): "torch-dense",
 }
@@ -89,6 +92,8 @@ FALLBACK = {
 def kind_of(qtype: Q) -> str:
     if qtype in Q4_TYPES:
         return "4-bit"
+    if qtype == Q.MXFP4:
+        return "mxfp4"
     if qtype in I8_TYPES:
         return "5-8-bit"
     return "float" if qtype in FLOAT_TYPES else "other"
@@ -112,15 +117,15 @@ def route_for(build: str, qtype: Q, n_rows: int, packed: bool = True) -> str:
     name = TABLE[build, kind_of(qtype) if packed else "other"]
     if name in FALLBACK and n_rows % TILE_ROWS:
         name = FALLBACK[name][0]
-        if name.startswith("qmm") and qtype not in BLOCK_READ_TYPES:  # qmm.c cannot read it
-            name = TABLE[build, "other"]
+    elif name == "mxfp4-tiles" and n_rows % TILE_ROWS:  # qmm.c does not read MXFP4
+        name = TABLE[build, "other"]
     return name
 
 
 def table_text(build: str | None = None) -> str:
     """The table as text, one build's rows (all builds when None)."""
     lines = [f"{'build':<11} {'GGUF types':<34} {'route':<12} few rows | many rows"]
-    types = {"4-bit": "Q4_0 Q4_1 Q4_K", "5-8-bit": "Q5_0 Q5_1 Q8_0 Q5_K Q6_K MXFP4",
+    types = {"4-bit": "Q4_0 Q4_1 Q4_K", "5-8-bit": "Q5_0 Q5_1 Q8_0 Q5_K Q6_K", "mxfp4": "MXFP4",
              "float": "F16 BF16 F32", "other": "any other (dequantized at load)"}
     for b in BUILDS if build is None else (build,):
         for kind in KINDS:
@@ -128,7 +133,7 @@ def table_text(build: str | None = None) -> str:
             lines.append(f"{b:<11} {types[kind]:<34} {r.name:<12} {r.few} | {r.many}")
     for name, (to, why) in FALLBACK.items():
         lines.append(f"  {name} -> {to} where {why}")
-    lines.append(f"  i8-tiles -> the build's 'other' route for MXFP4 (qmm.c does not read it) "
-                 f"where rows not a multiple of {TILE_ROWS}")
+    lines.append(f"  mxfp4-tiles -> the build's 'other' route where rows not a multiple of "
+                 f"{TILE_ROWS}")
     lines.append("  q4-tiles -> torch-int4 where a scale or offset exceeds f16's range")
     return "\n".join(lines)

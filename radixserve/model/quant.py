@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from radixserve.model import qmm
 from radixserve.model.kernel_matrix import BF16_PANEL, Bf16Matrix
-from radixserve.model.kernel_routes import BLOCK_READ_TYPES, FLOAT_TYPES, Q4_TYPES, build_for, route_for
+from radixserve.model.kernel_routes import FLOAT_TYPES, I8_TYPES, Q4_TYPES, build_for, route_for
 from radixserve.model.kernels import Kernels
 
 GROUP = 32
@@ -49,7 +49,7 @@ Q = gguf.GGMLQuantizationType
 PACKED_TYPES = Q4_TYPES
 # the types csrc/qmm.c reads in the file's blocks: every layer matrix where the route table
 # says so, and the rows of the embedding and the head on every build
-QMM_ROW_TYPES = BLOCK_READ_TYPES
+QMM_ROW_TYPES = (*Q4_TYPES, *I8_TYPES, *FLOAT_TYPES)
 # torch's int4 kernel: chunks of this many rows or more run as a dense bf16 matmul on weights
 # unpacked for that call, as it is compute-bound there and loses to a bf16 GEMM (except in
 # deterministic mode: other bits). Our tiles outrun the GEMM at every size and never switch.
@@ -57,7 +57,8 @@ DENSE_FROM_ROWS = 96
 TILE = 16  # rows per tile (csrc/i8act.c)
 # I8Linear: i8act.c's 8-bit tile format of each type (its F_I8, F_I8H, F_I8M: a scale a group,
 # a scale a half group for Q6_K's sub-blocks of 16, a scale and an offset)
-I8_FORMATS = {Q.Q8_0: 1, Q.Q5_0: 1, Q.Q6_K: 2, Q.Q5_1: 3, Q.Q5_K: 3, Q.MXFP4: 1}
+I8_FORMATS = {Q.Q8_0: 1, Q.Q5_0: 1, Q.Q6_K: 2, Q.Q5_1: 3, Q.Q5_K: 3}
+F_MX = 4  # i8act.c's MXFP4 tiles
 # each 8-bit tile format's code range
 I8_CODES = {1: (-128, 127), 2: (-32, 31), 3: (0, 31)}
 F16_MAX = float(np.finfo(np.float16).max)
@@ -351,21 +352,38 @@ def raw_rows(t: gguf.ReaderTensor) -> np.ndarray:
 
 
 MXFP4_BLOCK = 17  # an E8M0 scale byte, then 16 bytes of E2M1 codes (low nibbles first)
+MX_VALUES = np.array(gguf.quants.MXFP4.kvalues, dtype=np.int8)  # E2M1 doubled, by code
 
 
-def mxfp4_codes(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """MXFP4 rows raw (uint8 [n, k / 32 * 17]) as qmm.codes gives other types: int8 codes c
-    [n, k] (the E2M1 values doubled: -12..12), f32 scales d [n, k / 16] (the E8M0 scale
-    halved, 2^(e - 128), as ggml's e8m0_to_fp32_half) and zero offsets; d c is gguf-py's
-    weight exactly (a power of two times a small integer)."""
+def mxfp4_nibbles(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """MXFP4 rows raw (uint8 [n, k / 32 * 17]) as their codes (uint8 [n, k], 0..15: an index
+    into MX_VALUES) and f32 scales [n, k / 32] (the E8M0 scale halved, 2^(e - 128), as
+    ggml's e8m0_to_fp32_half): the weight is scale * MX_VALUES[code], gguf-py's exactly (a
+    power of two times a small integer)."""
     n = raw.shape[0]
     if raw.ndim != 2 or k % GROUP or raw.shape[1] != k // GROUP * MXFP4_BLOCK:
         raise ValueError(f"MXFP4 rows of {k} weights need {k // GROUP * MXFP4_BLOCK} bytes")
     b = raw.reshape(n, k // GROUP, MXFP4_BLOCK)
-    values = np.array(gguf.quants.MXFP4.kvalues, dtype=np.int8)
-    c = values[_nibbles(b[..., 1:])].reshape(n, k)
     d = gguf.quants.MXFP4.e8m0_to_fp32_half(b[..., 0].astype(np.uint32)).astype(np.float32)
-    return c, np.repeat(d, 2, axis=1), np.zeros((n, k // GROUP), np.float32)
+    return _nibbles(b[..., 1:]).reshape(n, k), d
+
+
+def mxfp4_codes(raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MXFP4 rows as qmm.codes gives the 8-bit types': int8 codes [n, k] (-12..12), scales
+    [n, k / 16] and zero offsets [n, k / 32] (F_MX's products are format 1's on these)."""
+    q, d = mxfp4_nibbles(raw, k)
+    return MX_VALUES[q], np.repeat(d, 2, axis=1), np.zeros_like(d)
+
+
+def pack_mx(q: np.ndarray, d: np.ndarray) -> torch.Tensor:
+    """MXFP4 codes q [N, K] (0..15) and scales d [N, K / 32] -> csrc/i8act.c's F_MX tiles
+    [N / 16, K / 32, 320] uint8: pack_q4's nibbles, then the 16 rows' f32 scales."""
+    n, k = q.shape
+    zero = np.zeros((n, k // GROUP), np.float32)
+    nib = pack_q4(Codes(q, zero, zero)).numpy()[..., :256]
+    scales = d.astype(np.float32).reshape(n // TILE, TILE, k // GROUP).transpose(0, 2, 1)
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(
+        [nib, np.ascontiguousarray(scales).view(np.uint8)], axis=-1)))
 
 
 # The tiles' order of each 8 weights of a group (csrc/i8act.c): position p holds weight PERM[p],
@@ -405,9 +423,11 @@ def pack_i8(c: np.ndarray, d: np.ndarray, m: np.ndarray, fmt: int) -> torch.Tens
 
 
 def tile_codes(tiles: np.ndarray, fmt: int) -> np.ndarray:
-    """The codes of tiles (pack_q4's or pack_i8's) as [N, K] in the weights' order: the 4-bit
-    ones unsigned (0..15), the 8-bit ones signed."""
+    """The codes of tiles (pack_q4's, pack_i8's or pack_mx's) as [N, K] in the weights' order:
+    the 4-bit ones unsigned (0..15), the 8-bit ones signed, MXFP4's their values (-12..12)."""
     t, groups = tiles.shape[:2]
+    if fmt == F_MX:
+        return MX_VALUES[tile_codes(tiles, 0)]
     if fmt == 0:  # chunk c's byte 4j + i: row j's weights 8c + PERM[i] (low), PERM[i + 4] (high)
         b = tiles[..., :256].reshape(t, groups, 4, TILE, 4)
         pos = np.concatenate([b & 15, b >> 4], axis=-1)  # [t, g, chunk, row, 8 positions]
@@ -434,6 +454,9 @@ def tile_weights(tiles: torch.Tensor, fmt: int) -> torch.Tensor:
     if fmt == 0:
         d0 = d1 = per_row(256, np.float16)
         m = per_row(288, np.float16)
+    elif fmt == F_MX:
+        d0 = d1 = per_row(256, np.float32)
+        m = np.zeros_like(d0)
     else:
         d0 = d1 = per_row(512, np.float32)
         m = np.zeros_like(d0)
@@ -474,7 +497,7 @@ class QuantLinear(Linear):
 
 
 class I8Linear(QuantLinear):
-    """Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K / MXFP4 weights as int8 codes in 16-row tiles with f32 scales
+    """Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K weights as int8 codes in 16-row tiles with f32 scales
     (csrc/i8act.c, 8-bit activations): 1.125-1.25 bytes a weight, d c + m gguf-py's weights
     bit for bit, each row's bits the same at any row count.
 
@@ -488,8 +511,7 @@ class I8Linear(QuantLinear):
         if len(fmts) != 1:
             raise ValueError("one 8-bit matrix needs one tile format")
         fmt = fmts.pop()
-        codes = [mxfp4_codes(raw, k) if t == Q.MXFP4 else qmm.codes(kern.lib, int(t), raw, k)
-                 for t, raw in parts]
+        codes = [qmm.codes(kern.lib, int(t), raw, k) for t, raw in parts]
         c, d, m = (np.concatenate([cd[i] for cd in codes]) for i in range(3))
         self.n_out, self.n_in, self.bias = c.shape[0], k, bias
         self.mat = kern.tiles(pack_i8(c, d, m, fmt), fmt, self.n_out, k)
@@ -498,6 +520,29 @@ class I8Linear(QuantLinear):
     def weight(self) -> torch.Tensor:
         """bf16 W [N, K]: bf16(d c + m), evaluated in f32."""
         return tile_weights(self.mat.tiles, self.mat.fmt).to(torch.bfloat16)
+
+    @property
+    def nbytes(self) -> int:
+        return self.mat.tiles.nbytes + (self.bias.nbytes if self.bias is not None else 0)
+
+
+class MxLinear(QuantLinear):
+    """MXFP4 weights (gpt-oss's experts) in csrc/i8act.c's F_MX tiles: the file's 4-bit codes
+    and an f32 scale a group (0.625 bytes a weight), looked up into int8 codes in registers and
+    multiplied with 8-bit activations; gguf-py's weights exactly, each row's bits the same at
+    any row count. `raws`: the row blocks of one matrix, in order."""
+
+    def __init__(self, raws: list[np.ndarray], k: int, bias: torch.Tensor | None,
+                 kern: Kernels) -> None:
+        parts = [mxfp4_nibbles(r, k) for r in raws]
+        q, d = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        self.n_out, self.n_in, self.bias = q.shape[0], k, bias
+        self.mat = kern.tiles(pack_mx(q, d), F_MX, self.n_out, k)
+        self.route = "mxfp4-tiles"
+
+    def weight(self) -> torch.Tensor:
+        """bf16 W [N, K]: bf16(d c)."""
+        return tile_weights(self.mat.tiles, F_MX).to(torch.bfloat16)
 
     @property
     def nbytes(self) -> int:

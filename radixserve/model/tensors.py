@@ -30,6 +30,7 @@ from radixserve.model.quant import (
     DenseLinear,
     I8Linear,
     Linear,
+    MxLinear,
     QuantLinear,
     packed_linear,
     raw_rows,
@@ -163,12 +164,14 @@ class TensorLoader:
             parts = [c if h is None else c.rows(_order(c.q.shape[0], h))
                      for c, h in zip(parts, heads)]
             return packed_linear(Codes.concat(parts), bias, self.dtype, self.kern)
-        if route in ("qmm-int", "qmm-f32", "i8-tiles"):
+        if route in ("qmm-int", "qmm-f32", "i8-tiles", "mxfp4-tiles"):
             kern = self.kern
             assert kern is not None and qtype is not None
             raws = [raw_rows(t) for t in ts]
             raws = [r if h is None else r[_order(r.shape[0], h)] for r, h in zip(raws, heads)]
             k = int(ts[0].shape[0])
+            if route == "mxfp4-tiles":
+                return MxLinear(raws, k, bias, kern)
             if route == "i8-tiles":
                 return I8Linear([(t.tensor_type, r) for t, r in zip(ts, raws)], k, bias, kern)
             return QuantLinear(qtype, np.concatenate(raws), k, bias, kern)

@@ -36,7 +36,8 @@ int attn_causal_win_bf16(const uint16_t *q, const uint8_t *k, const uint8_t *v, 
                          int64_t k_hs, int64_t v_hs, int n_seq, const int64_t *const *cells,
                          const int64_t *c0, const int64_t *len, const int64_t *n_new,
                          const int64_t *pos0, int64_t window, int n_kv, int g, int d,
-                         float scale, uint16_t *out, float *work, int64_t work_floats);
+                         float scale, const float *sinks, uint16_t *out, float *work,
+                         int64_t work_floats);
 int kv_store_rows_bf16(int type, const uint16_t *x, int64_t rows, int d, uint8_t *out);
 int attn_step_win_bf16(const uint16_t *qkv, const float *cos, const float *sin, uint8_t *k,
                        uint8_t *v, int kt, int vt, int64_t k_hs, int64_t v_hs,
@@ -44,7 +45,8 @@ int attn_step_win_bf16(const uint16_t *qkv, const float *cos, const float *sin, 
                        const int64_t *const *cells, const int64_t *c0, const int64_t *len,
                        const int64_t *n_new, const int64_t *pos0, int64_t window,
                        const float *qn, const float *kn, float eps, int n_kv, int g, int d,
-                       float scale, uint16_t *out, float *work, int64_t work_floats);
+                       float scale, const float *sinks, uint16_t *out, float *work,
+                       int64_t work_floats);
 int attn_head_norm_bf16(const uint16_t *x, int64_t xs, int64_t rows, int nh, int d,
                         const float *w, float eps, uint16_t *y);
 void add_rms_norm_bf16(float *x, int64_t xs, const uint16_t *y, const float *w, int64_t rows,
@@ -248,12 +250,13 @@ static void attention(void) {
         uint16_t *out = alloc(sizeof(uint16_t) * (size_t)(T * n_kv * g * d));
         int64_t wf = attn_work_floats(300, T, n_kv, g, d);
         float *work = alloc(sizeof(float) * (size_t)wf);
+        float *sinks = f32s(n_kv * g, -3.f, 3.f);
         for (int64_t window = 0; window <= 100; window += 100) {
             snprintf(name, sizeof name, "attn_causal t%d g%d window%d", t, g, (int)window);
             emit_rc(name, attn_causal_win_bf16(q, k, v, t, t, stride, stride,
                                                 2, cells, c0, len, n_new,
                                                 window ? pos0 : NULL, window, n_kv, g, d,
-                                                0.125f, out, work, wf));
+                                                0.125f, window ? sinks : NULL, out, work, wf));
             emit(name, out, sizeof(uint16_t) * (size_t)(T * n_kv * g * d));
         }
         /* a step: rotate, norm and store the new tokens' q and k, then attend */
@@ -267,7 +270,7 @@ static void attention(void) {
         snprintf(name, sizeof name, "attn_step t%d g%d", t, g);
         emit_rc(name, attn_step_win_bf16(qkv, cs, sn, k, v, t, t, stride, stride, dst, 2, cells,
                                           c0, len, n_new, pos0, 100, qn, kn, 1e-6f, n_kv, g, d,
-                                          0.125f, out, work, wf));
+                                          0.125f, sinks, out, work, wf));
         emit(name, out, sizeof(uint16_t) * (size_t)(T * n_kv * g * d));
         snprintf(name, sizeof name, "stored by attn_step t%d g%d", t, g);
         emit(name, k, (size_t)(n_kv * stride));
@@ -277,7 +280,7 @@ static void attention(void) {
         emit(name, out, sizeof(uint16_t) * (size_t)(T * n_kv * g * d));
         free(k), free(v), free(k16), free(v16), free(list), free(q), free(out), free(work);
         free(qkv), free(cs);
-        free(sn), free(qn), free(kn);
+        free(sn), free(qn), free(kn), free(sinks);
     }
 }
 
@@ -299,16 +302,17 @@ static void rowwise(void) {
     free(x), free(w), free(wn), free(y), free(out), free(gu);
 }
 /* The tiles with 8-bit activations, each format (i8act.c: 0 4-bit, f16 scales and offsets;
- * 1-3 8-bit, f32 scales, offsets in 3): random code bytes, valid scales, 3 tiles of 7 groups. */
+ * 1-3 8-bit, f32 scales, offsets in 3; 4 MXFP4's 4-bit codes, f32 scales): random code bytes,
+ * valid scales, 3 tiles of 7 groups. */
 static void tiles(void) {
     const int64_t n = 48, k = 224, rows[] = {1, 3, 5, 9, 130}, blocks = n / 16 * (k / 32);
-    const int64_t size[] = {320, 576, 640, 640};
+    const int64_t size[] = {320, 576, 640, 640, 320};
     char name[64];
-    for (int f = 0; f < 4; f++) {
+    for (int f = 0; f < 5; f++) {
         uint8_t *w = alloc((size_t)(blocks * size[f]));
         for (int64_t b = 0; b < blocks; b++) {
             uint8_t *p = w + b * size[f];
-            int64_t codes = f ? 512 : 256;
+            int64_t codes = f == 1 || f == 2 || f == 3 ? 512 : 256;
             for (int64_t i = 0; i < codes; i++) p[i] = (uint8_t)next();
             for (int64_t i = codes; i < size[f]; i += f ? 4 : 2) {
                 float v = unif() * 0.05f;

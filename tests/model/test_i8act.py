@@ -93,11 +93,12 @@ def test_every_variant_equals_the_replay(variant: str, case: str) -> None:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_mxfp4_on_the_8_bit_tiles_is_gguf_pys_weights_and_the_replay(variant: str) -> None:
+def test_mxfp4_tiles_are_gguf_pys_weights_and_format_1s_products(variant: str) -> None:
     """MXFP4 blocks (gguf-py's quantizer, weights over 12 orders of magnitude, a block of
-    zeros) as 8-bit tiles (quant.mxfp4_codes: E2M1 values doubled, E8M0 scales halved): the
-    tiles hold gguf-py's dequantized weights exactly, and each variant's products equal the
-    replay of format 1."""
+    zeros) in the F_MX tiles (pack_mx: the file's 4-bit codes, looked up in registers): they
+    hold gguf-py's dequantized weights exactly, and each variant's products equal, bit for
+    bit, the replay of format 1 on the looked-up codes (mxfp4_codes) and the 8-bit tiles of
+    those codes."""
     import gguf
 
     rng = np.random.default_rng(4)
@@ -105,16 +106,24 @@ def test_mxfp4_on_the_8_bit_tiles_is_gguf_pys_weights_and_the_replay(variant: st
     w = (rng.standard_normal((n, k)) * 10.0 ** rng.uniform(-6, 6, (n, 1))).astype(F32)
     w[3, 32:64] = 0
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.MXFP4)
-    c, d, m = quant.mxfp4_codes(raw, k)
-    assert c.min() >= -12 and c.max() <= 12 and not m.any()
-    tiles = quant.pack_i8(c, d, m, 1)
+    q, scale = quant.mxfp4_nibbles(raw, k)
+    tiles = quant.pack_mx(q, scale)
     want_w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4)
-    assert np.array_equal(quant.tile_weights(tiles, 1).numpy(), want_w)
-    mat = variant_kernels(variant).tiles(tiles, 1, n, k)
-    x = (torch.randn(9, k, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
-    assert torch.equal(mat.matmul(x), replay(x, 1, c, d, m))
+    assert np.array_equal(quant.tile_weights(tiles, quant.F_MX).numpy(), want_w)
+    c, d, m = quant.mxfp4_codes(raw, k)
+    assert c.min() == -12 and c.max() == 12 and np.array_equal(quant.tile_codes(
+        tiles.numpy(), quant.F_MX), c)
+    kern = variant_kernels(variant)
+    mat = kern.tiles(tiles, quant.F_MX, n, k)
+    i8 = kern.tiles(quant.pack_i8(c, d, m, 1), 1, n, k)
+    x = (torch.randn(130, k, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
+    y = mat.matmul(x)
+    assert torch.equal(y, replay(x, 1, c, d, m)) and torch.equal(y, i8.matmul(x))
+    for size in (1, 3, 33):
+        parts = torch.cat([mat.matmul(x[i:i + size].contiguous()) for i in range(0, 130, size)])
+        assert torch.equal(parts, y), size
     with pytest.raises(ValueError, match="MXFP4 rows of 160 weights"):
-        quant.mxfp4_codes(raw[:, :-1], k)
+        quant.mxfp4_nibbles(raw[:, :-1], k)
 
 
 def test_codes_outside_a_formats_range_are_refused() -> None:

@@ -21,8 +21,10 @@ from radixserve.model.tensors import TensorLoader
 from tests.model.kernel_variants import config_for, variant_kernels
 
 Q = gguf.GGMLQuantizationType
-# one type of each kind: a 4-bit one, an 8-bit one, a float one, one no kernel of ours reads
-KIND_TYPE = {"4-bit": Q.Q4_K, "5-8-bit": Q.Q6_K, "float": Q.F16, "other": Q.Q3_K}
+# one type of each kind: a 4-bit one, an 8-bit one, MXFP4, a float one, one no kernel of ours
+# reads
+KIND_TYPE = {"4-bit": Q.Q4_K, "5-8-bit": Q.Q6_K, "mxfp4": Q.MXFP4, "float": Q.F16,
+             "other": Q.Q3_K}
 KDIM = 512
 
 
@@ -39,6 +41,8 @@ def tensor(qtype: Q, n: int, seed: int) -> SimpleNamespace:
     d = rng.uniform(0.001, 0.01, size=(n, KDIM // block, 2)).astype(np.float16).view(np.uint8)
     if qtype in (Q.Q6_K, Q.Q3_K):
         raw[..., size - 2:] = d[..., :2]
+    elif qtype == Q.MXFP4:  # the E8M0 exponent: 2^(e - 128), about the others' scales
+        raw[..., 0] = rng.integers(118, 122, size=(n, KDIM // block))
     else:
         raw[..., :4] = d.reshape(n, KDIM // block, 4)
     return SimpleNamespace(name="w", tensor_type=qtype, shape=np.array([KDIM, n]),
@@ -82,7 +86,7 @@ def test_the_loader_builds_the_tables_route_and_it_multiplies_the_files_weights(
     want = route_for(build, qtype, n_rows)
     assert lin.route == want, f"{build} {qtype.name}: built {lin.route}, table says {want}"
     if n_rows % 16:
-        assert want not in ("q4-tiles", "i8-tiles", "torch-int4")
+        assert want not in ("q4-tiles", "i8-tiles", "mxfp4-tiles", "torch-int4")
     w = torch.from_numpy(np.asarray(gguf.quants.dequantize(t.data, qtype), np.float32)
                          .reshape(n_rows, KDIM))
     g = torch.Generator().manual_seed(3)

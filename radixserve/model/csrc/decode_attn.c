@@ -637,6 +637,10 @@ ONE_COPY static void attend_block(const uint16_t *q, const uint8_t *kh, const ui
                  (uint16_t *)(s + g * SSTRIDE), part); /* the bf16 weights of the V pass */
 }
 
+/* e^x for a sink's share, in a copy of its own: inlined, its last product could fuse into the
+ * sum it is added to in one build and not in another (aarch64 contracts). */
+ONE_COPY static float sink_share(float x) { return exp_clamped(x); }
+
 /* A query's nb block partials -> its g output rows: each block rescaled by e^(m_b - M), summed
  * in block order. sk (NULL: none): the g heads' sinks (gpt-oss), a logit each that joins the
  * softmax's max and sum after the blocks but adds no value, so a head can attend to nothing. */
@@ -656,7 +660,7 @@ ONE_COPY static void merge_blocks(const float *parts, int64_t nb, int g, int d, 
             L += pa[1] * w;
             for (int x = 0; x < d; x++) o[x] += pa[2 + x] * w;
         }
-        if (sk) L += exp_clamped(sk[a] - M);
+        if (sk) L += sink_share(sk[a] - M);
         for (int x = 0; x < d; x++) out[a * d + x] = f32_to_bf16(o[x] / L);
     }
 }

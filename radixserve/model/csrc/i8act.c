@@ -30,6 +30,10 @@
  *        F_I8H: -32..31, F_I8M: 0..31, which the builds rely on), then 16 f32 scales (F_I8H:
  *        those of the first half group, then the second's; F_I8M: then 16 f32 offsets m):
  *        w = d_h c (+ m).
+ *   F_MX (MXFP4): F_Q4's nibbles, each an index into MXFP4's E2M1 values doubled (MX_VALUES:
+ *        -12..12), then 16 f32 scales d (the E8M0 scale halved): w = d c. The nibbles are
+ *        looked up in registers (a byte shuffle) into the codes F_I8 would hold, so its
+ *        products are F_I8's of those codes bit for bit, from half the bytes.
  *
  * The arithmetic of one output (row r, column j), the same sequence in every path and at any
  * row or thread count, so a row's bits never depend on what shares its call: per group, in
@@ -61,8 +65,10 @@
 #include <immintrin.h>
 #endif
 
-enum { F_Q4 = 0, F_I8 = 1, F_I8H = 2, F_I8M = 3 };
-#define BLOCK(f) ((f) == F_Q4 ? 320 : (f) == F_I8 ? 576 : 640)
+enum { F_Q4 = 0, F_I8 = 1, F_I8H = 2, F_I8M = 3, F_MX = 4 };
+#define BLOCK(f) ((f) == F_Q4 || (f) == F_MX ? 320 : (f) == F_I8 ? 576 : 640)
+/* MXFP4's E2M1 values, doubled (ggml's kvalues_mxfp4), by code */
+static const int8_t MX_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 /* few rows: tiles ahead whose groups are prefetched into L2 (a decode step's matrices are small,
  * and the stream prefetcher is still ramping up when one ends) */
 #define PF_TILES 4
@@ -118,6 +124,14 @@ static inline void unpack_q4(const uint8_t *blk, wv w[8]) {
 static inline void unpack_i8(const int f, const uint8_t *blk, wv w[8]) {
     const __m512i top = _mm512_set1_epi8(f == F_I8M ? 0 : (char)0x80);
     for (int t = 0; t < 8; t++) w[t] = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * t), top);
+}
+/* F_MX: the nibbles looked up as F_I8's codes go in (c + 128) */
+static inline void unpack_mx(const uint8_t *blk, wv w[8]) {
+    unpack_q4(blk, w);
+    const __m512i lut = _mm512_xor_si512(
+        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MX_VALUES)),
+        _mm512_set1_epi8((char)0x80));
+    for (int t = 0; t < 8; t++) w[t] = _mm512_shuffle_epi8(lut, w[t]);
 }
 #elif defined(ISA_AVXVNNI) || defined(ISA_AVX2)
 /* two ymm halves: columns 0-7 and 8-15; AVX2 keeps the signed codes' magnitudes in v and the
@@ -255,6 +269,21 @@ static inline void unpack_i8(const int f, const uint8_t *blk, wv w[8]) {
 #endif
         }
 }
+/* F_MX: the nibbles looked up as unpack_i8 leaves F_I8's codes */
+static inline void unpack_mx(const uint8_t *blk, wv w[8]) {
+    unpack_q4(blk, w);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MX_VALUES));
+    for (int t = 0; t < 8; t++)
+        for (int i = 0; i < 2; i++) {
+            __m256i c = _mm256_shuffle_epi8(lut, w[t].v[i]);
+#if defined(ISA_AVXVNNI)
+            w[t].v[i] = _mm256_xor_si256(c, _mm256_set1_epi8((char)0x80));
+#else
+            w[t].v[i] = _mm256_abs_epi8(c);
+            w[t].s[i] = c;
+#endif
+        }
+}
 #elif defined(RS_NEON)
 /* four q registers of 4 columns; sdot multiplies signed bytes, and the 4-bit codes (<= 15)
  * are signed bytes as they are */
@@ -325,6 +354,13 @@ static inline void unpack_i8(const int f, const uint8_t *blk, wv w[8]) {
     (void)f;
     for (int t = 0; t < 8; t++)
         for (int i = 0; i < 4; i++) w[t].v[i] = vld1q_s8((const int8_t *)blk + 64 * t + 16 * i);
+}
+/* F_MX: the nibbles looked up as signed codes (sdot takes them as they are) */
+static inline void unpack_mx(const uint8_t *blk, wv w[8]) {
+    unpack_q4(blk, w);
+    const int8x16_t lut = vld1q_s8(MX_VALUES);
+    for (int t = 0; t < 8; t++)
+        for (int i = 0; i < 4; i++) w[t].v[i] = vqtbl1q_s8(lut, vreinterpretq_u8_s8(w[t].v[i]));
 }
 #else
 /* plain C, in floats: every product and partial sum of a half is an integer of magnitude below
@@ -421,6 +457,14 @@ static inline void unpack_i8(const int f, const uint8_t *blk, wv w[8]) {
                 w[t].v[i][q] = __builtin_convertvector((x << (24 - 8 * i)) >> 24, f4);
         }
 }
+/* F_MX: the nibbles (unpack_q4's floats 0..15) looked up lane by lane */
+static inline void unpack_mx(const uint8_t *blk, wv w[8]) {
+    unpack_q4(blk, w);
+    for (int t = 0; t < 8; t++)
+        for (int i = 0; i < 4; i++)
+            for (int q = 0; q < 4; q++)
+                for (int l = 0; l < 4; l++) w[t].v[i][q][l] = MX_VALUES[(int)w[t].v[i][q][l]];
+}
 #endif
 
 /* The builds that multiply signed codes as they are (dps = dpu) and need no correction */
@@ -447,6 +491,12 @@ static inline __attribute__((always_inline)) void load_group(const int f, const 
         unpack_q4(blk, g->w);
         g->d0 = g->d1 = fhalves(blk + 256);
         g->m = fhalves(blk + 288);
+        return;
+    }
+    if (f == F_MX) {
+        unpack_mx(blk, g->w);
+        g->d0 = g->d1 = fload(blk + 256);
+        g->m = fzero();
         return;
     }
     unpack_i8(f, blk, g->w);
@@ -580,7 +630,7 @@ static inline __attribute__((always_inline)) void run(const int f, const uint8_t
  * (the header). Returns 0; 1 for a format or shape the tiles cannot hold, 2 out of memory. */
 int i8a_matmul(int f, const uint8_t *w, const uint16_t *x, int64_t rows, int64_t n, int64_t k,
                uint16_t *y) {
-    if (f < F_Q4 || f > F_I8M || n < 0 || k <= 0 || n % 16 || k % 32 || rows < 0) return 1;
+    if (f < F_Q4 || f > F_MX || n < 0 || k <= 0 || n % 16 || k % 32 || rows < 0) return 1;
     if (rows == 0 || n == 0) return 0;
     const int64_t ng = k / 32;
     size_t mbytes = (sizeof(gmeta) * (size_t)(rows * ng) + 63) / 64 * 64;
@@ -594,6 +644,7 @@ int i8a_matmul(int f, const uint8_t *w, const uint16_t *x, int64_t rows, int64_t
         case F_Q4: run(F_Q4, w, a, gm, rows, n, k, y); break;
         case F_I8: run(F_I8, w, a, gm, rows, n, k, y); break;
         case F_I8H: run(F_I8H, w, a, gm, rows, n, k, y); break;
+        case F_MX: run(F_MX, w, a, gm, rows, n, k, y); break;
         default: run(F_I8M, w, a, gm, rows, n, k, y); break;
         }
     }
