@@ -392,12 +392,25 @@ def _converted(name: str, a: np.ndarray, cfg: "transformers.Qwen3_5TextConfig") 
     return a
 
 
+# Qwen3.5 MoE's mixture (Qwen2MoeModel's names): the router, the shared expert and its gate;
+# the routed experts' fused gate_up_proj [E, 2 F, D] is split in halves, down_proj kept
+QWEN35MOE_HF_LAYER = {
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+
+
 def _converter_type(gguf_name: str, a: np.ndarray, wtype: str) -> gguf.GGMLQuantizationType:
     """The type the converter stores a tensor in for output type `wtype`: F32 for vectors,
-    norms, conv kernels and names not ending in .weight; else the output type (F16 where a
-    row does not divide into Q8_0 blocks)."""
+    norms, conv kernels, the routers' rows (ffn_gate_inp, ffn_gate_inp_shexp) and names not
+    ending in .weight; else the output type (F16 where a row does not divide into Q8_0
+    blocks)."""
     if (a.ndim <= 1 or gguf_name.endswith("_norm.weight") or ".ssm_conv1d." in gguf_name
-            or not gguf_name.endswith(".weight")):
+            or ".ffn_gate_inp" in gguf_name or not gguf_name.endswith(".weight")):
         return gguf.GGMLQuantizationType.F32
     if wtype == "q8_0" and a.shape[-1] % 32:
         return gguf.GGMLQuantizationType.F16  # its QuantError fallback
@@ -413,7 +426,8 @@ def write_qwen35_from_hf(
     full_attention_interval: int | None = None,
 ) -> str:
     """`model` (with `mtp`: a checkpoint's `mtp.*` tensors, under those names) as llama.cpp's
-    convert_hf_to_gguf.py (Qwen3_5TextModel) writes it: its keys (from model.config; the
+    convert_hf_to_gguf.py (Qwen3_5TextModel; Qwen3_5MoeTextModel for a Qwen3_5MoeForCausalLM,
+    as `qwen35moe` with the expert keys and QWEN35MOE_HF_LAYER's tensors) writes it: its keys (from model.config; the
     `layer_types` always as the recurrent-layers array, `full_attention_interval` config.json's,
     4 when it has none, as a transformers-saved one), its tensor names, the norms +1 (not the
     DeltaNet's gated one), A_log as ssm_a = -exp(A_log), the value heads tiled when
@@ -431,8 +445,10 @@ def write_qwen35_from_hf(
     mtp = dict(mtp or {})
     n_mtp = len({k.split(".")[2] for k in mtp if k.startswith("mtp.layers.")})
     interval = full_attention_interval or getattr(cfg, "full_attention_interval", 4)
+    moe = hasattr(cfg, "num_experts")
+    arch = "qwen35moe" if moe else "qwen35"
     shape = Shape(n_layer=cfg.num_hidden_layers, n_embd=cfg.hidden_size,
-                  n_ff=cfg.intermediate_size, n_head=cfg.num_attention_heads,
+                  n_ff=0 if moe else cfg.intermediate_size, n_head=cfg.num_attention_heads,
                   n_head_kv=cfg.num_key_value_heads, rope_base=float(rope["rope_theta"]),
                   n_ctx_train=cfg.max_position_embeddings, arch="qwen35",
                   head_dim=cfg.head_dim, rms_eps=cfg.rms_norm_eps, attn_interval=interval,
@@ -441,12 +457,18 @@ def write_qwen35_from_hf(
                   ssm_k_heads=cfg.linear_num_key_heads, ssm_v_heads=cfg.linear_num_value_heads,
                   ssm_head_dim=cfg.linear_key_head_dim, ssm_conv=cfg.linear_conv_kernel_dim,
                   nextn=n_mtp)
-    w = gguf.GGUFWriter(path, "qwen35")
-    w.add_name("qwen35-from-hf")
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"{arch}-from-hf")
     w.add_block_count(shape.n_layer + n_mtp)
     w.add_context_length(shape.n_ctx_train)
     w.add_embedding_length(shape.n_embd)
-    w.add_feed_forward_length(shape.n_ff)
+    if moe:  # Qwen2MoeModel's keys (the config has no dense intermediate_size to write)
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    else:
+        w.add_feed_forward_length(shape.n_ff)
     w.add_head_count(shape.n_head)
     w.add_head_count_kv(shape.n_head_kv)
     w.add_rope_freq_base(shape.rope_base)
@@ -466,19 +488,29 @@ def write_qwen35_from_hf(
             raise ValueError(f"{k!r}: not an MTP tensor of Qwen 3.5's")
     for name, t in state.items():
         a = t.detach().to(dtype=torch.float32).cpu().numpy()
+        layer = {**QWEN35_HF_LAYER, **QWEN35MOE_HF_LAYER} if moe else QWEN35_HF_LAYER
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if moe and m and m[2] == "mlp.experts.gate_up_proj":
+            for half, part in zip(np.split(a, 2, axis=1), ("gate", "up")):
+                _add(w, f"blk.{m[1]}.ffn_{part}_exps.weight", np.ascontiguousarray(half), wtype)
+            continue
         if name in QWEN35_HF_GLOBAL:
             out = QWEN35_HF_GLOBAL[name]
-        elif (m := re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)) and m[2] in QWEN35_HF_LAYER:
-            out = f"blk.{m[1]}.{QWEN35_HF_LAYER[m[2]]}"
+        elif m and m[2] in layer:
+            out = f"blk.{m[1]}.{layer[m[2]]}"
         else:
-            raise ValueError(f"{name!r} has no qwen35 GGUF counterpart")
-        a = np.ascontiguousarray(_converted(name, a, cfg), dtype=np.float32)
-        qtype = _converter_type(out, a, wtype)
-        if qtype == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(out, a)
-        elif qtype == gguf.GGMLQuantizationType.F16:
-            w.add_tensor(out, a.astype(np.float16))
-        else:
-            w.add_tensor(out, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+            raise ValueError(f"{name!r} has no {arch} GGUF counterpart")
+        _add(w, out, np.ascontiguousarray(_converted(name, a, cfg), dtype=np.float32), wtype)
     _write(w)
     return path
+
+
+def _add(w: gguf.GGUFWriter, out: str, a: np.ndarray, wtype: str) -> None:
+    """Tensor `out` in the type the converter gives it (_converter_type)."""
+    qtype = _converter_type(out, a, wtype)
+    if qtype == gguf.GGMLQuantizationType.F32:
+        w.add_tensor(out, a)
+    elif qtype == gguf.GGMLQuantizationType.F16:
+        w.add_tensor(out, a.astype(np.float16))
+    else:
+        w.add_tensor(out, gguf.quants.quantize(a, qtype), raw_dtype=qtype)

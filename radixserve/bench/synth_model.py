@@ -120,6 +120,7 @@ class Shape:
     n_expert_used: int = 0
     n_ff_exp: int = 0
     n_dense_lead: int = 0  # lfm2moe: the first layers' FFNs are dense (n_ff wide)
+    n_ff_shexp: int = 0  # qwen35moe: the shared expert's width
     # gpt-oss: YaRN's factor over the original context (0: no rope scaling)
     yarn_factor: float = 0.0
     yarn_orig_ctx: int = 0
@@ -234,13 +235,28 @@ SHAPES = {
                          rope_base=150000.0, n_ctx_train=131072, arch="gpt-oss", head_dim=64,
                          sliding_window=128, n_expert=32, n_expert_used=4, n_ff_exp=2880,
                          yarn_factor=32.0, yarn_orig_ctx=4096),
+    # Qwen/Qwen3.5-35B-A3B's layer (transformers' Qwen3_5MoeTextConfig defaults, which it
+    # documents as that checkpoint's: hidden 2048, 16 heads of 256 on 2 KV heads, DeltaNet 16
+    # key heads and 32 value heads of 128, 256 experts of 512, 8 a token, a shared expert of
+    # 512, every 4th layer attends) with 4 of its 40 layers: Q8_0, 3.4 GB
+    "qwen35moe-35b-a3b": Shape(n_layer=4, n_embd=2048, n_ff=0, n_head=16, n_head_kv=2,
+                               rope_base=1e7, n_ctx_train=262144, arch="qwen35moe",
+                               head_dim=256, rms_eps=1e-6, attn_interval=4, n_rot=64,
+                               rope_sections=(11, 11, 10, 0), ssm_k_heads=16, ssm_v_heads=32,
+                               ssm_head_dim=128, ssm_conv=4, n_expert=256, n_expert_used=8,
+                               n_ff_exp=512, n_ff_shexp=512),
+    "qwen35moe-tiny": Shape(n_layer=4, n_embd=128, n_ff=0, n_head=4, n_head_kv=2,
+                            rope_base=1e7, n_ctx_train=4096, arch="qwen35moe", head_dim=64,
+                            rms_eps=1e-6, attn_interval=4, n_rot=16, rope_sections=(3, 3, 2, 0),
+                            ssm_k_heads=2, ssm_v_heads=4, ssm_head_dim=32, ssm_conv=4,
+                            n_expert=8, n_expert_used=2, n_ff_exp=64, n_ff_shexp=64),
     "gpt-oss-tiny": Shape(n_layer=2, n_embd=128, n_ff=128, n_head=4, n_head_kv=2,
                           rope_base=150000.0, n_ctx_train=131072, arch="gpt-oss", head_dim=32,
                           sliding_window=16, n_expert=8, n_expert_used=2, n_ff_exp=128,
                           yarn_factor=32.0, yarn_orig_ctx=4096),
 }
 ARCHS = ("llama", "lfm2", "qwen2", "qwen3", "gemma3", "qwen35", "granitehybrid", "qwen3moe",
-         "lfm2moe", "gpt-oss")
+         "lfm2moe", "gpt-oss", "qwen35moe")
 # mxfp4: the experts' matrices MXFP4 (random codes and scales, the type's own values), the
 # other matrices Q8_0
 TYPES = {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
@@ -278,7 +294,7 @@ def add_default_tokenizer(w: gguf.GGUFWriter, rename: dict[int, str] | None = No
     w.add_chat_template(tok["tokenizer.chat_template"])
 
 
-QWEN35_RECURRENT_LAYERS = "qwen35.attention.recurrent_layers"  # gguf-py 0.19 has no helper
+RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"  # gguf-py 0.19 has no helper
 
 
 def add_qwen35_keys(w: gguf.GGUFWriter, shape: Shape, recurrent: list[bool] | None = None,
@@ -301,7 +317,8 @@ def add_qwen35_keys(w: gguf.GGUFWriter, shape: Shape, recurrent: list[bool] | No
     if recurrent is not None:
         if len(recurrent) != shape.n_layer:
             raise ValueError(f"{len(recurrent)} recurrent flags for {shape.n_layer} layers")
-        w.add_array(QWEN35_RECURRENT_LAYERS, [bool(x) for x in recurrent] + [False] * shape.nextn)
+        w.add_array(RECURRENT_LAYERS.format(arch=w.arch),
+                    [bool(x) for x in recurrent] + [False] * shape.nextn)
     w.add_full_attention_interval(interval or shape.attn_interval)
     w.add_rope_dimension_count(shape.n_rot)
     if shape.nextn:
@@ -337,13 +354,14 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
     if (shape.sliding_window > 0) != (shape.arch in ("gemma3", "gpt-oss")):
         raise ValueError(f"sliding_window {shape.sliding_window} for {shape.arch}: gemma3 "
                          "and gpt-oss need one, the others have none")
-    lfm2, qwen35 = shape.arch in ("lfm2", "lfm2moe"), shape.arch == "qwen35"
+    lfm2, qwen35 = shape.arch in ("lfm2", "lfm2moe"), shape.arch in ("qwen35", "qwen35moe")
     granite = shape.arch == "granitehybrid"
-    moe = shape.arch in ("qwen3moe", "lfm2moe", "gpt-oss")
+    moe = shape.arch in ("qwen3moe", "lfm2moe", "gpt-oss", "qwen35moe")
     if moe != (shape.n_expert > 0):
-        raise ValueError(f"n_expert {shape.n_expert} for {shape.arch}: qwen3moe, lfm2moe and "
-                         "gpt-oss need experts, the others have none")
-    qk_norm = shape.arch in ("qwen3", "gemma3", "lfm2", "qwen35", "qwen3moe", "lfm2moe")
+        raise ValueError(f"n_expert {shape.n_expert} for {shape.arch}: qwen3moe, lfm2moe, "
+                         "gpt-oss and qwen35moe need experts, the others have none")
+    qk_norm = shape.arch in ("qwen3", "gemma3", "lfm2", "qwen35", "qwen3moe", "lfm2moe",
+                             "qwen35moe")
     if qwen35:
         check_qwen35(shape)
     elif shape.attn_interval or shape.nextn:
@@ -362,7 +380,8 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
     w.add_block_count(shape.n_layer + shape.nextn)
     w.add_context_length(shape.n_ctx_train)
     w.add_embedding_length(shape.n_embd)
-    w.add_feed_forward_length(shape.n_ff)
+    if shape.n_ff:  # Qwen3_5MoeTextModel writes none (its config has no dense width)
+        w.add_feed_forward_length(shape.n_ff)
     w.add_head_count(shape.n_head)
     if lfm2 or granite:
         w.add_head_count_kv([shape.n_head_kv if i in attn else 0 for i in range(shape.n_layer)])
@@ -393,6 +412,8 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
         w.add_expert_count(shape.n_expert)
         w.add_expert_used_count(shape.n_expert_used)
         w.add_expert_feed_forward_length(shape.n_ff_exp)
+    if shape.n_ff_shexp:
+        w.add_expert_shared_feed_forward_length(shape.n_ff_shexp)
     if shape.arch == "lfm2moe":
         w.add_leading_dense_block_count(shape.n_dense_lead)
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
@@ -443,6 +464,8 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
 
     d, hd = shape.n_embd, shape.hd
     matrix("token_embd.weight", n_vocab, d)
+    if oss:  # untied: llama.cpp requires gpt-oss's output matrix
+        matrix("output.weight", n_vocab, d)
     # LFM2's final norm (HF's model.embedding_norm) keeps the name its HF name maps to
     norm("token_embd_norm.weight" if lfm2 else "output_norm.weight")
     for i in range(shape.n_layer + shape.nextn):
@@ -520,6 +543,12 @@ def write(path: str, shape: Shape, wtype: str = "f16", seed: int = 0) -> str:
             experts(p + "ffn_gate_exps.weight", shape.n_ff_exp, d)
             experts(p + "ffn_up_exps.weight", shape.n_ff_exp, d)
             experts(p + "ffn_down_exps.weight", d, shape.n_ff_exp)
+            if shape.n_ff_shexp:  # Qwen2MoeModel's shared expert and its gate's row (F32)
+                f32(p + "ffn_gate_inp_shexp.weight",
+                    rng.standard_normal((1, d), dtype=np.float32) * np.float32(0.02))
+                matrix(p + "ffn_gate_shexp.weight", shape.n_ff_shexp, d)
+                matrix(p + "ffn_up_shexp.weight", shape.n_ff_shexp, d)
+                matrix(p + "ffn_down_shexp.weight", d, shape.n_ff_shexp)
             if oss:  # the router's and every expert's biases, F32
                 bias(p + "ffn_gate_inp.bias", shape.n_expert)
                 for n, rows in (("gate", shape.n_ff_exp), ("up", shape.n_ff_exp), ("down", d)):

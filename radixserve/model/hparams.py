@@ -101,7 +101,7 @@ class MoeDims:
     "softmax" over every expert, "sigmoid" each alone, "softmax_weight" a softmax over the
     chosen experts' logits only; `norm_w`: the chosen weights renormalized to sum 1;
     `w_scale`: they are then scaled by it; the first `n_dense_lead` layers have a dense FFN
-    instead."""
+    instead; `n_ff_shared`: a shared expert every token runs, gated by a sigmoid (Qwen3.5's)."""
 
     n_expert: int
     n_used: int
@@ -110,9 +110,10 @@ class MoeDims:
     norm_w: bool = True
     w_scale: float = 1.0
     n_dense_lead: int = 0
+    n_ff_shared: int = 0  # a shared expert's width, beside the routed ones (0: none)
 
     def __post_init__(self) -> None:
-        if not 0 < self.n_used <= self.n_expert or self.n_ff <= 0:
+        if not 0 < self.n_used <= self.n_expert or self.n_ff <= 0 or self.n_ff_shared < 0:
             raise UnsupportedModelError(
                 f"expert_count {self.n_expert}, expert_used_count {self.n_used}, "
                 f"expert_feed_forward_length {self.n_ff} do not describe experts (1 <= used "

@@ -30,6 +30,7 @@ Q4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)  # one affine map a group of 4-bit codes: th
 FLOAT_TYPES = (Q.F16, Q.BF16, Q.F32)
 I8_TYPES = (Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q5_K, Q.Q6_K)  # int8 codes and f32 scales: 8-bit tiles
 TILE_ROWS = 16  # the tiles' rows (i8act.c): a matrix whose rows are not a multiple falls back
+QMM_GROUP = 32  # qmm.c reads rows of whole 32-weight groups (the float types' too)
 
 
 @dataclass(frozen=True)
@@ -112,12 +113,14 @@ def build_for(kern: Kernels | None, dtype: torch.dtype) -> str:
     return build_of(kern.variant if kern is not None else None, dtype)
 
 
-def route_for(build: str, qtype: Q, n_rows: int, packed: bool = True) -> str:
-    """The route of a matrix of `n_rows` rows in `qtype` under `build`."""
+def route_for(build: str, qtype: Q, n_rows: int, packed: bool = True, n_cols: int = 0) -> str:
+    """The route of a matrix of `n_rows` rows of `n_cols` weights in `qtype` under `build`."""
     name = TABLE[build, kind_of(qtype) if packed else "other"]
     if name in FALLBACK and n_rows % TILE_ROWS:
         name = FALLBACK[name][0]
     elif name == "mxfp4-tiles" and n_rows % TILE_ROWS:  # qmm.c does not read MXFP4
+        name = TABLE[build, "other"]
+    if name.startswith("qmm") and n_cols % QMM_GROUP:  # a float row not in qmm.c's blocks
         name = TABLE[build, "other"]
     return name
 
@@ -135,5 +138,7 @@ def table_text(build: str | None = None) -> str:
         lines.append(f"  {name} -> {to} where {why}")
     lines.append(f"  mxfp4-tiles -> the build's 'other' route where rows not a multiple of "
                  f"{TILE_ROWS}")
+    lines.append(f"  qmm-* -> the build's 'other' route where a row's weights are not a multiple "
+                 f"of {QMM_GROUP} (a float type's)")
     lines.append("  q4-tiles -> torch-int4 where a scale or offset exceeds f16's range")
     return "\n".join(lines)

@@ -146,8 +146,16 @@ class MoEFFN:
     select_bias: torch.Tensor | None = None  # [n_expert] f32, added for choosing only
     kern: Kernels | None = None  # our kernels (None: torch's ops)
     act: str = "silu"
+    shared: SharedExpert | None = None
 
     def __call__(self, run: Run, h: torch.Tensor) -> torch.Tensor:
+        out = self._routed(run, h)
+        if self.shared is not None:  # its gated output added in f32, as the routed sum
+            out.add_(self.shared(run, h, self.kern))
+        return out.to(h.dtype)
+
+    def _routed(self, run: Run, h: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' weighted sum, f32 [T, n_embd]."""
         idx, w = route(self.router(h), self.dims, self.select_bias)
         n_tok, k = idx.shape
         if n_tok == 1:  # a decode step's token: its experts in rank order, nothing to group
@@ -156,7 +164,7 @@ class MoEFFN:
                 y = self._expert(run, e, h).float() * w[:, j:j + 1]
                 out = y if out is None else out.add_(y)
             assert out is not None
-            return out.to(h.dtype)
+            return out
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, rank) slots grouped by expert
         counts = torch.bincount(flat, minlength=self.dims.n_expert).tolist()
@@ -172,23 +180,47 @@ class MoEFFN:
         out = ys[:, 0] * w[:, :1]
         for j in range(1, k):  # rank order, whatever the batch
             out.add_(ys[:, j] * w[:, j:j + 1])
-        return out.to(h.dtype)
+        return out
 
     def _expert(self, run: Run, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e's SwiGLU over the rows x (the same bits for a row whatever rows share it:
         each matrix is row-invariant)."""
-        return self.down[e](self._swiglu(self.gate_up[e](x, run.inv)), run.inv)
-
-    def _swiglu(self, gu: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of an expert's fused rows (our kernel on bf16 rows, as the dense
-        FFN's), or gpt-oss's gate."""
-        if self.act == "swiglu_oai":
-            return swiglu_oai(gu).to(gu.dtype)
-        if self.kern is not None and gu.dtype == torch.bfloat16:
-            return self.kern.silu_mul(gu.contiguous())
-        n = gu.shape[1] // 2
-        return F.silu(gu[:, :n]) * gu[:, n:]
+        gu = self.gate_up[e](x, run.inv)
+        gated = swiglu_oai(gu).to(gu.dtype) if self.act == "swiglu_oai" else \
+            silu_mul(self.kern, gu)
+        return self.down[e](gated, run.inv)
 
     def matrices(self) -> dict[str, Linear]:
-        return {"ffn_router": self.router, "ffn_gate_up_exps": self.gate_up,
-                "ffn_down_exps": self.down}
+        out: dict[str, Linear] = {"ffn_router": self.router, "ffn_gate_up_exps": self.gate_up,
+                                  "ffn_down_exps": self.down}
+        if self.shared is not None:
+            out |= {"ffn_gate_up_shexp": self.shared.gate_up, "ffn_down_shexp": self.shared.down}
+        return out
+
+
+def silu_mul(kern: Kernels | None, gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of fused [gate | up] rows: our kernel on bf16 rows (as the dense FFN's,
+    row-invariant), else torch's ops."""
+    if kern is not None and gu.dtype == torch.bfloat16:
+        return kern.silu_mul(gu.contiguous())
+    n = gu.shape[1] // 2
+    return F.silu(gu[:, :n]) * gu[:, n:]
+
+
+@dataclass(slots=True)
+class SharedExpert:
+    """A SwiGLU expert every token runs beside the routed ones (Qwen3.5's), its output times
+    sigmoid(gate . x): the gate's logit an exact f32 dot of the token's row (our kernels'
+    fixed-order dots, else an f32 matmul) and exact_sigmoid, so its bits never depend on the
+    batch."""
+
+    gate: torch.Tensor  # f32 [1, n_embd]
+    gate_up: Linear  # [2 n_ff_shared, n_embd]
+    down: Linear  # [n_embd, n_ff_shared]
+
+    def __call__(self, run: Run, h: torch.Tensor, kern: Kernels | None) -> torch.Tensor:
+        """f32 [T, n_embd]."""
+        x = h.float().contiguous()
+        logit = kern.head_dots(self.gate, x) if kern is not None else F.linear(x, self.gate)
+        y = self.down(silu_mul(kern, self.gate_up(h, run.inv)), run.inv)
+        return y.float() * exact_sigmoid(logit)

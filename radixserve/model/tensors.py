@@ -122,7 +122,8 @@ class TensorLoader:
 
     def _route(self, t: gguf.ReaderTensor) -> str:
         """The matrix's route (model/kernel_routes.py's table)."""
-        return route_for(self.build, t.tensor_type, int(t.shape[1]), self.packed)
+        return route_for(self.build, t.tensor_type, int(t.shape[1]), self.packed,
+                         int(t.shape[0]))
 
     def _run_key(self, t: gguf.ReaderTensor) -> tuple[str, object]:
         """Parts with equal keys run as one matrix: 4-bit and dense parts of any type, the

@@ -196,11 +196,13 @@ def test_the_command_refuses_an_unknown_type(tmp_path, capsys):
     assert not (tmp_path / "m.gguf").exists()
 
 
-@pytest.mark.parametrize("name", ["qwen3moe-tiny", "lfm2moe-tiny", "gpt-oss-tiny"])
+@pytest.mark.parametrize("name", ["qwen3moe-tiny", "lfm2moe-tiny", "gpt-oss-tiny",
+                                  "qwen35moe-tiny"])
 def test_the_moe_shapes_are_written_as_llama_cpp_names_them_and_load(tmp_path, name):
     """The mixture-of-experts shapes: every tensor name one gguf-py knows for the
     architecture, the expert keys (LFM2-MoE's dense leading layers, sigmoid gating and its
-    selection bias; gpt-oss's window, YaRN, sinks and biases), the experts stacked [experts,
+    selection bias; gpt-oss's window, YaRN, sinks and biases; Qwen3.5 MoE's shared expert),
+    the experts stacked [experts,
     rows, cols] in the weight type (gpt-oss's MXFP4) beside an F32 router, loaded with those
     sizes; the real shapes keep the real models' layer."""
     shape = SHAPES[name]
@@ -214,7 +216,7 @@ def test_the_moe_shapes_are_written_as_llama_cpp_names_them_and_load(tmp_path, n
         pattern = gguf.TENSOR_NAMES[kind]
         known |= {pattern.format(bid=i) for i in range(shape.n_layer)}
     t = {x.name: x for x in r.tensors}
-    assert {n.rsplit(".", 1)[0] for n in t} <= known
+    assert {n.removesuffix(".weight").removesuffix(".bias") for n in t} <= known
     f = {k: v.contents() for k, v in r.fields.items() if k.startswith(arch + ".")}
     assert (f[f"{arch}.expert_count"], f[f"{arch}.expert_used_count"],
             f[f"{arch}.expert_feed_forward_length"]) == (shape.n_expert, shape.n_expert_used,
@@ -225,6 +227,11 @@ def test_the_moe_shapes_are_written_as_llama_cpp_names_them_and_load(tmp_path, n
     assert gate.tensor_type == (gguf.GGMLQuantizationType.MXFP4 if oss else
                                 gguf.GGMLQuantizationType.Q8_0)
     assert t[f"blk.{first}.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    if arch == "qwen35moe":
+        assert f["qwen35moe.expert_shared_feed_forward_length"] == shape.n_ff_shexp
+        assert "qwen35moe.feed_forward_length" not in f
+        assert list(t["blk.0.ffn_gate_inp_shexp.weight"].shape) == [shape.n_embd, 1]
+        assert "blk.0.ffn_down_shexp.weight" in t
     if oss:
         assert f["gpt-oss.attention.sliding_window"] == shape.sliding_window
         assert f["gpt-oss.rope.scaling.type"] == "yarn"
@@ -241,7 +248,7 @@ def test_the_moe_shapes_are_written_as_llama_cpp_names_them_and_load(tmp_path, n
                                                                 shape.n_expert_used,
                                                                 shape.n_ff_exp, first)
     real = SHAPES[{"qwen3moe": "qwen3moe-30b-a3b", "lfm2moe": "lfm2moe-8b-a1b",
-                   "gpt-oss": "gpt-oss-20b"}[arch]]
+                   "gpt-oss": "gpt-oss-20b", "qwen35moe": "qwen35moe-35b-a3b"}[arch]]
     assert (real.n_embd, real.n_expert, real.n_expert_used, real.n_ff_exp) == {
         "qwen3moe": (2048, 128, 8, 768), "lfm2moe": (2048, 32, 4, 1792),
-        "gpt-oss": (2880, 32, 4, 2880)}[arch]
+        "gpt-oss": (2880, 32, 4, 2880), "qwen35moe": (2048, 256, 8, 512)}[arch]

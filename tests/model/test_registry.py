@@ -40,7 +40,7 @@ def family_references() -> dict[str, list[str]]:
 def test_the_registry_holds_every_family_once() -> None:
     fams = registry()
     assert set(fams) == {"llama", "qwen2", "qwen3", "gemma3", "lfm2", "qwen35", "granitehybrid",
-                         "qwen3moe", "lfm2moe", "gpt-oss"}
+                         "qwen3moe", "lfm2moe", "gpt-oss", "qwen35moe"}
     for arch, fam in fams.items():
         assert isinstance(fam, Family) and arch in fam.archs
         assert family_of(arch) is fam

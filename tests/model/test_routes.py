@@ -103,6 +103,21 @@ def test_the_loader_builds_the_tables_route_and_it_multiplies_the_files_weights(
             f"{lin.route}: worst error {(err / (scale[rows] + 1e-12)).max():.2e} of the scale")
 
 
+def test_a_float_row_outside_qmms_groups_runs_dense(build: str):
+    """qmm.c reads whole groups of 32: an F16 matrix whose rows are 48 weights long (the
+    converter's F16 fallback for a Q8_0 row that does not divide) takes the build's dense
+    route, and multiplies as its weights."""
+    rng = np.random.default_rng(5)
+    a = (rng.standard_normal((32, 48)) * 0.05).astype(np.float16)
+    t = SimpleNamespace(name="w", tensor_type=Q.F16, shape=np.array([48, 32]), data=a)
+    lin = TensorLoader(SimpleNamespace(tensors=[t]), torch.bfloat16, packed=True,
+                       kern=kernels_of(build)).linear(["w"], [None])
+    assert lin.route == TABLE[build, "other"]
+    x = torch.randn(5, 48).to(torch.bfloat16)
+    ref = x.double() @ torch.from_numpy(a).double().T
+    assert (lin(x).double() - ref).abs().max() <= 2.0**-7 * ref.abs().max() + 1e-3
+
+
 def test_dequant_weights_run_every_type_dense(build: str):
     t = tensor(Q.Q4_K, 32, seed=1)
     lin = TensorLoader(SimpleNamespace(tensors=[t]), torch.bfloat16, packed=False,

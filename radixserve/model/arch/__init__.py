@@ -36,8 +36,6 @@ def registry() -> dict[str, Family]:
 
 # architectures known and not served yet, with why (one line at start-up, as any refusal)
 NOT_YET = {
-    "qwen35moe": "Qwen3.5 mixture-of-experts (routed experts beside a gated shared expert) is "
-                 "not supported yet",
     "qwen3next": "Qwen3-Next (a mixture-of-experts Gated DeltaNet with a shared expert) is not "
                  "supported yet",
 }

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import gguf
+import numpy as np
 
 from radixserve.memory.layout import FULL, RECURRENT, SLIDING, MemoryLayout
 from radixserve.model.hparams import (
@@ -23,7 +24,7 @@ from radixserve.model.hparams import (
     pooling_name,
 )
 from radixserve.model.layers import FFN, Attention, Block, DenseFFN, Mixer
-from radixserve.model.moe import ExpertMatrices, MoEFFN, Router
+from radixserve.model.moe import ExpertMatrices, MoEFFN, Router, SharedExpert
 from radixserve.model.tensors import TensorLoader
 
 # llama_expert_gating_func_type's values this engine runs
@@ -88,6 +89,9 @@ class Family:
     qk_norm = False  # per-head RMS norms of q and k before RoPE are required
     act = "silu"
     output_norm = "output_norm.weight"
+    # every layer's FFN is dense and `feed_forward_length` wide (False: the experts' keys
+    # give every width, and a file may omit it, as Qwen3.5 MoE's converter does)
+    dense_ffn = True
 
     # -- hyperparameters ------------------------------------------------------------------
 
@@ -114,7 +118,7 @@ class Family:
             arch=arch,
             n_layer=n_layer,
             n_embd=n_embd,
-            n_ff=int(get("feed_forward_length")),
+            n_ff=int(get("feed_forward_length", 0, required=self.dense_ffn)),
             n_head=n_head,
             n_head_kv=n_head_kv,
             head_dim=head_dim,
@@ -206,17 +210,22 @@ class Family:
     # -- mixture of experts ---------------------------------------------------------------
 
     def moe_dims(self, get: Get, arch: str, gating: str | None = "softmax",
-                 norm_w: bool = True, n_dense_lead: int = 0, width_required: bool = False
-                 ) -> MoeDims:
+                 norm_w: bool = True, n_dense_lead: int = 0, width_required: bool = False,
+                 shared: bool = False) -> MoeDims:
         """The experts' sizes from `{arch}.expert_*` (the expert width, unless
         `width_required`, defaults to feed_forward_length / expert_used_count, as llama.cpp's);
         `gating` and `norm_w` where the family fixes them in code, as llama.cpp does (gating
-        None: the file's `expert_gating_func`, required). No weight scale: llama.cpp reads none
-        for these families."""
+        None: the file's `expert_gating_func`, required); `shared`: a shared expert of
+        `expert_shared_feed_forward_length` (default feed_forward_length). No weight scale:
+        llama.cpp reads none for these families."""
         n_expert, n_used = int(get("expert_count")), int(get("expert_used_count"))
         n_ff = get("expert_feed_forward_length", None, required=width_required)
         if n_ff is None:
             n_ff = int(get("feed_forward_length")) // max(1, n_used)
+        n_shared = 0
+        if shared:
+            n_shared = int(get("expert_shared_feed_forward_length", None, required=False)
+                           or get("feed_forward_length"))
         scale = 0.0
         if gating is None:
             code = int(get("expert_gating_func"))
@@ -224,7 +233,8 @@ class Family:
                 raise UnsupportedModelError(f"{arch}.expert_gating_func {code} is not supported "
                                             f"(supported: {sorted(GATING_FUNCS)})")
             gating = GATING_FUNCS[code]
-        return MoeDims(n_expert, n_used, int(n_ff), gating, norm_w, scale, n_dense_lead)
+        return MoeDims(n_expert, n_used, int(n_ff), gating, norm_w, scale, n_dense_lead,
+                       n_shared)
 
     def moe_ffn(self, ld: TensorLoader, hp: HParams, p: str, select_bias: bool = False,
                 biases: bool = False, act: str = "silu") -> MoEFFN:
@@ -249,7 +259,11 @@ class Family:
                     ld.expect(n, (m.n_expert, shape[0]))
             return ExpertMatrices(ld.experts([p + n for n in names], m.n_expert, shape, b))
 
-        gate_up = role(["ffn_gate_exps.weight", "ffn_up_exps.weight"], (m.n_ff, e))
+        if ld.tensor(p + "ffn_gate_up_exps.weight", required=False) is not None:
+            # fused by the converter (its --fuse-gate-up-exps, Granite's always): gate rows first
+            gate_up = role(["ffn_gate_up_exps.weight"], (2 * m.n_ff, e))
+        else:
+            gate_up = role(["ffn_gate_exps.weight", "ffn_up_exps.weight"], (m.n_ff, e))
         down = role(["ffn_down_exps.weight"], (e, m.n_ff))
         router_bias = None
         if biases:
@@ -257,4 +271,25 @@ class Family:
             router_bias = ld.torch(p + "ffn_gate_inp.bias", f32=True)
         # the router's exact dots on the file's rows wherever our kernels run (dequant too)
         router = Router(ld.rows(p + "ffn_gate_inp.weight", blocks=True), router_bias)
-        return MoEFFN(router, gate_up, down, m, bias, ld.kern, act)
+        return MoEFFN(router, gate_up, down, m, bias, ld.kern, act,
+                      self.shared_expert(ld, hp, p) if m.n_ff_shared else None)
+
+    def shared_expert(self, ld: TensorLoader, hp: HParams, p: str) -> SharedExpert:
+        """The shared expert's SwiGLU (ffn_{gate,up,down}_shexp) and its sigmoid gate's row
+        (ffn_gate_inp_shexp: [n_embd], or [1, n_embd] as the converter writes HF's)."""
+        m, e = hp.moe, hp.n_embd
+        assert m is not None
+        gate_name = p + "ffn_gate_inp_shexp.weight"
+        t = ld.tensor(gate_name)
+        assert t is not None
+        if int(np.prod(t.shape)) != e:
+            ld.expect(gate_name, (1, e))
+        for n, shape in (("gate", (m.n_ff_shared, e)), ("up", (m.n_ff_shared, e)),
+                         ("down", (e, m.n_ff_shared))):
+            ld.expect(p + f"ffn_{n}_shexp.weight", shape)
+        gate = ld.torch(gate_name, f32=True)
+        assert gate is not None
+        return SharedExpert(gate.reshape(1, e).contiguous(),
+                            ld.linear([p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"],
+                                      [None, None]),
+                            ld.linear([p + "ffn_down_shexp.weight"], [None]))

@@ -1,5 +1,8 @@
-"""Qwen3.5 (dense): a hybrid of Gated DeltaNet layers (model/delta_net.py) and gated
-full-attention layers, pre-norm blocks with a SwiGLU FFN, as llama.cpp reads `qwen35`.
+"""Qwen3.5: a hybrid of Gated DeltaNet layers (model/delta_net.py) and gated full-attention
+layers, pre-norm blocks with a SwiGLU FFN, as llama.cpp reads `qwen35`; `qwen35moe`
+(Qwen3.5-35B-A3B, -122B-A10B) has in every block a mixture of experts instead (model/moe.py:
+a softmax router, the top `expert_used_count` renormalized, and a shared expert of
+`expert_shared_feed_forward_length` gated by a sigmoid of its own row).
 
 - The layer pattern: `attention.recurrent_layers` (a flag a block) where the file has it, else
   every `full_attention_interval`-th layer (default 4) attends.
@@ -22,7 +25,7 @@ import numpy as np
 
 from radixserve.model.arch.base import Family, Get
 from radixserve.model.hparams import HParams, SsmDims, UnsupportedModelError
-from radixserve.model.layers import Block, DeltaNetMixer, GatedAttention, Mixer
+from radixserve.model.layers import FFN, Block, DeltaNetMixer, GatedAttention, Mixer
 from radixserve.model.rope import rotary_order
 from radixserve.model.tensors import TensorLoader
 
@@ -35,33 +38,34 @@ class Qwen35(Family):
         n_all = int(get("block_count"))
         n_mtp = int(get("nextn_predict_layers", 0, required=False) or 0)
         if not 0 <= n_mtp < n_all:
-            raise UnsupportedModelError(f"qwen35.nextn_predict_layers = {n_mtp} of {n_all} "
-                                        "blocks")
+            raise UnsupportedModelError(f"{self.archs[0]}.nextn_predict_layers = {n_mtp} of "
+                                        f"{n_all} blocks")
         return n_all - n_mtp
 
     def extra(self, get: Get, n_layer: int, n_embd: int, n_head: int,
               head_dim: int) -> dict[str, Any]:
+        a = self.archs[0]
         if int(get("attention.value_length", head_dim, required=False)) != head_dim:
-            raise UnsupportedModelError("qwen35: attention.value_length must equal key_length")
+            raise UnsupportedModelError(f"{a}: attention.value_length must equal key_length")
         sections = get("rope.dimension_sections")
         if not isinstance(sections, (list, tuple)) or len(sections) > 4:
-            raise UnsupportedModelError(f"qwen35.rope.dimension_sections must list up to 4 "
+            raise UnsupportedModelError(f"{a}.rope.dimension_sections must list up to 4 "
                                         f"sections, got {sections!r}")
         n_rot = int(get("rope.dimension_count", head_dim, required=False))
         if not 0 < n_rot <= head_dim or n_rot % 2 or (head_dim - n_rot) % 2:
-            raise UnsupportedModelError(f"qwen35.rope.dimension_count {n_rot} does not fit a "
+            raise UnsupportedModelError(f"{a}.rope.dimension_count {n_rot} does not fit a "
                                         f"{head_dim}-wide head")
-        ssm = SsmDims.from_keys(get, "qwen35", "Gated DeltaNet")
+        ssm = SsmDims.from_keys(get, a, "Gated DeltaNet")
         flags = get("attention.recurrent_layers", None, required=False)
         if flags is not None:
             if not isinstance(flags, (list, tuple)) or len(flags) < n_layer:
-                raise UnsupportedModelError(f"qwen35.attention.recurrent_layers must flag "
+                raise UnsupportedModelError(f"{a}.attention.recurrent_layers must flag "
                                             f"{n_layer} layers, got {flags!r}")
             rec = tuple(bool(f) for f in flags[:n_layer])
         else:
             every = int(get("full_attention_interval", 4, required=False))
             if every < 1:
-                raise UnsupportedModelError(f"qwen35.full_attention_interval {every} < 1")
+                raise UnsupportedModelError(f"{a}.full_attention_interval {every} < 1")
             rec = tuple((i + 1) % every != 0 for i in range(n_layer))
         return dict(rec_layers=rec, n_rot=n_rot,
                     ssm=ssm)
@@ -113,4 +117,17 @@ class Qwen35(Family):
                              ld.linear([p + "ssm_out.weight"], [None]))
 
 
-FAMILIES = [Qwen35()]
+class Qwen35Moe(Qwen35):
+    archs = ("qwen35moe",)
+    dense_ffn = False
+
+    def extra(self, get: Get, n_layer: int, n_embd: int, n_head: int,
+              head_dim: int) -> dict[str, Any]:
+        return {**super().extra(get, n_layer, n_embd, n_head, head_dim),
+                "moe": self.moe_dims(get, "qwen35moe", width_required=True, shared=True)}
+
+    def ffn(self, ld: TensorLoader, hp: HParams, p: str) -> FFN:
+        return self.moe_ffn(ld, hp, p)
+
+
+FAMILIES = [Qwen35(), Qwen35Moe()]
