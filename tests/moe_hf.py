@@ -255,9 +255,11 @@ _GPTOSS_LAYER = {
 def tiny_gptoss_config(**kw: object) -> transformers.GptOssConfig:
     """A 4-layer gpt-oss on the default model's vocabulary: sliding (window 8) and full
     layers alternating, 8 experts of width 32, 3 used a token, 4 heads of 16 on 2 KV heads,
-    YaRN x32 over 4096 positions with the correction range truncated (llama.cpp always
-    truncates it; the released config says not to, a difference in the last digits of a few
-    frequencies)."""
+    YaRN x32 over 4096 positions with the correction range truncated, as llama.cpp always
+    does. The released config says not to truncate, which HF follows: at gpt-oss-20b's sizes
+    (64 rotary dims, base 150000) the ramp then runs over pairs 8.09..17.40 instead of 8..18,
+    and 9 of the 32 frequencies differ, by up to 76% (pair 17): radixserve computes
+    llama.cpp's rope, not HF's, for the released files."""
     args: dict[str, object] = dict(
         vocab_size=len(default_tokenizer_fields()["tokenizer.ggml.tokens"]),
         hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,

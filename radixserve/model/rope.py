@@ -69,10 +69,15 @@ class Rope:
         inv[0 if hp.nope else rot:] = 0.0  # NoPE: every pair unchanged
         if freq_factors is not None:
             inv = inv / freq_factors.to("cpu", torch.float64)
-        self.mscale = 1.0
+        # YaRN's magnitude scale, on the rotated pairs only: a pair that does not turn (past
+        # n_rot, or NoPE) passes through unscaled, as ggml copies it
+        self.mscale: torch.Tensor | None = None
         if yarn and hp.yarn is not None:
+            turns = inv != 0
             inv = yarn_inv_freq(inv, hp.yarn, hp.n_rot, base)
-            self.mscale = hp.yarn.mscale
+            if hp.yarn.mscale != 1.0:
+                self.mscale = torch.where(turns, hp.yarn.mscale, 1.0).to(device or "cpu",
+                                                                         torch.float32)
         self.inv_freq = inv.to(device or "cpu", torch.float32)
         self.scale = hp.rope_scale_linear if scale is None else scale
         self.half = half
@@ -84,7 +89,7 @@ class Rope:
         times YaRN's mscale (a pure rotation without)."""
         ang = positions.to(torch.float32)[:, None] / self.scale * self.inv_freq[None, :]
         c, s = ang.cos(), ang.sin()
-        if scaled and self.mscale != 1.0:
+        if scaled and self.mscale is not None:
             c, s = c * self.mscale, s * self.mscale
         return torch.cat((c, c), -1)[:, None], torch.cat((-s, s), -1)[:, None]
 

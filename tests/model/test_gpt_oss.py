@@ -106,7 +106,12 @@ def test_yarn_frequencies_equal_hfs():
         yarn=YarnDims(32.0, 4096, 32.0, 1.0, 1.0, 1 + 0.1 * math.log(32)))
     rope = Rope(hp)
     assert torch.allclose(rope.inv_freq, inv.float(), rtol=1e-6, atol=0)
-    assert rope.mscale == pytest.approx(scale, rel=1e-6)
+    assert rope.mscale is not None and torch.allclose(rope.mscale, torch.tensor(scale))
+    # partial rotary: the pairs that do not turn pass through unscaled, as ggml's copy
+    part = Rope(dataclasses.replace(hp, n_rot=32))
+    cos, sin = part.cos_sin(torch.tensor([0, 9]))
+    assert torch.allclose(cos[0, 0, :16], torch.tensor(scale)) and (cos[:, 0, 16:32] == 1).all()
+    assert (sin[:, 0, 16:32] == 0).all()
     # a K-shift is a pure rotation: the stored keys carry the scale already
     x = torch.randn(3, 2, 64)
     rotated = rope.rotate(x, torch.tensor([5, 6, 7]))

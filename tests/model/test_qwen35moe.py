@@ -41,7 +41,11 @@ def tiny_config(**kw: object) -> transformers.Qwen3_5MoeTextConfig:
         num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=3,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=2048,
-        rms_norm_eps=1e-6, tie_word_embeddings=False)
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+        # 4 rotary dims (a quarter of 16): 2 pairs, in sections llama.cpp accepts
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                         "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+                         "mrope_interleaved": True})
     args.update(kw)
     return transformers.Qwen3_5MoeTextConfig(**args)
 

@@ -5,7 +5,9 @@
 - a mixture-of-experts FFN in every layer, normed by `post_attention_norm`: a router with a
   bias, the top `expert_used_count` logits softmaxed among themselves (no renormalization),
   experts with biases and the clamped SwiGLU (model/moe.py's swiglu_oai), MXFP4 weights in
-  the released files (run on the 8-bit tiles: model/quant.py's mxfp4_codes).
+  the released files (run on tiles of their own 4-bit codes: model/quant.py's MxLinear).
+YaRN's correction range is truncated as llama.cpp truncates it (HF follows the released
+config's `truncate: false`, which moves 9 of gpt-oss-20b's 32 rotary frequencies).
 The harmony chat format its replies come in is text/chat_parse.py's.
 """
 
