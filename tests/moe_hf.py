@@ -26,7 +26,7 @@ compute with the same weights."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import gguf
 import numpy as np
@@ -109,10 +109,11 @@ def tiny_lfm2moe_config(**kw: object) -> transformers.Lfm2MoeConfig:
     return transformers.Lfm2MoeConfig(**args)
 
 
-def _tensors(model: transformers.PreTrainedModel) -> dict[str, tuple[str, np.ndarray]]:
-    """{GGUF name: (HF name, the converted f32 array)}."""
-    layer_map = _LFM2_LAYER if model.config.model_type == "lfm2_moe" else _LAYER
-    out: dict[str, tuple[str, np.ndarray]] = {}
+def _layer_arrays(model: transformers.PreTrainedModel, out: dict[str, tuple[str, np.ndarray]]
+                  ) -> Iterator[tuple[str, np.ndarray, str, str]]:
+    """The model's tensors as f32 arrays: the global ones put in `out` under their GGUF
+    names, each layer's yielded as (HF name, array, "blk.N.", its name within the layer); the
+    head left out when tied."""
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
@@ -123,13 +124,20 @@ def _tensors(model: transformers.PreTrainedModel) -> dict[str, tuple[str, np.nda
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
         if m is None:
             raise ValueError(f"{name!r} has no GGUF counterpart")
-        p = f"blk.{m[1]}."
-        if m[2] in ("mlp.experts.gate_up_proj", "feed_forward.experts.gate_up_proj"):
+        yield name, a, f"blk.{m[1]}.", m[2]
+
+
+def _tensors(model: transformers.PreTrainedModel) -> dict[str, tuple[str, np.ndarray]]:
+    """{GGUF name: (HF name, the converted f32 array)}."""
+    layer_map = _LFM2_LAYER if model.config.model_type == "lfm2_moe" else _LAYER
+    out: dict[str, tuple[str, np.ndarray]] = {}
+    for name, a, p, key in _layer_arrays(model, out):
+        if key in ("mlp.experts.gate_up_proj", "feed_forward.experts.gate_up_proj"):
             gate, up = np.split(a, 2, axis=1)
             out[p + "ffn_gate_exps.weight"] = (name + ":gate", np.ascontiguousarray(gate))
             out[p + "ffn_up_exps.weight"] = (name + ":up", np.ascontiguousarray(up))
             continue
-        base = layer_map.get(m[2])
+        base = layer_map.get(key)
         if base is None:
             raise ValueError(f"{name!r} has no GGUF counterpart")
         if base == "shortconv.conv.weight":
@@ -279,15 +287,7 @@ def _gptoss_tensors(model: transformers.PreTrainedModel) -> dict[str, tuple[str,
     interleaved rows split (gate the even, up the odd), its bias likewise; down_proj
     transposed to [E, D, F]."""
     out: dict[str, tuple[str, np.ndarray]] = {}
-    for name, t in model.state_dict().items():
-        a = np.ascontiguousarray(t.detach().float().numpy())
-        if name in _GLOBAL:
-            out[_GLOBAL[name]] = (name, a)
-            continue
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-        if m is None:
-            raise ValueError(f"{name!r} has no GGUF counterpart")
-        p, key = f"blk.{m[1]}.", m[2]
+    for name, a, p, key in _layer_arrays(model, out):
         if key == "mlp.experts.gate_up_proj":
             a = a.transpose(0, 2, 1)
             out[p + "ffn_gate_exps.weight"] = (name + ":gate", np.ascontiguousarray(a[:, ::2]))

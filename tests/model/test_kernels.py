@@ -529,7 +529,7 @@ def test_kernels_refuse_what_they_cannot_read(kern):
         mat.matmul(torch.zeros(4, 192, dtype=BF)[:, ::2])  # not contiguous
     with pytest.raises(ValueError, match="tile matmul needs"):
         mat.matmul(torch.zeros(96, dtype=BF))  # not rows
-    assert K.TILE_BLOCK_BYTES == {0: 320, 1: 576, 2: 640, 3: 640}  # i8act.c's BLOCK(f)
+    assert K.TILE_BLOCK_BYTES == {0: 320, 1: 576, 2: 640, 3: 640, 4: 320}  # i8act.c's BLOCK(f)
     for fmt, size in K.TILE_BLOCK_BYTES.items():  # each format's block size is taken
         assert kern.tiles(torch.zeros(2, 3, size, dtype=torch.uint8), fmt, 32, 96).fmt == fmt
     refused = [
@@ -539,7 +539,7 @@ def test_kernels_refuse_what_they_cannot_read(kern):
         (tiles, 1, 32, 96),  # the 4-bit block size given as an 8-bit format's (576)
         (torch.zeros(2, 3, 576, dtype=torch.uint8), 2, 32, 96),  # 576 given as 640
         (torch.zeros(2, 3, 640, dtype=torch.uint8), 1, 32, 96),  # 640 given as 576
-        (tiles, 4, 32, 96),  # no such format
+        (tiles, 5, 32, 96),  # no such format
         (tiles, -1, 32, 96),
         (tiles[:1].contiguous(), 0, 24, 96),  # rows not a multiple of 16
         (torch.zeros(2, 3, 320, dtype=torch.uint8), 0, 32, 80),  # k not a multiple of 32

@@ -8,17 +8,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import llguidance as llg
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.text import grammar as grammars
 from radixserve.text.chat_format import ChatInputs, ChatPlan, plan_chat
 from radixserve.text.chat_parse import OutputFormat, ParsedMessage
 from radixserve.text.chat_template import ChatTemplate
 from radixserve.text.tokenizer import CONTROL, USER_DEFINED, Tokenizer
-from tests.text.test_chat_format import check_stream
+from tests.text.test_chat_format import accepts, check_stream
 from tests.text.test_tokenizer import bpe_vocab
 
 GPT_OSS = (Path(__file__).parents[1] / "fixtures" / "openai-gpt-oss-120b.jinja").read_text()
@@ -225,14 +223,6 @@ def tok() -> Tokenizer:
     return Tokenizer(bpe_vocab(extra=[(t, CONTROL) for t in MARKUP]))
 
 
-def accepts(grammar: str | None, tok: Tokenizer, text: str) -> bool:
-    assert grammar is not None
-    grammars.check(grammar, tok)
-    m = llg.LLMatcher(grammars.ll_tokenizer(tok), grammar, log_level=0)
-    for t in tok.encode(text, add_special=False, parse_special=False):
-        if not m.consume_token(t):
-            return False
-    return m.is_accepting()
 
 
 def test_end_is_no_end_of_generation_when_return_and_call_are(tok: Tokenizer) -> None:
