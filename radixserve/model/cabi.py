@@ -39,6 +39,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "silu_mul_bf16": (None, [P, I64, I64, P]),
     "post_norm_add_bf16": (None, [P, I64, P, P, P, I64, I32, F32, P]),
     "gelu_mul_bf16": (None, [P, I64, I64, P]),
+    "swiglu_oai_bf16": (None, [P, I64, I64, P]),
     # short_conv.c
     "short_conv_bf16": (None, [P, I64, I32, I32, P, P, P, P, P, P]),
     # delta_net.c

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -130,6 +131,7 @@ class Kernels:
         c = bind(lib)
         self._attn, self._work_floats = c.attn_causal_win_bf16, c.attn_work_floats
         self._norm, self._silu = c.add_rms_norm_bf16, c.silu_mul_bf16
+        self._swiglu_oai = c.swiglu_oai_bf16
         self._int8_head, self._dots = c.int8_head, c.f32_head_dots
         self._tiles = c.i8a_matmul  # the 4- and 8-bit tiles' products, 8-bit activations
         self._bf16_mm = c.bf16_matmul
@@ -220,11 +222,20 @@ class Kernels:
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for bf16 rows gu [T, 2 ff] = [gate | up] -> [T, ff]."""
+        return self._gate(self._silu, gu)
+
+    def swiglu_oai(self, gu: torch.Tensor) -> torch.Tensor:
+        """gpt-oss's clamped SwiGLU (moe.py's swiglu_oai) for bf16 rows gu [T, 2 ff] = [gate |
+        up] -> [T, ff] bf16."""
+        return self._gate(self._swiglu_oai, gu)
+
+    @staticmethod
+    def _gate(fn: Callable[..., None], gu: torch.Tensor) -> torch.Tensor:
         rows, ff2 = gu.shape
         if not (gu.dtype == torch.bfloat16 and gu.is_contiguous() and ff2 % 2 == 0):
-            raise ValueError("silu_mul kernel needs contiguous bf16 [gate | up] rows")
+            raise ValueError("the gate kernels need contiguous bf16 [gate | up] rows")
         out = torch.empty(rows, ff2 // 2, dtype=torch.bfloat16)
-        self._silu(gu.data_ptr(), rows, ff2 // 2, out.data_ptr())
+        fn(gu.data_ptr(), rows, ff2 // 2, out.data_ptr())
         return out
 
     def short_conv(self, bcx: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor,

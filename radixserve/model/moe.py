@@ -186,8 +186,12 @@ class MoEFFN:
         """Expert e's SwiGLU over the rows x (the same bits for a row whatever rows share it:
         each matrix is row-invariant)."""
         gu = self.gate_up[e](x, run.inv)
-        gated = swiglu_oai(gu).to(gu.dtype) if self.act == "swiglu_oai" else \
-            silu_mul(self.kern, gu)
+        if self.act != "swiglu_oai":
+            gated = silu_mul(self.kern, gu)
+        elif self.kern is not None and gu.dtype == torch.bfloat16:
+            gated = self.kern.swiglu_oai(gu.contiguous())  # the same in C, one pass
+        else:
+            gated = swiglu_oai(gu).to(gu.dtype)
         return self.down[e](gated, run.inv)
 
     def matrices(self) -> dict[str, Linear]:

@@ -55,6 +55,7 @@ void silu_mul_bf16(const uint16_t *gu, int64_t rows, int64_t ff, uint16_t *out);
 void post_norm_add_bf16(float *x, int64_t xs, const uint16_t *y, const float *wp,
                         const float *wn, int64_t rows, int d, float eps, uint16_t *out);
 void gelu_mul_bf16(const uint16_t *gu, int64_t rows, int64_t ff, uint16_t *out);
+void swiglu_oai_bf16(const uint16_t *gu, int64_t rows, int64_t ff, uint16_t *out);
 void short_conv_bf16(const uint16_t *bcx, int64_t T, int e, int L, uint16_t *ck, uint16_t *cv,
                      const int64_t *new_cells, const int64_t *reads, const float *w,
                      uint16_t *out);
@@ -299,6 +300,8 @@ static void rowwise(void) {
     emit("silu_mul", out, sizeof(uint16_t) * (size_t)(rows * ff));
     gelu_mul_bf16(gu, rows, ff, out);
     emit("gelu_mul", out, sizeof(uint16_t) * (size_t)(rows * ff));
+    swiglu_oai_bf16(gu, rows, ff, out);
+    emit("swiglu_oai", out, sizeof(uint16_t) * (size_t)(rows * ff));
     free(x), free(w), free(wn), free(y), free(out), free(gu);
 }
 /* The tiles with 8-bit activations, each format (i8act.c: 0 4-bit, f16 scales and offsets;

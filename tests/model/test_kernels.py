@@ -464,6 +464,23 @@ def test_add_rms_norm_and_silu_match_torch(kern, threads):
         assert (diff <= 2**-7 * ref.abs() + 1e-30).all()  # at most the last bit of bf16
 
 
+def test_clamped_swiglu_matches_the_torch_path(kern, threads):
+    """gpt-oss's clamped SwiGLU in C within the last bit of bf16 of moe.py's f32 swiglu_oai
+    (gates and ups beyond the clamp of 7 included), a NaN kept, and each row's bits the same
+    computed alone."""
+    from radixserve.model.moe import swiglu_oai
+
+    gen = torch.Generator().manual_seed(4)
+    gu = (torch.randn(40, 2 * 2880, generator=gen) * 6).to(BF)
+    gu[3, 7] = float("nan")
+    got = kern.swiglu_oai(gu)
+    ref = swiglu_oai(gu)
+    ok = ((got.float() - ref).abs() <= 2**-7 * ref.abs() + 1e-30) | (got.isnan() & ref.isnan())
+    assert ok.all() and got[3, 7].isnan() and (gu[:, :2880].float() > 7).any()
+    alone = torch.cat([kern.swiglu_oai(gu[i:i + 1]) for i in range(40)])
+    assert torch.equal(alone.view(torch.int16), got.view(torch.int16))  # bits, the NaN's too
+
+
 def test_kernels_refuse_what_they_cannot_read(kern):
     """They take raw pointers, so a wrong dtype, layout, shape or cell is an error, not a read."""
     pk = torch.zeros(3, 32, 64, dtype=BF)

@@ -109,7 +109,7 @@ def test_every_kernel_ran_and_returned_success(runs):
                    "int8_head ",
                    "int8_head_bound", "head_candidates", "f32_head_dots", "attn_causal",
                    "attn_step", "attn_head_norm", "add_rms_norm", "post_norm_add", "silu_mul",
-                   "gelu_mul", "short_conv"):
+                   "gelu_mul", "swiglu_oai", "short_conv"):
         assert any(n.startswith(prefix) for n in names), prefix
     for run in ("neon", "generic"):
         recs = runs[run]

@@ -59,6 +59,26 @@ void silu_mul_bf16(const uint16_t *gu, int64_t rows, int64_t ff, uint16_t *out) 
     gate_mul(gu, rows, ff, out, 0);
 }
 
+/* out[r] = bf16(a sigmoid(1.702 a) (b + 1)), a = min(gate, 7), b = clamp(up, -7, 7), with
+ * gu[r] = [gate (ff) | up (ff)] bf16: gpt-oss's clamped SwiGLU (moe.py's swiglu_oai) in f32
+ * with one rounding, the sigmoid as a / (1 + e^-1.702a) as ggml's swiglu_oai; a NaN stays
+ * NaN. Every element runs the same sequence, so a row's bits do not depend on the rows
+ * beside it. */
+void swiglu_oai_bf16(const uint16_t *gu, int64_t rows, int64_t ff, uint16_t *out) {
+    const float alpha = 1.702f, limit = 7.f;
+#pragma omp parallel for if (rows >= PAR_ROWS) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gu + r * 2 * ff, *u = g + ff;
+        uint16_t *o = out + r * ff;
+        for (int64_t i = 0; i < ff; i++) {
+            float a = bf16_to_f32(g[i]), b = bf16_to_f32(u[i]);
+            a = a > limit ? limit : a;
+            b = b > limit ? limit : (b < -limit ? -limit : b);
+            o[i] = f32_to_bf16(a / (1.f + exp_clamped(-alpha * a)) * (b + 1.f));
+        }
+    }
+}
+
 /* Gemma 3's residual step: x[r] += rms_norm(y[r]) * wp (y bf16, normed in f32, as torch's
  * F.rms_norm(y.float()) * wp then x.add_, but with this file's sum order and the compiler's
  * fused multiply-adds: within f32 rounding of torch's, not its bits), then, when wn is given,
