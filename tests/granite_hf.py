@@ -25,7 +25,6 @@ dequantized values, so both sides compute with the same weights."""
 
 from __future__ import annotations
 
-import re
 
 import gguf
 import numpy as np
@@ -33,7 +32,8 @@ import torch
 import transformers
 
 from radixserve.bench.synth_model import add_default_tokenizer, default_tokenizer_fields
-from tests.hf_random import randomize
+from tests.hf_random import layer_arrays, randomize
+from tests.tiny_gguf import write_file
 
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
@@ -111,23 +111,13 @@ def _tensors(model: transformers.GraniteMoeHybridForCausalLM
     """{GGUF name: (HF name, the converted f32 array)}."""
     cfg = model.config
     out: dict[str, tuple[str, np.ndarray]] = {}
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        a = t.detach().float().numpy()
-        if name in _GLOBAL:
-            out[_GLOBAL[name]] = (name, a)
-            continue
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-        if m is None:
-            raise ValueError(f"{name!r} has no granitehybrid GGUF counterpart")
-        p = f"blk.{m[1]}."
-        if m[2] == "shared_mlp.input_linear.weight":
+    for name, a, p, key in layer_arrays(model, _GLOBAL, out):
+        if key == "shared_mlp.input_linear.weight":
             gate, up = np.split(a, 2)
             out[p + "ffn_gate.weight"] = (name + ":gate", gate)
             out[p + "ffn_up.weight"] = (name + ":up", up)
             continue
-        base = _LAYER.get(m[2])
+        base = _LAYER.get(key)
         if base is None:
             raise ValueError(f"{name!r} has no granitehybrid GGUF counterpart")
         if base == "ssm_a":
@@ -199,10 +189,7 @@ def write_granite_from_hf(path: str, model: transformers.GraniteMoeHybridForCaus
             dequantized[hf] = back
         else:
             w.add_tensor(out, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_file(w)
     if dequantized:
         _load_dequantized(model, dequantized)
     return path

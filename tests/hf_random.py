@@ -1,10 +1,13 @@
-"""Random weights for the HF reference models the tests write GGUFs from: every parameter drawn
-away from its init's special values, so a weight dropped or misplaced by a loader shows."""
+"""The HF reference models the tests write GGUFs from: random weights, every parameter drawn
+away from its init's special values, so a weight dropped or misplaced by a loader shows; and
+their tensors walked layer by layer for a GGUF writer."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 import transformers
 
@@ -33,3 +36,22 @@ def randomize(model: transformers.PreTrainedModel, seed: int, embed_std: float,
             else:
                 p.copy_(z / p.shape[-1] ** 0.5)
     return model.eval()
+
+
+def layer_arrays(model: transformers.PreTrainedModel, global_names: dict[str, str],
+                 out: dict[str, tuple[str, np.ndarray]]
+                 ) -> Iterator[tuple[str, np.ndarray, str, str]]:
+    """The model's tensors as contiguous f32 arrays: those `global_names` maps put in `out`
+    under their GGUF names, each layer's yielded as (HF name, array, "blk.N.", its name within
+    the layer); the head left out when tied; ValueError for any other name."""
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        a = np.ascontiguousarray(t.detach().float().numpy())
+        if name in global_names:
+            out[global_names[name]] = (name, a)
+            continue
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if m is None:
+            raise ValueError(f"{name!r} has no GGUF counterpart")
+        yield name, a, f"blk.{m[1]}.", m[2]

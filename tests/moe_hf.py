@@ -25,8 +25,7 @@ compute with the same weights."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import gguf
 import numpy as np
@@ -34,7 +33,8 @@ import torch
 import transformers
 
 from radixserve.bench.synth_model import add_default_tokenizer, default_tokenizer_fields
-from tests.hf_random import randomize
+from tests.hf_random import layer_arrays, randomize
+from tests.tiny_gguf import HF_ATTENTION, write_file
 
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
@@ -61,12 +61,7 @@ _LFM2_LAYER = {
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    **HF_ATTENTION,
     "mlp.gate.weight": "ffn_gate_inp.weight",
     "mlp.experts.down_proj": "ffn_down_exps.weight",
 }
@@ -109,29 +104,11 @@ def tiny_lfm2moe_config(**kw: object) -> transformers.Lfm2MoeConfig:
     return transformers.Lfm2MoeConfig(**args)
 
 
-def _layer_arrays(model: transformers.PreTrainedModel, out: dict[str, tuple[str, np.ndarray]]
-                  ) -> Iterator[tuple[str, np.ndarray, str, str]]:
-    """The model's tensors as f32 arrays: the global ones put in `out` under their GGUF
-    names, each layer's yielded as (HF name, array, "blk.N.", its name within the layer); the
-    head left out when tied."""
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
-        a = np.ascontiguousarray(t.detach().float().numpy())
-        if name in _GLOBAL:
-            out[_GLOBAL[name]] = (name, a)
-            continue
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-        if m is None:
-            raise ValueError(f"{name!r} has no GGUF counterpart")
-        yield name, a, f"blk.{m[1]}.", m[2]
-
-
 def _tensors(model: transformers.PreTrainedModel) -> dict[str, tuple[str, np.ndarray]]:
     """{GGUF name: (HF name, the converted f32 array)}."""
     layer_map = _LFM2_LAYER if model.config.model_type == "lfm2_moe" else _LAYER
     out: dict[str, tuple[str, np.ndarray]] = {}
-    for name, a, p, key in _layer_arrays(model, out):
+    for name, a, p, key in layer_arrays(model, _GLOBAL, out):
         if key in ("mlp.experts.gate_up_proj", "feed_forward.experts.gate_up_proj"):
             gate, up = np.split(a, 2, axis=1)
             out[p + "ffn_gate_exps.weight"] = (name + ":gate", np.ascontiguousarray(gate))
@@ -230,10 +207,7 @@ def write_tensors(w: gguf.GGUFWriter, model: transformers.PreTrainedModel, wtype
             dequantized[hf] = gguf.quants.dequantize(blocks, q).reshape(a.shape)
         else:
             w.add_tensor(out, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_file(w)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, a in dequantized.items():
@@ -287,7 +261,7 @@ def _gptoss_tensors(model: transformers.PreTrainedModel) -> dict[str, tuple[str,
     interleaved rows split (gate the even, up the odd), its bias likewise; down_proj
     transposed to [E, D, F]."""
     out: dict[str, tuple[str, np.ndarray]] = {}
-    for name, a, p, key in _layer_arrays(model, out):
+    for name, a, p, key in layer_arrays(model, _GLOBAL, out):
         if key == "mlp.experts.gate_up_proj":
             a = a.transpose(0, 2, 1)
             out[p + "ffn_gate_exps.weight"] = (name + ":gate", np.ascontiguousarray(a[:, ::2]))

@@ -195,7 +195,8 @@ def _add_tokenizer(w: gguf.GGUFWriter, rename_tokens: dict[int, str] | None,
         w.add_add_bos_token(add_bos)
 
 
-def _write(w: gguf.GGUFWriter) -> None:
+def write_file(w: gguf.GGUFWriter) -> None:
+    """The writer's header, keys and tensors to its file, closed."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -310,13 +311,22 @@ def write_tiny_qwen35(
         put(p + "ffn_gate.weight", rand(n_ff, d), q41)
         put(p + "ffn_up.weight", rand(n_ff, d), q8)
         put(p + "ffn_down.weight", rand(d, n_ff))
-    _write(w)
+    write_file(w)
     return path
 
 
 # HF Qwen3_5ForCausalLM / MTP checkpoint name -> GGUF name, as gguf-py's tensor_mapping maps
 # them for MODEL_ARCH.QWEN35 (post_attention_layernorm is ATTN_POST_NORM there: qwen35 has no
 # FFN_NORM)
+# qwen3's attention in HF's names -> gguf-py's (Qwen 3.5's full-attention layers, Qwen3 MoE)
+HF_ATTENTION = {
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
 QWEN35_HF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
               "model.norm.weight": "output_norm.weight",
               "lm_head.weight": "output.weight"}
@@ -326,12 +336,7 @@ QWEN35_HF_LAYER = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    **HF_ATTENTION,
     "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
     "linear_attn.in_proj_z.weight": "attn_gate.weight",
     "linear_attn.in_proj_b.weight": "ssm_beta.weight",
@@ -501,7 +506,7 @@ def write_qwen35_from_hf(
         else:
             raise ValueError(f"{name!r} has no {arch} GGUF counterpart")
         _add(w, out, np.ascontiguousarray(_converted(name, a, cfg), dtype=np.float32), wtype)
-    _write(w)
+    write_file(w)
     return path
 
 

@@ -20,13 +20,14 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.model.hparams import MoeDims, UnsupportedModelError, YarnDims
+from radixserve.model.hparams import MoeDims, YarnDims
 from radixserve.model.loader import Model, load_model
 from radixserve.model.moe import MoEFFN
 from radixserve.model.rope import Rope
 from tests.model.kernel_variants import VARIANTS, config_for
 from tests.model.test_lfm2 import (TOKENS, check_against_hf,
-                                   check_bits_do_not_depend_on_chunking_or_batch, rewrite)
+                                   check_bits_do_not_depend_on_chunking_or_batch,
+                                   check_refusals, rewrite)
 from tests.model.test_moe import logits_in_chunks
 from tests.moe_hf import random_moe, tiny_gptoss_config, write_gptoss_from_hf
 
@@ -179,11 +180,7 @@ def test_refusals_name_the_key_or_tensor(tmp_path: Path, hf_and_file):
         (dict(set_keys={"gpt-oss.rope.scaling.yarn_log_multiplier": 1}),
          "yarn_log_multiplier"),
     ]
-    for i, (kw, msg) in enumerate(cases):
-        keys = {"gpt-oss.vocab_size": n_vocab, **kw.pop("set_keys", {})}
-        bad = rewrite(path, tmp_path / f"bad{i}.gguf", arch="gpt-oss", set_keys=keys, **kw)
-        with pytest.raises(UnsupportedModelError, match=msg.replace("[", r"\[")):
-            load_model(bad, "f32")
+    check_refusals(path, tmp_path, "gpt-oss", n_vocab, cases)
 
 
 def test_every_tensor_name_is_one_llama_cpp_knows(hf_and_file):

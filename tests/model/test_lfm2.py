@@ -8,6 +8,7 @@ The tiny models are random-weight GGUFs written the way llama.cpp's converter wr
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,19 @@ def test_the_conv_state_is_never_shifted(tiny_lfm2_path: str):
 # -- refusals: the metadata and the tensors must agree ---------------------------------------
 
 _read = functools.cache(gguf.GGUFReader)  # gguf-py parses a 49k-token vocabulary in seconds
+
+
+def check_refusals(src: str, tmp_path: Path, arch: str, n_vocab: int,
+                   cases: list[tuple[dict[str, Any], str]]) -> None:
+    """Each case's copy of `src` (rewrite's keyword arguments, with the vocabulary's size set
+    as a key: rewrite drops the tokenizer) refused at load with an UnsupportedModelError whose
+    message contains the case's text."""
+    for i, (kw, msg) in enumerate(cases):
+        kw = dict(kw)
+        keys = {f"{arch}.vocab_size": n_vocab, **kw.pop("set_keys", {})}
+        bad = rewrite(src, tmp_path / f"bad{i}.gguf", arch=arch, set_keys=keys, **kw)
+        with pytest.raises(UnsupportedModelError, match=re.escape(msg)):
+            load_model(bad, "f32")
 
 
 def rewrite(src: str, dst: Path, drop_keys: tuple[str, ...] = (),

@@ -28,7 +28,7 @@ from tests.conftest import model_pool
 from tests.model.kernel_variants import VARIANTS, config_for
 from tests.model.test_lfm2 import (TOKENS, check_against_hf,
                                    check_bits_do_not_depend_on_chunking_or_batch,
-                                   rewrite)
+                                   check_refusals, rewrite)
 from tests.model.test_lfm2 import logits_in_chunks as lfm2_chunks
 from tests.moe_hf import (random_moe, tiny_lfm2moe_config, tiny_qwen3moe_config,
                           write_lfm2moe_from_hf, write_qwen3moe_from_hf)
@@ -252,12 +252,7 @@ def test_refusals_name_the_key_or_tensor(tmp_path: Path, tiny_bf16: str):
         (dict(tensors={"blk.0.ffn_down_exps.weight": np.zeros((8, 32, 64), np.float32)}),
          "'blk.0.ffn_down_exps.weight' has shape [8, 32, 64]"),
     ]
-    for i, (kw, msg) in enumerate(cases):
-        keys = {"qwen3moe.vocab_size": N_VOCAB, **kw.pop("set_keys", {})}
-        bad = rewrite(tiny_bf16, tmp_path / f"bad{i}.gguf", arch="qwen3moe", set_keys=keys,
-                      **kw)
-        with pytest.raises(UnsupportedModelError, match=msg.replace("[", r"\[")):
-            load_model(bad, "f32")
+    check_refusals(tiny_bf16, tmp_path, "qwen3moe", N_VOCAB, cases)
 
 
 def test_lfm2moe_refusals_name_the_key_or_tensor(tmp_path: Path, tiny_lfm2moe: str):
@@ -272,12 +267,7 @@ def test_lfm2moe_refusals_name_the_key_or_tensor(tmp_path: Path, tiny_lfm2moe: s
          "'blk.2.exp_probs_b.bias' has shape [7]"),
         (dict(set_keys={"lfm2moe.leading_dense_block_count": 0}), "'blk.0.ffn_gate_inp.weight'"),
     ]
-    for i, (kw, msg) in enumerate(cases):
-        keys = {"lfm2moe.vocab_size": n_vocab, **kw.pop("set_keys", {})}
-        bad = rewrite(tiny_lfm2moe, tmp_path / f"bad{i}.gguf", arch="lfm2moe", set_keys=keys,
-                      **kw)
-        with pytest.raises(UnsupportedModelError, match=msg.replace("[", r"\[")):
-            load_model(bad, "f32")
+    check_refusals(tiny_lfm2moe, tmp_path, "lfm2moe", n_vocab, cases)
 
 
 @pytest.mark.parametrize("family", ["qwen3moe", "lfm2moe"])

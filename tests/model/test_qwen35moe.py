@@ -17,12 +17,13 @@ import pytest
 import torch
 import transformers
 
-from radixserve.model.hparams import MoeDims, UnsupportedModelError
+from radixserve.model.hparams import MoeDims
 from radixserve.model.loader import Model, load_model
 from radixserve.model.moe import MoEFFN
 from tests.model.kernel_variants import VARIANTS, config_for
 from tests.model.test_lfm2 import (TOKENS, check_against_hf,
-                                   check_bits_do_not_depend_on_chunking_or_batch, rewrite)
+                                   check_bits_do_not_depend_on_chunking_or_batch,
+                                   check_refusals, rewrite)
 from tests.model.test_qwen35 import logits_in_chunks
 from radixserve.bench.synth_model import default_tokenizer_fields
 from tests.hf_random import randomize
@@ -142,12 +143,7 @@ def test_refusals_name_the_key_or_tensor(tmp_path: Path, tiny_q8: str):
          "'blk.2.ffn_down_shexp.weight' has shape [64, 40]"),
         (dict(drop_keys=("qwen35moe.ssm.conv_kernel",)), "qwen35moe.ssm.conv_kernel"),
     ]
-    for i, (kw, msg) in enumerate(cases):
-        keys = {"qwen35moe.vocab_size": N_VOCAB_DEFAULT, **kw.pop("set_keys", {})}
-        bad = rewrite(tiny_q8, tmp_path / f"bad{i}.gguf", arch="qwen35moe", set_keys=keys,
-                      **kw)
-        with pytest.raises(UnsupportedModelError, match=msg.replace("[", r"\[")):
-            load_model(bad, "f32")
+    check_refusals(tiny_q8, tmp_path, "qwen35moe", N_VOCAB_DEFAULT, cases)
 
 
 def test_a_shared_gate_of_one_dimension_is_the_same_row(tmp_path: Path, tiny_q8: str):

@@ -89,6 +89,9 @@ class Family:
     qk_norm = False  # per-head RMS norms of q and k before RoPE are required
     act = "silu"
     output_norm = "output_norm.weight"
+    # the FFN's pre-norm (Qwen 3.5's and gpt-oss's is HF's post_attention_layernorm, which
+    # gguf-py names post_attention_norm for them)
+    ffn_norm = "ffn_norm.weight"
     # every layer's FFN is dense and `feed_forward_length` wide (False: the experts' keys
     # give every width, and a file may omit it, as Qwen3.5 MoE's converter does)
     dense_ffn = True
@@ -179,7 +182,7 @@ class Family:
     def block(self, ld: TensorLoader, hp: HParams, i: int) -> Block:
         p = f"blk.{i}."
         mixer = self.mixer(ld, hp, i)  # first: its checks name a malformed file's tensor
-        return Block(ld.norm(p + "attn_norm.weight"), mixer, ld.norm(p + "ffn_norm.weight"),
+        return Block(ld.norm(p + "attn_norm.weight"), mixer, ld.norm(p + self.ffn_norm),
                      self.ffn(ld, hp, p))
 
     def mixer(self, ld: TensorLoader, hp: HParams, i: int) -> Mixer:

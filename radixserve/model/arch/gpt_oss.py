@@ -17,7 +17,7 @@ from typing import Any
 
 from radixserve.model.arch.base import Family, Get, swa_pattern
 from radixserve.model.hparams import HParams
-from radixserve.model.layers import FFN, Attention, Block
+from radixserve.model.layers import FFN, Attention
 from radixserve.model.tensors import TensorLoader
 
 SWA_PATTERN = 2
@@ -25,6 +25,7 @@ SWA_PATTERN = 2
 
 class GptOss(Family):
     archs = ("gpt-oss",)
+    ffn_norm = "post_attention_norm.weight"
 
     def extra(self, get: Get, n_layer: int, n_embd: int, n_head: int,
               head_dim: int) -> dict[str, Any]:
@@ -36,12 +37,6 @@ class GptOss(Family):
             moe=self.moe_dims(get, "gpt-oss", gating="softmax_weight", norm_w=False,
                               width_required=True),
         )
-
-    def block(self, ld: TensorLoader, hp: HParams, i: int) -> Block:
-        p = f"blk.{i}."
-        mixer = self.attention(ld, hp, i)
-        return Block(ld.norm(p + "attn_norm.weight"), mixer,
-                     ld.norm(p + "post_attention_norm.weight"), self.ffn(ld, hp, p))
 
     def attention(self, ld: TensorLoader, hp: HParams, i: int) -> Attention:
         p = f"blk.{i}."

@@ -25,7 +25,7 @@ import numpy as np
 
 from radixserve.model.arch.base import Family, Get
 from radixserve.model.hparams import HParams, SsmDims, UnsupportedModelError
-from radixserve.model.layers import FFN, Block, DeltaNetMixer, GatedAttention, Mixer
+from radixserve.model.layers import FFN, DeltaNetMixer, GatedAttention, Mixer
 from radixserve.model.rope import rotary_order
 from radixserve.model.tensors import TensorLoader
 
@@ -33,6 +33,7 @@ from radixserve.model.tensors import TensorLoader
 class Qwen35(Family):
     archs = ("qwen35",)
     qk_norm = True
+    ffn_norm = "post_attention_norm.weight"
 
     def n_layer(self, get: Get) -> int:
         n_all = int(get("block_count"))
@@ -69,12 +70,6 @@ class Qwen35(Family):
             rec = tuple((i + 1) % every != 0 for i in range(n_layer))
         return dict(rec_layers=rec, n_rot=n_rot,
                     ssm=ssm)
-
-    def block(self, ld: TensorLoader, hp: HParams, i: int) -> Block:
-        p = f"blk.{i}."
-        mixer = self.mixer(ld, hp, i)
-        return Block(ld.norm(p + "attn_norm.weight"), mixer,
-                     ld.norm(p + "post_attention_norm.weight"), self.ffn(ld, hp, p))
 
     def mixer(self, ld: TensorLoader, hp: HParams, i: int) -> Mixer:
         return self.delta_net(ld, hp, i) if hp.rec_layers[i] else self.gated_attention(ld, hp, i)
