@@ -149,14 +149,15 @@ class MoEFFN:
     shared: SharedExpert | None = None
 
     def __call__(self, run: Run, h: torch.Tensor) -> torch.Tensor:
-        out = self._routed(run, h)
+        x32 = h.float().contiguous()  # the router's rows, and the shared gate's
+        out = self._routed(run, h, x32)
         if self.shared is not None:  # its gated output added in f32, as the routed sum
-            out.add_(self.shared(run, h, self.kern))
+            out.add_(self.shared(run, h, x32, self.kern))
         return out.to(h.dtype)
 
-    def _routed(self, run: Run, h: torch.Tensor) -> torch.Tensor:
-        """The chosen experts' weighted sum, f32 [T, n_embd]."""
-        idx, w = route(self.router(h), self.dims, self.select_bias)
+    def _routed(self, run: Run, h: torch.Tensor, x32: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' weighted sum, f32 [T, n_embd]; x32: h in f32."""
+        idx, w = route(self.router(x32), self.dims, self.select_bias)
         n_tok, k = idx.shape
         if n_tok == 1:  # a decode step's token: its experts in rank order, nothing to group
             out = None
@@ -222,9 +223,9 @@ class SharedExpert:
     gate_up: Linear  # [2 n_ff_shared, n_embd]
     down: Linear  # [n_embd, n_ff_shared]
 
-    def __call__(self, run: Run, h: torch.Tensor, kern: Kernels | None) -> torch.Tensor:
-        """f32 [T, n_embd]."""
-        x = h.float().contiguous()
-        logit = kern.head_dots(self.gate, x) if kern is not None else F.linear(x, self.gate)
+    def __call__(self, run: Run, h: torch.Tensor, x32: torch.Tensor, kern: Kernels | None
+                 ) -> torch.Tensor:
+        """f32 [T, n_embd] for the rows h (x32: the same rows in f32, contiguous)."""
+        logit = kern.head_dots(self.gate, x32) if kern is not None else F.linear(x32, self.gate)
         y = self.down(silu_mul(kern, self.gate_up(h, run.inv)), run.inv)
         return y.float() * exact_sigmoid(logit)
