@@ -87,6 +87,7 @@ class ServerConfig:
     tags: list[str] = field(default_factory=list)
     dtype: str = "auto"
     weights: str = "auto"  # auto: native unless f32 compute; native: 4-bit blocks run packed
+    load_mode: str = "auto"  # -lm: whether expert tensors are mapped (kernel_routes.maps_experts)
     deterministic: str = "auto"  # auto: on wherever the compute path supports it (bf16 kernels)
     device: str = "auto"  # -dev: auto (CUDA when torch sees one), cpu, cuda:N
     gpu_layers: str = "auto"  # -ngl: 0 keeps the model on the CPU; auto/all: on --device

@@ -13,6 +13,7 @@ from typing import Any
 from radixserve.memory.tiers.disk_block import load_key
 from radixserve.config import POOLINGS, SPEC_TYPES
 from radixserve.model.device import list_devices, parse_device, parse_gpu_layers
+from radixserve.model.kernel_routes import LOAD_MODES
 from radixserve.memory.pool.kv_types import NOT_BUILT, TYPES
 from radixserve.flags.spec import (
     ACTION,
@@ -454,9 +455,12 @@ SERVE_FLAGS: list[Flag] = [
          "a sequence's reads", check(F), env="LLAMA_ARG_DEFRAG_THOLD"),
     flag("--rpc SERVERS", NO, "RPC backends (model split over machines) are not implemented",
          env="LLAMA_ARG_RPC"),
-    flag("-lm, --load-mode MODE", NA, "the GGUF is read once into PyTorch tensors",
-         check(_choice("auto", "none", "mmap", "mlock", "mmap+mlock", "dio")),
-         env="LLAMA_ARG_LOAD_MODE"),
+    flag("-lm, --load-mode MODE", H, "what a mixture-of-experts model's Q8_0 and MXFP4 "
+         "expert tensors are read from: mmap, the mapped file's pages (not copied); none, a "
+         "copy packed in our tiles; auto: mmap where the kernels gather the file's rows in "
+         "vector registers (x86 AVX2 and up), else none; dio as none; mlock and mmap+mlock as "
+         "none and mmap, no page locked (said at start-up); every other tensor is packed "
+         "either way", set_("load_mode", _choice(*LOAD_MODES)), env="LLAMA_ARG_LOAD_MODE"),
     flag("-lzm, --lazy-mode MODE", NA, "every tensor is kept resident",
          check(_choice("on", "off", "auto")), env="LLAMA_ARG_LAZY_MODE"),
     flag("--numa TYPE", NA, PLACEMENT, check(_choice("distribute", "isolate", "numactl")),

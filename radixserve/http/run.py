@@ -27,7 +27,7 @@ def load(cfg: ServerConfig) -> Model:
     """The model, with --chat-template(-file) replacing the GGUF's template."""
     model = load_model(cfg.model, cfg.dtype, device=cfg.device, weights=cfg.weights,
                        deterministic=cfg.deterministic, gpu_layers=cfg.gpu_layers,
-                       kernels=cfg.kernels)
+                       kernels=cfg.kernels, load_mode=cfg.load_mode)
     if cfg.chat_template is not None:
         t = model.chat_template
         model.chat_template = ChatTemplate(cfg.chat_template, t.bos_token, t.eos_token)

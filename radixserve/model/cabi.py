@@ -58,6 +58,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "f32_head_dots": (I32, [P, I64, I64, P, I64, P, I64, P]),
     # i8act.c
     "i8a_matmul": (I32, [I32, P, P, I64, I64, I64, P]),
+    "i8a_matmul_rows": (I32, [I32, I64, I64, P, P, P, I64, I64, I64, P]),
     # bf16_gemm.c
     "bf16_gemm_available": (I32, []),
     "bf16_matmul": (I32, [P, P, I64, I64, I64, P]),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -53,6 +54,30 @@ class TileMatrix(_KernelMatrix):
     def __init__(self, kern: Kernels, tiles: torch.Tensor, n: int, k: int, fmt: int) -> None:
         self.tiles, self.n, self.k, self.fmt = tiles, n, k, fmt
         self._ptr, self._mm = tiles.data_ptr(), functools.partial(kern._tiles, fmt)
+
+
+# csrc/i8act.c's file formats (its F_FQ8: Q8_0 rows, F_FMX: MXFP4 rows) -> bytes per group
+FILE_BLOCK_BYTES = {5: 34, 6: 17}
+
+
+class FileRowsMatrix(_KernelMatrix):
+    """A matrix whose rows are a GGUF file's own Q8_0 or MXFP4 blocks where they lie (views of
+    the mapped file: nothing copied), one or two row blocks (a fused gate and up, two tensors of
+    the file): products as the 8-bit and MXFP4 tiles compute them, bit for bit."""
+
+    _name, _oom = "tile", "the activation codes"
+
+    def __init__(self, kern: Kernels, parts: list[np.ndarray], fmt: int, k: int) -> None:
+        self.parts, self.fmt, self.k = parts, fmt, k  # the views keep the mapping alive
+        self.n = sum(p.shape[0] for p in parts)
+        n0, rb = parts[0].shape
+        second = parts[1].ctypes.data if len(parts) > 1 else None
+        self._ptr = parts[0].ctypes.data
+        self._mm = functools.partial(kern._file_rows, fmt, n0, rb, second)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
 
 
 BF16_PANEL = 32  # output rows per panel of bf16_gemm.c's layout

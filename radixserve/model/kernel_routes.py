@@ -48,6 +48,9 @@ ROUTES = {r.name: r for r in (
     Route("mxfp4-tiles", "i8act.c 4-bit tiles through MXFP4's table, 8-bit activations",
           "i8act.c 4-bit tiles through MXFP4's table, 8-bit activations",
           "MXFP4's 4-bit codes in 16-row tiles, an f32 scale a group"),
+    Route("file-rows", "i8act.c tiles gathered from the file's rows, 8-bit activations",
+          "i8act.c tiles gathered from the file's rows, 8-bit activations",
+          "the file's own Q8_0 / MXFP4 blocks, mapped (expert tensors: not copied)"),
     Route("i8-tiles", "i8act.c 8-bit tiles, 8-bit activations",
           "i8act.c 8-bit tiles, 8-bit activations",
           "int8 codes in 16-row tiles, f32 scales (and offsets) a group"),
@@ -125,6 +128,26 @@ def route_for(build: str, qtype: Q, n_rows: int, packed: bool = True, n_cols: in
     return name
 
 
+# the types whose file rows the tiles' kernels gather (csrc/i8act.c's F_FQ8, F_FMX)
+FILE_ROW_TYPES = {Q.Q8_0: 5, Q.MXFP4: 6}
+# the builds that gather them in vector registers (the others' plain C gather runs ~10x slower
+# than their tiles: they map expert tensors only when asked to, --load-mode mmap)
+FAST_GATHER = ("avx512bf16", "avx512", "avxvnni", "avx2")
+LOAD_MODES = ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio")
+
+
+def maps_experts(load_mode: str, build: str) -> bool:
+    """Whether a load in `load_mode` (--load-mode) under `build` maps expert tensors of
+    FILE_ROW_TYPES (the file-rows route) instead of copying them into tiles: auto where the
+    build gathers them in registers (as fast as its tiles, measured), mmap on every build of
+    our kernels, none and dio never (mlock modes as their mmap half)."""
+    if build == "none":
+        return False
+    if load_mode in ("mmap", "mmap+mlock"):
+        return True
+    return load_mode == "auto" and build in FAST_GATHER
+
+
 def table_text(build: str | None = None) -> str:
     """The table as text, one build's rows (all builds when None)."""
     lines = [f"{'build':<11} {'GGUF types':<34} {'route':<12} few rows | many rows"]
@@ -141,4 +164,12 @@ def table_text(build: str | None = None) -> str:
     lines.append(f"  qmm-* -> the build's 'other' route where a row's weights are not a multiple "
                  f"of {QMM_GROUP} (a float type's)")
     lines.append("  q4-tiles -> torch-int4 where a scale or offset exceeds f16's range")
+    if build is None:
+        where = f"auto on {', '.join(FAST_GATHER)}, mmap on every build of ours"
+    else:
+        where = {True: "auto, mmap", False: "mmap"}[build in FAST_GATHER]
+    if build != "none":
+        lines.append(f"  expert tensors of {' '.join(t.name for t in FILE_ROW_TYPES)}: "
+                     f"file-rows where --load-mode maps them ({where}), rows a multiple of "
+                     f"{TILE_ROWS}")
     return "\n".join(lines)

@@ -17,13 +17,21 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from radixserve.memory.pool.kv_types import TYPES, KVType
 from radixserve.model import kernel_build
 from radixserve.model.cabi import bind
 from radixserve.model.kernel_build import _PREFIX, VARIANTS, KernelsError
-from radixserve.model.kernel_matrix import BF16_PANEL, TILE_BLOCK_BYTES, Bf16Matrix, TileMatrix
+from radixserve.model.kernel_matrix import (
+    BF16_PANEL,
+    FILE_BLOCK_BYTES,
+    TILE_BLOCK_BYTES,
+    Bf16Matrix,
+    FileRowsMatrix,
+    TileMatrix,
+)
 
 ATTN_BLOCK = 256  # positions a block of decode_attn.c's attention (its BLOCK)
 
@@ -134,6 +142,7 @@ class Kernels:
         self._swiglu_oai = c.swiglu_oai_bf16
         self._int8_head, self._dots = c.int8_head, c.f32_head_dots
         self._tiles = c.i8a_matmul  # the 4- and 8-bit tiles' products, 8-bit activations
+        self._file_rows = c.i8a_matmul_rows  # the same from a file's Q8_0 / MXFP4 rows
         self._bf16_mm = c.bf16_matmul
         self._short_conv = c.short_conv_bf16
         self._gdn = c.gdn_step_bf16
@@ -410,6 +419,19 @@ class Kernels:
                 and n % 16 == 0 and k % 32 == 0 and tiles.shape == (n // 16, k // 32, size)):
             raise ValueError(f"tile kernels need uint8 tiles [n / 16, k / 32, {size}]")
         return TileMatrix(self, tiles, n, k, fmt)
+
+    def file_rows(self, parts: list[np.ndarray], fmt: int, k: int) -> FileRowsMatrix:
+        """The matrix W [n, k] whose rows are `parts` (uint8 [rows, k / 32 * block] each, one
+        or two: a fused gate and up), in csrc/i8act.c's file format `fmt` (FILE_BLOCK_BYTES:
+        the file's Q8_0 or MXFP4 blocks, used where they lie: a mapped file's pages stay
+        mapped), checked once here."""
+        size = FILE_BLOCK_BYTES.get(fmt)
+        rb = k // 32 * size if size is not None and k % 32 == 0 else -1
+        if not (0 < len(parts) <= 2 and all(
+                p.dtype == np.uint8 and p.ndim == 2 and p.shape[1] == rb and p.shape[0] % 16 == 0
+                and p.shape[0] > 0 and p.flags.c_contiguous for p in parts)):
+            raise ValueError(f"file-row kernels need one or two uint8 [16 m, {rb}] row blocks")
+        return FileRowsMatrix(self, parts, fmt, k)
 
     def bf16(self, panels: torch.Tensor, n: int, k: int) -> Bf16Matrix:
         """The bf16 matrix W [n, k] held in bf16_gemm.c's panels (bf16 [ceil(n / 32),

@@ -159,11 +159,13 @@ def resolve_weights(name: str, dtype: torch.dtype,
 
 def load_model(path: str | None = "default", dtype: str = "auto", device: str = "cpu",
                weights: str = "auto", deterministic: str = "auto",
-               gpu_layers: str = "auto", kernels: KernelConfig | None = None) -> Model:
+               gpu_layers: str = "auto", kernels: KernelConfig | None = None,
+               load_mode: str = "auto") -> Model:
     """`device` and `gpu_layers` as --device and -ngl take them (model/device.py): a model
     off the CPU is built without our kernels (torch's ops, as RADIXSERVE_KERNELS=0 runs it on
     the CPU), dense, then moved there whole. `kernels`: the kernels settled at start-up
-    (cli.py); None settles them from the environment now, for library callers and tests."""
+    (cli.py); None settles them from the environment now, for library callers and tests.
+    `load_mode`: --load-mode (kernel_routes.maps_experts: expert tensors mapped or copied)."""
     t0 = time.perf_counter()
     path = resolve_model_path(path)
     reader = read_gguf(path)  # its structure checked (naming a malformed tensor) first
@@ -180,7 +182,11 @@ def load_model(path: str | None = "default", dtype: str = "auto", device: str = 
         kern = (kernels if kernels is not None else KernelConfig.from_env()).load()
     dt = resolve_dtype(dtype, dev, kern)
     mode = resolve_weights(weights, dt, dev)
-    w = place(load_weights(reader, hp, dt, packed=mode == "native", kern=kern), dev)
+    if load_mode in ("mlock", "mmap+mlock"):
+        log.warning("--load-mode %s: pages are not locked in memory (as %s)", load_mode,
+                    "mmap" if load_mode == "mmap+mlock" else "none")
+    w = place(load_weights(reader, hp, dt, packed=mode == "native", kern=kern,
+                           load_mode=load_mode), dev)
     tr = Transformer(hp, w, dt, kern=kern, deterministic=deterministic)
     tok = Tokenizer.from_gguf(reader)
     template = ChatTemplate.from_gguf(reader, tok)

@@ -41,7 +41,14 @@ import torch.nn.functional as F
 
 from radixserve.model import qmm
 from radixserve.model.kernel_matrix import BF16_PANEL, Bf16Matrix
-from radixserve.model.kernel_routes import FLOAT_TYPES, I8_TYPES, Q4_TYPES, build_for, route_for
+from radixserve.model.kernel_routes import (
+    FILE_ROW_TYPES,
+    FLOAT_TYPES,
+    I8_TYPES,
+    Q4_TYPES,
+    build_for,
+    route_for,
+)
 from radixserve.model.kernels import Kernels
 
 GROUP = 32
@@ -524,6 +531,28 @@ class I8Linear(QuantLinear):
     @property
     def nbytes(self) -> int:
         return self.mat.tiles.nbytes + (self.bias.nbytes if self.bias is not None else 0)
+
+
+class FileRowsLinear(QuantLinear):
+    """A matrix whose rows stay where the mapped GGUF holds them (an expert's slices of the
+    file's 3-D tensors, one or two: its gate and up), Q8_0 or MXFP4, multiplied as the 8-bit
+    and MXFP4 tiles multiply them (csrc/i8act.c's file formats): the same bits, no copy, the
+    file's bytes a weight (1.0625 and 0.53 against the tiles' 1.125 and 0.625)."""
+
+    def __init__(self, qtype: gguf.GGMLQuantizationType, parts: list[np.ndarray], k: int,
+                 bias: torch.Tensor | None, kern: Kernels) -> None:
+        self.qtype, self.n_in, self.bias = qtype, k, bias
+        self.mat = kern.file_rows(parts, FILE_ROW_TYPES[qtype], k)
+        self.n_out, self.route = self.mat.n, "file-rows"
+
+    def weight(self) -> torch.Tensor:
+        """bf16 W [N, K], gguf-py's dequantization of the rows (what the tiles hold)."""
+        w = np.concatenate([gguf.quants.dequantize(p, self.qtype) for p in self.mat.parts])
+        return torch.from_numpy(w.reshape(self.n_out, self.n_in)).to(torch.bfloat16)
+
+    @property
+    def nbytes(self) -> int:
+        return self.mat.nbytes + (self.bias.nbytes if self.bias is not None else 0)
 
 
 class MxLinear(QuantLinear):

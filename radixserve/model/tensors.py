@@ -20,7 +20,13 @@ import torch
 
 from radixserve.model import qmm
 from radixserve.model.hparams import UnsupportedModelError
-from radixserve.model.kernel_routes import build_for, route_for
+from radixserve.model.kernel_routes import (
+    FILE_ROW_TYPES,
+    TILE_ROWS,
+    build_for,
+    maps_experts,
+    route_for,
+)
 from radixserve.model.kernels import Kernels
 from radixserve.model.quant import (
     I8_FORMATS,
@@ -28,6 +34,7 @@ from radixserve.model.quant import (
     Codes,
     ConcatLinear,
     DenseLinear,
+    FileRowsLinear,
     I8Linear,
     Linear,
     MxLinear,
@@ -62,12 +69,14 @@ class TensorLoader:
     (packed tiles, the file's blocks or dense), each shape checked where a family asks."""
 
     def __init__(self, reader: gguf.GGUFReader, dtype: torch.dtype, packed: bool,
-                 kern: Kernels | None = None) -> None:
+                 kern: Kernels | None = None, load_mode: str = "auto") -> None:
         self.tensors = {t.name: t for t in reader.tensors}
         self.reader = reader
         self.dtype, self.packed = dtype, packed
         self.kern = kern  # our kernels (None: torch's ops), as load_model was given them
         self.build = build_for(kern, dtype)  # the route table's row for this load
+        # expert tensors of the file-row types read where the mapped file holds them
+        self.map_experts = packed and maps_experts(load_mode, self.build)
 
     def tensor(self, name: str, required: bool = True) -> gguf.ReaderTensor | None:
         t = self.tensors.get(name)
@@ -192,6 +201,16 @@ class TensorLoader:
         for n in names:
             self.expect(n, (n_expert, *shape))
         bias = None if biases is None else [self.array(n) for n in biases]
+        qtypes = {self.tensors[n].tensor_type for n in names}
+        if (self.map_experts and len(qtypes) == 1 and next(iter(qtypes)) in FILE_ROW_TYPES
+                and shape[0] % TILE_ROWS == 0):
+            assert self.kern is not None
+            qtype = qtypes.pop()
+            return [FileRowsLinear(
+                qtype, [raw_rows(self.tensors[n])[e * shape[0]:(e + 1) * shape[0]] for n in names],
+                shape[1], None if bias is None else torch.from_numpy(
+                    np.concatenate([b[e] for b in bias])).to(self.dtype), self.kern)
+                for e in range(n_expert)]
         out = []
         for e in range(n_expert):
             views = []

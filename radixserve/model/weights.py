@@ -123,11 +123,13 @@ def place(w: ModelWeights, device: torch.device) -> ModelWeights:
 
 
 def load_weights(reader: gguf.GGUFReader, hp: HParams, dtype: torch.dtype,
-                 packed: bool = False, kern: Kernels | None = None) -> ModelWeights:
+                 packed: bool = False, kern: Kernels | None = None,
+                 load_mode: str = "auto") -> ModelWeights:
     """The GGUF's weights: the layer stack its family builds (model/arch/), the embedding, the
-    final norm and the output head."""
+    final norm and the output head; `load_mode` (--load-mode): whether expert tensors are
+    mapped (kernel_routes.maps_experts)."""
     fam = family_of(hp.arch)
-    ld = TensorLoader(reader, dtype, packed, kern)
+    ld = TensorLoader(reader, dtype, packed, kern, load_mode)
     layers = fam.layers(ld, hp)
     out = ld.tensor("output.weight", required=False)
     tok_embd: torch.Tensor | qmm.QuantMatrix | None = None

@@ -61,6 +61,8 @@ void short_conv_bf16(const uint16_t *bcx, int64_t T, int e, int L, uint16_t *ck,
                      uint16_t *out);
 int i8a_matmul(int f, const uint8_t *w, const uint16_t *x, int64_t rows, int64_t n, int64_t k,
                uint16_t *y);
+int i8a_matmul_rows(int f, int64_t n0, int64_t rb, const uint8_t *w1, const uint8_t *w0,
+                    const uint16_t *x, int64_t rows, int64_t n, int64_t k, uint16_t *y);
 int bf16_gemm_available(void);
 int int8_head_available(void);
 
@@ -305,8 +307,8 @@ static void rowwise(void) {
     free(x), free(w), free(wn), free(y), free(out), free(gu);
 }
 /* The tiles with 8-bit activations, each format (i8act.c: 0 4-bit, f16 scales and offsets;
- * 1-3 8-bit, f32 scales, offsets in 3; 4 MXFP4's 4-bit codes, f32 scales): random code bytes,
- * valid scales, 3 tiles of 7 groups. */
+ * 1-3 8-bit, f32 scales, offsets in 3; 4 MXFP4's 4-bit codes, f32 scales; 5 and 6 the file's
+ * Q8_0 and MXFP4 rows): random code bytes, valid scales, 3 tiles of 7 groups. */
 static void tiles(void) {
     const int64_t n = 48, k = 224, rows[] = {1, 3, 5, 9, 130}, blocks = n / 16 * (k / 32);
     const int64_t size[] = {320, 576, 640, 640, 320};
@@ -328,6 +330,27 @@ static void tiles(void) {
             uint16_t *y = alloc(sizeof(uint16_t) * (size_t)(rows[ri] * n));
             snprintf(name, sizeof name, "i8a_matmul f%d rows%d", f, (int)rows[ri]);
             emit_rc(name, i8a_matmul(f, w, x, rows[ri], n, k, y));
+            emit(name, y, sizeof(uint16_t) * (size_t)(rows[ri] * n));
+            free(x), free(y);
+        }
+        free(w);
+    }
+    /* the file's own rows (5: Q8_0, an f16 scale and 32 codes; 6: MXFP4, an E8M0 byte near
+     * 2^0 and 16 code bytes), rows 0-15 from one block and 16-47 from another */
+    for (int f = 5; f < 7; f++) {
+        const int64_t bb = f == 5 ? 34 : 17, rb = k / 32 * bb;
+        uint8_t *w = alloc((size_t)(n * rb));
+        for (int64_t b = 0; b < n * (k / 32); b++) {
+            uint8_t *p = w + b * bb;
+            for (int64_t i = 0; i < bb; i++) p[i] = (uint8_t)next();
+            if (f == 5) put16(p, half());
+            else p[0] = (uint8_t)(122 + next() % 8);
+        }
+        for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++) {
+            uint16_t *x = bf16s(rows[ri] * k, 2.f);
+            uint16_t *y = alloc(sizeof(uint16_t) * (size_t)(rows[ri] * n));
+            snprintf(name, sizeof name, "i8a_matmul_rows f%d rows%d", f, (int)rows[ri]);
+            emit_rc(name, i8a_matmul_rows(f, 16, rb, w + 16 * rb, w, x, rows[ri], n, k, y));
             emit(name, y, sizeof(uint16_t) * (size_t)(rows[ri] * n));
             free(x), free(y);
         }

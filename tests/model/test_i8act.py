@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.model import quant
+from radixserve.model import qmm, quant
 from tests.model.kernel_variants import VARIANTS, variant_kernels
 
 F32 = np.float32
@@ -124,6 +124,51 @@ def test_mxfp4_tiles_are_gguf_pys_weights_and_format_1s_products(variant: str) -
         assert torch.equal(parts, y), size
     with pytest.raises(ValueError, match="MXFP4 rows of 160 weights"):
         quant.mxfp4_nibbles(raw[:, :-1], k)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_files_own_rows_give_the_tiles_products(variant: str) -> None:
+    """A Q8_0 or MXFP4 matrix read from the file's own rows (i8a_matmul_rows: views, as a
+    mapped file's expert tensors are held) gives the products of the same rows packed into the
+    8-bit and F_MX tiles bit for bit, in one row block and as two (a fused gate and up: rows from
+    two tensors), at every row count; f16 scales that are subnormal, zero and negative, E8M0
+    scales of 0, 1 and 255 (ggml's subnormal halves and the largest); and the shapes refused."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    kern = variant_kernels(variant)
+    rng = np.random.default_rng(5)
+    n, k = 48, 32 * 7
+    x = (torch.randn(70, k, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16)
+    for qtype, fmt in ((Q.Q8_0, 5), (Q.MXFP4, 6)):
+        w = (rng.standard_normal((n, k)) * 10.0 ** rng.uniform(-4, 4, (n, 1))).astype(F32)
+        raw = gguf.quants.quantize(w, qtype)
+        if qtype == Q.Q8_0:
+            blocks = raw.reshape(n, k // 32, 34)
+            for (r, g), h in zip([(0, 0), (1, 2), (2, 3)], [2.0**-20, 0.0, -2.0**-24]):
+                blocks[r, g, :2] = np.frombuffer(np.float16(h).tobytes(), np.uint8)
+            c, d, m = qmm.codes(kern.lib, int(qtype), raw, k)
+            packed = kern.tiles(quant.pack_i8(c, d, m, 1), 1, n, k)
+        else:
+            raw.reshape(n, k // 32, 17)[[0, 1, 2], [0, 1, 2], 0] = [0, 1, 255]
+            packed = kern.tiles(quant.pack_mx(*quant.mxfp4_nibbles(raw, k)), quant.F_MX, n, k)
+        want = packed.matmul(x)
+        assert want.isfinite().float().mean() > 0.9
+        one = kern.file_rows([raw], fmt, k)
+        two = kern.file_rows([raw[:16], raw[16:]], fmt, k)
+        assert one.n == two.n == n and one.nbytes == raw.nbytes
+        for size in (1, 2, 5, 70):
+            for mat in (one, two):
+                got = torch.cat([mat.matmul(x[i:i + size].contiguous())
+                                 for i in range(0, 70, size)])
+                # the bits: E8M0 255's weights overflow to infinities, and their sums to NaN
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (qtype, size)
+        with pytest.raises(ValueError, match="row blocks"):
+            kern.file_rows([raw[:8]], fmt, k)
+        with pytest.raises(ValueError, match="row blocks"):
+            kern.file_rows([raw[:, :-1]], fmt, k)
+        with pytest.raises(ValueError, match="row blocks"):
+            kern.file_rows([raw, raw, raw], fmt, k)
 
 
 def test_codes_outside_a_formats_range_are_refused() -> None:

@@ -3,14 +3,16 @@ equals HF transformers' Qwen3MoeForCausalLM and Lfm2MoeForCausalLM on the same w
 and Q8_0 experts; LFM2-MoE with its dense first layer, sigmoid gating and selection bias); the
 routing (softmax, top-k, renormalized weights, ties) equals HF's router; only the chosen experts
 run; a token's bits do not depend on chunking or on the tokens beside it, which route to
-overlapping experts, on every kernel variant; a file whose metadata and tensors disagree is
-refused naming the key or tensor.
+overlapping experts, on every kernel variant; expert tensors mapped from the file give the bits
+of the same experts copied into tiles; a file whose metadata and tensors disagree is refused
+naming the key or tensor.
 
 The GGUFs are written from random HF models the way llama.cpp's converter writes them
 (tests/moe_hf.py)."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import gguf
@@ -30,8 +32,9 @@ from tests.model.test_lfm2 import (TOKENS, check_against_hf,
                                    check_bits_do_not_depend_on_chunking_or_batch,
                                    check_refusals, rewrite)
 from tests.model.test_lfm2 import logits_in_chunks as lfm2_chunks
-from tests.moe_hf import (random_moe, tiny_lfm2moe_config, tiny_qwen3moe_config,
-                          write_lfm2moe_from_hf, write_qwen3moe_from_hf)
+from tests.moe_hf import (random_moe, tiny_gptoss_config, tiny_lfm2moe_config,
+                          tiny_qwen3moe_config, write_gptoss_from_hf, write_lfm2moe_from_hf,
+                          write_qwen3moe_from_hf)
 
 N = len(TOKENS)
 N_VOCAB = tiny_qwen3moe_config().vocab_size
@@ -220,6 +223,54 @@ def test_bits_do_not_depend_on_chunking_or_batch(tiny_bf16: str, tiny_lfm2moe: s
     m = load_model(path, "bf16", kernels=config_for(variant), deterministic="on")
     assert m.deterministic
     check_bits_do_not_depend_on_chunking_or_batch(m, chunks_of)
+
+
+def _backing(a: object) -> object:
+    """What an array's memory belongs to, past its views (a mapped file: an mmap)."""
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return a
+
+
+@pytest.fixture(scope="module")
+def tiny_gptoss_mxfp4(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny gpt-oss with MXFP4 experts and biases."""
+    d = tmp_path_factory.mktemp("gptoss_map")
+    return write_gptoss_from_hf(str(d / "oss.gguf"), random_moe(tiny_gptoss_config(), seed=5),
+                                "mxfp4")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("family", ["qwen3moe", "gpt-oss"])
+def test_mapped_experts_are_the_files_pages_with_the_tiles_bits(
+        tiny_bf16: str, tiny_gptoss_mxfp4: str, variant: str, family: str):
+    """--load-mode mmap: every expert matrix (Q8_0, MXFP4 with biases) is views of the mapped
+    file, nothing copied, reported as the file-rows route with the file's bytes; a prompt's
+    logits in chunks of 1, 7 and 70 equal bit for bit those of the same model with its experts
+    copied into the tiles (--load-mode none) on every variant; auto maps them where the build
+    gathers in registers (every x86 variant but generic)."""
+    path = tiny_bf16 if family == "qwen3moe" else tiny_gptoss_mxfp4
+    models = {mode: load_model(path, "bf16", kernels=config_for(variant), deterministic="on",
+                               load_mode=mode) for mode in ("mmap", "none", "auto")}
+    ffns = [layer.ffn for layer in models["mmap"].transformer.w.layers]
+    for ffn in ffns:
+        assert isinstance(ffn, MoEFFN)
+        for role in (ffn.gate_up, ffn.down):
+            assert role.route == "file-rows"
+            for e in range(len(role)):
+                parts = role[e].mat.parts
+                assert all(isinstance(_backing(p), mmap.mmap) for p in parts)
+                assert role[e].nbytes == sum(p.nbytes for p in parts) + (
+                    0 if role[e].bias is None else role[e].bias.nbytes)
+    assert (ffns[0].gate_up[0].bias is not None) == (family == "gpt-oss")
+    copied = models["none"].transformer.w.layers[0].ffn
+    assert copied.gate_up.route == ("i8-tiles" if family == "qwen3moe" else "mxfp4-tiles")
+    auto = models["auto"].transformer.w.layers[0].ffn.gate_up.route
+    assert auto == (copied.gate_up.route if variant == "generic" else "file-rows")
+    want = logits_in_chunks(models["none"], TOKENS, [N])
+    for chunks in ([1] * N, [7] * 10, [N]):
+        got = logits_in_chunks(models["mmap"], TOKENS, chunks)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), chunks
 
 
 def test_bf16_follows_f32(tiny_bf16: str):

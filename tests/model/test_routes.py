@@ -66,11 +66,27 @@ def kernels_of(build: str):
 
 
 def test_every_build_and_kind_has_a_route_and_every_route_is_reached():
+    """Every route is the table's, a fallback's, or (file-rows) where --load-mode maps expert
+    tensors (its products: tests/model/test_moe.py, test_i8act.py)."""
     assert set(TABLE) == {(b, k) for b in BUILDS for k in KINDS}
-    reached = set(TABLE.values()) | {to for to, _ in FALLBACK.values()}
+    reached = set(TABLE.values()) | {to for to, _ in FALLBACK.values()} | {"file-rows"}
     assert reached == set(ROUTES), f"routes nothing reaches: {set(ROUTES) - reached}"
     text = kernel_routes.table_text()
     assert all(name in text for name in ROUTES)
+
+
+def test_which_loads_map_expert_tensors():
+    """auto maps on the builds that gather the file's rows in registers, mmap (and mmap+mlock)
+    on every build of our kernels, none / dio / mlock never, and nothing without our kernels."""
+    gather = {"avx512bf16", "avx512", "avxvnni", "avx2"}
+    for build in BUILDS:
+        ours = build != "none"
+        assert kernel_routes.maps_experts("auto", build) == (build in gather)
+        assert kernel_routes.maps_experts("mmap", build) == ours
+        assert kernel_routes.maps_experts("mmap+mlock", build) == ours
+        for mode in ("none", "dio", "mlock"):
+            assert not kernel_routes.maps_experts(mode, build)
+    assert set(kernel_routes.LOAD_MODES) == {"auto", "none", "mmap", "mlock", "mmap+mlock", "dio"}
 
 
 @pytest.mark.parametrize("n_rows", [32, 40], ids=["tiled-rows", "odd-rows"])

@@ -35,6 +35,13 @@
  *        looked up in registers (a byte shuffle) into the codes F_I8 would hold, so its
  *        products are F_I8's of those codes bit for bit, from half the bytes.
  *
+ * The file's own rows (i8a_matmul_rows: a mixture-of-experts model's expert tensors, read where
+ * the mapped GGUF holds them instead of copied into tiles): F_FQ8 (Q8_0: per 32 weights an f16
+ * scale, then 32 int8 codes) and F_FMX (MXFP4: an E8M0 scale byte, then 16 bytes, weight i in
+ * byte i's low nibble and weight 16 + i in its high one). Each (tile, group) is gathered from
+ * its 16 rows into the block F_I8 / F_MX would hold, then runs as that block does: the same
+ * products bit for bit, from the file's 1.0625 / 0.53 bytes a weight.
+ *
  * The arithmetic of one output (row r, column j), the same sequence in every path and at any
  * row or thread count, so a row's bits never depend on what shares its call: per group, in
  * order, the exact integer sums of its halves (operands 0-3 and 4-7), then
@@ -65,10 +72,36 @@
 #include <immintrin.h>
 #endif
 
-enum { F_Q4 = 0, F_I8 = 1, F_I8H = 2, F_I8M = 3, F_MX = 4 };
+enum { F_Q4 = 0, F_I8 = 1, F_I8H = 2, F_I8M = 3, F_MX = 4, F_FQ8 = 5, F_FMX = 6 };
+#define FILE_BLOCK(f) ((f) == F_FQ8 ? 34 : 17) /* a file format's bytes a group */
 #define BLOCK(f) ((f) == F_Q4 || (f) == F_MX ? 320 : (f) == F_I8 ? 576 : 640)
 /* MXFP4's E2M1 values, doubled (ggml's kvalues_mxfp4), by code */
 static const int8_t MX_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+/* f16 -> f32 (exact) by hand: the x86-64 baseline has no conversion instruction, and the
+ * compiler's library call for each was half of a decode step's time; the file formats' Q8_0
+ * scales too, on every build (a scalar a row) */
+static inline float half_f32(uint16_t h) {
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023, u = s;
+    if (e == 31) /* infinity, NaN (made quiet, as the conversion instructions do) */
+        u |= 0x7f800000u | m << 13 | (m ? 0x400000u : 0);
+    else if (e)
+        u |= (e + 112) << 23 | m << 13;
+    else if (m) { /* subnormal: m 2^-24, a normal float */
+        float f = (float)m * 0x1p-24f;
+        memcpy(&u, &f, 4);
+        u |= s;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+/* MXFP4's E8M0 scale halved, 2^(e - 128), as ggml's e8m0_to_fp32_half (e < 2: subnormal) */
+static inline float e8m0_half(uint8_t e) {
+    uint32_t u = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 /* few rows: tiles ahead whose groups are prefetched into L2 (a decode step's matrices are small,
  * and the stream prefetcher is still ramping up when one ends) */
 #define PF_TILES 4
@@ -124,6 +157,15 @@ static inline void unpack_q4(const uint8_t *blk, wv w[8]) {
 static inline void unpack_i8(const int f, const uint8_t *blk, wv w[8]) {
     const __m512i top = _mm512_set1_epi8(f == F_I8M ? 0 : (char)0x80);
     for (int t = 0; t < 8; t++) w[t] = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * t), top);
+}
+/* F_I8's operand from its columns 0-7 and 8-15 (signed codes, in as c + 128), and 16 floats */
+static inline wv i8_operand(__m256i lo, __m256i hi) {
+    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
+                            _mm512_set1_epi8((char)0x80));
+}
+static inline fv fpair(__m256 lo, __m256 hi) {
+    return _mm512_castsi512_ps(_mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_castps_si256(lo)), _mm256_castps_si256(hi), 1));
 }
 /* F_MX: the nibbles looked up as F_I8's codes go in (c + 128) */
 static inline void unpack_mx(const uint8_t *blk, wv w[8]) {
@@ -269,6 +311,21 @@ static inline void unpack_i8(const int f, const uint8_t *blk, wv w[8]) {
 #endif
         }
 }
+/* F_I8's operand from its columns 0-7 and 8-15 (signed codes), as unpack_i8 leaves them */
+static inline wv i8_operand(__m256i lo, __m256i hi) {
+    wv w;
+    __m256i c[2] = {lo, hi};
+    for (int i = 0; i < 2; i++) {
+#if defined(ISA_AVXVNNI)
+        w.v[i] = _mm256_xor_si256(c[i], _mm256_set1_epi8((char)0x80));
+#else
+        w.v[i] = _mm256_abs_epi8(c[i]);
+        w.s[i] = c[i];
+#endif
+    }
+    return w;
+}
+static inline fv fpair(__m256 lo, __m256 hi) { return (fv){{lo, hi}}; }
 /* F_MX: the nibbles looked up as unpack_i8 leaves F_I8's codes */
 static inline void unpack_mx(const uint8_t *blk, wv w[8]) {
     unpack_q4(blk, w);
@@ -406,23 +463,6 @@ static inline fv fload(const void *p) {
     return f;
 }
 static inline void fstore(float *p, fv a) { memcpy(p, &a, sizeof a); }
-/* f16 -> f32 (exact) by hand: the x86-64 baseline has no conversion instruction, and the
- * compiler's library call for each was half of a decode step's time */
-static inline float half_f32(uint16_t h) {
-    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023, u = s;
-    if (e == 31) /* infinity, NaN (made quiet, as the conversion instructions do) */
-        u |= 0x7f800000u | m << 13 | (m ? 0x400000u : 0);
-    else if (e)
-        u |= (e + 112) << 23 | m << 13;
-    else if (m) { /* subnormal: m 2^-24, a normal float */
-        float f = (float)m * 0x1p-24f;
-        memcpy(&u, &f, 4);
-        u |= s;
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 static inline fv fhalves(const uint8_t *p) {
     float f[16];
     for (int j = 0; j < 16; j++) {
@@ -506,6 +546,168 @@ static inline __attribute__((always_inline)) void load_group(const int f, const 
     if (f == F_I8M) g->m = fload(blk + 576);
 }
 
+/* The weights' order in a tile's group (PERM, below) as the weight each position holds */
+static const int PERM[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+/* A (tile, group) of a file format: group g's blocks of the tile's 16 rows (row: its first
+ * row's block g, rb: bytes a row) written as the packed block F_I8 / F_MX holds (quant.py's
+ * pack_i8, pack_mx: operand or chunk c, column j's 4 bytes at 4j), then loaded as that. */
+#if defined(__AVX2__)
+/* Eight 32-bit lanes of 8 registers transposed: r[i] lane t -> r[t] lane i */
+static inline void transpose8(__m256i r[8]) {
+    __m256i a[8], b[8];
+    for (int i = 0; i < 8; i += 2) {
+        a[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        a[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int h = 0; h < 2; h++) {
+            b[i + h] = _mm256_unpacklo_epi64(a[i + h], a[i + 2 + h]);
+            b[i + 2 + h] = _mm256_unpackhi_epi64(a[i + h], a[i + 2 + h]);
+        }
+    /* b[0..3]: rows 0-3, lanes (0 4) (2 6) (1 5) (3 7) in their 128-bit halves; b[4..7]: rows 4-7 */
+    static const int at[4] = {0, 2, 1, 3};
+    for (int q = 0; q < 4; q++) {
+        r[at[q]] = _mm256_permute2x128_si256(b[q], b[4 + q], 0x20);
+        r[at[q] + 4] = _mm256_permute2x128_si256(b[q], b[4 + q], 0x31);
+    }
+}
+
+/* A file group (load_file_group's) straight into the build's registers, 8 rows (lanes) at a
+ * time: Q8_0's 32 codes of each row in the tiles' order (PERM within each 8), transposed by
+ * 32-bit lanes into operand t's columns; MXFP4's 16 bytes of each row in that order (weights i
+ * and 16 + i share a byte, so both halves are in order), 4 rows to a register transposed into
+ * operands 0-3 (their low nibbles) and 4-7 (the high ones), the nibbles looked up into
+ * MX_VALUES, so the products are F_I8's on those codes, as F_MX's are. The scales are
+ * inserted from the rows one by one (a load of bytes just stored would wait for them). */
+static inline __attribute__((always_inline)) void file_group_x86(const int f, const uint8_t *row,
+                                                                 int64_t rb, tgroup *g) {
+    const __m256i perm = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                                          0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    __m256i r[2][8];
+    __m256 d[2];
+    if (f == F_FQ8) {
+        __m128i h[2] = {_mm_setzero_si128(), _mm_setzero_si128()};
+        for (int half = 0; half < 2; half++) {
+            for (int i = 0; i < 8; i++) {
+                const uint8_t *b = row + (8 * half + i) * rb;
+                uint16_t x;
+                memcpy(&x, b, 2);
+                h[half] = _mm_insert_epi16(h[half], x, i);
+                r[half][i] = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(b + 2)),
+                                                 perm);
+            }
+            transpose8(r[half]);
+            d[half] = _mm256_cvtph_ps(h[half]);
+        }
+    } else {
+#if defined(ISA_VNNI512)
+        /* the same in 16 lanes: z[m] rows m, m + 4, m + 8, m + 12; the codes go in as c + 128 */
+        const __m512i perm5 = _mm512_broadcast_i32x4(_mm256_castsi256_si128(perm));
+        const __m512i lut5 = _mm512_xor_si512(
+            _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MX_VALUES)),
+            _mm512_set1_epi8((char)0x80));
+        const __m512i low5 = _mm512_set1_epi8(15);
+        __m128i e5 = _mm_setzero_si128();
+        __m512i z[4];
+        for (int m = 0; m < 4; m++) {
+            const uint8_t *b[4] = {row + m * rb, row + (m + 4) * rb, row + (m + 8) * rb,
+                                   row + (m + 12) * rb};
+            __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(b[0] + 1)));
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b[1] + 1)), 1);
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b[2] + 1)), 2);
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b[3] + 1)), 3);
+            z[m] = _mm512_shuffle_epi8(v, perm5);
+            for (int l = 0; l < 4; l++) e5 = _mm_insert_epi8(e5, b[l][0], m + 4 * l);
+        }
+        __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+        __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+        __m512i x5[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                         _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+        for (int c = 0; c < 4; c++) {
+            g->w[c] = _mm512_shuffle_epi8(lut5, _mm512_and_si512(x5[c], low5));
+            g->w[4 + c] = _mm512_shuffle_epi8(
+                lut5, _mm512_and_si512(_mm512_srli_epi16(x5[c], 4), low5));
+        }
+        __m512i ev = _mm512_cvtepu8_epi32(e5);
+        __m512i sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), ev);
+        __m512i nrm = _mm512_slli_epi32(_mm512_sub_epi32(ev, _mm512_set1_epi32(1)), 23);
+        g->d0 = g->d1 = _mm512_castsi512_ps(
+            _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(ev, _mm512_set1_epi32(2)), nrm, sub));
+        g->m = fzero();
+        return;
+#endif
+        const __m256i lut = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)MX_VALUES));
+        const __m256i low = _mm256_set1_epi8(15);
+        __m128i e = _mm_setzero_si128();
+        for (int half = 0; half < 2; half++) {
+            __m256i z[4]; /* z[m]: rows 8 half + m, then + 4 */
+            for (int m = 0; m < 4; m++) {
+                const uint8_t *b0 = row + (8 * half + m) * rb, *b1 = b0 + 4 * rb;
+                e = _mm_insert_epi8(e, b0[0], 8 * half + m);
+                e = _mm_insert_epi8(e, b1[0], 8 * half + m + 4);
+                z[m] = _mm256_shuffle_epi8(
+                    _mm256_setr_m128i(_mm_loadu_si128((const __m128i *)(b0 + 1)),
+                                      _mm_loadu_si128((const __m128i *)(b1 + 1))), perm);
+            }
+            __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
+            __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
+            __m256i x[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                            _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+            for (int c = 0; c < 4; c++) { /* x[c]: the 8 rows' bytes 4c..4c+3 */
+                r[half][c] = _mm256_shuffle_epi8(lut, _mm256_and_si256(x[c], low));
+                r[half][4 + c] = _mm256_shuffle_epi8(
+                    lut, _mm256_and_si256(_mm256_srli_epi16(x[c], 4), low));
+            }
+        }
+        /* the E8M0 scales halved: e < 2 a subnormal 2^21 << e, else (e - 1) << 23 */
+        for (int q = 0; q < 2; q++) {
+            __m256i ev = _mm256_cvtepu8_epi32(q ? _mm_srli_si128(e, 8) : e);
+            __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), ev);
+            __m256i nrm = _mm256_slli_epi32(_mm256_sub_epi32(ev, _mm256_set1_epi32(1)), 23);
+            __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), ev);
+            d[q] = _mm256_castsi256_ps(_mm256_blendv_epi8(nrm, sub, small));
+        }
+    }
+    for (int t = 0; t < 8; t++) g->w[t] = i8_operand(r[0][t], r[1][t]);
+    g->d0 = g->d1 = fpair(d[0], d[1]);
+    g->m = fzero();
+}
+#endif
+
+static inline __attribute__((always_inline)) void load_file_group(const int f,
+                                                                  const uint8_t *row,
+                                                                  int64_t rb, tgroup *g) {
+#if defined(__AVX2__)
+    file_group_x86(f, row, rb, g);
+#else
+    uint8_t blk[576] __attribute__((aligned(64)));
+    float d[16];
+    for (int j = 0; j < 16; j++) {
+        const uint8_t *b = row + j * rb;
+        if (f == F_FQ8) {
+            uint16_t h;
+            memcpy(&h, b, 2);
+            d[j] = half_f32(h);
+            for (int s = 0; s < 32; s++) /* position s: weight 8 (s / 8) + PERM[s % 8] */
+                blk[64 * (s / 4) + 4 * j + s % 4] = b[2 + 8 * (s / 8) + PERM[s % 8]];
+        } else {
+            d[j] = e8m0_half(b[0]);
+            const uint8_t *q = b + 1; /* chunk c: weights 8c + PERM[i] (low), PERM[4 + i] (high) */
+            for (int c = 0; c < 4; c++)
+                for (int i = 0; i < 4; i++) {
+                    uint8_t lo = q[8 * (c & 1) + PERM[i]], hi = q[8 * (c & 1) + PERM[4 + i]];
+                    blk[64 * c + 4 * j + i] = c < 2 ? (uint8_t)((lo & 15) | (hi & 15) << 4)
+                                                    : (uint8_t)(lo >> 4 | (hi & 0xf0));
+                }
+        }
+    }
+    memcpy(blk + (f == F_FQ8 ? 512 : 256), d, sizeof d);
+    load_group(f == F_FQ8 ? F_I8 : F_MX, blk, g);
+#endif
+}
+
 /* A half group of signed codes (4 operands): the sum, corrected where the build needs it */
 static inline iv dpsfix(const wv *w, const int8_t *a, int32_t h) {
     iv acc = izero();
@@ -547,7 +749,6 @@ static inline __attribute__((always_inline)) fv group_row(const int f, const tgr
 
 /* The activations x [rows, k] as codes (in the tiles' order) and gmeta, group-major: group g
  * of row r at a + 32 (g rows + r) and gm[g rows + r]. */
-static const int PERM[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 
 static void quant_groups(const uint16_t *x, int64_t rows, int64_t ng, int8_t *a, gmeta *gm) {
 #pragma omp for schedule(static)
@@ -589,14 +790,20 @@ static void quant_groups(const uint16_t *x, int64_t rows, int64_t ng, int8_t *a,
  * (tile, group) decoded once, the rows streamed through it, their f32 outputs in o [nr, 16]
  * (L1) across the groups. pf: the same tile PF_TILES ahead, its groups prefetched (few rows). */
 static inline __attribute__((always_inline)) void tile_rows(
-    const int f, const uint8_t *w, int64_t ng, const int8_t *a, const gmeta *gm, int64_t rows,
-    int64_t nr, uint16_t *y, int64_t n, float *o, const uint8_t *pf) {
+    const int f, const uint8_t *w, int64_t rb, int64_t ng, const int8_t *a, const gmeta *gm,
+    int64_t rows, int64_t nr, uint16_t *y, int64_t n, float *o, const uint8_t *pf) {
+    /* bytes a group: its block, or (file formats, w the tile's first row) the 16 rows' blocks,
+     * which lie together in the file in a group's share of the tile's rows */
+    const int gb = f >= F_FQ8 ? 16 * FILE_BLOCK(f) : BLOCK(f);
     memset(o, 0, sizeof(float) * 16 * (size_t)nr);
     for (int64_t g = 0; g < ng; g++) {
         if (pf)
-            for (int c = 0; c < BLOCK(f); c += 64) __builtin_prefetch(pf + g * BLOCK(f) + c, 0, 2);
+            for (int c = 0; c < gb; c += 64) __builtin_prefetch(pf + g * gb + c, 0, 2);
         tgroup tg;
-        load_group(f, w + g * BLOCK(f), &tg);
+        if (f >= F_FQ8)
+            load_file_group(f, w + g * FILE_BLOCK(f), rb, &tg);
+        else
+            load_group(f, w + g * BLOCK(f), &tg);
         for (int64_t r = 0; r < nr; r++)
             fstore(o + 16 * r, group_row(f, &tg, a + 32 * (g * rows + r), gm + g * rows + r,
                                          fload(o + 16 * r)));
@@ -605,7 +812,21 @@ static inline __attribute__((always_inline)) void tile_rows(
         for (int j = 0; j < 16; j++) y[r * n + j] = f32_to_bf16(o[16 * r + j]);
 }
 
-static inline __attribute__((always_inline)) void run(const int f, const uint8_t *w,
+/* Where W's tiles are: packed (w0, tile t at t ng BLOCK), or a file format's rows, rows
+ * [0, n0) from w0 and the rest from w1 (a fused gate and up: two tensors of the file), rb
+ * bytes a row. */
+typedef struct {
+    const uint8_t *w0, *w1;
+    int64_t n0, rb;
+} wsrc;
+
+static inline __attribute__((always_inline)) const uint8_t *tile_at(const int f, const wsrc *s,
+                                                                    int64_t t, int64_t ng) {
+    if (f < F_FQ8) return s->w0 + t * ng * BLOCK(f);
+    return 16 * t < s->n0 ? s->w0 + 16 * t * s->rb : s->w1 + (16 * t - s->n0) * s->rb;
+}
+
+static inline __attribute__((always_inline)) void run(const int f, const wsrc *s,
                                                       const int8_t *a, const gmeta *gm,
                                                       int64_t rows, int64_t n, int64_t k,
                                                       uint16_t *y) {
@@ -618,19 +839,16 @@ static inline __attribute__((always_inline)) void run(const int f, const uint8_t
         /* the same tiles for each thread every block: static schedule, no barrier needed */
 #pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < tiles; t++) {
-            const uint8_t *wt = w + t * ng * BLOCK(f);
-            const uint8_t *pf = nr <= 4 && t + PF_TILES < tiles ? wt + PF_TILES * ng * BLOCK(f)
-                                                                : NULL;
-            tile_rows(f, wt, ng, a + 32 * r0, gm + r0, rows, nr, y + r0 * n + 16 * t, n, o, pf);
+            const uint8_t *pf = (nr <= 4 || f >= F_FQ8) && t + PF_TILES < tiles
+                                    ? tile_at(f, s, t + PF_TILES, ng) : NULL;
+            tile_rows(f, tile_at(f, s, t, ng), s->rb, ng, a + 32 * r0, gm + r0, rows, nr,
+                      y + r0 * n + 16 * t, n, o, pf);
         }
     }
 }
 
-/* y [rows, n] bf16 = x [rows, k] bf16 (contiguous) times W [n, k]^T held in tile format f
- * (the header). Returns 0; 1 for a format or shape the tiles cannot hold, 2 out of memory. */
-int i8a_matmul(int f, const uint8_t *w, const uint16_t *x, int64_t rows, int64_t n, int64_t k,
-               uint16_t *y) {
-    if (f < F_Q4 || f > F_MX || n < 0 || k <= 0 || n % 16 || k % 32 || rows < 0) return 1;
+static int matmul(int f, const wsrc *s, const uint16_t *x, int64_t rows, int64_t n, int64_t k,
+                  uint16_t *y) {
     if (rows == 0 || n == 0) return 0;
     const int64_t ng = k / 32;
     size_t mbytes = (sizeof(gmeta) * (size_t)(rows * ng) + 63) / 64 * 64;
@@ -641,13 +859,36 @@ int i8a_matmul(int f, const uint8_t *w, const uint16_t *x, int64_t rows, int64_t
     {
         quant_groups(x, rows, ng, a, gm); /* its omp for ends in a barrier */
         switch (f) {
-        case F_Q4: run(F_Q4, w, a, gm, rows, n, k, y); break;
-        case F_I8: run(F_I8, w, a, gm, rows, n, k, y); break;
-        case F_I8H: run(F_I8H, w, a, gm, rows, n, k, y); break;
-        case F_MX: run(F_MX, w, a, gm, rows, n, k, y); break;
-        default: run(F_I8M, w, a, gm, rows, n, k, y); break;
+        case F_Q4: run(F_Q4, s, a, gm, rows, n, k, y); break;
+        case F_I8: run(F_I8, s, a, gm, rows, n, k, y); break;
+        case F_I8H: run(F_I8H, s, a, gm, rows, n, k, y); break;
+        case F_MX: run(F_MX, s, a, gm, rows, n, k, y); break;
+        case F_FQ8: run(F_FQ8, s, a, gm, rows, n, k, y); break;
+        case F_FMX: run(F_FMX, s, a, gm, rows, n, k, y); break;
+        default: run(F_I8M, s, a, gm, rows, n, k, y); break;
         }
     }
     free(gm);
     return 0;
+}
+
+/* y [rows, n] bf16 = x [rows, k] bf16 (contiguous) times W [n, k]^T held in tile format f
+ * (the header). Returns 0; 1 for a format or shape the tiles cannot hold, 2 out of memory. */
+int i8a_matmul(int f, const uint8_t *w, const uint16_t *x, int64_t rows, int64_t n, int64_t k,
+               uint16_t *y) {
+    if (f < F_Q4 || f > F_MX || n < 0 || k <= 0 || n % 16 || k % 32 || rows < 0) return 1;
+    const wsrc s = {w, w, n, 0};
+    return matmul(f, &s, x, rows, n, k, y);
+}
+
+/* The same product for W held in a file format f (F_FQ8, F_FMX): rows [0, n0) of W at w0, the
+ * rest at w1 (NULL when n0 = n), each row k / 32 blocks of the format, rb bytes. The argument
+ * order leaves w0 where i8a_matmul has w. Returns as i8a_matmul. */
+int i8a_matmul_rows(int f, int64_t n0, int64_t rb, const uint8_t *w1, const uint8_t *w0,
+                    const uint16_t *x, int64_t rows, int64_t n, int64_t k, uint16_t *y) {
+    if ((f != F_FQ8 && f != F_FMX) || n < 0 || k <= 0 || n % 16 || k % 32 || rows < 0 ||
+        n0 < 0 || n0 > n || n0 % 16 || rb != k / 32 * FILE_BLOCK(f) || !w0 || (n0 < n && !w1))
+        return 1;
+    const wsrc s = {w0, w1, n0, rb};
+    return matmul(f, &s, x, rows, n, k, y);
 }
