@@ -141,6 +141,9 @@ def load_weights(reader: gguf.GGUFReader, hp: HParams, dtype: torch.dtype,
         head = OutputHead(ld.rows("output.weight"), shortlist=packed, kern=kern,
                           logit_scale=hp.logit_scale)
         tok_embd = ld.rows("token_embd.weight", dtype=dtype)
+    # the pages the head and embedding were read from: mapped expert tensors keep the mapping
+    # (and so every page read through it) for the model's life
+    ld.release()
     n_params = sum(int(np.prod(t.shape)) for t in reader.tensors)
     return ModelWeights(tok_embd, ld.norm(fam.output_norm), head, layers,
                         ld.norm("rope_freqs.weight", required=False), n_params, packed, dtype)

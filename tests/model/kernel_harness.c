@@ -336,7 +336,7 @@ static void tiles(void) {
         free(w);
     }
     /* the file's own rows (5: Q8_0, an f16 scale and 32 codes; 6: MXFP4, an E8M0 byte near
-     * 2^0 and 16 code bytes), rows 0-15 from one block and 16-47 from another */
+     * 2^0 and 16 code bytes), rows 0-15 from one buffer and 16-47 from another */
     for (int f = 5; f < 7; f++) {
         const int64_t bb = f == 5 ? 34 : 17, rb = k / 32 * bb;
         uint8_t *w = alloc((size_t)(n * rb));
@@ -346,15 +346,17 @@ static void tiles(void) {
             if (f == 5) put16(p, half());
             else p[0] = (uint8_t)(122 + next() % 8);
         }
+        uint8_t *w1 = alloc((size_t)((n - 16) * rb)); /* rows 16-47 in a buffer of their own */
+        memcpy(w1, w + 16 * rb, (size_t)((n - 16) * rb));
         for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++) {
             uint16_t *x = bf16s(rows[ri] * k, 2.f);
             uint16_t *y = alloc(sizeof(uint16_t) * (size_t)(rows[ri] * n));
             snprintf(name, sizeof name, "i8a_matmul_rows f%d rows%d", f, (int)rows[ri]);
-            emit_rc(name, i8a_matmul_rows(f, 16, rb, w + 16 * rb, w, x, rows[ri], n, k, y));
+            emit_rc(name, i8a_matmul_rows(f, 16, rb, w1, w, x, rows[ri], n, k, y));
             emit(name, y, sizeof(uint16_t) * (size_t)(rows[ri] * n));
             free(x), free(y);
         }
-        free(w);
+        free(w), free(w1);
     }
 }
 

@@ -132,13 +132,15 @@ def test_the_files_own_rows_give_the_tiles_products(variant: str) -> None:
     mapped file's expert tensors are held) gives the products of the same rows packed into the
     8-bit and F_MX tiles bit for bit, in one row block and as two (a fused gate and up: rows from
     two tensors), at every row count; f16 scales that are subnormal, zero and negative, E8M0
-    scales of 0, 1 and 255 (ggml's subnormal halves and the largest); and the shapes refused."""
+    scales of 0, 1 and 255 (ggml's subnormal halves and the largest), Q8_0 codes of -128; the
+    second row block apart from the first (its own buffer), 6 tiles (the prefetch ahead runs);
+    and the shapes refused."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
     kern = variant_kernels(variant)
     rng = np.random.default_rng(5)
-    n, k = 48, 32 * 7
+    n, k = 96, 32 * 7
     x = (torch.randn(70, k, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16)
     for qtype, fmt in ((Q.Q8_0, 5), (Q.MXFP4, 6)):
         w = (rng.standard_normal((n, k)) * 10.0 ** rng.uniform(-4, 4, (n, 1))).astype(F32)
@@ -147,6 +149,7 @@ def test_the_files_own_rows_give_the_tiles_products(variant: str) -> None:
             blocks = raw.reshape(n, k // 32, 34)
             for (r, g), h in zip([(0, 0), (1, 2), (2, 3)], [2.0**-20, 0.0, -2.0**-24]):
                 blocks[r, g, :2] = np.frombuffer(np.float16(h).tobytes(), np.uint8)
+            blocks[5:40:3, 1:6, 2:34:5] = 0x80  # -128: outside what the quantizer writes
             c, d, m = qmm.codes(kern.lib, int(qtype), raw, k)
             packed = kern.tiles(quant.pack_i8(c, d, m, 1), 1, n, k)
         else:
@@ -155,7 +158,7 @@ def test_the_files_own_rows_give_the_tiles_products(variant: str) -> None:
         want = packed.matmul(x)
         assert want.isfinite().float().mean() > 0.9
         one = kern.file_rows([raw], fmt, k)
-        two = kern.file_rows([raw[:16], raw[16:]], fmt, k)
+        two = kern.file_rows([raw[:32], raw[32:].copy()], fmt, k)
         assert one.n == two.n == n and one.nbytes == raw.nbytes
         for size in (1, 2, 5, 70):
             for mat in (one, two):

@@ -792,8 +792,9 @@ static void quant_groups(const uint16_t *x, int64_t rows, int64_t ng, int8_t *a,
 static inline __attribute__((always_inline)) void tile_rows(
     const int f, const uint8_t *w, int64_t rb, int64_t ng, const int8_t *a, const gmeta *gm,
     int64_t rows, int64_t nr, uint16_t *y, int64_t n, float *o, const uint8_t *pf) {
-    /* bytes a group: its block, or (file formats, w the tile's first row) the 16 rows' blocks,
-     * which lie together in the file in a group's share of the tile's rows */
+    /* bytes a group: its block; for the file formats (w the tile's first row) a group's share
+     * of the tile's 16 rows (contiguous in the file), so the prefetch walks the tile ahead
+     * from its start as the groups go */
     const int gb = f >= F_FQ8 ? 16 * FILE_BLOCK(f) : BLOCK(f);
     memset(o, 0, sizeof(float) * 16 * (size_t)nr);
     for (int64_t g = 0; g < ng; g++) {
@@ -831,11 +832,11 @@ static inline __attribute__((always_inline)) void run(const int f, const wsrc *s
                                                       int64_t rows, int64_t n, int64_t k,
                                                       uint16_t *y) {
     const int64_t ng = k / 32, tiles = n / 16;
-    int64_t rb = RB_BYTES / k;
-    rb = rb > RB_MAX ? RB_MAX : (rb < 1 ? 1 : rb);
+    int64_t block = RB_BYTES / k; /* rows a thread keeps hot */
+    block = block > RB_MAX ? RB_MAX : (block < 1 ? 1 : block);
     float o[RB_MAX * 16] __attribute__((aligned(64)));
-    for (int64_t r0 = 0; r0 < rows; r0 += rb) {
-        int64_t nr = rows - r0 < rb ? rows - r0 : rb;
+    for (int64_t r0 = 0; r0 < rows; r0 += block) {
+        int64_t nr = rows - r0 < block ? rows - r0 : block;
         /* the same tiles for each thread every block: static schedule, no barrier needed */
 #pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < tiles; t++) {
