@@ -166,7 +166,8 @@ def print_routes(model_path: str, dtype: str, weights: str,
     print(f"kernel build: {build} (RADIXSERVE_KERNELS; compute {model.dtype}, "
           f"{model.weights} weights{dense})")
     print(table_text(build))
-    print(f"{model.name}:  (held: the bytes the layers' matrices take in memory; file: in the GGUF)")
+    print(f"{model.name}:  (held: the bytes the layers' matrices take in memory, the file-rows "
+          f"route's as the mapped file's pages once read; file: in the GGUF)")
     w = model.transformer.w
     held, file = w.route_bytes(), layer_file_bytes(model_path)
     for name, routes in w.routes().items():

@@ -191,7 +191,10 @@ def load_model(path: str | None = "default", dtype: str = "auto", device: str = 
     tok = Tokenizer.from_gguf(reader)
     template = ChatTemplate.from_gguf(reader, tok)
     load_s = time.perf_counter() - t0
-    log.info("loaded %s (%s, %d layers, %s, %s weights, %.1f MiB, deterministic %s) on %s "
+    mapped = w.mapped_bytes
+    log.info("loaded %s (%s, %d layers, %s, %s weights, %.1f MiB%s, deterministic %s) on %s "
              "in %.2f s", path, hp.arch, hp.n_layer, dt, mode, w.nbytes / 2**20,
+             f" ({mapped / 2**20:.1f} MiB of it expert tensors mapped from the file)"
+             if mapped else "",
              "on" if tr.deterministic else "off", dev, load_s)
     return Model(path, hp, tok, template, tr, dt, dev, load_s, mode)

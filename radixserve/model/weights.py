@@ -20,6 +20,7 @@ from radixserve.model.head import OutputHead
 from radixserve.model.hparams import HParams
 from radixserve.model.kernels import Kernels
 from radixserve.model.layers import Block
+from radixserve.model.moe import ExpertMatrices
 from radixserve.model.quant import ConcatLinear, DenseLinear, Linear
 from radixserve.model.tensors import TensorLoader
 
@@ -68,8 +69,15 @@ class ModelWeights:
         return out
 
     @property
+    def mapped_bytes(self) -> int:
+        """Of nbytes, the file's pages the mapped expert tensors read (the file-rows route):
+        resident once read, shared with the page cache, never a copy."""
+        return sum(p.nbytes for layer in self.layers for m in layer.matrices().values()
+                   if isinstance(m, ExpertMatrices) for p in m.parts if p.route == "file-rows")
+
+    @property
     def nbytes(self) -> int:
-        """Bytes the weights hold in memory."""
+        """Bytes the weights hold in memory (mapped_bytes among them)."""
         lin = sum(m.nbytes for layer in self.layers for m in layer.matrices().values())
         if self.tok_embd is None:
             embd = 0
