@@ -130,17 +130,18 @@ def route_for(build: str, qtype: Q, n_rows: int, packed: bool = True, n_cols: in
 
 # the types whose file rows the tiles' kernels gather (csrc/i8act.c's F_FQ8, F_FMX)
 FILE_ROW_TYPES = {Q.Q8_0: 5, Q.MXFP4: 6}
-# the builds that gather them in vector registers (the others' plain C gather runs ~10x slower
-# than their tiles: they map expert tensors only when asked to, --load-mode mmap)
-FAST_GATHER = ("avx512bf16", "avx512", "avxvnni", "avx2")
+# the builds whose gather keeps a decode step's expert products within ~15% of their tiles'
+# (docs/PERFORMANCE.md); the others map expert tensors only when asked to (--load-mode mmap):
+# AVX2's gather costs 1.1-1.4x its tiles' time at one row, plain C's (generic, neon) ~10x
+FAST_GATHER = ("avx512bf16", "avx512", "avxvnni")
 LOAD_MODES = ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio")
 
 
 def maps_experts(load_mode: str, build: str) -> bool:
     """Whether a load in `load_mode` (--load-mode) under `build` maps expert tensors of
-    FILE_ROW_TYPES (the file-rows route) instead of copying them into tiles: auto where the
-    build gathers them in registers (as fast as its tiles, measured), mmap on every build of
-    our kernels, none and dio never (mlock modes as their mmap half)."""
+    FILE_ROW_TYPES (the file-rows route) instead of copying them into tiles: auto on the
+    FAST_GATHER builds, mmap on every build of our kernels, none and dio never (the mlock
+    modes as their other half)."""
     if build == "none":
         return False
     if load_mode in ("mmap", "mmap+mlock"):

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from radixserve.model.hparams import MoeDims, YarnDims
+from radixserve.model.kernel_routes import FAST_GATHER
 from radixserve.model.loader import Model, load_model
 from radixserve.model.moe import MoEFFN
 from radixserve.model.rope import Rope
@@ -133,14 +134,14 @@ def load_hparams_like(cfg) -> object:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_bits_do_not_depend_on_chunking_or_batch(hf_and_file, variant: str):
     """bf16 on each kernel variant (the MXFP4 experts read from the mapped file's rows, on
-    the generic build from their 4-bit tiles; the sinks in the C attention): chunks of 1, 7
-    and 60 give every position's logits bit for bit, and so does the prompt beside another
-    sequence in the same steps (routed to overlapping experts)."""
+    the AVX2 and generic builds from their 4-bit tiles; the sinks in the C attention): chunks
+    of 1, 7 and 60 give every position's logits bit for bit, and so does the prompt beside
+    another sequence in the same steps (routed to overlapping experts)."""
     m = load_model(hf_and_file[1], "bf16", kernels=config_for(variant), deterministic="on")
     assert m.deterministic
     ffn = m.transformer.w.layers[0].ffn
     assert isinstance(ffn, MoEFFN)
-    assert ffn.gate_up.route == ("mxfp4-tiles" if variant == "generic" else "file-rows")
+    assert ffn.gate_up.route == ("file-rows" if variant in FAST_GATHER else "mxfp4-tiles")
     check_bits_do_not_depend_on_chunking_or_batch(m, logits_in_chunks)
 
 

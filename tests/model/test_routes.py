@@ -76,9 +76,10 @@ def test_every_build_and_kind_has_a_route_and_every_route_is_reached():
 
 
 def test_which_loads_map_expert_tensors():
-    """auto maps on the builds that gather the file's rows in registers, mmap (and mmap+mlock)
+    """auto maps on the builds whose gather of the file's rows keeps up with their tiles (not
+    AVX2's, measured slower at one row), mmap (and mmap+mlock)
     on every build of our kernels, none / dio / mlock never, and nothing without our kernels."""
-    gather = {"avx512bf16", "avx512", "avxvnni", "avx2"}
+    gather = {"avx512bf16", "avx512", "avxvnni"}
     for build in BUILDS:
         ours = build != "none"
         assert kernel_routes.maps_experts("auto", build) == (build in gather)
