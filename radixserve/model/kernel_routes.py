@@ -50,7 +50,7 @@ ROUTES = {r.name: r for r in (
           "MXFP4's 4-bit codes in 16-row tiles, an f32 scale a group"),
     Route("file-rows", "i8act.c tiles gathered from the file's rows, 8-bit activations",
           "i8act.c tiles gathered from the file's rows, 8-bit activations",
-          "the file's own Q8_0 / MXFP4 blocks, mapped (expert tensors: not copied)"),
+          "the file's own Q8_0 / MXFP4 / Q4_K blocks, mapped (expert tensors: not copied)"),
     Route("i8-tiles", "i8act.c 8-bit tiles, 8-bit activations",
           "i8act.c 8-bit tiles, 8-bit activations",
           "int8 codes in 16-row tiles, f32 scales (and offsets) a group"),
@@ -128,25 +128,28 @@ def route_for(build: str, qtype: Q, n_rows: int, packed: bool = True, n_cols: in
     return name
 
 
-# the types whose file rows the tiles' kernels gather (csrc/i8act.c's F_FQ8, F_FMX)
-FILE_ROW_TYPES = {Q.Q8_0: 5, Q.MXFP4: 6}
-# the builds whose gather keeps a decode step's expert products within ~15% of their tiles'
-# (docs/PERFORMANCE.md); the others map expert tensors only when asked to (--load-mode mmap):
-# AVX2's gather costs 1.1-1.4x its tiles' time at one row, plain C's (generic, neon) ~10x
+# the types whose file rows the tiles' kernels gather (csrc/i8act.c's F_FQ8, F_FMX, F_FQ4K)
+FILE_ROW_TYPES = {Q.Q8_0: 5, Q.MXFP4: 6, Q.Q4_K: 7}
+# the builds whose gather keeps a decode step's Q8_0 and MXFP4 expert products within ~15% of
+# their tiles' (docs/PERFORMANCE.md); the others map expert tensors only when asked to
+# (--load-mode mmap): AVX2's gather costs 1.1-1.4x its tiles' time at one row, plain C's
+# (generic, neon) ~10x. Q4_K's gather (its scales decoded a super-block at a time) costs
+# 1.2-1.5x on every build: mapped when asked to only.
 FAST_GATHER = ("avx512bf16", "avx512", "avxvnni")
+AUTO_TYPES = (Q.Q8_0, Q.MXFP4)
 LOAD_MODES = ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio")
 
 
-def maps_experts(load_mode: str, build: str) -> bool:
-    """Whether a load in `load_mode` (--load-mode) under `build` maps expert tensors of
-    FILE_ROW_TYPES (the file-rows route) instead of copying them into tiles: auto on the
-    FAST_GATHER builds, mmap on every build of our kernels, none and dio never (the mlock
-    modes as their other half)."""
-    if build == "none":
+def maps_experts(load_mode: str, build: str, qtype: Q) -> bool:
+    """Whether a load in `load_mode` (--load-mode) under `build` maps an expert tensor of
+    `qtype` (the file-rows route) instead of copying it into tiles: auto for AUTO_TYPES on the
+    FAST_GATHER builds, mmap for every FILE_ROW_TYPES type on every build of our kernels, none
+    and dio never (the mlock modes as their other half)."""
+    if build == "none" or qtype not in FILE_ROW_TYPES:
         return False
     if load_mode in ("mmap", "mmap+mlock"):
         return True
-    return load_mode == "auto" and build in FAST_GATHER
+    return load_mode == "auto" and build in FAST_GATHER and qtype in AUTO_TYPES
 
 
 def table_text(build: str | None = None) -> str:
@@ -165,10 +168,11 @@ def table_text(build: str | None = None) -> str:
     lines.append(f"  qmm-* -> the build's 'other' route where a row's weights are not a multiple "
                  f"of {QMM_GROUP} (a float type's)")
     lines.append("  q4-tiles -> torch-int4 where a scale or offset exceeds f16's range")
+    auto = " ".join(t.name for t in AUTO_TYPES)
     if build is None:
-        where = f"auto on {', '.join(FAST_GATHER)}, mmap on every build of ours"
+        where = f"auto: {auto} on {', '.join(FAST_GATHER)}; mmap: all, on every build of ours"
     else:
-        where = {True: "auto, mmap", False: "mmap"}[build in FAST_GATHER]
+        where = f"auto: {auto}; mmap: all" if build in FAST_GATHER else "mmap"
     if build != "none":
         lines.append(f"  expert tensors of {' '.join(t.name for t in FILE_ROW_TYPES)}: "
                      f"file-rows where --load-mode maps them ({where}), rows a multiple of "

@@ -423,10 +423,11 @@ class Kernels:
     def file_rows(self, parts: list[np.ndarray], fmt: int, k: int) -> FileRowsMatrix:
         """The matrix W [n, k] whose rows are `parts` (uint8 [rows, k / 32 * block] each, one
         or two: a fused gate and up), in csrc/i8act.c's file format `fmt` (FILE_BLOCK_BYTES:
-        the file's Q8_0 or MXFP4 blocks, used where they lie: a mapped file's pages stay
+        the file's Q8_0, MXFP4 or Q4_K blocks, used where they lie: a mapped file's pages stay
         mapped), checked once here."""
         size = FILE_BLOCK_BYTES.get(fmt)
-        rb = k // 32 * size if size is not None and k % 32 == 0 else -1
+        whole = 256 if fmt == 7 else 32  # Q4_K's rows are whole super-blocks
+        rb = k // 32 * size if size is not None and k % whole == 0 else -1
         if not (0 < len(parts) <= 2 and all(
                 p.dtype == np.uint8 and p.ndim == 2 and p.shape[1] == rb and p.shape[0] % 16 == 0
                 and p.shape[0] > 0 and p.flags.c_contiguous for p in parts)):

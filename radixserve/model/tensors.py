@@ -21,7 +21,6 @@ import torch
 from radixserve.model import qmm
 from radixserve.model.hparams import UnsupportedModelError
 from radixserve.model.kernel_routes import (
-    FILE_ROW_TYPES,
     TILE_ROWS,
     build_for,
     maps_experts,
@@ -75,8 +74,7 @@ class TensorLoader:
         self.dtype, self.packed = dtype, packed
         self.kern = kern  # our kernels (None: torch's ops), as load_model was given them
         self.build = build_for(kern, dtype)  # the route table's row for this load
-        # expert tensors of the file-row types read where the mapped file holds them
-        self.map_experts = packed and maps_experts(load_mode, self.build)
+        self.load_mode = load_mode  # expert tensors mapped or copied (maps_experts)
 
     def tensor(self, name: str, required: bool = True) -> gguf.ReaderTensor | None:
         t = self.tensors.get(name)
@@ -202,10 +200,10 @@ class TensorLoader:
             self.expect(n, (n_expert, *shape))
         bias = None if biases is None else [self.array(n) for n in biases]
         qtypes = {self.tensors[n].tensor_type for n in names}
-        if (self.map_experts and len(qtypes) == 1 and next(iter(qtypes)) in FILE_ROW_TYPES
+        qtype = next(iter(qtypes))
+        if (self.packed and len(qtypes) == 1 and maps_experts(self.load_mode, self.build, qtype)
                 and shape[0] % TILE_ROWS == 0):
             assert self.kern is not None
-            qtype = qtypes.pop()
             return [FileRowsLinear(
                 qtype, [raw_rows(self.tensors[n])[e * shape[0]:(e + 1) * shape[0]] for n in names],
                 shape[1], None if bias is None else torch.from_numpy(

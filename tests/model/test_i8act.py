@@ -174,6 +174,41 @@ def test_the_files_own_rows_give_the_tiles_products(variant: str) -> None:
             kern.file_rows([raw, raw, raw], fmt, k)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_files_own_q4_k_rows_give_the_4_bit_tiles_products(variant: str) -> None:
+    """Q4_K rows read where they lie (random blocks: d and dmin of either sign, one subnormal,
+    one zero; every 6-bit scale and min pattern) give the products of the same rows split and
+    packed into the 4-bit tiles (split_blocks, pack_q4: the scales and offsets rounded to f16)
+    bit for bit, in one row block and two, at every row count; rows not whole super-blocks
+    are refused."""
+    import gguf
+
+    kern = variant_kernels(variant)
+    rng = np.random.default_rng(6)
+    n, k = 96, 512
+    raw = rng.integers(0, 256, (n, k // 256 * 144), dtype=np.uint8)
+    blocks = raw.reshape(n, k // 256, 144)
+    d = (rng.uniform(2.0**-12, 2.0**-6, (n, k // 256, 2)) * rng.choice([-1, 1], (n, k // 256, 2)))
+    d[0, 0, 0], d[1, 1, 1] = 2.0**-20, 0.0
+    blocks[..., :4] = d.astype(np.float16).view(np.uint8).reshape(n, k // 256, 4)
+    t = gguf.ReaderTensor(name="w", tensor_type=gguf.GGMLQuantizationType.Q4_K,
+                          shape=np.array([k, n], np.uint64), n_elements=n * k,
+                          n_bytes=raw.nbytes, data_offset=0, data=raw, field=None)
+    codes = quant.split_blocks(t)
+    want_x = (torch.randn(70, k, generator=torch.Generator().manual_seed(4))).to(torch.bfloat16)
+    want = kern.tiles(quant.pack_q4(codes), 0, n, k).matmul(want_x)
+    assert want.isfinite().all()
+    one = kern.file_rows([raw], 7, k)
+    two = kern.file_rows([raw[:48], raw[48:].copy()], 7, k)
+    for size in (1, 3, 70):
+        for mat in (one, two):
+            got = torch.cat([mat.matmul(want_x[i:i + size].contiguous())
+                             for i in range(0, 70, size)])
+            assert torch.equal(got, want), size
+    with pytest.raises(ValueError, match="row blocks"):
+        kern.file_rows([raw[:, :72]], 7, 256 + 32)
+
+
 def test_codes_outside_a_formats_range_are_refused() -> None:
     """The builds' integer sums are exact only for each format's codes (AVX2 takes Q6_K's as
     c + 32 into vpmaddubsw, and Q5's as unsigned): pack_i8 refuses any other."""

@@ -40,7 +40,12 @@
  * scale, then 32 int8 codes) and F_FMX (MXFP4: an E8M0 scale byte, then 16 bytes, weight i in
  * byte i's low nibble and weight 16 + i in its high one). Each (tile, group) is gathered from
  * its 16 rows into the block F_I8 / F_MX would hold, then runs as that block does: the same
- * products bit for bit, from the file's 1.0625 / 0.53 bytes a weight.
+ * products bit for bit, from the file's 1.0625 / 0.53 bytes a weight. And F_FQ4K (Q4_K: per
+ * 256 weights f16 d and dmin, 12 bytes of 6-bit scales and mins, 128 bytes of codes, group s's
+ * the low (s even) or high nibbles of bytes 32 (s / 2)..+31) as F_Q4 holds it: its scale and
+ * offset f16(d sc) and f16(-dmin m), rounded to nearest even as quant.py's split_blocks and
+ * pack_q4 round them, computed once a super-block for the tile's 16 rows (0.5625 bytes a
+ * weight against the 4-bit tiles' 0.625).
  *
  * The arithmetic of one output (row r, column j), the same sequence in every path and at any
  * row or thread count, so a row's bits never depend on what shares its call: per group, in
@@ -72,8 +77,9 @@
 #include <immintrin.h>
 #endif
 
-enum { F_Q4 = 0, F_I8 = 1, F_I8H = 2, F_I8M = 3, F_MX = 4, F_FQ8 = 5, F_FMX = 6 };
-#define FILE_BLOCK(f) ((f) == F_FQ8 ? 34 : 17) /* a file format's bytes a group */
+enum { F_Q4 = 0, F_I8 = 1, F_I8H = 2, F_I8M = 3, F_MX = 4, F_FQ8 = 5, F_FMX = 6, F_FQ4K = 7 };
+/* a file format's bytes a group (Q4_K: a super-block of 8 groups is 144 bytes) */
+#define FILE_BLOCK(f) ((f) == F_FQ8 ? 34 : (f) == F_FMX ? 17 : 18)
 #define BLOCK(f) ((f) == F_Q4 || (f) == F_MX ? 320 : (f) == F_I8 ? 576 : 640)
 /* MXFP4's E2M1 values, doubled (ggml's kvalues_mxfp4), by code */
 static const int8_t MX_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -94,6 +100,24 @@ static inline float half_f32(uint16_t h) {
     float f;
     memcpy(&f, &u, 4);
     return f;
+}
+/* f32 -> f16 rounded to nearest even (numpy's astype(float16)): overflow to infinity, NaN kept
+ * a NaN, subnormal halves rounded by the scaling (exact) and rint (the default rounding) */
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    x &= 0x7fffffffu;
+    if (x > 0x7f800000u) return sign | 0x7e00;
+    if (x >= 0x477ff000u) return sign | 0x7c00; /* 65520 and up: infinity */
+    if (x < 0x38800000u) {                      /* below 2^-14: a subnormal half (or 0) */
+        float v;
+        memcpy(&v, &x, 4);
+        return sign | (uint16_t)__builtin_rintf(v * 16777216.f);
+    }
+    x -= 0x38000000u; /* the exponent rebiased */
+    x += 0xfffu + ((x >> 13) & 1);
+    return sign | (uint16_t)(x >> 13);
 }
 /* MXFP4's E8M0 scale halved, 2^(e - 128), as ggml's e8m0_to_fp32_half (e < 2: subnormal) */
 static inline float e8m0_half(uint8_t e) {
@@ -162,6 +186,10 @@ static inline void unpack_i8(const int f, const uint8_t *blk, wv w[8]) {
 static inline wv i8_operand(__m256i lo, __m256i hi) {
     return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
                             _mm512_set1_epi8((char)0x80));
+}
+/* F_Q4's operand (unsigned codes, as unpack_q4 leaves them) from its columns 0-7 and 8-15 */
+static inline wv u4_operand(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 static inline fv fpair(__m256 lo, __m256 hi) {
     return _mm512_castsi512_ps(_mm512_inserti64x4(
@@ -326,6 +354,11 @@ static inline wv i8_operand(__m256i lo, __m256i hi) {
     return w;
 }
 static inline fv fpair(__m256 lo, __m256 hi) { return (fv){{lo, hi}}; }
+static inline wv u4_operand(__m256i lo, __m256i hi) {
+    wv w;
+    w.v[0] = lo, w.v[1] = hi;
+    return w;
+}
 /* F_MX: the nibbles looked up as unpack_i8 leaves F_I8's codes */
 static inline void unpack_mx(const uint8_t *blk, wv w[8]) {
     unpack_q4(blk, w);
@@ -549,9 +582,25 @@ static inline __attribute__((always_inline)) void load_group(const int f, const 
 /* The weights' order in a tile's group (PERM, below) as the weight each position holds */
 static const int PERM[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 
-/* A (tile, group) of a file format: group g's blocks of the tile's 16 rows (row: its first
- * row's block g, rb: bytes a row) written as the packed block F_I8 / F_MX holds (quant.py's
- * pack_i8, pack_mx: operand or chunk c, column j's 4 bytes at 4j), then loaded as that. */
+/* A tile's Q4_K scales and offsets for one super-block (sb: its first row's block, rb bytes a
+ * row), as F_Q4's f16: kc[0][s][j] f16(d sc_s) of row j, kc[1][s][j] f16(-dmin m_s), the
+ * 6-bit sc and m unpacked as ggml's get_scale_min_k4. */
+static inline void q4k_scales_c(const uint8_t *sb, int64_t rb, uint16_t kc[2][8][16]) {
+    for (int j = 0; j < 16; j++) {
+        const uint8_t *b = sb + j * rb, *q = b + 4;
+        uint16_t h0, h1;
+        memcpy(&h0, b, 2);
+        memcpy(&h1, b + 2, 2);
+        float d = half_f32(h0), dmin = half_f32(h1);
+        for (int s = 0; s < 8; s++) {
+            int sc = s < 4 ? q[s] & 63 : (q[s + 4] & 15) | (q[s - 4] >> 6) << 4;
+            int m = s < 4 ? q[s + 4] & 63 : q[s + 4] >> 4 | (q[s] >> 6) << 4;
+            kc[0][s][j] = f32_to_f16(d * (float)sc);
+            kc[1][s][j] = f32_to_f16(-dmin * (float)m);
+        }
+    }
+}
+
 #if defined(__AVX2__)
 /* Eight 32-bit lanes of 8 registers transposed: r[i] lane t -> r[t] lane i */
 static inline void transpose8(__m256i r[8]) {
@@ -580,25 +629,89 @@ static inline void transpose8(__m256i r[8]) {
  * operands 0-3 (their low nibbles) and 4-7 (the high ones), the nibbles looked up into
  * MX_VALUES, so the products are F_I8's on those codes, as F_MX's are. The scales are
  * inserted from the rows one by one (a load of bytes just stored would wait for them). */
+/* q4k_scales_c in registers: each row's 8 scales and 8 offsets as 8 floats, 8 rows transposed
+ * into a register a sub-block, rounded to f16 by the conversion instruction (nearest even). */
+static inline void q4k_scales_x86(const uint8_t *sb, int64_t rb, uint16_t kc[2][8][16]) {
+    const __m128i ia = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
+    const __m128i ib = _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7);
+    const __m128i m47 = _mm_setr_epi8(0, 0, 0, 0, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m128i m1215 = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1);
+    __m256i sc[2][8], mn[2][8];
+    for (int half = 0; half < 2; half++) {
+        for (int i = 0; i < 8; i++) {
+            const uint8_t *b = sb + (8 * half + i) * rb;
+            int32_t dd;
+            memcpy(&dd, b, 4); /* d, dmin */
+            __m128 df = _mm_cvtph_ps(_mm_cvtsi32_si128(dd));
+            __m128i q = _mm_loadu_si128((const __m128i *)(b + 4));
+            __m128i a = _mm_shuffle_epi8(q, ia), h = _mm_shuffle_epi8(q, ib);
+            __m128i top = _mm_and_si128(_mm_srli_epi16(h, 2), _mm_set1_epi8(0x30));
+            __m128i v = _mm_and_si128(a, _mm_set1_epi8(63));
+            v = _mm_blendv_epi8(v, _mm_or_si128(_mm_and_si128(a, _mm_set1_epi8(15)), top), m47);
+            v = _mm_blendv_epi8(v, _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4),
+                                                              _mm_set1_epi8(15)), top), m1215);
+            __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+            __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+            __m256 d = _mm256_broadcastss_ps(df);
+            __m256 dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(df));
+            sc[half][i] = _mm256_castps_si256(_mm256_mul_ps(d, scf));
+            mn[half][i] = _mm256_castps_si256(
+                _mm256_mul_ps(_mm256_xor_ps(dmin, _mm256_set1_ps(-0.f)), mnf));
+        }
+        transpose8(sc[half]);
+        transpose8(mn[half]);
+    }
+    /* a sub-block's 16 rows in one store: the group's 32-byte load then takes it from the
+     * store buffer (two 16-byte stores would make it wait for them) */
+#define HALVES(v, h) _mm256_cvtps_ph(_mm256_castsi256_ps(v[h][s]), _MM_FROUND_TO_NEAREST_INT)
+    for (int s = 0; s < 8; s++) {
+        _mm256_storeu_si256((__m256i *)kc[0][s], _mm256_setr_m128i(HALVES(sc, 0), HALVES(sc, 1)));
+        _mm256_storeu_si256((__m256i *)kc[1][s], _mm256_setr_m128i(HALVES(mn, 0), HALVES(mn, 1)));
+    }
+#undef HALVES
+}
+
 static inline __attribute__((always_inline)) void file_group_x86(const int f, const uint8_t *row,
-                                                                 int64_t rb, tgroup *g) {
+                                                                 int64_t rb, tgroup *g, int s,
+                                                                 uint16_t kc[2][8][16]) {
     const __m256i perm = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
                                           0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
     __m256i r[2][8];
     __m256 d[2];
+    if (f == F_FQ4K) { /* sub-blocks s and s + 1 (s even): the low and high nibbles of the
+                        * same 32 bytes, transposed once; g[1] the second */
+        const __m256i low = _mm256_set1_epi8(15);
+        for (int half = 0; half < 2; half++) {
+            for (int i = 0; i < 8; i++)
+                r[half][i] = _mm256_shuffle_epi8(_mm256_loadu_si256(
+                    (const __m256i *)(row + (8 * half + i) * rb + 16 + 16 * s)), perm);
+            transpose8(r[half]);
+        }
+        for (int t = 0; t < 8; t++) {
+            g[0].w[t] = u4_operand(_mm256_and_si256(r[0][t], low), _mm256_and_si256(r[1][t], low));
+            g[1].w[t] = u4_operand(_mm256_and_si256(_mm256_srli_epi16(r[0][t], 4), low),
+                                   _mm256_and_si256(_mm256_srli_epi16(r[1][t], 4), low));
+        }
+        for (int i = 0; i < 2; i++) {
+            g[i].d0 = g[i].d1 = fhalves((const uint8_t *)kc[0][s + i]);
+            g[i].m = fhalves((const uint8_t *)kc[1][s + i]);
+        }
+        return;
+    }
     if (f == F_FQ8) {
-        __m128i h[2] = {_mm_setzero_si128(), _mm_setzero_si128()};
+        uint64_t h[4] = {0, 0, 0, 0}; /* the scales, 4 a word */
         for (int half = 0; half < 2; half++) {
             for (int i = 0; i < 8; i++) {
                 const uint8_t *b = row + (8 * half + i) * rb;
                 uint16_t x;
                 memcpy(&x, b, 2);
-                h[half] = _mm_insert_epi16(h[half], x, i);
+                h[2 * half + i / 4] |= (uint64_t)x << (16 * (i % 4));
                 r[half][i] = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(b + 2)),
                                                  perm);
             }
             transpose8(r[half]);
-            d[half] = _mm256_cvtph_ps(h[half]);
+            d[half] = _mm256_cvtph_ps(_mm_set_epi64x((int64_t)h[2 * half + 1],
+                                                     (int64_t)h[2 * half]));
         }
     } else {
 #if defined(ISA_VNNI512)
@@ -608,7 +721,7 @@ static inline __attribute__((always_inline)) void file_group_x86(const int f, co
             _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MX_VALUES)),
             _mm512_set1_epi8((char)0x80));
         const __m512i low5 = _mm512_set1_epi8(15);
-        __m128i e5 = _mm_setzero_si128();
+        uint64_t e5[2] = {0, 0}; /* the scale bytes, 8 a word */
         __m512i z[4];
         for (int m = 0; m < 4; m++) {
             const uint8_t *b[4] = {row + m * rb, row + (m + 4) * rb, row + (m + 8) * rb,
@@ -618,7 +731,7 @@ static inline __attribute__((always_inline)) void file_group_x86(const int f, co
             v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b[2] + 1)), 2);
             v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b[3] + 1)), 3);
             z[m] = _mm512_shuffle_epi8(v, perm5);
-            for (int l = 0; l < 4; l++) e5 = _mm_insert_epi8(e5, b[l][0], m + 4 * l);
+            for (int l = 0; l < 4; l++) e5[l / 2] |= (uint64_t)b[l][0] << (8 * (m + 4 * (l % 2)));
         }
         __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
         __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
@@ -629,7 +742,7 @@ static inline __attribute__((always_inline)) void file_group_x86(const int f, co
             g->w[4 + c] = _mm512_shuffle_epi8(
                 lut5, _mm512_and_si512(_mm512_srli_epi16(x5[c], 4), low5));
         }
-        __m512i ev = _mm512_cvtepu8_epi32(e5);
+        __m512i ev = _mm512_cvtepu8_epi32(_mm_set_epi64x((int64_t)e5[1], (int64_t)e5[0]));
         __m512i sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), ev);
         __m512i nrm = _mm512_slli_epi32(_mm512_sub_epi32(ev, _mm512_set1_epi32(1)), 23);
         g->d0 = g->d1 = _mm512_castsi512_ps(
@@ -640,13 +753,12 @@ static inline __attribute__((always_inline)) void file_group_x86(const int f, co
         const __m256i lut = _mm256_broadcastsi128_si256(
             _mm_loadu_si128((const __m128i *)MX_VALUES));
         const __m256i low = _mm256_set1_epi8(15);
-        __m128i e = _mm_setzero_si128();
+        uint64_t e[2] = {0, 0}; /* the scale bytes, 8 a word */
         for (int half = 0; half < 2; half++) {
             __m256i z[4]; /* z[m]: rows 8 half + m, then + 4 */
             for (int m = 0; m < 4; m++) {
                 const uint8_t *b0 = row + (8 * half + m) * rb, *b1 = b0 + 4 * rb;
-                e = _mm_insert_epi8(e, b0[0], 8 * half + m);
-                e = _mm_insert_epi8(e, b1[0], 8 * half + m + 4);
+                e[half] |= (uint64_t)b0[0] << (8 * m) | (uint64_t)b1[0] << (8 * (m + 4));
                 z[m] = _mm256_shuffle_epi8(
                     _mm256_setr_m128i(_mm_loadu_si128((const __m128i *)(b0 + 1)),
                                       _mm_loadu_si128((const __m128i *)(b1 + 1))), perm);
@@ -663,7 +775,7 @@ static inline __attribute__((always_inline)) void file_group_x86(const int f, co
         }
         /* the E8M0 scales halved: e < 2 a subnormal 2^21 << e, else (e - 1) << 23 */
         for (int q = 0; q < 2; q++) {
-            __m256i ev = _mm256_cvtepu8_epi32(q ? _mm_srli_si128(e, 8) : e);
+            __m256i ev = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)e[q]));
             __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), ev);
             __m256i nrm = _mm256_slli_epi32(_mm256_sub_epi32(ev, _mm256_set1_epi32(1)), 23);
             __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), ev);
@@ -676,14 +788,38 @@ static inline __attribute__((always_inline)) void file_group_x86(const int f, co
 }
 #endif
 
+/* A (tile, group) of a file format: the group's blocks of the tile's 16 rows (row: its first
+ * row's block, rb: bytes a row) as the registers the packed block of F_I8 / F_MX / F_Q4 load
+ * into; Q4_K (row: the rows' super-block) two sub-blocks at once, s and s + 1 (s even) into
+ * g[0] and g[1], with kc the super-block's scales (q4k_scales_*). Without AVX2, the packed
+ * block is written (quant.py's pack_i8, pack_mx, pack_q4: operand or chunk c, column j's 4
+ * bytes at 4j) and loaded as that. */
 static inline __attribute__((always_inline)) void load_file_group(const int f,
                                                                   const uint8_t *row,
-                                                                  int64_t rb, tgroup *g) {
+                                                                  int64_t rb, tgroup *g, int s,
+                                                                  uint16_t kc[2][8][16]) {
 #if defined(__AVX2__)
-    file_group_x86(f, row, rb, g);
+    file_group_x86(f, row, rb, g, s, kc);
 #else
     uint8_t blk[576] __attribute__((aligned(64)));
     float d[16];
+    if (f == F_FQ4K) { /* s and s + 1; chunk c: weights 8c + PERM[i] (low), PERM[4 + i] (high) */
+        for (int h = 0; h < 2; h++) {
+            for (int j = 0; j < 16; j++) {
+                const uint8_t *q = row + j * rb + 16 + 16 * s;
+                for (int c = 0; c < 4; c++)
+                    for (int i = 0; i < 4; i++)
+                        blk[64 * c + 4 * j + i] = (uint8_t)((q[8 * c + PERM[i]] >> 4 * h & 15) |
+                                                            (q[8 * c + PERM[4 + i]] >> 4 * h & 15)
+                                                                << 4);
+            }
+            memcpy(blk + 256, kc[0][s + h], 32);
+            memcpy(blk + 288, kc[1][s + h], 32);
+            load_group(F_Q4, blk, g + h);
+        }
+        return;
+    }
+    (void)s, (void)kc;
     for (int j = 0; j < 16; j++) {
         const uint8_t *b = row + j * rb;
         if (f == F_FQ8) {
@@ -731,7 +867,7 @@ static inline __attribute__((always_inline)) fv group_row(const int f, const tgr
                                                           const int8_t *a, const gmeta *gm,
                                                           fv out) {
     iv lo, hi;
-    if (f == F_Q4 || f == F_I8M) { /* unsigned codes: 0..15, 0..31 */
+    if (f == F_Q4 || f == F_FQ4K || f == F_I8M) { /* unsigned codes: 0..15, 0..31 */
         lo = dpu4(g->w, a);
         hi = dpu4(g->w + 4, a + 16);
     } else if (f == F_I8H) {
@@ -743,7 +879,7 @@ static inline __attribute__((always_inline)) fv group_row(const int f, const tgr
     }
     out = fadd(out, fmul(tof(lo), fscale(g->d0, gm->s0)));
     out = fadd(out, fmul(tof(hi), fscale(g->d1, gm->s1)));
-    if (f == F_Q4 || f == F_I8M) out = fadd(out, fscale(g->m, gm->ssum));
+    if (f == F_Q4 || f == F_FQ4K || f == F_I8M) out = fadd(out, fscale(g->m, gm->ssum));
     return out;
 }
 
@@ -796,13 +932,26 @@ static inline __attribute__((always_inline)) void tile_rows(
      * of the tile's 16 rows (contiguous in the file), so the prefetch walks the tile ahead
      * from its start as the groups go */
     const int gb = f >= F_FQ8 ? 16 * FILE_BLOCK(f) : BLOCK(f);
+    uint16_t kc[2][8][16] __attribute__((aligned(32))); /* F_FQ4K: a super-block's scales */
+    tgroup pair[2]; /* F_FQ4K: two sub-blocks gathered together */
     memset(o, 0, sizeof(float) * 16 * (size_t)nr);
     for (int64_t g = 0; g < ng; g++) {
         if (pf)
             for (int c = 0; c < gb; c += 64) __builtin_prefetch(pf + g * gb + c, 0, 2);
         tgroup tg;
-        if (f >= F_FQ8)
-            load_file_group(f, w + g * FILE_BLOCK(f), rb, &tg);
+        if (f == F_FQ4K) { /* a pair of sub-blocks at a time, the scales a super-block */
+            const uint8_t *sb = w + g / 8 * 144;
+            if (g % 8 == 0) {
+#if defined(__AVX2__)
+                q4k_scales_x86(sb, rb, kc);
+#else
+                q4k_scales_c(sb, rb, kc);
+#endif
+            }
+            if (g % 2 == 0) load_file_group(f, sb, rb, pair, (int)(g % 8), kc);
+            tg = pair[g % 2];
+        } else if (f >= F_FQ8)
+            load_file_group(f, w + g * FILE_BLOCK(f), rb, &tg, 0, kc);
         else
             load_group(f, w + g * BLOCK(f), &tg);
         for (int64_t r = 0; r < nr; r++)
@@ -866,6 +1015,7 @@ static int matmul(int f, const wsrc *s, const uint16_t *x, int64_t rows, int64_t
         case F_MX: run(F_MX, s, a, gm, rows, n, k, y); break;
         case F_FQ8: run(F_FQ8, s, a, gm, rows, n, k, y); break;
         case F_FMX: run(F_FMX, s, a, gm, rows, n, k, y); break;
+        case F_FQ4K: run(F_FQ4K, s, a, gm, rows, n, k, y); break;
         default: run(F_I8M, s, a, gm, rows, n, k, y); break;
         }
     }
@@ -882,12 +1032,13 @@ int i8a_matmul(int f, const uint8_t *w, const uint16_t *x, int64_t rows, int64_t
     return matmul(f, &s, x, rows, n, k, y);
 }
 
-/* The same product for W held in a file format f (F_FQ8, F_FMX): rows [0, n0) of W at w0, the
- * rest at w1 (NULL when n0 = n), each row k / 32 blocks of the format, rb bytes. The argument
+/* The same product for W held in a file format f (F_FQ8, F_FMX, F_FQ4K): rows [0, n0) of W
+ * at w0, the rest at w1 (NULL when n0 = n), each row k / 32 groups of the format, rb bytes. The argument
  * order leaves w0 where i8a_matmul has w. Returns as i8a_matmul. */
 int i8a_matmul_rows(int f, int64_t n0, int64_t rb, const uint8_t *w1, const uint8_t *w0,
                     const uint16_t *x, int64_t rows, int64_t n, int64_t k, uint16_t *y) {
-    if ((f != F_FQ8 && f != F_FMX) || n < 0 || k <= 0 || n % 16 || k % 32 || rows < 0 ||
+    if (f < F_FQ8 || f > F_FQ4K || n < 0 || k <= 0 || n % 16 || k % (f == F_FQ4K ? 256 : 32) ||
+        rows < 0 ||
         n0 < 0 || n0 > n || n0 % 16 || rb != k / 32 * FILE_BLOCK(f) || !w0 || (n0 < n && !w1))
         return 1;
     const wsrc s = {w0, w1, n0, rb};
