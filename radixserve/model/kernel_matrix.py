@@ -56,13 +56,13 @@ class TileMatrix(_KernelMatrix):
         self._ptr, self._mm = tiles.data_ptr(), functools.partial(kern._tiles, fmt)
 
 
-# csrc/i8act.c's file formats (its F_FQ8: Q8_0 rows, F_FMX: MXFP4 rows, F_FQ4K: Q4_K rows, a
-# super-block of 8 groups 144 bytes) -> bytes per group
-FILE_BLOCK_BYTES = {5: 34, 6: 17, 7: 18}
+# csrc/i8act.c's file formats (its F_FQ8: Q8_0 rows, F_FMX: MXFP4, F_FQ4K: Q4_K, F_FQ6K: Q6_K)
+# -> (weights, bytes) a block (a K-quant's: a super-block of 8 groups)
+FILE_BLOCKS = {5: (32, 34), 6: (32, 17), 7: (256, 144), 8: (256, 210)}
 
 
 class FileRowsMatrix(_KernelMatrix):
-    """A matrix whose rows are a GGUF file's own Q8_0, MXFP4 or Q4_K blocks where they lie (views of
+    """A matrix whose rows are a GGUF file's own Q8_0, MXFP4, Q4_K or Q6_K blocks where they lie (views of
     the mapped file: nothing copied), one or two row blocks (a fused gate and up, two tensors of
     the file): products as the 8-bit and MXFP4 tiles compute them, bit for bit."""
 

@@ -50,7 +50,7 @@ ROUTES = {r.name: r for r in (
           "MXFP4's 4-bit codes in 16-row tiles, an f32 scale a group"),
     Route("file-rows", "i8act.c tiles gathered from the file's rows, 8-bit activations",
           "i8act.c tiles gathered from the file's rows, 8-bit activations",
-          "the file's own Q8_0 / MXFP4 / Q4_K blocks, mapped (expert tensors: not copied)"),
+          "the file's own Q8_0 / MXFP4 / Q4_K / Q6_K blocks, mapped (expert tensors: not copied)"),
     Route("i8-tiles", "i8act.c 8-bit tiles, 8-bit activations",
           "i8act.c 8-bit tiles, 8-bit activations",
           "int8 codes in 16-row tiles, f32 scales (and offsets) a group"),
@@ -128,13 +128,13 @@ def route_for(build: str, qtype: Q, n_rows: int, packed: bool = True, n_cols: in
     return name
 
 
-# the types whose file rows the tiles' kernels gather (csrc/i8act.c's F_FQ8, F_FMX, F_FQ4K)
-FILE_ROW_TYPES = {Q.Q8_0: 5, Q.MXFP4: 6, Q.Q4_K: 7}
+# the types whose file rows the tiles' kernels gather (csrc/i8act.c's F_FQ8, F_FMX, F_FQ4K, F_FQ6K)
+FILE_ROW_TYPES = {Q.Q8_0: 5, Q.MXFP4: 6, Q.Q4_K: 7, Q.Q6_K: 8}
 # the builds whose gather keeps a decode step's Q8_0 and MXFP4 expert products within ~15% of
 # their tiles' (docs/PERFORMANCE.md); the others map expert tensors only when asked to
 # (--load-mode mmap): AVX2's gather costs 1.1-1.4x its tiles' time at one row, plain C's
-# (generic, neon) ~10x. Q4_K's gather (its scales decoded a super-block at a time) costs
-# 1.2-1.5x on every build: mapped when asked to only.
+# (generic, neon) ~10x. The K-quants' gathers (Q4_K's scales decoded a super-block at a time,
+# Q6_K's codes from two places) cost more at one row: mapped when asked to only.
 FAST_GATHER = ("avx512bf16", "avx512", "avxvnni")
 AUTO_TYPES = (Q.Q8_0, Q.MXFP4)
 LOAD_MODES = ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio")

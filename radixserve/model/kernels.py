@@ -26,7 +26,7 @@ from radixserve.model.cabi import bind
 from radixserve.model.kernel_build import _PREFIX, VARIANTS, KernelsError
 from radixserve.model.kernel_matrix import (
     BF16_PANEL,
-    FILE_BLOCK_BYTES,
+    FILE_BLOCKS,
     TILE_BLOCK_BYTES,
     Bf16Matrix,
     FileRowsMatrix,
@@ -422,12 +422,11 @@ class Kernels:
 
     def file_rows(self, parts: list[np.ndarray], fmt: int, k: int) -> FileRowsMatrix:
         """The matrix W [n, k] whose rows are `parts` (uint8 [rows, k / 32 * block] each, one
-        or two: a fused gate and up), in csrc/i8act.c's file format `fmt` (FILE_BLOCK_BYTES:
-        the file's Q8_0, MXFP4 or Q4_K blocks, used where they lie: a mapped file's pages stay
+        or two: a fused gate and up), in csrc/i8act.c's file format `fmt` (FILE_BLOCKS: the
+        file's Q8_0, MXFP4, Q4_K or Q6_K blocks, used where they lie: a mapped file's pages stay
         mapped), checked once here."""
-        size = FILE_BLOCK_BYTES.get(fmt)
-        whole = 256 if fmt == 7 else 32  # Q4_K's rows are whole super-blocks
-        rb = k // 32 * size if size is not None and k % whole == 0 else -1
+        per, size = FILE_BLOCKS.get(fmt, (0, 0))
+        rb = k // per * size if per and k % per == 0 else -1
         if not (0 < len(parts) <= 2 and all(
                 p.dtype == np.uint8 and p.ndim == 2 and p.shape[1] == rb and p.shape[0] % 16 == 0
                 and p.shape[0] > 0 and p.flags.c_contiguous for p in parts)):

@@ -535,10 +535,10 @@ class I8Linear(QuantLinear):
 
 class FileRowsLinear(QuantLinear):
     """A matrix whose rows stay where the mapped GGUF holds them (an expert's slices of the
-    file's 3-D tensors, one or two: its gate and up), Q8_0, MXFP4 or Q4_K, multiplied as the
-    8-bit, MXFP4 and 4-bit tiles multiply them (csrc/i8act.c's file formats): the same bits, no
-    copy, the file's bytes a weight (1.0625, 0.53 and 0.5625 against the tiles' 1.125, 0.625
-    and 0.625)."""
+    file's 3-D tensors, one or two: its gate and up), Q8_0, MXFP4, Q4_K or Q6_K, multiplied as
+    the 8-bit, MXFP4 and 4-bit tiles multiply them (csrc/i8act.c's file formats): the same bits,
+    no copy, the file's bytes a weight (1.0625, 0.53, 0.5625 and 0.82 against the tiles' 1.125,
+    0.625, 0.625 and 1.25)."""
 
     def __init__(self, qtype: gguf.GGMLQuantizationType, parts: list[np.ndarray], k: int,
                  bias: torch.Tensor | None, kern: Kernels) -> None:

@@ -307,9 +307,9 @@ static void rowwise(void) {
     free(x), free(w), free(wn), free(y), free(out), free(gu);
 }
 /* The tiles with 8-bit activations, each format (i8act.c: 0 4-bit, f16 scales and offsets;
- * 1-3 8-bit, f32 scales, offsets in 3; 4 MXFP4's 4-bit codes, f32 scales; 5, 6 and 7 the
- * file's Q8_0, MXFP4 and Q4_K rows): random code bytes, valid scales, 3 tiles of 7 groups
- * (Q4_K: of 16). */
+ * 1-3 8-bit, f32 scales, offsets in 3; 4 MXFP4's 4-bit codes, f32 scales; 5-8 the file's
+ * Q8_0, MXFP4, Q4_K and Q6_K rows): random code bytes, valid scales, 3 tiles of 7 groups
+ * (the K-quants: of 16). */
 static void tiles(void) {
     const int64_t n = 48, k = 224, rows[] = {1, 3, 5, 9, 130}, blocks = n / 16 * (k / 32);
     const int64_t size[] = {320, 576, 640, 640, 320};
@@ -359,25 +359,28 @@ static void tiles(void) {
         }
         free(w), free(w1);
     }
-    /* 7: Q4_K rows (144 bytes a super-block of 256: f16 d and dmin, scales, codes), two
-     * super-blocks a row */
-    const int64_t k7 = 512, rb7 = k7 / 256 * 144;
-    uint8_t *w7 = alloc((size_t)(n * rb7));
-    for (int64_t b = 0; b < n * (k7 / 256); b++) {
-        uint8_t *p = w7 + b * 144;
-        for (int64_t i = 0; i < 144; i++) p[i] = (uint8_t)next();
-        put16(p, half());
-        put16(p + 2, half());
+    /* 7: Q4_K rows (144 bytes a super-block of 256: f16 d and dmin, scales, codes); 8: Q6_K
+     * rows (210 bytes: codes, int8 scales, f16 d last); two super-blocks a row */
+    const int64_t k7 = 512;
+    for (int f = 7; f < 9; f++) {
+        const int64_t sb = f == 7 ? 144 : 210, rb7 = k7 / 256 * sb;
+        uint8_t *w7 = alloc((size_t)(n * rb7));
+        for (int64_t b = 0; b < n * (k7 / 256); b++) {
+            uint8_t *p = w7 + b * sb;
+            for (int64_t i = 0; i < sb; i++) p[i] = (uint8_t)next();
+            if (f == 7) put16(p, half()), put16(p + 2, half());
+            else put16(p + 208, half());
+        }
+        for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++) {
+            uint16_t *x = bf16s(rows[ri] * k7, 2.f);
+            uint16_t *y = alloc(sizeof(uint16_t) * (size_t)(rows[ri] * n));
+            snprintf(name, sizeof name, "i8a_matmul_rows f%d rows%d", f, (int)rows[ri]);
+            emit_rc(name, i8a_matmul_rows(f, n, rb7, NULL, w7, x, rows[ri], n, k7, y));
+            emit(name, y, sizeof(uint16_t) * (size_t)(rows[ri] * n));
+            free(x), free(y);
+        }
+        free(w7);
     }
-    for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++) {
-        uint16_t *x = bf16s(rows[ri] * k7, 2.f);
-        uint16_t *y = alloc(sizeof(uint16_t) * (size_t)(rows[ri] * n));
-        snprintf(name, sizeof name, "i8a_matmul_rows f7 rows%d", (int)rows[ri]);
-        emit_rc(name, i8a_matmul_rows(7, n, rb7, NULL, w7, x, rows[ri], n, k7, y));
-        emit(name, y, sizeof(uint16_t) * (size_t)(rows[ri] * n));
-        free(x), free(y);
-    }
-    free(w7);
 }
 
 /* 20 tokens (the threaded path) of width 96, kernel length 3, over 40 cells: each token's

@@ -175,6 +175,32 @@ def test_the_files_own_rows_give_the_tiles_products(variant: str) -> None:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_the_files_own_q6_k_rows_give_the_8_bit_tiles_products(variant: str) -> None:
+    """Q6_K rows read where they lie (random blocks: every low and high bit pattern, int8
+    scales of both signs, d of either sign, one subnormal) give the products of the same rows'
+    codes (qmm.codes: q - 32, a half group's scale d sc) in the F_I8H tiles bit for bit, in one
+    row block and two, at every row count."""
+    kern = variant_kernels(variant)
+    rng = np.random.default_rng(7)
+    n, k = 96, 512
+    raw = rng.integers(0, 256, (n, k // 256 * 210), dtype=np.uint8)
+    blocks = raw.reshape(n, k // 256, 210)
+    d = rng.uniform(2.0**-14, 2.0**-9, (n, k // 256)) * rng.choice([-1, 1], (n, k // 256))
+    d[0, 0] = 2.0**-20
+    blocks[..., 208:] = d.astype(np.float16).view(np.uint8).reshape(n, k // 256, 2)
+    c, dd, m = qmm.codes(kern.lib, 14, raw, k)
+    x = (torch.randn(70, k, generator=torch.Generator().manual_seed(5))).to(torch.bfloat16)
+    want = kern.tiles(quant.pack_i8(c, dd, m, 2), 2, n, k).matmul(x)
+    assert want.isfinite().all() and c.min() == -32 and c.max() == 31
+    one = kern.file_rows([raw], 8, k)
+    two = kern.file_rows([raw[:16], raw[16:].copy()], 8, k)
+    for size in (1, 3, 70):
+        for mat in (one, two):
+            got = torch.cat([mat.matmul(x[i:i + size].contiguous()) for i in range(0, 70, size)])
+            assert torch.equal(got, want), size
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_the_files_own_q4_k_rows_give_the_4_bit_tiles_products(variant: str) -> None:
     """Q4_K rows read where they lie (random blocks: d and dmin of either sign, one subnormal,
     one zero; every 6-bit scale and min pattern) give the products of the same rows split and

@@ -87,19 +87,20 @@ def experts_tensor(qtype: Q, name: str, n_expert: int, rows: int, seed: int) -> 
 
 @pytest.mark.parametrize("variant", ["avx512bf16", "avx2", "generic"])
 def test_mapped_expert_tensors_are_views_with_the_copys_bits(variant: str):
-    """--load-mode mmap: a fused gate and up (two tensors) and a down of Q8_0, MXFP4 and Q4_K
-    are each expert's rows of the file's arrays (no copy: they share its memory), and each
-    expert's products equal bit for bit those of its copy in the tiles (--load-mode none); a
-    Q6_K expert tensor is copied into the 8-bit tiles either way."""
+    """--load-mode mmap: a fused gate and up (two tensors) of Q8_0, MXFP4, Q4_K and Q6_K are
+    each expert's rows of the file's arrays (no copy: they share its memory), and each expert's
+    products equal bit for bit those of its copy in the tiles (--load-mode none); a Q5_K expert
+    tensor is copied into the 8-bit tiles either way."""
     kern = kernels_of(variant)
     x = (torch.randn(9, KDIM, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)
-    tiles = {Q.Q8_0: "i8-tiles", Q.MXFP4: "mxfp4-tiles", Q.Q4_K: "q4-tiles", Q.Q6_K: "i8-tiles"}
+    tiles = {Q.Q8_0: "i8-tiles", Q.MXFP4: "mxfp4-tiles", Q.Q4_K: "q4-tiles", Q.Q6_K: "i8-tiles",
+             Q.Q5_K: "i8-tiles"}
     for qtype, copied in tiles.items():
         ts = [experts_tensor(qtype, n, 3, 32, seed) for seed, n in enumerate(("g", "u"))]
         reader = SimpleNamespace(tensors=ts)
         got = {mode: TensorLoader(reader, torch.bfloat16, True, kern, mode).experts(
             ["g", "u"], 3, (32, KDIM)) for mode in ("mmap", "none")}
-        mapped = qtype != Q.Q6_K
+        mapped = qtype != Q.Q5_K
         for e in range(3):
             m, c = got["mmap"][e], got["none"][e]
             assert c.route == copied and m.route == ("file-rows" if mapped else copied)
@@ -111,13 +112,13 @@ def test_mapped_expert_tensors_are_views_with_the_copys_bits(variant: str):
 def test_which_loads_map_expert_tensors():
     """auto maps Q8_0 and MXFP4 on the builds whose gather of the file's rows keeps up with
     their tiles (not AVX2's, measured slower at one row), mmap (and mmap+mlock) every
-    file-row type (Q4_K too) on every build of our kernels, none / dio / mlock never, nothing
-    without our kernels, and no other type."""
+    file-row type (Q4_K and Q6_K too) on every build of our kernels, none / dio / mlock never,
+    nothing without our kernels, and no other type."""
     gather = {"avx512bf16", "avx512", "avxvnni"}
     for build in BUILDS:
         ours = build != "none"
-        for qtype in (Q.Q8_0, Q.MXFP4, Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.F16):
-            mappable = qtype in (Q.Q8_0, Q.MXFP4, Q.Q4_K)
+        for qtype in (Q.Q8_0, Q.MXFP4, Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q4_0, Q.F16):
+            mappable = qtype in (Q.Q8_0, Q.MXFP4, Q.Q4_K, Q.Q6_K)
             auto = build in gather and qtype in (Q.Q8_0, Q.MXFP4)
             assert kernel_routes.maps_experts("auto", build, qtype) == auto
             for mode in ("mmap", "mmap+mlock"):

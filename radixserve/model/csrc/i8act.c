@@ -45,7 +45,9 @@
  * the low (s even) or high nibbles of bytes 32 (s / 2)..+31) as F_Q4 holds it: its scale and
  * offset f16(d sc) and f16(-dmin m), rounded to nearest even as quant.py's split_blocks and
  * pack_q4 round them, computed once a super-block for the tile's 16 rows (0.5625 bytes a
- * weight against the 4-bit tiles' 0.625).
+ * weight against the 4-bit tiles' 0.625). And F_FQ6K (Q6_K: per 256 weights 128 bytes of low
+ * nibbles, 64 of 2-bit highs, 16 int8 scales a half group, f16 d; qmm.c's q6k_at) as F_I8H
+ * holds it: codes q - 32, a half group's scale d sc (0.82 bytes a weight against 1.25).
  *
  * The arithmetic of one output (row r, column j), the same sequence in every path and at any
  * row or thread count, so a row's bits never depend on what shares its call: per group, in
@@ -77,9 +79,11 @@
 #include <immintrin.h>
 #endif
 
-enum { F_Q4 = 0, F_I8 = 1, F_I8H = 2, F_I8M = 3, F_MX = 4, F_FQ8 = 5, F_FMX = 6, F_FQ4K = 7 };
-/* a file format's bytes a group (Q4_K: a super-block of 8 groups is 144 bytes) */
-#define FILE_BLOCK(f) ((f) == F_FQ8 ? 34 : (f) == F_FMX ? 17 : 18)
+enum { F_Q4 = 0, F_I8 = 1, F_I8H = 2, F_I8M = 3, F_MX = 4, F_FQ8 = 5, F_FMX = 6, F_FQ4K = 7,
+       F_FQ6K = 8 };
+/* a file format's block: its weights (a group, or a K-quant super-block of 8) and bytes */
+#define FILE_W(f) ((f) >= F_FQ4K ? 256 : 32)
+#define FILE_B(f) ((f) == F_FQ8 ? 34 : (f) == F_FMX ? 17 : (f) == F_FQ4K ? 144 : 210)
 #define BLOCK(f) ((f) == F_Q4 || (f) == F_MX ? 320 : (f) == F_I8 ? 576 : 640)
 /* MXFP4's E2M1 values, doubled (ggml's kvalues_mxfp4), by code */
 static const int8_t MX_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -191,6 +195,8 @@ static inline wv i8_operand(__m256i lo, __m256i hi) {
 static inline wv u4_operand(__m256i lo, __m256i hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
+/* F_I8H's (Q6_K's codes -32..31), as unpack_i8 leaves them: as F_I8's here */
+static inline wv i8h_operand(__m256i lo, __m256i hi) { return i8_operand(lo, hi); }
 static inline fv fpair(__m256 lo, __m256 hi) {
     return _mm512_castsi512_ps(_mm512_inserti64x4(
         _mm512_castsi256_si512(_mm256_castps_si256(lo)), _mm256_castps_si256(hi), 1));
@@ -358,6 +364,16 @@ static inline wv u4_operand(__m256i lo, __m256i hi) {
     wv w;
     w.v[0] = lo, w.v[1] = hi;
     return w;
+}
+/* F_I8H's operand (Q6_K's codes -32..31), as unpack_i8 leaves them: c + 128 (AVX-VNNI), c + 32
+ * (AVX2, for dph) */
+static inline wv i8h_operand(__m256i lo, __m256i hi) {
+#if defined(ISA_AVXVNNI)
+    return i8_operand(lo, hi);
+#else
+    const __m256i k = _mm256_set1_epi8(32);
+    return u4_operand(_mm256_add_epi8(lo, k), _mm256_add_epi8(hi, k));
+#endif
 }
 /* F_MX: the nibbles looked up as unpack_i8 leaves F_I8's codes */
 static inline void unpack_mx(const uint8_t *blk, wv w[8]) {
@@ -678,6 +694,46 @@ static inline __attribute__((always_inline)) void file_group_x86(const int f, co
                                           0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
     __m256i r[2][8];
     __m256 d[2];
+    if (f == F_FQ6K) { /* group s (qmm.c's q6k_at): low bits from ql, high from qh, less 32 */
+        const int h = s / 4, s2 = s % 4;
+        const __m128i lsh = _mm_cvtsi32_si128(4 * (s2 / 2)), hsh = _mm_cvtsi32_si128(2 * s2);
+        const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
+        uint64_t dw[4] = {0, 0, 0, 0}, sw[4] = {0, 0, 0, 0}; /* d (4 a word), scale pairs */
+        for (int half = 0; half < 2; half++) {
+            for (int i = 0; i < 8; i++) {
+                const int j = 8 * half + i;
+                const uint8_t *b = row + j * rb;
+                __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (s2 & 1)));
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                __m256i q = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srl_epi16(ql, lsh), low),
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, hsh), two), 4));
+                r[half][i] = _mm256_shuffle_epi8(_mm256_sub_epi8(q, _mm256_set1_epi8(32)), perm);
+                uint16_t x, sc;
+                memcpy(&x, b + 208, 2);
+                memcpy(&sc, b + 192 + 2 * s, 2);
+                dw[j / 4] |= (uint64_t)x << (16 * (j % 4));
+                sw[j / 4] |= (uint64_t)sc << (16 * (j % 4));
+            }
+            transpose8(r[half]);
+        }
+        for (int t = 0; t < 8; t++) g->w[t] = i8h_operand(r[0][t], r[1][t]);
+        __m256 d0[2], d1[2];
+        for (int q = 0; q < 2; q++) {
+            __m256 d = _mm256_cvtph_ps(_mm_set_epi64x((int64_t)dw[2 * q + 1], (int64_t)dw[2 * q]));
+            __m128i p = _mm_set_epi64x((int64_t)sw[2 * q + 1], (int64_t)sw[2 * q]);
+            __m256i e = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(
+                p, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
+            __m256i o = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(
+                p, _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14)));
+            d0[q] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(e));
+            d1[q] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(o));
+        }
+        g->d0 = fpair(d0[0], d0[1]);
+        g->d1 = fpair(d1[0], d1[1]);
+        g->m = fzero();
+        return;
+    }
     if (f == F_FQ4K) { /* sub-blocks s and s + 1 (s even): the low and high nibbles of the
                         * same 32 bytes, transposed once; g[1] the second */
         const __m256i low = _mm256_set1_epi8(15);
@@ -801,7 +857,7 @@ static inline __attribute__((always_inline)) void load_file_group(const int f,
 #if defined(__AVX2__)
     file_group_x86(f, row, rb, g, s, kc);
 #else
-    uint8_t blk[576] __attribute__((aligned(64)));
+    uint8_t blk[640] __attribute__((aligned(64)));
     float d[16];
     if (f == F_FQ4K) { /* s and s + 1; chunk c: weights 8c + PERM[i] (low), PERM[4 + i] (high) */
         for (int h = 0; h < 2; h++) {
@@ -817,6 +873,27 @@ static inline __attribute__((always_inline)) void load_file_group(const int f,
             memcpy(blk + 288, kc[1][s + h], 32);
             load_group(F_Q4, blk, g + h);
         }
+        return;
+    }
+    if (f == F_FQ6K) { /* as F_I8H's block: the codes, then d0 at 512, d1 at 576 */
+        const int h = s / 4, s2 = s % 4, lsh = 4 * (s2 / 2), hsh = 2 * s2;
+        float d1[16];
+        for (int j = 0; j < 16; j++) {
+            const uint8_t *b = row + j * rb, *ql = b + 64 * h + 32 * (s2 & 1), *qh = b + 128 + 32 * h;
+            uint16_t x;
+            memcpy(&x, b + 208, 2);
+            const float dd = half_f32(x);
+            d[j] = dd * (float)(int8_t)b[192 + 2 * s];
+            d1[j] = dd * (float)(int8_t)b[193 + 2 * s];
+            for (int p = 0; p < 32; p++) { /* position p: weight 8 (p / 8) + PERM[p % 8] */
+                const int wi = 8 * (p / 8) + PERM[p % 8];
+                blk[64 * (p / 4) + 4 * j + p % 4] =
+                    (uint8_t)((((ql[wi] >> lsh) & 15) | ((qh[wi] >> hsh) & 3) << 4) - 32);
+            }
+        }
+        memcpy(blk + 512, d, sizeof d);
+        memcpy(blk + 576, d1, sizeof d1);
+        load_group(F_I8H, blk, g);
         return;
     }
     (void)s, (void)kc;
@@ -870,7 +947,7 @@ static inline __attribute__((always_inline)) fv group_row(const int f, const tgr
     if (f == F_Q4 || f == F_FQ4K || f == F_I8M) { /* unsigned codes: 0..15, 0..31 */
         lo = dpu4(g->w, a);
         hi = dpu4(g->w + 4, a + 16);
-    } else if (f == F_I8H) {
+    } else if (f == F_I8H || f == F_FQ6K) {
         lo = dph(g->w, a, gm->h0);
         hi = dph(g->w + 4, a + 16, gm->h1);
     } else {
@@ -931,7 +1008,7 @@ static inline __attribute__((always_inline)) void tile_rows(
     /* bytes a group: its block; for the file formats (w the tile's first row) a group's share
      * of the tile's 16 rows (contiguous in the file), so the prefetch walks the tile ahead
      * from its start as the groups go */
-    const int gb = f >= F_FQ8 ? 16 * FILE_BLOCK(f) : BLOCK(f);
+    const int gb = f >= F_FQ8 ? 16 * FILE_B(f) / (FILE_W(f) / 32) : BLOCK(f);
     uint16_t kc[2][8][16] __attribute__((aligned(32))); /* F_FQ4K: a super-block's scales */
     tgroup pair[2]; /* F_FQ4K: two sub-blocks gathered together */
     memset(o, 0, sizeof(float) * 16 * (size_t)nr);
@@ -950,8 +1027,10 @@ static inline __attribute__((always_inline)) void tile_rows(
             }
             if (g % 2 == 0) load_file_group(f, sb, rb, pair, (int)(g % 8), kc);
             tg = pair[g % 2];
-        } else if (f >= F_FQ8)
-            load_file_group(f, w + g * FILE_BLOCK(f), rb, &tg, 0, kc);
+        } else if (f == F_FQ6K)
+            load_file_group(f, w + g / 8 * 210, rb, &tg, (int)(g % 8), kc);
+        else if (f >= F_FQ8)
+            load_file_group(f, w + g * FILE_B(f), rb, &tg, 0, kc);
         else
             load_group(f, w + g * BLOCK(f), &tg);
         for (int64_t r = 0; r < nr; r++)
@@ -1016,6 +1095,7 @@ static int matmul(int f, const wsrc *s, const uint16_t *x, int64_t rows, int64_t
         case F_FQ8: run(F_FQ8, s, a, gm, rows, n, k, y); break;
         case F_FMX: run(F_FMX, s, a, gm, rows, n, k, y); break;
         case F_FQ4K: run(F_FQ4K, s, a, gm, rows, n, k, y); break;
+        case F_FQ6K: run(F_FQ6K, s, a, gm, rows, n, k, y); break;
         default: run(F_I8M, s, a, gm, rows, n, k, y); break;
         }
     }
@@ -1032,14 +1112,13 @@ int i8a_matmul(int f, const uint8_t *w, const uint16_t *x, int64_t rows, int64_t
     return matmul(f, &s, x, rows, n, k, y);
 }
 
-/* The same product for W held in a file format f (F_FQ8, F_FMX, F_FQ4K): rows [0, n0) of W
- * at w0, the rest at w1 (NULL when n0 = n), each row k / 32 groups of the format, rb bytes. The argument
- * order leaves w0 where i8a_matmul has w. Returns as i8a_matmul. */
+/* The same product for W held in a file format f (F_FQ8, F_FMX, F_FQ4K, F_FQ6K): rows [0, n0)
+ * of W at w0, the rest at w1 (NULL when n0 = n), each row k / FILE_W blocks of the format, rb
+ * bytes. The argument order leaves w0 where i8a_matmul has w. Returns as i8a_matmul. */
 int i8a_matmul_rows(int f, int64_t n0, int64_t rb, const uint8_t *w1, const uint8_t *w0,
                     const uint16_t *x, int64_t rows, int64_t n, int64_t k, uint16_t *y) {
-    if (f < F_FQ8 || f > F_FQ4K || n < 0 || k <= 0 || n % 16 || k % (f == F_FQ4K ? 256 : 32) ||
-        rows < 0 ||
-        n0 < 0 || n0 > n || n0 % 16 || rb != k / 32 * FILE_BLOCK(f) || !w0 || (n0 < n && !w1))
+    if (f < F_FQ8 || f > F_FQ6K || n < 0 || k <= 0 || n % 16 || k % FILE_W(f) || rows < 0 ||
+        n0 < 0 || n0 > n || n0 % 16 || rb != k / FILE_W(f) * FILE_B(f) || !w0 || (n0 < n && !w1))
         return 1;
     const wsrc s = {w0, w1, n0, rb};
     return matmul(f, &s, x, rows, n, k, y);
