@@ -74,7 +74,8 @@ def load_draft(cfg: ServerConfig, target: Model) -> Model | None:
     draft = target if path == target.path else load_model(
         path, cfg.dtype, device=str(target.device), weights=cfg.weights,
         deterministic=cfg.deterministic,
-        kernels=cfg.kernels, load_mode=cfg.load_mode)  # -devd / -ngld: the draft runs where the target does
+        kernels=cfg.kernels,
+        load_mode=cfg.load_mode)  # -devd / -ngld: the draft runs where the target does
     check_draft(target, draft, path)
     log.info("draft model %s: %d layers, draft up to %d tokens (min %d, p_min %.2f)", path,
              draft.hp.n_layer, spec.n_max, spec.n_min, spec.p_min)

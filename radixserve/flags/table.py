@@ -456,11 +456,12 @@ SERVE_FLAGS: list[Flag] = [
     flag("--rpc SERVERS", NO, "RPC backends (model split over machines) are not implemented",
          env="LLAMA_ARG_RPC"),
     flag("-lm, --load-mode MODE", H, "what a mixture-of-experts model's Q8_0, MXFP4, Q4_K "
-         "and Q6_K expert tensors are read from: mmap, the mapped file's pages (not copied); none, "
-         "a copy packed in our tiles; auto: mmap for Q8_0 and MXFP4 on the AVX-512 and "
-         "AVX-VNNI builds (their gather of the file's rows keeps up with the tiles), else none; dio as none; mlock and mmap+mlock as "
-         "none and mmap, no page locked (said at start-up); every other tensor is packed "
-         "either way", set_("load_mode", _choice(*LOAD_MODES)), env="LLAMA_ARG_LOAD_MODE"),
+         "and Q6_K expert tensors are read from: mmap, the mapped file's pages (not copied); "
+         "none, a copy packed in our tiles; auto: mmap for Q8_0 and MXFP4 on the AVX-512 and "
+         "AVX-VNNI builds (their gather of the file's rows keeps up with the tiles), else none; "
+         "dio as none; mlock and mmap+mlock as none and mmap, no page locked (said at "
+         "start-up); every other tensor is packed either way",
+         set_("load_mode", _choice(*LOAD_MODES)), env="LLAMA_ARG_LOAD_MODE"),
     flag("-lzm, --lazy-mode MODE", NA, "every tensor is kept resident",
          check(_choice("on", "off", "auto")), env="LLAMA_ARG_LAZY_MODE"),
     flag("--numa TYPE", NA, PLACEMENT, check(_choice("distribute", "isolate", "numactl")),

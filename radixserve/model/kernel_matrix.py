@@ -62,9 +62,9 @@ FILE_BLOCKS = {5: (32, 34), 6: (32, 17), 7: (256, 144), 8: (256, 210)}
 
 
 class FileRowsMatrix(_KernelMatrix):
-    """A matrix whose rows are a GGUF file's own Q8_0, MXFP4, Q4_K or Q6_K blocks where they lie (views of
-    the mapped file: nothing copied), one or two row blocks (a fused gate and up, two tensors of
-    the file): products as the 8-bit and MXFP4 tiles compute them, bit for bit."""
+    """A matrix whose rows are a GGUF file's own Q8_0, MXFP4, Q4_K or Q6_K blocks where they
+    lie (views of the mapped file: nothing copied), one or two row blocks (a fused gate and up,
+    two tensors of the file): products as the tiles compute them, bit for bit."""
 
     _name, _oom = "tile", "the activation codes"
 

@@ -630,7 +630,8 @@ static inline void transpose8(__m256i r[8]) {
             b[i + h] = _mm256_unpacklo_epi64(a[i + h], a[i + 2 + h]);
             b[i + 2 + h] = _mm256_unpackhi_epi64(a[i + h], a[i + 2 + h]);
         }
-    /* b[0..3]: rows 0-3, lanes (0 4) (2 6) (1 5) (3 7) in their 128-bit halves; b[4..7]: rows 4-7 */
+    /* b[0..3]: rows 0-3, lanes (0 4) (2 6) (1 5) (3 7) in their 128-bit halves; b[4..7]: rows
+     * 4-7 */
     static const int at[4] = {0, 2, 1, 3};
     for (int q = 0; q < 4; q++) {
         r[at[q]] = _mm256_permute2x128_si256(b[q], b[4 + q], 0x20);
@@ -879,7 +880,8 @@ static inline __attribute__((always_inline)) void load_file_group(const int f,
         const int h = s / 4, s2 = s % 4, lsh = 4 * (s2 / 2), hsh = 2 * s2;
         float d1[16];
         for (int j = 0; j < 16; j++) {
-            const uint8_t *b = row + j * rb, *ql = b + 64 * h + 32 * (s2 & 1), *qh = b + 128 + 32 * h;
+            const uint8_t *b = row + j * rb, *ql = b + 64 * h + 32 * (s2 & 1);
+            const uint8_t *qh = b + 128 + 32 * h;
             uint16_t x;
             memcpy(&x, b + 208, 2);
             const float dd = half_f32(x);
