@@ -130,8 +130,10 @@ static inline float e8m0_half(uint8_t e) {
     memcpy(&f, &u, 4);
     return f;
 }
-/* few rows: tiles ahead whose groups are prefetched into L2 (a decode step's matrices are small,
- * and the stream prefetcher is still ramping up when one ends) */
+/* tiles ahead whose groups are prefetched into L2, at every row count: a decode step's matrices
+ * are small, and the stream prefetcher is still ramping up when one ends; a prefill block
+ * spends long enough on a tile for the next ones' bytes to arrive (1.15-2.1x on the 8-bit
+ * tiles' prefill in process, docs/PERFORMANCE.md) */
 #define PF_TILES 4
 /* rows a thread keeps hot while it walks its tiles: about RB_BYTES of activation codes (L2),
  * and at most RB_MAX, so the block's f32 outputs of a tile (RB_MAX * 64 bytes) stay in L1 */
@@ -1003,7 +1005,7 @@ static void quant_groups(const uint16_t *x, int64_t rows, int64_t ng, int8_t *a,
 /* One tile (16 output columns) for nr rows (group g of row r: codes a + 32 (g rows + r), gmeta
  * gm[g rows + r], rows the call's row count, so a group's rows lie together): each
  * (tile, group) decoded once, the rows streamed through it, their f32 outputs in o [nr, 16]
- * (L1) across the groups. pf: the same tile PF_TILES ahead, its groups prefetched (few rows). */
+ * (L1) across the groups. pf: the same tile PF_TILES ahead, its groups prefetched. */
 static inline __attribute__((always_inline)) void tile_rows(
     const int f, const uint8_t *w, int64_t rb, int64_t ng, const int8_t *a, const gmeta *gm,
     int64_t rows, int64_t nr, uint16_t *y, int64_t n, float *o, const uint8_t *pf) {
@@ -1070,8 +1072,7 @@ static inline __attribute__((always_inline)) void run(const int f, const wsrc *s
         /* the same tiles for each thread every block: static schedule, no barrier needed */
 #pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < tiles; t++) {
-            const uint8_t *pf = (nr <= 4 || f >= F_FQ8) && t + PF_TILES < tiles
-                                    ? tile_at(f, s, t + PF_TILES, ng) : NULL;
+            const uint8_t *pf = t + PF_TILES < tiles ? tile_at(f, s, t + PF_TILES, ng) : NULL;
             tile_rows(f, tile_at(f, s, t, ng), s->rb, ng, a + 32 * r0, gm + r0, rows, nr,
                       y + r0 * n + 16 * t, n, o, pf);
         }
