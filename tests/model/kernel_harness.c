@@ -336,50 +336,33 @@ static void tiles(void) {
         }
         free(w);
     }
-    /* the file's own rows (5: Q8_0, an f16 scale and 32 codes; 6: MXFP4, an E8M0 byte near
-     * 2^0 and 16 code bytes), rows 0-15 from one buffer and 16-47 from another */
-    for (int f = 5; f < 7; f++) {
-        const int64_t bb = f == 5 ? 34 : 17, rb = k / 32 * bb;
+    /* the file's own rows, rows 0-15 from one buffer and 16-47 from another: 5 Q8_0 (an f16
+     * scale and 32 codes), 6 MXFP4 (an E8M0 byte near 2^0 and 16 code bytes), 7 Q4_K (144 bytes
+     * a super-block of 256: f16 d and dmin, scales, codes), 8 Q6_K (210 bytes: codes, int8
+     * scales, f16 d last; the K-quants two super-blocks a row) */
+    for (int f = 5; f < 9; f++) {
+        const int64_t per = f < 7 ? 32 : 256, kf = f < 7 ? k : 512;
+        const int64_t bb = f == 5 ? 34 : f == 6 ? 17 : f == 7 ? 144 : 210, rb = kf / per * bb;
         uint8_t *w = alloc((size_t)(n * rb));
-        for (int64_t b = 0; b < n * (k / 32); b++) {
+        for (int64_t b = 0; b < n * (kf / per); b++) {
             uint8_t *p = w + b * bb;
             for (int64_t i = 0; i < bb; i++) p[i] = (uint8_t)next();
             if (f == 5) put16(p, half());
-            else p[0] = (uint8_t)(122 + next() % 8);
+            else if (f == 6) p[0] = (uint8_t)(122 + next() % 8);
+            else if (f == 7) put16(p, half()), put16(p + 2, half());
+            else put16(p + 208, half());
         }
-        uint8_t *w1 = alloc((size_t)((n - 16) * rb)); /* rows 16-47 in a buffer of their own */
+        uint8_t *w1 = alloc((size_t)((n - 16) * rb));
         memcpy(w1, w + 16 * rb, (size_t)((n - 16) * rb));
         for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++) {
-            uint16_t *x = bf16s(rows[ri] * k, 2.f);
+            uint16_t *x = bf16s(rows[ri] * kf, 2.f);
             uint16_t *y = alloc(sizeof(uint16_t) * (size_t)(rows[ri] * n));
             snprintf(name, sizeof name, "i8a_matmul_rows f%d rows%d", f, (int)rows[ri]);
-            emit_rc(name, i8a_matmul_rows(f, 16, rb, w1, w, x, rows[ri], n, k, y));
+            emit_rc(name, i8a_matmul_rows(f, 16, rb, w1, w, x, rows[ri], n, kf, y));
             emit(name, y, sizeof(uint16_t) * (size_t)(rows[ri] * n));
             free(x), free(y);
         }
         free(w), free(w1);
-    }
-    /* 7: Q4_K rows (144 bytes a super-block of 256: f16 d and dmin, scales, codes); 8: Q6_K
-     * rows (210 bytes: codes, int8 scales, f16 d last); two super-blocks a row */
-    const int64_t k7 = 512;
-    for (int f = 7; f < 9; f++) {
-        const int64_t sb = f == 7 ? 144 : 210, rb7 = k7 / 256 * sb;
-        uint8_t *w7 = alloc((size_t)(n * rb7));
-        for (int64_t b = 0; b < n * (k7 / 256); b++) {
-            uint8_t *p = w7 + b * sb;
-            for (int64_t i = 0; i < sb; i++) p[i] = (uint8_t)next();
-            if (f == 7) put16(p, half()), put16(p + 2, half());
-            else put16(p + 208, half());
-        }
-        for (size_t ri = 0; ri < sizeof rows / sizeof *rows; ri++) {
-            uint16_t *x = bf16s(rows[ri] * k7, 2.f);
-            uint16_t *y = alloc(sizeof(uint16_t) * (size_t)(rows[ri] * n));
-            snprintf(name, sizeof name, "i8a_matmul_rows f%d rows%d", f, (int)rows[ri]);
-            emit_rc(name, i8a_matmul_rows(f, n, rb7, NULL, w7, x, rows[ri], n, k7, y));
-            emit(name, y, sizeof(uint16_t) * (size_t)(rows[ri] * n));
-            free(x), free(y);
-        }
-        free(w7);
     }
 }
 

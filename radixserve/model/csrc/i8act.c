@@ -1019,7 +1019,7 @@ static inline __attribute__((always_inline)) void tile_rows(
     for (int64_t g = 0; g < ng; g++) {
         if (pf)
             for (int c = 0; c < gb; c += 64) __builtin_prefetch(pf + g * gb + c, 0, 2);
-        tgroup tg;
+        tgroup tg, *cur = &tg; /* F_FQ4K: one of the pair, not copied */
         if (f == F_FQ4K) { /* a pair of sub-blocks at a time, the scales a super-block */
             const uint8_t *sb = w + g / 8 * 144;
             if (g % 8 == 0) {
@@ -1030,7 +1030,7 @@ static inline __attribute__((always_inline)) void tile_rows(
 #endif
             }
             if (g % 2 == 0) load_file_group(f, sb, rb, pair, (int)(g % 8), kc);
-            tg = pair[g % 2];
+            cur = &pair[g % 2];
         } else if (f == F_FQ6K)
             load_file_group(f, w + g / 8 * 210, rb, &tg, (int)(g % 8), kc);
         else if (f >= F_FQ8)
@@ -1038,7 +1038,7 @@ static inline __attribute__((always_inline)) void tile_rows(
         else
             load_group(f, w + g * BLOCK(f), &tg);
         for (int64_t r = 0; r < nr; r++)
-            fstore(o + 16 * r, group_row(f, &tg, a + 32 * (g * rows + r), gm + g * rows + r,
+            fstore(o + 16 * r, group_row(f, cur, a + 32 * (g * rows + r), gm + g * rows + r,
                                          fload(o + 16 * r)));
     }
     for (int64_t r = 0; r < nr; r++)
